@@ -52,3 +52,15 @@ class SlotInfo:
     cells_shared: int
     pos_min: int
     pos_max: int
+
+
+@dataclass(slots=True)
+class CellMapSnapshot:
+    """One consistent picture of the cache for the web page's cell map."""
+
+    n_cells: int
+    head: int
+    owner_map: object  # np.ndarray[int32] [n_cells]: -1 free, -2 shared, else owner seq id
+    slots: list[SlotInfo]
+    holder_seq_ids: list[int]  # seq ids that are prefix-cache holders
+    stats: EngineStats
