@@ -269,17 +269,17 @@ def run_sweep(
     """
     system = None
     if spec.name == "shared-prefix":
-        system = builder_for(random.Random(seed)).text(spec.prefix_len)
+        system = builder_for(random.Random(f"{seed}:prefix")).text(spec.prefix_len)
     if warmup:
         warm = build_sessions(
             WorkloadSpec(spec.name, 1, spec.input_len, spec.prefix_len, 1),
-            builder_for(random.Random(seed - 1)),
+            builder_for(random.Random(f"{seed}:warmup")),
             system,
         )
         asyncio.run(warm_up(cfg, warm[0]))
     levels = []
     for idx, concurrency in enumerate(concurrencies):
-        builder: PromptBuilder = builder_for(random.Random(seed * 1000 + idx + 1))
+        builder = builder_for(random.Random(f"{seed}:level{idx}"))
         sessions = build_sessions(spec, builder, system)
         desc = f"concurrency={concurrency}" if concurrency else f"rate={request_rate}"
         load = asyncio.run(
