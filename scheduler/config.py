@@ -1,0 +1,23 @@
+"""Engine and scheduler settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    n_cells: int  # KV cache cells (tokens) shared by every sequence
+    n_seq_max: int  # seq ids: running choices plus prefix-cache holders
+    n_batch: int  # token budget of one step
+    n_ctx_seq: int  # context limit of one sequence (positions 0..n_ctx_seq-1)
+    context_shift: bool = True  # default for requests that do not say
+    max_queue: int = 256  # waiting requests before submit raises QueueFullError
+    prefix_cache: bool = True
+    seed: int | None = None  # seeds the per-request random seeds (tests); None = OS entropy
+
+    def validate(self) -> None:
+        if self.n_cells < 1 or self.n_seq_max < 1 or self.n_batch < 1 or self.max_queue < 0:
+            raise ValueError(f"bad engine config: {self}")
+        if not 8 <= self.n_ctx_seq <= self.n_cells:
+            raise ValueError(f"n_ctx_seq must be in [8, n_cells={self.n_cells}]: {self}")

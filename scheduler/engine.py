@@ -1,0 +1,243 @@
+"""The engine: a thread that runs `schedule -> execute -> update` and streams events to asyncio.
+
+The lock guards the scheduler; it is released while the worker runs, so submit, abort and
+the snapshots never wait for a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from scheduler.config import EngineConfig
+from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from scheduler.plan import BatchPlan, StepOutput
+from scheduler.request import Event, FinishEvent, Request
+from scheduler.scheduler import Routed, Scheduler
+from scheduler.snapshot import engine_stats, slot_infos
+from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo, StepStats
+
+__all__ = ["Engine", "EngineConfig", "Worker"]
+
+log = logging.getLogger(__name__)
+
+
+class Worker(Protocol):
+    def execute(self, plan: BatchPlan) -> StepOutput: ...
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[list[Event]]
+    open: set[int]  # choice indices without a FinishEvent yet
+
+
+class Engine:
+    def __init__(
+        self,
+        worker: Worker,
+        config: EngineConfig,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.config = config
+        self.on_step = on_step
+        self.scheduler = Scheduler(config)
+        self._cond = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._draining = False
+        self._dead = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._thread is None, "started twice"
+        self._thread = threading.Thread(target=self._run, name="cellserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, drain_timeout: float) -> None:
+        """Stops admission, lets accepted requests finish for up to `drain_timeout` seconds,
+        aborts the rest, and joins the thread."""
+        deadline = time.monotonic() + drain_timeout
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+            while self.scheduler.has_work and not self._dead:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None:
+                    break
+                self._cond.wait(min(left, 0.05))
+            self._stopping = True
+            events = self.scheduler.abort_all()
+            self._dispatch(events)
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> AsyncIterator[Event]:
+        """Queues `request`; its events arrive through the returned iterator, which ends
+        after the last choice's FinishEvent. Call from a running event loop."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        with self._cond:
+            if self._dead:
+                raise EngineDeadError("the engine thread died")
+            if self._draining or self._stopping:
+                raise EngineDrainingError("the engine is shutting down")
+            if self.scheduler.num_waiting_requests >= self.config.max_queue:
+                raise QueueFullError(f"{self.config.max_queue} requests are waiting")
+            self.scheduler.add_request(request)
+            self._streams[request.req_id] = _Stream(loop, queue, set(range(request.n)))
+            self._cond.notify_all()
+        return self._iterate(request.req_id, queue, request.n)
+
+    async def _iterate(
+        self, req_id: str, queue: asyncio.Queue[list[Event]], n: int
+    ) -> AsyncIterator[Event]:
+        num_open = n
+        try:
+            while num_open:
+                for event in await queue.get():
+                    if isinstance(event, FinishEvent):
+                        num_open -= 1
+                    yield event
+        finally:
+            if num_open:  # the consumer left early (client gone): free its cells
+                self.abort(req_id)
+
+    def abort(self, req_id: str, index: int | None = None) -> None:
+        with self._cond:
+            self.scheduler.abort(req_id, index)
+            self._cond.notify_all()
+
+    # ---- snapshots ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            return engine_stats(self.scheduler, alive=not self._dead, draining=self._draining)
+
+    def slots(self) -> list[SlotInfo]:
+        with self._cond:
+            return slot_infos(self.scheduler)
+
+    def cell_map(self) -> CellMapSnapshot:
+        with self._cond:
+            cells = self.scheduler.cells
+            return CellMapSnapshot(
+                n_cells=cells.n_cells,
+                head=int(cells.head),
+                owner_map=np.array(cells.owner_map(), copy=True),
+                slots=slot_infos(self.scheduler),
+                holder_seq_ids=self.scheduler.prefix.seq_ids,
+                stats=engine_stats(self.scheduler, alive=not self._dead, draining=self._draining),
+            )
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - nobody may hang on a dead engine
+            log.exception("engine loop died")
+            message = f"engine died: {type(exc).__name__}: {exc}"
+            with self._cond:
+                self._dead = True
+                try:
+                    self._dispatch(self.scheduler.abort_all("error", message))
+                except Exception:  # noqa: BLE001 - the scheduler may be what broke
+                    log.exception("could not abort the scheduler's requests")
+                for stream in self._streams.values():
+                    self._send(stream, [_error_event(i, message) for i in sorted(stream.open)])
+                self._streams.clear()
+                self._cond.notify_all()
+
+    def _step(self) -> bool:
+        """One step; False when the engine stops."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while not self.scheduler.has_work and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        error: str | None = None
+        out = StepOutput(token_ids=[])
+        if plan.num_tokens:
+            try:
+                out = self.worker.execute(plan)
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the engine serves on
+                log.exception("worker failed on a batch of %d tokens", plan.num_tokens)
+                error = f"{type(exc).__name__}: {exc}"
+        t2 = time.perf_counter()
+        with self._cond:
+            if error is None:
+                events = self.scheduler.update(plan, out)
+            else:
+                events = self.scheduler.fail_plan(error)
+            self._dispatch(events)
+            self._cond.notify_all()
+        t3 = time.perf_counter()
+        if self.on_step is not None and plan.num_tokens:
+            counters = self.scheduler.counters
+            stats = StepStats(
+                num_tokens=plan.num_tokens,
+                num_decode=counters.last_num_decode,
+                num_prefill=counters.last_num_prefill,
+                step_time=t3 - t0,
+                schedule_time=(t1 - t0) + (t3 - t2),
+            )
+            try:
+                self.on_step(stats)
+            except Exception:  # noqa: BLE001
+                log.exception("on_step callback failed")
+        return True
+
+    def _dispatch(self, routed: list[Routed]) -> None:
+        """Hands each request its events of this step in one call (engine lock held)."""
+        by_req: dict[str, list[Event]] = {}
+        for req_id, event in routed:
+            by_req.setdefault(req_id, []).append(event)
+        for req_id, events in by_req.items():
+            stream = self._streams.get(req_id)
+            if stream is None:
+                continue
+            for event in events:
+                if isinstance(event, FinishEvent):
+                    stream.open.discard(event.index)
+            if not stream.open:
+                del self._streams[req_id]
+            if not self._send(stream, events):
+                self.scheduler.abort(req_id)
+
+    @staticmethod
+    def _send(stream: _Stream, events: list[Event]) -> bool:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, events)
+        except RuntimeError:  # the caller's loop is closed: nobody listens any more
+            return False
+        return True
+
+
+def _error_event(index: int, message: str) -> FinishEvent:
+    return FinishEvent(
+        index=index,
+        reason="error",
+        num_prompt_tokens=0,
+        num_cached_tokens=0,
+        num_output_tokens=0,
+        error=message,
+    )

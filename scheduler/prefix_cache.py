@@ -1,0 +1,95 @@
+"""Prefix cache index: finished sequences' cells stay in the KV cache under holder seq ids.
+
+The index is flat: one token array per holder, matched by a vectorised compare. Holders are
+bounded by n_seq_max (tens to hundreds), so a match is a few numpy calls, and it needs no
+tree maintenance when holders come and go. The scheduler does the cache operations
+(`seq_cp` from the holder, `seq_rm` of dropped holders); this class only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Holder:
+    seq_id: int
+    tokens: np.ndarray  # [n] int64: the holder owns these tokens at positions 0..n-1
+    last_used: int
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    seq_id: int  # -1: no match
+    length: int
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(a.shape[0], b.shape[0])
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+class PrefixCache:
+    def __init__(self) -> None:
+        self._holders: dict[int, Holder] = {}
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._holders
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return sorted(self._holders)
+
+    def match(self, tokens: np.ndarray) -> PrefixMatch:
+        """Longest cached prefix of `tokens`; never mutates."""
+        best = PrefixMatch(-1, 0)
+        for h in self._holders.values():
+            n = common_prefix_len(h.tokens, tokens)
+            if n > best.length:
+                best = PrefixMatch(h.seq_id, n)
+        return best
+
+    def is_covered(self, tokens: np.ndarray) -> bool:
+        """Some holder already holds all of `tokens` as its prefix."""
+        n = tokens.shape[0]
+        return any(
+            h.tokens.shape[0] >= n and common_prefix_len(h.tokens, tokens) == n
+            for h in self._holders.values()
+        )
+
+    def covered_by(self, tokens: np.ndarray) -> list[int]:
+        """Holders whose whole content is a prefix of `tokens` (made redundant by it)."""
+        return [
+            h.seq_id
+            for h in self._holders.values()
+            if h.tokens.shape[0] <= tokens.shape[0]
+            and common_prefix_len(h.tokens, tokens) == h.tokens.shape[0]
+        ]
+
+    def insert(self, seq_id: int, tokens: np.ndarray) -> None:
+        assert seq_id not in self._holders
+        self._clock += 1
+        self._holders[seq_id] = Holder(seq_id, tokens, self._clock)
+
+    def touch(self, seq_id: int) -> None:
+        self._clock += 1
+        self._holders[seq_id].last_used = self._clock
+
+    def remove(self, seq_id: int) -> None:
+        del self._holders[seq_id]
+
+    def lru(self, exclude: int = -1) -> int:
+        """The least recently used holder other than `exclude`, or -1."""
+        cands = [h for h in self._holders.values() if h.seq_id != exclude]
+        if not cands:
+            return -1
+        return min(cands, key=lambda h: h.last_used).seq_id

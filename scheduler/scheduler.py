@@ -1,0 +1,486 @@
+"""Continuous batching over one KVCells: `plan = schedule()`, then `events = update(plan, out)`.
+
+Each step fills a token budget (n_batch) with, in order: one decode token per running
+sequence whose context is computed, prompt chunks of sequences still reading, then new
+admissions (FCFS) while the cache has room. Not thread-safe: the engine holds a lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcache.cells import KVCells, PendingOps
+from scheduler.config import EngineConfig
+from scheduler.context_shift import apply_shift, clamp_n_keep, plan_shift, truncate_prompt
+from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput
+from scheduler.prefix_cache import PrefixCache, PrefixMatch
+from scheduler.request import Event, FinishEvent, Request, TokenEvent
+from scheduler.sequence import SeqState, Sequence
+
+
+@dataclass(slots=True)
+class Counters:
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_context_shifts: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # tokens fed to the model that were not sampled just before
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    last_num_decode: int = 0
+    last_num_prefill: int = 0
+
+
+Routed = tuple[str, Event]  # (req_id, event)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cells: KVCells | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.cells = cells if cells is not None else KVCells(config.n_cells, config.n_seq_max)
+        self.prefix = PrefixCache()
+        self.counters = Counters()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self._free_ids = list(range(config.n_seq_max))  # min-heap
+        self._requests: dict[str, list[Sequence]] = {}
+        self._aborts: list[tuple[str, int | None]] = []
+        self._events: list[Routed] = []
+        self._sampled: list[Sequence] = []  # the sequence of each SampleRow of the last plan
+        self._in_plan: list[Sequence] = []
+        self._admit_clock = 0
+        self._rng = random.Random(config.seed)
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def prepare_prompt(self, request: Request) -> list[int]:
+        """The prompt the model will read; raises ValueError for a request it cannot serve."""
+        cfg = self.config
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        if request.n < 1 or request.n > cfg.n_seq_max:
+            raise ValueError(f"n must be in [1, {cfg.n_seq_max}], got {request.n}")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if request.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
+        if request.req_id in self._requests:
+            raise ValueError(f"duplicate request id {request.req_id!r}")
+        if len(request.prompt_ids) < cfg.n_ctx_seq:
+            return list(request.prompt_ids)
+        if not self.shift_enabled(request):
+            raise ValueError(
+                f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
+                f"{cfg.n_ctx_seq} and context shift is off"
+            )
+        n_keep = clamp_n_keep(request.n_keep, len(request.prompt_ids), cfg.n_ctx_seq)
+        return truncate_prompt(list(request.prompt_ids), n_keep, cfg.n_ctx_seq)
+
+    def add_request(self, request: Request) -> None:
+        prompt = self.prepare_prompt(request)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self._rng.getrandbits(63)
+        now = time.monotonic()
+        seqs = [
+            Sequence(request, i, seed + i, list(prompt), list(prompt), submit_time=now)
+            for i in range(request.n)
+        ]
+        parent = seqs[0]
+        parent.forks = seqs[1:]
+        for s in parent.forks:
+            s.parent = parent
+        self._requests[request.req_id] = seqs
+        self.waiting.append(parent)
+
+    def abort(self, req_id: str, index: int | None = None) -> None:
+        """Takes effect at the next schedule()."""
+        self._aborts.append((req_id, index))
+
+    def shift_enabled(self, request: Request) -> bool:
+        if request.context_shift is None:
+            return self.config.context_shift
+        return request.context_shift
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts or self._events)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len({s.req_id for s in self.waiting})
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> BatchPlan:
+        """Plans the step and applies its cache operations (placement, shifts, forks)."""
+        self._apply_aborts()
+        budget = self.config.n_batch
+        rows: list[tuple[Sequence, int]] = []
+        scheduled: set[int] = set()  # id() of sequences with rows; never preempted this step
+
+        for seq in [s for s in self.running if s.is_decoding]:
+            if budget == 0:
+                break
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted for an older sequence in this loop
+            if seq.num_computed >= self.config.n_ctx_seq and not self._shift(seq, rows, scheduled):
+                continue
+            if not self._make_room(1, seq, rows, scheduled):
+                continue
+            rows.append((seq, 1))
+            scheduled.add(id(seq))
+            budget -= 1
+        num_decode = len(rows)
+
+        for seq in [s for s in self.running if not s.is_decoding]:
+            if budget == 0:
+                break
+            if seq.state is not SeqState.RUNNING:
+                continue
+            cap = min(seq.num_uncomputed, budget, self.config.n_ctx_seq - seq.num_computed)
+            if cap <= 0:
+                continue
+            n = min(cap, self._free_cells(rows, evict=True))
+            if n == 0:
+                if not self._make_room(1, seq, rows, scheduled):
+                    continue
+                n = 1
+            rows.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        while self.waiting and budget > 0 and self._admit(self.waiting[0], rows):
+            seq = self.waiting.popleft()
+            n = min(seq.num_uncomputed, budget, self._free_cells(rows, evict=False))
+            if n > 0:
+                rows.append((seq, n))
+                scheduled.add(id(seq))
+                budget -= n
+
+        self.counters.last_num_decode = num_decode
+        self.counters.last_num_prefill = sum(n for _, n in rows[num_decode:])
+        return self._place(rows)
+
+    def update(self, plan: BatchPlan, out: StepOutput) -> list[Routed]:
+        """Appends the sampled tokens, checks stop conditions, frees finished sequences."""
+        assert len(out.token_ids) == len(plan.samples), "one sampled id per SampleRow"
+        self.counters.num_steps += 1
+        for i, (sample, seq) in enumerate(zip(plan.samples, self._sampled, strict=True)):
+            if seq.state is not SeqState.RUNNING:
+                continue
+            self._append_token(seq, sample, out, i)
+        self._sampled, self._in_plan = [], []
+        events, self._events = self._events, []
+        return events
+
+    def fail_plan(self, message: str) -> list[Routed]:
+        """The worker raised on the last plan: every request with a sequence in it fails."""
+        req_ids = {s.req_id for s in self._in_plan + self._sampled}
+        for req_id in req_ids:
+            self._finish_request(req_id, None, "error", message)
+        self._sampled, self._in_plan = [], []
+        events, self._events = self._events, []
+        return events
+
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[Routed]:
+        for req_id in list(self._requests):
+            self._finish_request(req_id, None, reason, error)
+        events, self._events = self._events, []
+        return events
+
+    def clear_prefix_cache(self) -> None:
+        for sid in self.prefix.seq_ids:
+            self._drop_holder(sid)
+
+    # ---- placement ------------------------------------------------------------------------
+
+    def _place(self, rows: list[tuple[Sequence, int]]) -> BatchPlan:
+        num_tokens = sum(n for _, n in rows)
+        token_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        seq_ids = np.empty(num_tokens, dtype=np.int64)
+        start = 0
+        for seq, n in rows:
+            p0 = seq.num_computed
+            token_ids[start : start + n] = seq.tokens[p0 : p0 + n]
+            positions[start : start + n] = np.arange(p0, p0 + n)
+            seq_ids[start : start + n] = seq.seq_id
+            start += n
+        cells = np.zeros(0, dtype=np.int64)
+        if num_tokens:
+            slot = self.cells.find_slot(num_tokens)
+            assert slot is not None, "room was made before placement"
+            cells = slot
+            self.cells.apply_ubatch(cells, positions, seq_ids)
+
+        seqs: list[SeqBatch] = []
+        samples: list[SampleRow] = []
+        sampled: list[Sequence] = []
+        start = 0
+        for seq, n in rows:
+            if seq.num_generated == 0 or seq.num_uncomputed > 1:
+                self.counters.num_prompt_tokens += n
+            else:
+                self.counters.num_prompt_tokens += n - 1
+            seq.num_computed += n
+            if seq.num_uncomputed == 0:
+                for choice in [seq, *self._fork(seq)]:
+                    samples.append(self._sample_row(choice, start + n - 1))
+                    sampled.append(choice)
+            start += n
+        start = 0
+        for seq, n in rows:
+            kv_cells, kv_pos = self.cells.seq_cells(seq.seq_id)
+            seqs.append(SeqBatch(seq.seq_id, start, start + n, kv_cells, kv_pos))
+            start += n
+        pending = self.cells.take_pending() if num_tokens else PendingOps.empty()
+        self._sampled = sampled
+        self._in_plan = [s for s, _ in rows]
+        return BatchPlan(token_ids, positions, seq_ids, cells, seqs, samples, pending)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Choices 1..n-1 share the computed prompt of choice 0 (zero-copy seq_cp)."""
+        forks, seq.forks = seq.forks, []
+        for child in forks:
+            self.cells.seq_cp(seq.seq_id, child.seq_id, -1, -1)
+            child.tokens = list(seq.tokens)
+            child.num_computed = seq.num_computed
+            child.num_cached = seq.num_cached
+            child.queue_time = seq.queue_time
+            child.parent = None
+            child.state = SeqState.RUNNING
+            self._admit_clock += 1
+            child.admit_order = self._admit_clock
+            self.running.append(child)
+        return forks
+
+    def _sample_row(self, seq: Sequence, row: int) -> SampleRow:
+        req = seq.request
+        params = req.sampling
+        history = seq.prompt_ids + seq.output_ids if params.needs_history else None
+        suppress: tuple[int, ...] = ()
+        if seq.num_generated < req.min_tokens and not req.ignore_eos:
+            suppress = tuple(sorted(req.stop_token_ids))
+        return SampleRow(
+            row=row,
+            params=params,
+            seed=seq.seed,
+            output_index=seq.num_generated,
+            num_prompt=seq.num_prompt,
+            history=history,
+            suppress_ids=suppress,
+        )
+
+    def _append_token(self, seq: Sequence, sample: SampleRow, out: StepOutput, i: int) -> None:
+        req = seq.request
+        token = int(out.token_ids[i])
+        seq.tokens.append(token)
+        seq.output_ids.append(token)
+        self.counters.num_generated_tokens += 1
+        is_stop = (
+            token in req.stop_token_ids
+            and not req.ignore_eos
+            and seq.num_generated > req.min_tokens
+        )
+        if is_stop:
+            self._finish(seq, "stop")
+            return
+        logprob = out.logprobs[i] if out.logprobs is not None else None
+        top = out.top_logprobs[i] if out.top_logprobs is not None else None
+        self._events.append((seq.req_id, TokenEvent(seq.index, token, logprob, top)))
+        out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
+        if seq.num_generated >= req.max_tokens or out_of_context:
+            self._finish(seq, "length")
+
+    # ---- room: holders, preemption, context shift -----------------------------------------
+
+    def _free_cells(self, rows: list[tuple[Sequence, int]], evict: bool) -> int:
+        """Cells free for more tokens this step; with `evict`, drops every holder first if
+        that is what it takes to get any."""
+        free = self.cells.n_cells - self.cells.used - sum(n for _, n in rows)
+        while evict and free <= 0 and len(self.prefix):
+            self._drop_holder(self.prefix.lru())
+            free = self.cells.n_cells - self.cells.used - sum(n for _, n in rows)
+        return max(free, 0)
+
+    def _make_room(
+        self, n: int, seq: Sequence, rows: list[tuple[Sequence, int]], scheduled: set[int]
+    ) -> bool:
+        """Makes `n` cells free: LRU holders first, then preempts the most recently admitted
+        unscheduled sequence. False when `seq` itself had to be preempted."""
+        while self._free_cells(rows, evict=False) < n:
+            if len(self.prefix):
+                self._drop_holder(self.prefix.lru())
+                continue
+            victims = [s for s in self.running if id(s) not in scheduled]
+            victim = max(victims, key=lambda s: s.admit_order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _shift(self, seq: Sequence, rows: list[tuple[Sequence, int]], scheduled: set[int]) -> bool:
+        plan = plan_shift(self.cells, seq, self.config.n_ctx_seq)
+        if plan.num_copies and not self._make_room(plan.num_copies, seq, rows, scheduled):
+            return False
+        apply_shift(self.cells, seq, plan)
+        self.counters.num_context_shifts += 1
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees every cell and seq id of `seq`; it goes to the front of the queue and
+        recomputes its context (prompt + generated) when readmitted."""
+        self.cells.seq_rm(seq.seq_id, -1, -1)
+        self._release_id(seq.seq_id)
+        seq.seq_id = -1
+        for child in seq.forks:
+            self._release_id(child.seq_id)
+            child.seq_id = -1
+        seq.num_computed = 0
+        seq.state = SeqState.WAITING
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.counters.num_preemptions += 1
+
+    def _admit(self, seq: Sequence, rows: list[tuple[Sequence, int]]) -> bool:
+        """Gives `seq` (and its pending forks) seq ids and any cached prefix, if the cache can
+        hold its whole uncomputed context beside what running prompts still need."""
+        match = PrefixMatch(-1, 0)
+        if self.config.prefix_cache:
+            match = self.prefix.match(np.asarray(seq.tokens, dtype=np.int64))
+            match.length = min(match.length, seq.num_tokens - 1)
+        need = seq.num_tokens - match.length
+        # cells that running prompts will still take after this step's rows
+        committed = sum(s.num_uncomputed for s in self.running if not s.is_decoding) - sum(
+            n for s, n in rows if not s.is_decoding
+        )
+        while self._free_cells(rows, evict=False) - committed < need:
+            victim = self.prefix.lru(exclude=match.seq_id)
+            if victim < 0:
+                return False
+            self._drop_holder(victim)
+        while len(self._free_ids) < seq.num_seq_ids:
+            victim = self.prefix.lru(exclude=match.seq_id)
+            if victim < 0 and match.seq_id >= 0:
+                match = PrefixMatch(-1, 0)  # the last holder: give up the hit, take the id
+                continue
+            if victim < 0:
+                return False
+            self._drop_holder(victim)
+        if self._free_cells(rows, evict=False) - committed < seq.num_tokens - match.length:
+            return False
+
+        seq.seq_id = heapq.heappop(self._free_ids)
+        for child in seq.forks:
+            child.seq_id = heapq.heappop(self._free_ids)
+        if match.length:
+            self.cells.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
+            self.prefix.touch(match.seq_id)
+        seq.num_computed = match.length
+        if self.config.prefix_cache:
+            self.counters.prefix_queried_tokens += seq.num_tokens
+            self.counters.prefix_hit_tokens += match.length
+        if seq.queue_time is None:
+            seq.queue_time = time.monotonic() - seq.submit_time
+            seq.num_cached = min(match.length, seq.num_prompt)
+        self._admit_clock += 1
+        seq.admit_order = self._admit_clock
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+        return True
+
+    # ---- finishing ------------------------------------------------------------------------
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for req_id, index in aborts:
+            self._finish_request(req_id, index, "abort", None)
+
+    def _finish_request(
+        self, req_id: str, index: int | None, reason: str, error: str | None
+    ) -> None:
+        seqs = self._requests.get(req_id, [])
+        while True:
+            todo = [
+                s
+                for s in seqs
+                if s.state is not SeqState.FINISHED and (index is None or s.index == index)
+            ]
+            if not todo:
+                return
+            self._finish(todo[0], reason, error)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.state is SeqState.FINISHED:
+            return
+        if seq.forks and reason != "error":
+            # choice 0 leaves while its prompt is shared: the first fork takes over the
+            # reading, so swap identities (nothing was generated yet) and finish that fork
+            child = seq.forks[0]
+            seq.index, child.index = child.index, seq.index
+            seq.seed, child.seed = child.seed, seq.seed
+            seq = child
+        if seq.parent is not None:
+            seq.parent.forks.remove(seq)
+            seq.parent = None
+            if seq.seq_id >= 0:
+                self._release_id(seq.seq_id)
+        elif seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+            self._release(seq, cache=reason != "error")
+        elif seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+        seq.state = SeqState.FINISHED
+        seq.seq_id = -1
+        event = FinishEvent(
+            index=seq.index,
+            reason=reason,
+            num_prompt_tokens=len(seq.request.prompt_ids),
+            num_cached_tokens=seq.num_cached,
+            num_output_tokens=seq.num_generated,
+            queue_time=seq.queue_time or 0.0,
+            error=error,
+        )
+        self._events.append((seq.req_id, event))
+        seqs = self._requests.get(seq.req_id, [])
+        if all(s.state is SeqState.FINISHED for s in seqs):
+            self._requests.pop(seq.req_id, None)
+
+    def _release(self, seq: Sequence, cache: bool) -> None:
+        """Frees the seq id, or keeps it as a prefix-cache holder of the computed context
+        (only its unshifted part: a holder's token i must sit at position i)."""
+        sid = seq.seq_id
+        n = seq.num_computed
+        if seq.num_shifts:
+            n = min(n, clamp_n_keep(seq.request.n_keep, seq.num_prompt, self.config.n_ctx_seq))
+        tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
+        if cache and self.config.prefix_cache and n > 0 and not self.prefix.is_covered(tokens):
+            self.cells.seq_rm(sid, n, -1)
+            for holder in self.prefix.covered_by(tokens):
+                self._drop_holder(holder)
+            self.prefix.insert(sid, tokens)
+            return
+        self.cells.seq_rm(sid, -1, -1)
+        self._release_id(sid)
+
+    def _drop_holder(self, sid: int) -> None:
+        self.prefix.remove(sid)
+        self.cells.seq_rm(sid, -1, -1)
+        self._release_id(sid)
+
+    def _release_id(self, sid: int) -> None:
+        assert sid >= 0
+        heapq.heappush(self._free_ids, sid)
+
+    @property
+    def num_free_seq_ids(self) -> int:
+        return len(self._free_ids)

@@ -1,0 +1,76 @@
+"""Read-only snapshots of a Scheduler for the engine's stats(), slots() and cell_map()."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import SeqState, Sequence
+from scheduler.stats import EngineStats, SlotInfo
+
+
+def engine_stats(sched: Scheduler, alive: bool, draining: bool) -> EngineStats:
+    cells = sched.cells
+    cstats = cells.stats()
+    running_cells = [cells.seq_cells(s.seq_id)[0] for s in sched.running]
+    num_running_cells = np.unique(np.concatenate(running_cells)).size if running_cells else 0
+    c = sched.counters
+    return EngineStats(
+        num_waiting=sum(s.num_seq_ids for s in sched.waiting),
+        num_running=len(sched.running),
+        n_cells=cells.n_cells,
+        cells_used=cstats.used,
+        cells_shared=cstats.shared,
+        cells_cached=cstats.used - int(num_running_cells),
+        prefix_cache_queried_tokens=c.prefix_queried_tokens,
+        prefix_cache_hit_tokens=c.prefix_hit_tokens,
+        num_context_shifts=c.num_context_shifts,
+        num_preemptions=c.num_preemptions,
+        num_prompt_tokens=c.num_prompt_tokens,
+        num_generated_tokens=c.num_generated_tokens,
+        num_steps=c.num_steps,
+        alive=alive,
+        draining=draining,
+    )
+
+
+def slot_infos(sched: Scheduler) -> list[SlotInfo]:
+    owner_map = sched.cells.owner_map()
+    slots = [_running_slot(sched, s, owner_map) for s in sched.running]
+    for seq in sched.waiting:
+        slots.extend(_waiting_slot(s) for s in [seq, *seq.forks])
+    return slots
+
+
+def _running_slot(sched: Scheduler, seq: Sequence, owner_map: np.ndarray) -> SlotInfo:
+    kv_cells, _ = sched.cells.seq_cells(seq.seq_id)
+    return SlotInfo(
+        req_id=seq.req_id,
+        index=seq.index,
+        seq_id=seq.seq_id,
+        state="decode" if seq.num_generated else "prefill",
+        num_prompt=seq.num_prompt,
+        num_computed=seq.num_computed,
+        num_generated=seq.num_generated,
+        cells_owned=int(kv_cells.size),
+        cells_shared=int(np.count_nonzero(owner_map[kv_cells] == -2)),
+        pos_min=sched.cells.seq_pos_min(seq.seq_id),
+        pos_max=sched.cells.seq_pos_max(seq.seq_id),
+    )
+
+
+def _waiting_slot(seq: Sequence) -> SlotInfo:
+    assert seq.state is SeqState.WAITING
+    return SlotInfo(
+        req_id=seq.req_id,
+        index=seq.index,
+        seq_id=-1,
+        state="waiting",
+        num_prompt=seq.num_prompt,
+        num_computed=0,
+        num_generated=seq.num_generated,
+        cells_owned=0,
+        cells_shared=0,
+        pos_min=-1,
+        pos_max=-1,
+    )
