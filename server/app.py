@@ -1,0 +1,158 @@
+"""create_app(settings): the FastAPI app and its lifespan (load the model, run the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server import routes_chat, routes_completions, routes_misc
+from server.auth import check_api_key
+from server.backend import Backend, BackendFactory
+from server.errors import BodyTooLargeError, error_response, install_error_handlers
+from server.metrics import Metrics
+from server.settings import Settings
+
+log = logging.getLogger("cellserve.server")
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+class RequestGuard:
+    """ASGI middleware: 413 for bodies over the limit (Content-Length AND the bytes actually
+    received), and a count of HTTP requests in flight for the graceful drain."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, state: object) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await error_response(413, BodyTooLargeError(limit).detail)(scope, receive, send)
+                return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        self.state.num_in_flight += 1
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLargeError as exc:
+            if started:
+                raise
+            await error_response(413, exc.detail)(scope, receive, send)
+        finally:
+            self.state.num_in_flight -= 1
+
+
+def build_default_backend(settings: Settings, on_step) -> Backend:
+    from server.model_backend import load_backend  # torch + the model load lazily
+
+    return load_backend(settings, on_step)
+
+
+async def _load(app: FastAPI, factory: BackendFactory) -> None:
+    settings: Settings = app.state.settings
+    metrics: Metrics = app.state.metrics
+    try:
+        backend = await asyncio.to_thread(factory, settings, metrics.on_step)
+        backend.engine.start()
+    except Exception as exc:
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("cannot serve the model: %s", app.state.load_error)
+        return
+    metrics.bind_engine(backend.engine.stats)
+    app.state.backend = backend
+    mib = backend.cache_bytes / 2**20
+    print(
+        f"cellserve: serving {backend.model_name} | KV cache {backend.n_cells} cells "
+        f"({mib:.1f} MiB) | context {backend.n_ctx_seq} per sequence | {settings.url}",
+        flush=True,
+    )
+
+
+async def drain(app: FastAPI) -> None:
+    """Stop admission, let running requests finish (bounded by drain_timeout), stop the engine.
+    Idempotent: SIGTERM calls it first, the lifespan again at exit."""
+    state = app.state
+    state.draining = True
+    if state.drain_task is None:
+        state.drain_task = asyncio.ensure_future(_drain(app))
+    await asyncio.shield(state.drain_task)
+
+
+async def _drain(app: FastAPI) -> None:
+    state = app.state
+    if state.load_task is not None and not state.load_task.done():
+        state.load_task.cancel()
+    if state.backend is not None:
+        await asyncio.to_thread(state.backend.engine.shutdown, state.settings.drain_timeout)
+    # the engine has finished every request; let their responses reach the clients
+    deadline = time.monotonic() + 5.0
+    while state.num_in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def create_app(settings: Settings, backend_factory: BackendFactory | None = None) -> FastAPI:
+    factory = backend_factory or build_default_backend
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.load_task = asyncio.create_task(_load(app, factory))
+        try:
+            yield
+        finally:
+            await drain(app)
+
+    app = FastAPI(title="cellserve", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.backend = None
+    app.state.load_error = None
+    app.state.load_task = None
+    app.state.drain_task = None
+    app.state.draining = False
+    app.state.num_in_flight = 0
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes, state=app.state)
+
+    app.include_router(routes_chat.router)
+    app.include_router(routes_completions.router)
+    app.include_router(routes_misc.router)
+    app.include_router(routes_misc.open_router)
+    app.include_router(routes_misc.metrics_router(settings.protect_metrics))
+    if importlib.util.find_spec("server.cache_map") is not None:
+        cache_map = importlib.import_module("server.cache_map")
+        app.include_router(cache_map.router, dependencies=[Depends(check_api_key)])
+    if (STATIC_DIR / "index.html").is_file():
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
+    return app

@@ -1,0 +1,38 @@
+"""What the routes serve from: the engine plus the model's tokenizer and chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from scheduler.stats import StepStats
+from server.settings import Settings
+
+
+class Tokenizer(Protocol):
+    bos_id: int | None
+    eos_ids: Any
+    vocab_size: int
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class ChatTemplate(Protocol):
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(slots=True)
+class Backend:
+    engine: Any  # scheduler.engine.Engine (or a test double honouring its contract)
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    model_name: str
+    n_ctx_seq: int
+    n_cells: int
+    cache_bytes: int
+
+
+BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

@@ -1,0 +1,117 @@
+"""The live cell map: `GET /v1/cache/cells` (one snapshot) and `/v1/cache/cells/stream` (SSE).
+
+The owner map is sent run-length encoded (`owner_runs = [value, run_length, ...]`), so the
+payload grows with the number of runs, not with `n_cells`: 65,536 free cells are 2 numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request
+from sse_starlette.sse import EventSourceResponse
+
+from scheduler.stats import CellMapSnapshot, SlotInfo
+from server.auth import check_api_key
+
+FREE = -1
+SHARED = -2
+
+router = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+def encode_runs(owner_map: np.ndarray) -> list[int]:
+    """[value, run_length, value, run_length, ...] over the cells in index order."""
+    values = np.asarray(owner_map, dtype=np.int32).ravel()
+    if values.size == 0:
+        return []
+    starts = np.flatnonzero(np.concatenate(([True], values[1:] != values[:-1])))
+    lengths = np.diff(np.append(starts, values.size))
+    pairs = np.empty(2 * starts.size, dtype=np.int64)
+    pairs[0::2] = values[starts]
+    pairs[1::2] = lengths
+    return pairs.tolist()
+
+
+def decode_runs(runs: list[int]) -> np.ndarray:
+    """Inverse of encode_runs (used by tests and by clients written in Python)."""
+    pairs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    return np.repeat(pairs[:, 0], pairs[:, 1]).astype(np.int32)
+
+
+def _slot_row(slot: SlotInfo) -> dict[str, Any]:
+    return {
+        "req_id": slot.req_id,
+        "index": slot.index,
+        "seq_id": slot.seq_id,
+        "state": slot.state,
+        "num_prompt": slot.num_prompt,
+        "num_computed": slot.num_computed,
+        "num_generated": slot.num_generated,
+        "cells_owned": slot.cells_owned,
+        "cells_shared": slot.cells_shared,
+        "pos_min": slot.pos_min,
+        "pos_max": slot.pos_max,
+    }
+
+
+def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
+    """The JSON body of /v1/cache/cells: every number the page shows, from one snapshot."""
+    owner_map = np.asarray(snap.owner_map, dtype=np.int32)
+    stats = snap.stats
+    holders = sorted(int(s) for s in snap.holder_seq_ids)
+    num_free = int(np.count_nonzero(owner_map == FREE))
+    return {
+        "n_cells": int(snap.n_cells),
+        "head": int(snap.head),
+        "owner_runs": encode_runs(owner_map),
+        "slots": [_slot_row(s) for s in snap.slots],
+        "holder_seq_ids": holders,
+        "totals": {
+            "used": int(stats.cells_used),
+            "shared": int(stats.cells_shared),
+            "cached": int(stats.cells_cached),
+            "free": num_free,
+        },
+        "prefix_cache": {
+            "hit_tokens": int(stats.prefix_cache_hit_tokens),
+            "queried_tokens": int(stats.prefix_cache_queried_tokens),
+        },
+        "num_context_shifts": int(stats.num_context_shifts),
+        "num_preemptions": int(stats.num_preemptions),
+        "num_waiting": int(stats.num_waiting),
+        "num_running": int(stats.num_running),
+        "num_steps": int(stats.num_steps),
+    }
+
+
+def _snapshot(request: Request) -> dict[str, Any]:
+    return cell_map_payload(request.app.state.engine.cell_map())
+
+
+@router.get("/v1/cache/cells")
+async def get_cells(request: Request) -> dict[str, Any]:
+    return _snapshot(request)
+
+
+async def _cell_events(request: Request, interval: float) -> AsyncIterator[dict[str, str]]:
+    """One event per tick while the client is connected; unchanged snapshots are skipped
+    (sse-starlette's pings keep an idle connection alive)."""
+    last = ""
+    while not await request.is_disconnected():
+        data = json.dumps(_snapshot(request), separators=(",", ":"))
+        if data != last:
+            last = data
+            yield {"event": "cells", "data": data}
+        await asyncio.sleep(interval)
+
+
+@router.get("/v1/cache/cells/stream")
+async def stream_cells(
+    request: Request, interval_ms: int = Query(250, ge=50, le=5000)
+) -> EventSourceResponse:
+    return EventSourceResponse(_cell_events(request, interval_ms / 1000), ping=5)

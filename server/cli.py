@@ -1,0 +1,138 @@
+"""The `cellserve` command: serve, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from types import FrameType
+
+import uvicorn
+
+from server.settings import Settings
+
+# flag -> Settings field; booleans use --x/--no-x
+_FLAGS: list[tuple[str, type | None, str]] = [
+    ("model", str, "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)"),
+    ("host", str, "bind address (default 127.0.0.1)"),
+    ("port", int, "port (default 8000)"),
+    ("n_cells", int, "KV cache size in cells (tokens), shared by all sequences"),
+    ("n_seq_max", int, "sequence ids (running requests + prefix-cache holders)"),
+    ("n_batch", int, "tokens per engine step"),
+    ("ctx_per_seq", int, "context length of one sequence"),
+    ("context_shift", None, "shift the context instead of stopping at the limit"),
+    ("prefix_cache", None, "keep finished prompts in the cache for reuse"),
+    ("dtype", str, "float32 | bfloat16 | float16 (default float32 on CPU)"),
+    ("device", str, "cpu | cuda | auto"),
+    ("api_key", str, "require 'Authorization: Bearer <key>'"),
+    ("served_model_name", str, "model id in the API (default: the file name)"),
+    ("max_queue", int, "waiting requests before 429"),
+    ("max_tokens_limit", int, "largest max_tokens a request may ask for"),
+    ("max_n", int, "largest n a request may ask for"),
+    ("max_body_bytes", int, "largest request body"),
+    ("request_timeout", float, "seconds before a request is aborted"),
+    ("drain_timeout", float, "seconds running requests get to finish on SIGTERM"),
+    ("protect_metrics", None, "require the API key on /metrics too"),
+    ("log_level", str, "critical | error | warning | info | debug"),
+    ("log_prompts", None, "log prompts (off: prompts are never logged)"),
+]
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    for name, kind, help_text in _FLAGS:
+        flag = "--" + name.replace("_", "-")
+        if kind is None:
+            p.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            p.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains first: admission stops (503), running
+    requests finish (bounded by drain_timeout), then uvicorn exits normally (status 0)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)  # second signal: uvicorn's own (force) exit
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        from server.app import drain
+
+        logging.getLogger("cellserve.server").info("draining before exit")
+        await drain(self.config.app)  # type: ignore[arg-type]
+        self.should_exit = True
+        from sse_starlette.sse import AppStatus
+
+        AppStatus.should_exit = True
+
+
+def serve(args: argparse.Namespace) -> int:
+    from server.app import create_app
+
+    given = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
+    settings = Settings(**given)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        timeout_graceful_shutdown=max(settings.drain_timeout, 1.0) + 10.0,
+    )
+    server = DrainingServer(config)
+    print(f"cellserve: loading the model; will listen on {settings.url}", flush=True)
+    server.run()
+    return 1 if app.state.load_error else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="cellserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    chat = sub.add_parser("chat", help="chat with a running server in the terminal")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--api-key", default=None)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    sub.add_parser("bench", help="benchmarks (see `cellserve bench --help`)", add_help=False)
+
+    if argv and argv[0] == "bench":
+        try:
+            from bench.cli import main as bench_main
+        except ImportError as exc:
+            print(f"cellserve bench is not available: {exc}", file=sys.stderr)
+            return 2
+        return int(bench_main(argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    from server.chat_client import run_chat
+
+    return run_chat(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""FastAPI dependencies and helpers shared by the routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from sse_starlette import EventSourceResponse
+
+from server.backend import Backend
+from server.errors import APIError, error_body
+from server.generation import ChoiceDelta, Generation, GenerationFailed, GenerationTimeout
+from server.metrics import Metrics
+from server.settings import Settings
+
+log = logging.getLogger("cellserve.server")
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def get_backend(request: Request) -> Backend:
+    state = request.app.state
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="draining")
+    if state.backend is None:
+        msg = "the model failed to load" if state.load_error else "the model is still loading"
+        raise APIError(503, msg, code="not_ready")
+    return state.backend
+
+
+def get_engine(backend: Annotated[Backend, Depends(get_backend)]) -> Any:
+    return backend.engine
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+BackendDep = Annotated[Backend, Depends(get_backend)]
+EngineDep = Annotated[Any, Depends(get_engine)]
+
+
+def check_model(name: str | None, backend: Backend) -> None:
+    if name is not None and name != backend.model_name:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {backend.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def log_request(settings: Settings, req_id: str, prompt: Any, num_tokens: int, **info: Any) -> None:
+    details = " ".join(f"{k}={v}" for k, v in info.items())
+    log.info("request %s: %d prompt tokens %s", req_id, num_tokens, details)
+    if settings.log_prompts:
+        log.info("request %s prompt: %r", req_id, prompt)
+
+
+async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
+    while not gen.finished:
+        if await request.is_disconnected():
+            log.info("client gone: aborting %s", gen.requests[0].req_id)
+            gen.abort()
+            return
+        await asyncio.sleep(0.25)
+
+
+async def collect(gen: Generation, request: Request) -> list[ChoiceDelta]:
+    """Run to the end (non-streaming); the request is aborted if the client goes away."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, gen))
+    deltas: list[ChoiceDelta] = []
+    try:
+        async for delta in gen.deltas():
+            deltas.append(delta)
+    except GenerationTimeout as exc:
+        raise APIError(504, str(exc), code="request_timeout") from exc
+    except GenerationFailed as exc:
+        raise APIError(500, str(exc), code="engine_error") from exc
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    return deltas
+
+
+def sse_response(
+    gen: Generation,
+    chunks: Callable[[Generation], AsyncIterator[dict[str, Any]]],
+) -> EventSourceResponse:
+    """SSE stream of OpenAI chunks, then `data: [DONE]`; errors become an error chunk."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks(gen):
+                yield json.dumps(chunk, ensure_ascii=False)
+        except GenerationTimeout as exc:
+            yield json.dumps(error_body(504, str(exc), code="request_timeout"))
+        except GenerationFailed as exc:
+            yield json.dumps(error_body(500, str(exc), code="engine_error"))
+        yield "[DONE]"
+
+    return EventSourceResponse(events(), ping=15)

@@ -1,0 +1,106 @@
+"""OpenAI-shaped errors: every failure answers {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("cellserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class BodyTooLargeError(StarletteHTTPException):
+    """Raised from the receive wrapper; an HTTPException so FastAPI's body parsing passes it on."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than {limit} bytes")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+    err_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # pydantic adds the union member name ("str", "list[int]", ...) into loc; it is noise here
+    parts = [p for p in parts if not p.startswith(("list[", "function-", "tagged-union["))]
+    parts = [p for p in parts if p not in ("str", "int", "float", "bool")]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = "route not found"
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, message, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if not errors:
+            return error_response(400, "invalid request")
+        first = errors[0]
+        if first.get("type") == "json_invalid":
+            return error_response(400, "request body is not valid JSON", code="invalid_json")
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        message = str(first.get("msg", "invalid value"))
+        if param:
+            message = f"{param}: {message}"
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, f"internal server error: {type(exc).__name__}")

@@ -1,0 +1,225 @@
+"""Run engine requests for one HTTP request and turn their events into per-choice text deltas.
+
+One HTTP request may hold several engine requests (a batch of completion prompts); choice
+indices are global: prompt p's choice j is `p * n + j`, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from scheduler.request import FinishEvent, Request, TokenEvent
+from server.backend import Backend
+from server.errors import APIError
+from server.metrics import Metrics
+from server.streaming import TextStream
+
+
+class GenerationTimeout(Exception):
+    pass
+
+
+class GenerationFailed(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    job: int
+    stream: TextStream
+    num_tokens: int = 0
+    last_token_time: float = 0.0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _JobUsage:
+    num_prompt: int = 0
+    num_cached: int = 0
+    num_output: dict[int, int] = field(default_factory=dict)
+    seen_finish: bool = False
+
+
+def submit_error(exc: Exception) -> APIError:
+    if isinstance(exc, QueueFullError):
+        return APIError(429, "the server is busy: queue full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDrainingError):
+        return APIError(503, "the server is shutting down", code="draining")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine is not running", code="engine_dead")
+    return APIError(400, str(exc))
+
+
+class Generation:
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: Metrics,
+        requests: list[Request],
+        stops: list[str],
+        timeout: float,
+        want_logprobs: bool,
+    ) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.requests = requests
+        self.timeout = timeout
+        self.want_logprobs = want_logprobs
+        self.arrival = time.monotonic()
+        skip = frozenset(int(t) for t in backend.tokenizer.eos_ids)
+        self.choices: list[_Choice] = []
+        for j, req in enumerate(requests):
+            for _ in range(req.n):
+                stream = TextStream(backend.tokenizer.token_bytes, stops, skip)
+                self.choices.append(_Choice(job=j, stream=stream))
+        self.usage_by_job = [_JobUsage() for _ in requests]
+        self._streams: list[AsyncIterator] = []
+        self._first_token = False
+
+    def submit(self) -> None:
+        """Submit every engine request; on failure abort the ones already in and raise APIError."""
+        for req in self.requests:
+            try:
+                self._streams.append(self.backend.engine.submit(req))
+            except Exception as exc:
+                self.abort()
+                raise submit_error(exc) from exc
+
+    def abort(self) -> None:
+        for req in self.requests[: len(self._streams)]:
+            self.backend.engine.abort(req.req_id)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.done for c in self.choices)
+
+    def usage(self) -> tuple[int, int, int]:
+        """-> (prompt_tokens, completion_tokens, cached_tokens)."""
+        num_prompt = sum(u.num_prompt for u in self.usage_by_job)
+        num_cached = sum(u.num_cached for u in self.usage_by_job)
+        num_output = sum(sum(u.num_output.values()) for u in self.usage_by_job)
+        return num_prompt, num_output, num_cached
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [
+            asyncio.create_task(self._pump(j, stream, queue))
+            for j, stream in enumerate(self._streams)
+        ]
+        remaining = len(pumps)
+        deadline = self.arrival + self.timeout
+        try:
+            while remaining:
+                try:
+                    item = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                except (asyncio.TimeoutError, TimeoutError) as exc:
+                    raise GenerationTimeout(
+                        f"the request ran longer than {self.timeout:g} s and was aborted"
+                    ) from exc
+                if isinstance(item, BaseException):
+                    raise GenerationFailed(f"engine error: {item}") from item
+                job, event = item
+                if event is None:
+                    remaining -= 1
+                    continue
+                delta = self._on_event(job, event)
+                if delta is not None:
+                    yield delta
+            for index, choice in enumerate(self.choices):
+                if not choice.done:  # the engine stream ended without this choice's finish
+                    choice.done = True
+                    yield ChoiceDelta(index, choice.stream.finish(), [], "abort")
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            if not self.finished:
+                self.abort()
+
+    @staticmethod
+    async def _pump(job: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((job, event))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait((job, None))
+
+    def _index(self, job: int, choice: int) -> int:
+        return sum(r.n for r in self.requests[:job]) + choice
+
+    def _on_event(self, job: int, event: TokenEvent | FinishEvent) -> ChoiceDelta | None:
+        index = self._index(job, event.index)
+        choice = self.choices[index]
+        if isinstance(event, TokenEvent):
+            return self._on_token(job, index, choice, event)
+        return self._on_finish(job, index, choice, event)
+
+    def _on_token(
+        self, job: int, index: int, choice: _Choice, ev: TokenEvent
+    ) -> ChoiceDelta | None:
+        if choice.done:
+            return None
+        now = time.monotonic()
+        if not self._first_token:
+            self._first_token = True
+            self.metrics.ttft.observe(now - self.arrival)
+        if choice.last_token_time:
+            self.metrics.itl.observe(now - choice.last_token_time)
+        choice.last_token_time = now
+        choice.num_tokens += 1
+        text = choice.stream.add(ev.token_id)
+        if choice.stream.stopped:
+            choice.done = True
+            self.backend.engine.abort(self.requests[job].req_id, ev.index)
+            self.usage_by_job[job].num_output[ev.index] = choice.num_tokens
+            self.metrics.requests.labels(finish_reason="stop").inc()
+            return ChoiceDelta(index, text, [], "stop")
+        logprobs = []
+        if self.want_logprobs and ev.logprob is not None:
+            logprobs.append(TokenLogprob(ev.token_id, ev.logprob, list(ev.top_logprobs or [])))
+        if not text and not logprobs:
+            return None
+        return ChoiceDelta(index, text, logprobs)
+
+    def _on_finish(
+        self, job: int, index: int, choice: _Choice, ev: FinishEvent
+    ) -> ChoiceDelta | None:
+        usage = self.usage_by_job[job]
+        if not usage.seen_finish:
+            usage.seen_finish = True
+            usage.num_prompt = ev.num_prompt_tokens
+            usage.num_cached = ev.num_cached_tokens
+            self.metrics.queue_time.observe(ev.queue_time)
+        if choice.done:
+            return None
+        if ev.reason == "error":
+            raise GenerationFailed(ev.error or "the engine failed on this request")
+        choice.done = True
+        usage.num_output[ev.index] = ev.num_output_tokens
+        text = choice.stream.finish()
+        reason = "stop" if choice.stream.stopped else ev.reason
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        return ChoiceDelta(index, text, [], reason)

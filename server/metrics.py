@@ -1,0 +1,121 @@
+"""Prometheus metrics. The only module that imports prometheus_client; one registry per app.
+
+Engine-side numbers come from engine.stats() at scrape time; latencies are observed by the
+server as tokens reach the client. The `vllm:*` gauges are the Kubernetes Gateway API
+Inference Extension's model-server protocol (TotalQueuedRequests, TotalRunningRequests,
+KVCacheUtilization), with vLLM's names so that an InferencePool can scrape this server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from scheduler.stats import EngineStats, StepStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
+_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+StatsSource = Callable[[], EngineStats | None]
+
+
+class _EngineCollector(Collector):
+    def __init__(self, source: StatsSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.source()
+        if s is None:
+            return
+        gauges = {
+            "cellserve_requests_waiting": ("Requests waiting for admission", s.num_waiting),
+            "cellserve_requests_running": ("Requests holding a sequence", s.num_running),
+            "cellserve_kv_cells_total": ("Cells in the KV cache", s.n_cells),
+            "cellserve_kv_cells_used": ("Cells owned by a sequence", s.cells_used),
+            "cellserve_kv_cells_shared": ("Cells with more than one owner", s.cells_shared),
+            "cellserve_kv_cells_cached": ("Cells held only by the prefix cache", s.cells_cached),
+            "cellserve_kv_cache_usage_ratio": ("cells_used / cells_total", s.cache_usage),
+            "vllm:num_requests_waiting": ("Gateway API protocol: queued requests", s.num_waiting),
+            "vllm:num_requests_running": ("Gateway API protocol: running requests", s.num_running),
+            "vllm:gpu_cache_usage_perc": (
+                "Gateway API protocol: KV cache usage 0..1",
+                s.cache_usage,
+            ),
+            "vllm:kv_cache_usage_perc": (
+                "Gateway API protocol: KV cache usage 0..1",
+                s.cache_usage,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = {
+            "cellserve_prefix_cache_queried_tokens": (
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_cache_queried_tokens,
+            ),
+            "cellserve_prefix_cache_hit_tokens": (
+                "Prompt tokens served by the prefix cache",
+                s.prefix_cache_hit_tokens,
+            ),
+            "cellserve_context_shifts": ("Context shifts applied", s.num_context_shifts),
+            "cellserve_preemptions": ("Sequences preempted for cells", s.num_preemptions),
+            "cellserve_prompt_tokens": ("Prompt tokens computed by the model", s.num_prompt_tokens),
+            "cellserve_generation_tokens": ("Tokens generated", s.num_generated_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(value))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._stats_source: StatsSource = lambda: None
+        self.registry.register(_EngineCollector(lambda: self._stats_source()))
+        r = self.registry
+        self.requests = Counter(
+            "cellserve_requests", "Finished choices by reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "cellserve_time_to_first_token_seconds",
+            "Seconds from arrival to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "cellserve_inter_token_latency_seconds",
+            "Seconds between consecutive tokens of a choice",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "cellserve_e2e_request_latency_seconds",
+            "Seconds from arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "cellserve_request_queue_time_seconds",
+            "Seconds from submit to admission",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens_per_step = Histogram(
+            "cellserve_tokens_per_step",
+            "Tokens in each engine step",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+
+    def bind_engine(self, source: StatsSource) -> None:
+        self._stats_source = source
+
+    def on_step(self, step: StepStats) -> None:
+        """Engine thread callback; prometheus_client metrics are thread-safe."""
+        self.tokens_per_step.observe(step.num_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,127 @@
+"""From a validated body to token ids and an engine Request."""
+
+from __future__ import annotations
+
+from scheduler.plan import SamplingParams
+from scheduler.request import Request
+from server.backend import Backend, Tokenizer
+from server.errors import APIError
+from server.schemas import ChatMessage, SamplingBody, dump_messages
+from server.settings import Settings
+
+KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def encode_text(tok: Tokenizer, text: str, add_special: bool = True) -> list[int]:
+    """Encode, never with two BOS tokens (a template that writes BOS itself + the tokenizer's)."""
+    ids = tok.encode(text, add_special=add_special)
+    bos = tok.bos_id
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+def render_chat(backend: Backend, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    for i, m in enumerate(messages):
+        if m.role not in KNOWN_ROLES:
+            raise APIError(400, f"unknown role {m.role!r}", param=f"messages.{i}.role")
+    try:
+        return backend.chat_template.render(
+            dump_messages(messages), add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # the template's own raise_exception(), or a bad structure
+        raise APIError(
+            400, f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
+
+
+def tokenize_chat(
+    backend: Backend, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> tuple[list[int], int]:
+    """-> (prompt ids, length of the leading system segment: the default n_keep)."""
+    ids = encode_text(backend.tokenizer, render_chat(backend, messages, add_generation_prompt))
+    n_system = 0
+    while n_system < len(messages) and messages[n_system].role in ("system", "developer"):
+        n_system += 1
+    if n_system == 0:
+        return ids, 0
+    sys_text = render_chat(backend, messages[:n_system], add_generation_prompt=False)
+    sys_ids = encode_text(backend.tokenizer, sys_text)
+    n_keep = 0
+    for a, b in zip(ids, sys_ids, strict=False):
+        if a != b:
+            break
+        n_keep += 1
+    return ids, n_keep
+
+
+def check_token_ids(backend: Backend, ids: list[int], param: str) -> None:
+    vocab = backend.tokenizer.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(
+            400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param
+        )
+
+
+def make_request(
+    req_id: str,
+    prompt_ids: list[int],
+    body: SamplingBody,
+    *,
+    backend: Backend,
+    settings: Settings,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    n_keep: int,
+    logprobs: bool,
+    top_logprobs: int,
+    prompt_param: str,
+) -> Request:
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if body.n > settings.max_n:
+        raise APIError(400, f"n must be at most {settings.max_n}", param="n")
+    limit = settings.max_tokens_limit
+    if max_tokens is not None and max_tokens > limit:
+        raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens")
+    shift = settings.context_shift if body.context_shift is None else body.context_shift
+    if not shift and len(prompt_ids) >= backend.n_ctx_seq:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt_ids)} tokens; the context is {backend.n_ctx_seq} tokens "
+            "and context shift is off",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if body.min_tokens > (max_tokens or default_max_tokens):
+        raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    check_token_ids(backend, list(bias), "logit_bias")
+    top_k = body.top_k or 0
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=max(top_k, 0),
+        top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        seed=body.seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    n_keep = n_keep if body.n_keep is None else body.n_keep
+    return Request(
+        req_id=req_id,
+        prompt_ids=list(prompt_ids),
+        sampling=sampling,
+        max_tokens=max_tokens or default_max_tokens,
+        min_tokens=body.min_tokens,
+        stop_token_ids=frozenset(int(t) for t in backend.tokenizer.eos_ids),
+        ignore_eos=body.ignore_eos,
+        n=body.n,
+        n_keep=min(n_keep, len(prompt_ids)),
+        context_shift=body.context_shift,
+    )

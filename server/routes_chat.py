@@ -1,0 +1,108 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from server.auth import check_api_key
+from server.deps import (
+    BackendDep,
+    MetricsDep,
+    SettingsDep,
+    check_model,
+    collect,
+    log_request,
+    sse_response,
+)
+from server.errors import APIError
+from server.generation import Generation
+from server.prompts import make_request, tokenize_chat
+from server.responses import chat_logprobs, envelope, usage_dict
+from server.schemas import ChatCompletionRequest
+
+router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    backend: BackendDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+) -> Any:
+    check_model(body.model, backend)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    prompt_ids, n_keep = tokenize_chat(backend, body.messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    room = backend.n_ctx_seq - len(prompt_ids)
+    req_id = f"chatcmpl-{uuid.uuid4().hex}"
+    engine_request = make_request(
+        req_id,
+        prompt_ids,
+        body,
+        backend=backend,
+        settings=settings,
+        max_tokens=max_tokens,
+        default_max_tokens=max(1, min(settings.max_tokens_limit, room)),
+        n_keep=n_keep,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        prompt_param="messages",
+    )
+    log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
+    gen = Generation(
+        backend, metrics, [engine_request], body.stop_list, settings.request_timeout, body.logprobs
+    )
+    gen.submit()
+    head = envelope(req_id, "chat.completion", int(time.time()), backend.model_name)
+    if body.stream:
+        return sse_response(gen, lambda g: _chunks(g, head, body))
+
+    deltas = await collect(gen, request)
+    texts = [""] * body.n
+    logprobs: list[list] = [[] for _ in range(body.n)]
+    reasons: list[str | None] = [None] * body.n
+    for d in deltas:
+        texts[d.index] += d.text
+        logprobs[d.index].extend(d.logprobs)
+        reasons[d.index] = d.finish_reason or reasons[d.index]
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i], "refusal": None},
+            "logprobs": chat_logprobs(backend.tokenizer, logprobs[i]) if body.logprobs else None,
+            "finish_reason": reasons[i],
+        }
+        for i in range(body.n)
+    ]
+    return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
+
+
+async def _chunks(
+    gen: Generation, head: dict[str, Any], body: ChatCompletionRequest
+) -> AsyncIterator[dict[str, Any]]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if body.include_usage else {}
+    tok = gen.backend.tokenizer
+
+    def chunk(index: int, delta: dict, logprobs: Any = None, reason: str | None = None):
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {**head, "choices": [choice], **extra}
+
+    for i in range(body.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for d in gen.deltas():
+        if d.text or d.logprobs:
+            lp = chat_logprobs(tok, d.logprobs) if body.logprobs else None
+            yield chunk(d.index, {"content": d.text}, lp)
+        if d.finish_reason is not None:
+            yield chunk(d.index, {}, None, d.finish_reason)
+    if body.include_usage:
+        yield {**head, "choices": [], "usage": usage_dict(*gen.usage())}

@@ -1,0 +1,137 @@
+"""POST /v1/completions (prompt: a string, a list of strings, token ids, or lists of ids)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from server.auth import check_api_key
+from server.backend import Backend
+from server.deps import (
+    BackendDep,
+    MetricsDep,
+    SettingsDep,
+    check_model,
+    collect,
+    log_request,
+    sse_response,
+)
+from server.errors import APIError
+from server.generation import Generation
+from server.prompts import check_token_ids, encode_text, make_request
+from server.responses import completion_logprobs, envelope, usage_dict
+from server.schemas import CompletionRequest
+
+router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
+
+
+def _prompts(backend: Backend, body: CompletionRequest) -> list[tuple[list[int], str]]:
+    """-> [(token ids, prompt text)] for each prompt of the batch."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]  # type: ignore[list-item]
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append((encode_text(backend.tokenizer, p, body.add_special_tokens), p))
+        else:
+            ids = list(p)  # type: ignore[arg-type]
+            check_token_ids(backend, ids, f"prompt.{i}" if len(prompt) > 1 else "prompt")
+            out.append((ids, backend.tokenizer.decode(ids) if body.echo else ""))
+    return out
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    backend: BackendDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+) -> Any:
+    check_model(body.model, backend)
+    prompts = _prompts(backend, body)
+    base_id = f"cmpl-{uuid.uuid4().hex}"
+    want_logprobs = body.logprobs is not None
+    engine_requests = [
+        make_request(
+            f"{base_id}-{j}" if len(prompts) > 1 else base_id,
+            ids,
+            body,
+            backend=backend,
+            settings=settings,
+            max_tokens=body.max_tokens,
+            default_max_tokens=min(16, settings.max_tokens_limit),
+            n_keep=0,
+            logprobs=want_logprobs,
+            top_logprobs=body.logprobs or 0,
+            prompt_param="prompt",
+        )
+        for j, (ids, _) in enumerate(prompts)
+    ]
+    for req, (_, text) in zip(engine_requests, prompts, strict=True):
+        log_request(settings, req.req_id, text, len(req.prompt_ids), n=body.n, stream=body.stream)
+    gen = Generation(
+        backend, metrics, engine_requests, body.stop_list, settings.request_timeout, want_logprobs
+    )
+    gen.submit()
+    head = envelope(base_id, "text_completion", int(time.time()), backend.model_name)
+    echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]
+    if body.stream:
+        return sse_response(gen, lambda g: _chunks(g, head, body, echoes))
+
+    deltas = await collect(gen, request)
+    num_choices = len(echoes)
+    texts = list(echoes)
+    logprobs: list[list] = [[] for _ in range(num_choices)]
+    reasons: list[str | None] = [None] * num_choices
+    for d in deltas:
+        texts[d.index] += d.text
+        logprobs[d.index].extend(d.logprobs)
+        reasons[d.index] = d.finish_reason or reasons[d.index]
+    choices = [
+        {
+            "index": i,
+            "text": texts[i],
+            "logprobs": completion_logprobs(backend.tokenizer, logprobs[i], len(echoes[i]))
+            if want_logprobs
+            else None,
+            "finish_reason": reasons[i],
+        }
+        for i in range(num_choices)
+    ]
+    return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
+
+
+async def _chunks(
+    gen: Generation, head: dict[str, Any], body: CompletionRequest, echoes: list[str]
+) -> AsyncIterator[dict[str, Any]]:
+    extra = {"usage": None} if body.include_usage else {}
+    tok = gen.backend.tokenizer
+    want_logprobs = body.logprobs is not None
+    offsets = [len(e) for e in echoes]
+
+    def chunk(index: int, text: str, logprobs: Any = None, reason: str | None = None):
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {**head, "choices": [choice], **extra}
+
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield chunk(i, echo)
+    async for d in gen.deltas():
+        if d.text or d.logprobs:
+            lp = completion_logprobs(tok, d.logprobs, offsets[d.index]) if want_logprobs else None
+            offsets[d.index] += len(d.text)
+            yield chunk(d.index, d.text, lp)
+        if d.finish_reason is not None:
+            yield chunk(d.index, "", None, d.finish_reason)
+    if body.include_usage:
+        yield {**head, "choices": [], "usage": usage_dict(*gen.usage())}

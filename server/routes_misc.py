@@ -1,0 +1,89 @@
+"""GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /slots, GET /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from server.auth import check_api_key
+from server.deps import BackendDep, EngineDep, MetricsDep, check_model
+from server.errors import APIError
+from server.prompts import check_token_ids, encode_text, tokenize_chat
+from server.schemas import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter(dependencies=[Depends(check_api_key)])
+open_router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(backend: BackendDep, request: Request) -> dict[str, Any]:
+    card = {
+        "id": backend.model_name,
+        "object": "model",
+        "created": request.app.state.started_at,
+        "owned_by": "cellserve",
+        "max_model_len": backend.n_ctx_seq,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, backend: BackendDep, request: Request) -> dict[str, Any]:
+    check_model(model_id, backend)
+    return (await list_models(backend, request))["data"][0]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, backend: BackendDep) -> dict[str, Any]:
+    check_model(body.model, backend)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        # the same ids /v1/chat/completions would submit, so usage.prompt_tokens == count
+        tokens, _ = tokenize_chat(backend, body.messages, body.add_generation_prompt)
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = encode_text(backend.tokenizer, body.prompt or "", add_special)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": backend.n_ctx_seq}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, backend: BackendDep) -> dict[str, Any]:
+    check_model(body.model, backend)
+    check_token_ids(backend, body.tokens, "tokens")
+    return {"prompt": backend.tokenizer.decode(body.tokens)}
+
+
+@router.get("/slots")
+async def slots(engine: EngineDep) -> list[dict[str, Any]]:
+    return [asdict(s) for s in engine.slots()]
+
+
+@open_router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state
+    if state.draining:
+        return JSONResponse({"status": "draining"}, 503)
+    if state.backend is None:
+        status = "error" if state.load_error else "loading"
+        return JSONResponse({"status": status}, 503)
+    stats = state.backend.engine.stats()
+    if not stats.alive:
+        return JSONResponse({"status": "engine_dead"}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(metrics: MetricsDep) -> Response:
+    body, content_type = metrics.render()
+    return Response(body, media_type=content_type)
+
+
+def metrics_router(protect: bool) -> APIRouter:
+    r = APIRouter(dependencies=[Depends(check_api_key)] if protect else [])
+    r.add_api_route("/metrics", metrics, methods=["GET"])
+    return r

@@ -1,0 +1,131 @@
+"""Request bodies of the OpenAI API (plus vLLM / llama.cpp extensions), validated by pydantic.
+
+Responses are built as plain dicts in server/responses.py, in OpenAI's exact shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingBody(_Body):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 = off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    n_keep: int | None = Field(None, ge=0)
+    context_shift: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias value {bias} is outside [-100, 100]")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingBody):
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def dump_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: role + flattened text content (+ name)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        item: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            item["name"] = m.name
+        out.append(item)
+    return out

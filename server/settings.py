@@ -1,0 +1,39 @@
+"""Server settings: one pydantic-settings class, read from CELLSERVE_* env vars and CLI flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CELLSERVE_", extra="ignore")
+
+    model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    n_cells: int = Field(8192, ge=16)
+    n_seq_max: int = Field(32, ge=1)
+    n_batch: int = Field(256, ge=1)
+    ctx_per_seq: int = Field(2048, ge=8)
+    context_shift: bool = True
+    prefix_cache: bool = True
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: float32 on CPU
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    api_key: SecretStr | None = None
+    served_model_name: str | None = None
+    max_queue: int = Field(256, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    max_n: int = Field(8, ge=1)
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    request_timeout: float = Field(600.0, gt=0)
+    drain_timeout: float = Field(30.0, ge=0)
+    protect_metrics: bool = False
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_prompts: bool = False  # prompts are never logged unless this is on
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"

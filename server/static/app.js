@@ -1,0 +1,93 @@
+// Wires the page: model picker, chat form, and the live cell map fed by an SSE stream.
+
+import { apiFetch, errorMessage, readEvents } from "./api.js";
+import { createCellMap } from "./cellmap.js";
+import { createCellStats } from "./cellstats.js";
+import { createChat } from "./chat.js";
+
+const STREAM_URL = "/v1/cache/cells/stream?interval_ms=250";
+const RECONNECT_MS = 1000;
+
+const $ = (id) => document.getElementById(id);
+
+function setStatus(text, ok) {
+  const status = $("conn-status");
+  status.textContent = text;
+  status.classList.toggle("ok", ok);
+  status.classList.toggle("bad", !ok);
+}
+
+async function loadModels() {
+  const response = await apiFetch("/v1/models");
+  if (!response.ok) throw new Error(await errorMessage(response));
+  const { data } = await response.json();
+  $("model").replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+}
+
+async function followCells(views) {
+  for (;;) {
+    try {
+      const response = await apiFetch(STREAM_URL);
+      if (!response.ok) throw new Error(await errorMessage(response));
+      setStatus("live", true);
+      await readEvents(response, ({ event, data }) => {
+        if (event !== "cells") return;
+        const snapshot = JSON.parse(data);
+        for (const view of views) view.render(snapshot);
+      });
+      setStatus("map stream ended; reconnecting…", false);
+    } catch (err) {
+      setStatus(`map: ${err.message}`, false);
+    }
+    await new Promise((resolve) => setTimeout(resolve, RECONNECT_MS));
+  }
+}
+
+function wireChat(chat) {
+  const prompt = $("prompt");
+  $("chat-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = prompt.value;
+    prompt.value = "";
+    chat.send(text);
+  });
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      $("chat-form").requestSubmit();
+    }
+  });
+  $("stop").addEventListener("click", () => chat.stop());
+  $("new-chat").addEventListener("click", () => chat.reset());
+}
+
+function main() {
+  const chat = createChat({
+    messages: $("messages"),
+    model: $("model"),
+    temperature: $("temperature"),
+    maxTokens: $("max-tokens"),
+    systemPrompt: $("system-prompt"),
+    send: $("send"),
+    stop: $("stop"),
+    newChat: $("new-chat"),
+  });
+  wireChat(chat);
+  const map = createCellMap({ canvas: $("cell-canvas"), tip: $("cell-tip") });
+  const stats = createCellStats({
+    used: $("total-used"),
+    shared: $("total-shared"),
+    cached: $("total-cached"),
+    free: $("total-free"),
+    prefixHits: $("prefix-hits"),
+    contextShifts: $("context-shifts"),
+    preemptions: $("preemptions"),
+    mapSize: $("map-size"),
+    legend: $("legend"),
+    tbody: document.querySelector("#seq-table tbody"),
+  });
+  loadModels().catch((err) => setStatus(`models: ${err.message}`, false));
+  followCells([map, stats]);
+}
+
+main();

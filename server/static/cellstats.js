@@ -1,0 +1,105 @@
+// Beside the cell map: counters, the legend, and one table row per live sequence.
+
+import { holderColor, seqColor } from "./cellmap.js";
+
+function fmt(n) {
+  return Number(n).toLocaleString("en-US");
+}
+
+function percent(part, whole) {
+  return whole ? `${((100 * part) / whole).toFixed(1)}%` : "0%";
+}
+
+function renderCounters(els, s) {
+  const t = s.totals;
+  els.used.textContent = `${fmt(t.used)} (${percent(t.used, s.n_cells)})`;
+  els.shared.textContent = fmt(t.shared);
+  els.cached.textContent = fmt(t.cached);
+  els.free.textContent = fmt(t.free);
+  const p = s.prefix_cache;
+  els.prefixHits.textContent =
+    `${fmt(p.hit_tokens)} / ${fmt(p.queried_tokens)} (${percent(p.hit_tokens, p.queried_tokens)})`;
+  els.contextShifts.textContent = fmt(s.num_context_shifts);
+  els.preemptions.textContent = fmt(s.num_preemptions);
+  els.mapSize.textContent =
+    `${fmt(s.n_cells)} cells · head ${fmt(s.head)} · ${s.num_running} running · ` +
+    `${s.num_waiting} waiting`;
+}
+
+function legendItem(swatchClass, color, text) {
+  const li = document.createElement("li");
+  const swatch = document.createElement("span");
+  swatch.className = `swatch ${swatchClass}`;
+  if (color) swatch.style.background = color;
+  li.append(swatch, document.createTextNode(text));
+  return li;
+}
+
+function shortId(reqId) {
+  return reqId.length > 14 ? `${reqId.slice(0, 8)}…${reqId.slice(-4)}` : reqId;
+}
+
+function renderLegend(list, s) {
+  const items = s.slots
+    .filter((slot) => slot.seq_id >= 0)
+    .map((slot) => legendItem("seq", seqColor(slot.seq_id), `seq ${slot.seq_id} · ${shortId(slot.req_id)}`));
+  const holderColorSample = s.holder_seq_ids.length ? holderColor(s.holder_seq_ids[0]) : holderColor(0);
+  items.push(
+    legendItem("shared", null, "shared (2+ owners)"),
+    legendItem("holder", holderColorSample, `prefix cache (${s.holder_seq_ids.length} holders)`),
+    legendItem("free", null, "free"),
+    legendItem("head", null, "write head"),
+  );
+  list.replaceChildren(...items);
+}
+
+function cell(text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (className) td.className = className;
+  return td;
+}
+
+function slotRow(slot) {
+  const tr = document.createElement("tr");
+  tr.dataset.seqId = slot.seq_id;
+  tr.dataset.reqId = slot.req_id;
+  const seq = cell(slot.seq_id >= 0 ? String(slot.seq_id) : "–");
+  if (slot.seq_id >= 0) seq.style.borderLeft = `6px solid ${seqColor(slot.seq_id)}`;
+  const pos = slot.pos_max >= 0 ? `${slot.pos_min}–${slot.pos_max}` : "–";
+  tr.append(
+    seq,
+    cell(shortId(slot.req_id), "req"),
+    cell(slot.state, `state ${slot.state}`),
+    cell(fmt(slot.num_prompt)),
+    cell(fmt(slot.num_computed)),
+    cell(fmt(slot.num_generated)),
+    cell(fmt(slot.cells_owned)),
+    cell(fmt(slot.cells_shared)),
+    cell(pos),
+  );
+  tr.title = slot.req_id;
+  return tr;
+}
+
+function renderTable(tbody, s) {
+  if (!s.slots.length) {
+    const tr = document.createElement("tr");
+    const td = cell("no live sequences", "empty");
+    td.colSpan = 9;
+    tr.append(td);
+    tbody.replaceChildren(tr);
+    return;
+  }
+  tbody.replaceChildren(...s.slots.map(slotRow));
+}
+
+export function createCellStats(els) {
+  return {
+    render(snapshot) {
+      renderCounters(els, snapshot);
+      renderLegend(els.legend, snapshot);
+      renderTable(els.tbody, snapshot);
+    },
+  };
+}
