@@ -1,0 +1,132 @@
+"""KVStorage: the K/V tensors behind KVCells (torch). K is stored after RoPE.
+
+RoPE lives here too because the deferred K-shift (llama.cpp's `build_k_shift`) re-rotates
+stored K rows: rotating by `delta` after rotating by `p` equals rotating by `p + delta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvcache.cells import PendingOps
+
+RopeLayout = Literal["interleaved", "neox"]
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """`dim` rotated dims (<= head_dim) with base `theta`.
+
+    layout "interleaved": pairs (x[2i], x[2i+1]) (llama.cpp LLAMA_ROPE_TYPE_NORM, GGUF llama);
+    layout "neox": pairs (x[i], x[i + dim/2]) (HF rotate_half).
+    freq_factors: optional [dim/2] divisors of the inverse frequencies (llama3 scaling).
+    """
+
+    theta: float
+    dim: int
+    layout: RopeLayout = "neox"
+    freq_factors: tuple[float, ...] | None = None
+
+    def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        # NOTE: same float32 arithmetic as HF's _compute_default_rope_parameters.
+        exps = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
+        inv = 1.0 / (self.theta**exps)
+        if self.freq_factors is not None:
+            inv = inv / torch.tensor(self.freq_factors, dtype=torch.float32, device=device)
+        return inv  # [dim/2] float32
+
+    def cos_sin(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotation tables for integer `positions` [n] -> cos, sin: [n, dim/2] float32.
+
+        The angle is formed in float64 so that composing rotations (the K-shift) is exact to
+        float32 rounding even at large positions.
+        """
+        inv = self.inv_freq(positions.device) if inv_freq is None else inv_freq
+        angles = positions.to(torch.float64)[:, None] * inv.to(torch.float64)[None, :]
+        return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RopeLayout
+) -> torch.Tensor:
+    """Rotate x: [n, n_heads, head_dim] by cos/sin: [n, dim/2] (computed in float32).
+
+    Dims past `2 * cos.shape[-1]` are left as they are (partial rotary).
+    """
+    half = cos.shape[-1]
+    rot = 2 * half
+    xf = x[..., :rot].float()
+    c = cos[:, None, :]  # [n, 1, dim/2]
+    s = sin[:, None, :]
+    if layout == "neox":
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    out = out.to(x.dtype)
+    if rot == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+class KVStorage:
+    """K and V for every layer and cell: k, v: [n_layers, n_cells, n_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_cells: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        rope: RopeConfig | None = None,
+    ) -> None:
+        shape = (n_layers, n_cells, n_kv_heads, head_dim)
+        self.n_layers = n_layers
+        self.n_cells = n_cells
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rope = rope if rope is not None else RopeConfig(theta=10000.0, dim=head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def bytes_per_cell(self) -> int:
+        per_row = self.n_layers * self.n_kv_heads * self.head_dim * self.k.element_size()
+        return 2 * per_row
+
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v: [n, n_kv_heads, head_dim] into `cells` [n] (int64) of `layer`."""
+        self.k[layer].index_copy_(0, cells, k.to(self.dtype))
+        self.v[layer].index_copy_(0, cells, v.to(self.dtype))
+
+    def gather(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v: [n, n_kv_heads, head_dim] rows of `cells` [n] (int64) of `layer`."""
+        return self.k[layer].index_select(0, cells), self.v[layer].index_select(0, cells)
+
+    def apply(self, pending: PendingOps) -> None:
+        """Apply the cells' deferred work: copies first (in order), then K-shifts."""
+        for src, dst in zip(pending.copy_src.tolist(), pending.copy_dst.tolist(), strict=True):
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+        if pending.shift_cells.size == 0:
+            return
+        cells = torch.as_tensor(pending.shift_cells, dtype=torch.int64, device=self.device)
+        deltas = torch.as_tensor(pending.shift_deltas, dtype=torch.int64, device=self.device)
+        cos, sin = self.rope.cos_sin(deltas)
+        for layer in range(self.n_layers):
+            k = self.k[layer].index_select(0, cells)
+            self.k[layer].index_copy_(0, cells, apply_rope(k, cos, sin, self.rope.layout))
+
+    def clear(self) -> None:
+        self.k.zero_()
+        self.v.zero_()

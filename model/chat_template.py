@@ -1,0 +1,79 @@
+"""The model's own Jinja chat template, rendered like transformers' apply_chat_template."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from model.errors import ModelLoadError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        self.source = source or CHATML_TEMPLATE
+        self.is_fallback = source is None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(self.source)
+        except TemplateError as e:
+            raise ModelLoadError(f"the model's chat template does not parse ({e}).") from e
+
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Raises jinja2.TemplateError when the template rejects the conversation."""
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
+        )
+
+    def system_prefix(self, messages: list[dict[str, Any]]) -> str:
+        """The rendering of the leading system message(s) alone when it is a prefix of the full
+        rendering (so its token count is a safe n_keep for context shift), else ""."""
+        n_system = 0
+        while n_system < len(messages) and messages[n_system].get("role") == "system":
+            n_system += 1
+        if n_system == 0:
+            return ""
+        try:
+            prefix = self.render(messages[:n_system], add_generation_prompt=False)
+            full = self.render(messages, add_generation_prompt=True)
+        except TemplateError:
+            return ""
+        return prefix if full.startswith(prefix) else ""

@@ -1,0 +1,140 @@
+"""Read a GGUF file (llama.cpp's format) into HF-layout weights, ModelArgs and tokenizer data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from kvcache.storage import RopeConfig
+from model.errors import ModelLoadError
+from model.llama import ModelArgs, weight_shapes
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "w1": "ffn_gate.weight",
+    "w3": "ffn_up.weight",
+    "w2": "ffn_down.weight",
+}
+_BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/... on bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}).") from e
+
+
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"{path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHS)})."
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata key {arch}.{key} is missing.")
+        return value
+
+    dim = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    n_kv_heads = int(get("attention.head_count_kv", n_heads))
+    head_dim = int(get("attention.key_length", dim // n_heads))
+    embd = _tensor_info(reader, "token_embd.weight", path)
+    vocab_size = int(embd.shape[-1])
+    freq_factors = None
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        ff = _dequantize(_tensor_info(reader, "rope_freqs.weight", path))
+        freq_factors = tuple(float(f) for f in ff.reshape(-1))
+    return ModelArgs(
+        arch=str(arch),
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_dim=int(get("feed_forward_length")),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope=RopeConfig(
+            theta=float(get("rope.freq_base", 10000.0)),
+            dim=int(get("rope.dimension_count", head_dim)),
+            layout="neox",  # NOTE: llama Q/K are un-permuted to HF layout below
+            freq_factors=freq_factors,
+        ),
+        n_ctx_train=int(get("context_length", 2048)),
+        qkv_bias=arch == "qwen2",
+    )
+
+
+def _tensor_info(reader: gguf.GGUFReader, name: str, path: Path) -> Any:
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise ModelLoadError(f"{path}: tensor {name} is missing.")
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp convert's permute (interleaved-pair RoPE -> HF rotate-half rows)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_weights(
+    reader: gguf.GGUFReader, args: ModelArgs, path: Path, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    names: dict[str, str] = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight"}
+    present = {t.name for t in reader.tensors}
+    if "output.weight" in present:
+        names["output"] = "output.weight"
+    for i in range(args.n_layers):
+        for ours, theirs in _LAYER_TENSORS.items():
+            names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+        if args.qkv_bias:
+            for ours, theirs in _BIAS_TENSORS.items():
+                names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+    expected = weight_shapes(args)
+    weights: dict[str, torch.Tensor] = {}
+    for ours, theirs in names.items():
+        info = _tensor_info(reader, theirs, path)
+        try:
+            w = _dequantize(info)
+        except Exception as e:
+            raise ModelLoadError(
+                f"{path}: tensor {theirs} of type {info.tensor_type.name} cannot be "
+                f"dequantized ({type(e).__name__}: {e})."
+            ) from e
+        kind = ours.rsplit(".", 1)[-1]
+        want = expected[kind]
+        if tuple(w.shape) != want:
+            raise ModelLoadError(
+                f"{path}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."
+            )
+        if args.arch == "llama" and kind in ("wq", "wk"):
+            w = _unpermute(w, args.n_heads if kind == "wq" else args.n_kv_heads)
+        weights[ours] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+    weights.setdefault("output", weights["tok_embeddings"])  # tied embeddings
+    return weights

@@ -1,0 +1,150 @@
+"""Read a Hugging Face folder (config.json + *.safetensors) into HF-layout weights and ModelArgs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvcache.storage import RopeConfig
+from model.errors import ModelLoadError
+from model.llama import ModelArgs, weight_shapes
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "w1": "mlp.gate_proj.weight",
+    "w3": "mlp.up_proj.weight",
+    "w2": "mlp.down_proj.weight",
+}
+_BIAS_TENSORS = {
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+}
+
+
+def read_json(file: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when the file does not exist."""
+    if not file.is_file():
+        return {}
+    try:
+        data: dict[str, Any] = json.loads(file.read_text())
+    except ValueError as e:
+        raise ModelLoadError(f"{file}: not valid JSON ({e}).") from e
+    return data
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder}: config.json is missing.")
+    return read_json(folder / "config.json")
+
+
+def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{folder}: model_type {model_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})."
+        )
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", model_type == "mistral")
+    if uses_window and window is not None and window < config.get("max_position_embeddings", 0):
+        raise ModelLoadError(f"{folder}: sliding-window attention ({window}) is not supported.")
+    try:
+        dim = int(config["hidden_size"])
+        n_heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or dim // n_heads)
+        rope_params = config.get("rope_parameters") or {}
+        theta = float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+        scaling = config.get("rope_scaling") or rope_params
+        return ModelArgs(
+            arch=str(model_type),
+            vocab_size=int(config["vocab_size"]),
+            dim=dim,
+            n_layers=int(config["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            hidden_dim=int(config["intermediate_size"]),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig(theta, rope_dim, "neox", _freq_factors(scaling, theta, rope_dim)),
+            n_ctx_train=int(config.get("max_position_embeddings", 2048)),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{folder}/config.json: bad or missing field ({e}).") from e
+
+
+def _freq_factors(scaling: dict[str, Any], theta: float, dim: int) -> tuple[float, ...] | None:
+    """llama3 rope scaling as llama.cpp's rope_freqs divisors (HF _compute_llama3_parameters)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    import math
+
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / theta ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+
+
+def read_weights(
+    folder: Path, args: ModelArgs, config: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors file.")
+    raw: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    raw[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own SafetensorError on bad files
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
+    names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    if "lm_head.weight" in raw or not config.get("tie_word_embeddings", False):
+        names["output"] = "lm_head.weight"
+    for i in range(args.n_layers):
+        table = _LAYER_TENSORS | (_BIAS_TENSORS if args.qkv_bias else {})
+        for ours, theirs in table.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    expected = weight_shapes(args)
+    weights: dict[str, torch.Tensor] = {}
+    for ours, theirs in names.items():
+        if theirs not in raw:
+            raise ModelLoadError(f"{folder}: tensor {theirs} is missing.")
+        w = raw[theirs]
+        want = expected[ours.rsplit(".", 1)[-1]]
+        if tuple(w.shape) != want:
+            raise ModelLoadError(
+                f"{folder}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."
+            )
+        weights[ours] = w.to(dtype)
+    weights.setdefault("output", weights["tok_embeddings"])
+    return weights

@@ -1,0 +1,214 @@
+"""The Llama-family forward (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over the cell cache.
+
+Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE); the GGUF
+loader un-permutes llama Q/K to it. A batch is flat: row i is one token at `positions[i]`
+whose K/V goes into cell `cells[i]`; attention groups say which cells each row may read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.storage import KVStorage, RopeConfig, apply_rope
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    arch: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    norm_eps: float
+    rope: RopeConfig
+    n_ctx_train: int
+    qkv_bias: bool = False
+
+
+def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Expected shape of each weight kind (the last part of its name)."""
+    d, f = args.dim, args.hidden_dim
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {
+        "tok_embeddings": (args.vocab_size, d),
+        "output": (args.vocab_size, d),
+        "norm": (d,),
+        "attn_norm": (d,),
+        "ffn_norm": (d,),
+        "wq": (q_dim, d),
+        "wk": (kv_dim, d),
+        "wv": (kv_dim, d),
+        "wo": (d, q_dim),
+        "bq": (q_dim,),
+        "bk": (kv_dim,),
+        "bv": (kv_dim,),
+        "w1": (f, d),
+        "w3": (f, d),
+        "w2": (d, f),
+    }
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Rows with one new token each, attended together over padded kv."""
+
+    rows: torch.Tensor  # [n_seq] int64
+    kv_cells: torch.Tensor  # [n_seq * max_kv] int64 (padding points at any cell)
+    mask: torch.Tensor  # [n_seq, 1, 1, max_kv] bool: cell visible to the seq's query
+    max_kv: int
+
+
+@dataclass(slots=True)
+class PromptGroup:
+    """Contiguous rows [start, end) of one sequence (a prompt chunk)."""
+
+    start: int
+    end: int
+    kv_cells: torch.Tensor  # [n_kv] int64
+    mask: torch.Tensor  # [end - start, n_kv] bool
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    tokens: torch.Tensor  # [n] int64
+    cells: torch.Tensor  # [n] int64
+    cos: torch.Tensor  # [n, rope_dim / 2] float32
+    sin: torch.Tensor  # [n, rope_dim / 2] float32
+    decode: DecodeGroup | None
+    prompts: list[PromptGroup]
+    logit_rows: torch.Tensor  # [n_out] int64
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in float32, scale in the model dtype (HF LlamaRMSNorm).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.layout = args.rope.layout
+        wqkv = torch.cat([weights[prefix + n] for n in ("wq", "wk", "wv")])
+        self.wqkv = nn.Parameter(wqkv, requires_grad=False)
+        bqkv = None
+        if args.qkv_bias:
+            bqkv = torch.cat([weights[prefix + n] for n in ("bq", "bk", "bv")])
+        self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
+        self.wo = nn.Parameter(weights[prefix + "wo"], requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage, layer: int
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        h, h_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = F.linear(x, self.wqkv, self.bqkv)  # [n, (h + 2 h_kv) * hd]
+        qk = qkv[:, : (h + h_kv) * hd].view(n, h + h_kv, hd)
+        qk = apply_rope(qk, batch.cos, batch.sin, self.layout)
+        q, k = qk.split((h, h_kv), dim=1)  # [n, h, hd], [n, h_kv, hd]
+        v = qkv[:, (h + h_kv) * hd :].view(n, h_kv, hd)
+        storage.write(layer, batch.cells, k, v)
+
+        out = x.new_empty(n, h, hd)
+        if batch.decode is not None:
+            out.index_copy_(0, batch.decode.rows, self._decode(q, storage, layer, batch.decode))
+        for p in batch.prompts:
+            out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
+        return F.linear(out.view(n, h * hd), self.wo)
+
+    def _decode(
+        self, q: torch.Tensor, storage: KVStorage, layer: int, g: DecodeGroup
+    ) -> torch.Tensor:
+        n_seq, h_kv, hd = g.rows.shape[0], self.n_kv_heads, self.head_dim
+        # GQA without repeat: the h / h_kv query heads of a kv head become its query rows.
+        qd = q.index_select(0, g.rows).view(n_seq, h_kv, self.n_heads // h_kv, hd)
+        k, v = storage.gather(layer, g.kv_cells)  # [n_seq * max_kv, h_kv, hd]
+        k = k.view(n_seq, g.max_kv, h_kv, hd).transpose(1, 2)  # [n_seq, h_kv, max_kv, hd]
+        v = v.view(n_seq, g.max_kv, h_kv, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask)
+        return o.reshape(n_seq, self.n_heads, hd)
+
+    def _prompt(
+        self, q: torch.Tensor, storage: KVStorage, layer: int, p: PromptGroup
+    ) -> torch.Tensor:
+        k, v = storage.gather(layer, p.kv_cells)  # [n_kv, h_kv, hd]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, h, L, hd]
+            k.to(q.dtype).transpose(0, 1)[None],  # [1, h_kv, n_kv, hd]
+            v.to(q.dtype).transpose(0, 1)[None],
+            attn_mask=p.mask,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)  # [L, h, hd]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        w13 = torch.cat([weights[prefix + "w1"], weights[prefix + "w3"]])  # gate, up
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(weights[prefix + "w2"], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
+        super().__init__()
+        prefix = f"layers.{layer}."
+        self.layer = layer
+        self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], args.norm_eps)
+        self.attention = Attention(args, weights, prefix)
+        self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], args.norm_eps)
+        self.feed_forward = FeedForward(weights, prefix)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), batch, storage, self.layer)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """`weights` (HF layout, serving dtype): tok_embeddings, output, norm, and per layer
+    layers.{i}.{attn_norm, wq, wk, wv, [bq, bk, bv], wo, ffn_norm, w1 (gate), w3 (up), w2}."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Parameter(weights["tok_embeddings"], requires_grad=False)
+        self.layers = nn.ModuleList(Block(args, weights, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(weights["norm"], args.norm_eps)
+        self.output = nn.Parameter(weights["output"], requires_grad=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.device
+
+    def forward(self, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
+        """-> logits [n_out, vocab] float32 for batch.logit_rows."""
+        x = F.embedding(batch.tokens, self.tok_embeddings)  # [n, dim]
+        for block in self.layers:
+            x = block(x, batch, storage)
+        x = self.norm(x.index_select(0, batch.logit_rows))
+        return F.linear(x, self.output).float()

@@ -1,0 +1,117 @@
+"""ModelWorker: BatchPlan -> (K-shifts, forward over the cell cache, sampling) -> StepOutput."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvcache.storage import KVStorage
+from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
+from model.sampling import sample
+from scheduler.plan import BatchPlan, SeqBatch, StepOutput
+
+if TYPE_CHECKING:
+    from model.loader import LoadedModel
+
+
+def kv_bytes_per_cell(args: ModelArgs, dtype: torch.dtype) -> int:
+    """K and V of one token over every layer."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * element
+
+
+class ModelWorker:
+    """The engine's Worker: `execute(plan) -> StepOutput`."""
+
+    def __init__(self, model: Transformer, storage: KVStorage) -> None:
+        self.model = model
+        self.storage = storage
+        self.device = model.device
+        self.rope = model.args.rope
+        self._inv_freq = self.rope.inv_freq(self.device)
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        return self.storage.bytes_per_cell
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        if not plan.pending.is_empty:
+            self.storage.apply(plan.pending)
+        if plan.num_tokens == 0:
+            return StepOutput(token_ids=[])
+        logits = self.model(self.make_batch(plan), self.storage)
+        return sample(logits, plan.samples)
+
+    def make_batch(self, plan: BatchPlan) -> ForwardBatch:
+        dev = self.device
+        positions = torch.from_numpy(np.ascontiguousarray(plan.positions, dtype=np.int64))
+        cos, sin = self.rope.cos_sin(positions, self._inv_freq.cpu())
+        decode = [s for s in plan.seqs if s.end - s.start == 1]
+        prompts = [
+            _prompt_group(s, plan.positions[s.start : s.end], dev)
+            for s in plan.seqs
+            if s.end - s.start != 1
+        ]
+        return ForwardBatch(
+            tokens=_tensor(plan.token_ids, dev),
+            cells=_tensor(plan.cells, dev),
+            cos=cos.to(dev),
+            sin=sin.to(dev),
+            decode=_decode_group(decode, plan.positions, dev) if decode else None,
+            prompts=prompts,
+            logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
+        )
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def _decode_group(seqs: list[SeqBatch], positions: np.ndarray, dev: torch.device) -> DecodeGroup:
+    n_seq = len(seqs)
+    max_kv = max(len(s.kv_cells) for s in seqs)
+    kv_cells = np.zeros((n_seq, max_kv), dtype=np.int64)
+    mask = np.zeros((n_seq, max_kv), dtype=bool)
+    for i, s in enumerate(seqs):
+        n = len(s.kv_cells)
+        kv_cells[i, :n] = s.kv_cells
+        mask[i, :n] = s.kv_pos <= positions[s.start]
+    return DecodeGroup(
+        rows=torch.tensor([s.start for s in seqs], dtype=torch.int64, device=dev),
+        kv_cells=torch.from_numpy(kv_cells.reshape(-1)).to(dev),
+        mask=torch.from_numpy(mask).to(dev)[:, None, None, :],
+        max_kv=max_kv,
+    )
+
+
+def _prompt_group(s: SeqBatch, q_pos: np.ndarray, dev: torch.device) -> PromptGroup:
+    mask = np.asarray(s.kv_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [L, n_kv]
+    return PromptGroup(s.start, s.end, _tensor(s.kv_cells, dev), torch.from_numpy(mask).to(dev))
+
+
+def make_worker(
+    loaded: LoadedModel,
+    n_cells: int,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+) -> ModelWorker:
+    """A worker with a fresh KV cache of `n_cells` cells (dtype/device default to the model's)."""
+    from model.loader import resolve_dtype
+
+    model = loaded.transformer
+    if device is not None and torch.device(device) != model.device:
+        model = model.to(device)
+    args = loaded.config
+    storage = KVStorage(
+        n_layers=args.n_layers,
+        n_cells=n_cells,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        dtype=model.dtype if dtype is None else resolve_dtype(dtype),
+        device=model.device,
+        rope=args.rope,
+    )
+    return ModelWorker(model, storage)
