@@ -8,6 +8,7 @@ Load is either a fixed number of sessions in flight (`concurrency`) or Poisson a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from bench.metrics import BenchMetrics, RequestResult, compute_metrics
 from bench.workloads import PromptBuilder, Session, WorkloadSpec, build_sessions
 
+CUT_OFF = "cut off at the time limit"
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -37,13 +39,14 @@ class LoadConfig:
     api_key: str | None = None
     timeout_s: float = 600.0
     max_duration_s: float | None = None  # no new session starts after this many seconds
+    cutoff_s: float | None = None  # requests still running after this many seconds fail
 
 
 @dataclass(slots=True)
 class LoadResult:
     results: list[RequestResult]
     duration_s: float
-    num_skipped: int = 0  # sessions not started because max_duration_s ran out
+    num_skipped: int = 0  # sessions not started before max_duration_s or cutoff_s
 
 
 @dataclass(slots=True)
@@ -178,7 +181,11 @@ async def run_session(
     history_tokens = session.system_tokens
     for user, user_tokens in zip(session.user_turns, session.turn_tokens, strict=True):
         body = build_body(cfg, session, history, user)
-        result, reply = await send_request(client, cfg, body, history_tokens + user_tokens)
+        try:
+            result, reply = await send_request(client, cfg, body, history_tokens + user_tokens)
+        except asyncio.CancelledError:
+            results.append(RequestResult(success=False, error=CUT_OFF))
+            raise
         results.append(result)
         pbar.update(1)
         if not result.success:
@@ -204,7 +211,7 @@ async def run_load(
     n_turns = sum(len(s.user_turns) for s in sessions)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    skipped = 0
+    num_started = 0
     async with httpx.AsyncClient(
         base_url=root_url(cfg.base_url), timeout=timeout, limits=limits, trust_env=False
     ) as client:
@@ -212,28 +219,33 @@ async def run_load(
         deadline = start + cfg.max_duration_s if cfg.max_duration_s else math.inf
 
         async def launch(session: Session) -> None:
-            nonlocal skipped
-            if slots is None:
-                await run_session(client, cfg, session, results, pbar)
-                return
-            async with slots:
+            nonlocal num_started
+            async with slots or contextlib.nullcontext():
                 if time.perf_counter() > deadline:
-                    skipped += 1
                     return
+                num_started += 1
                 await run_session(client, cfg, session, results, pbar)
 
-        with tqdm(total=n_turns, disable=not progress, desc=desc, leave=False) as pbar:
-            tasks = []
+        tasks: list[asyncio.Task[None]] = []
+
+        async def drive() -> None:
             for session, gap in zip(sessions, gaps, strict=True):
                 if gap > 0:
                     await asyncio.sleep(float(gap))
                 if time.perf_counter() > deadline:
-                    skipped += 1
-                    continue
+                    break
                 tasks.append(asyncio.create_task(launch(session)))
             await asyncio.gather(*tasks)
+
+        with tqdm(total=n_turns, disable=not progress, desc=desc, leave=False) as pbar:
+            try:
+                await asyncio.wait_for(drive(), timeout=cfg.cutoff_s)
+            except asyncio.TimeoutError:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         duration = time.perf_counter() - start
-    return LoadResult(results, duration, skipped)
+    return LoadResult(results, duration, len(sessions) - num_started)
 
 
 async def warm_up(cfg: LoadConfig, session: Session) -> RequestResult:

@@ -65,13 +65,11 @@ def plot_levels(path: pathlib.Path, levels: list[dict[str, Any]], title: str) ->
     ax_tput.set_ylabel("tokens / s")
     ax_tput.set_title("throughput")
     plotted: list[float] = []
-    for key, label in LATENCIES:
-        if key == "itl_ms":
-            continue
+    for (key, label), color in zip(LATENCIES, ("C0", "C1", "C2", "C3"), strict=True):
         for stat, style in (("p50", "o-"), ("p99", "x--")):
             ys = [lv[key][stat] for lv in levels]
             plotted += ys
-            ax_lat.plot(xs, ys, style, label=f"{label} {stat}")
+            ax_lat.plot(xs, ys, style, color=color, label=f"{label} {stat}")
     if plotted and min(plotted) > 0:
         ax_lat.set_yscale("log")
     ax_lat.set_ylabel("ms")
