@@ -25,9 +25,11 @@ async function loadModels() {
 }
 
 async function followCells(views) {
-  for (;;) {
+  const leaving = new AbortController();
+  window.addEventListener("pagehide", () => leaving.abort());
+  while (!leaving.signal.aborted) {
     try {
-      const response = await apiFetch(STREAM_URL);
+      const response = await apiFetch(STREAM_URL, { signal: leaving.signal });
       if (!response.ok) throw new Error(await errorMessage(response));
       setStatus("live", true);
       await readEvents(response, ({ event, data }) => {
@@ -58,6 +60,7 @@ function wireChat(chat) {
     }
   });
   $("stop").addEventListener("click", () => chat.stop());
+  window.addEventListener("pagehide", () => chat.stop());
   $("new-chat").addEventListener("click", () => chat.reset());
 }
 

@@ -1,0 +1,113 @@
+"""A fake engine that only answers cell_map(), and an app that serves the map router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import SecretStr
+
+import server
+from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
+from server.cache_map import FREE, SHARED, router
+from server.errors import install_error_handlers
+from server.settings import Settings
+
+
+def make_stats(owner_map: np.ndarray, holders: list[int], **counters: int) -> EngineStats:
+    single = owner_map[owner_map >= 0]
+    values = dict(
+        num_waiting=0,
+        num_running=0,
+        n_cells=owner_map.size,
+        cells_used=int(np.count_nonzero(owner_map != FREE)),
+        cells_shared=int(np.count_nonzero(owner_map == SHARED)),
+        cells_cached=int(np.count_nonzero(np.isin(single, holders))),
+        prefix_cache_queried_tokens=0,
+        prefix_cache_hit_tokens=0,
+        num_context_shifts=0,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_generated_tokens=0,
+        num_steps=0,
+        alive=True,
+        draining=False,
+    )
+    values.update(counters)
+    return EngineStats(**values)
+
+
+def make_slot(req_id: str, seq_id: int, owner_map: np.ndarray, num_shared: int = 0) -> SlotInfo:
+    cells = np.flatnonzero(owner_map == seq_id)
+    return SlotInfo(
+        req_id=req_id,
+        index=0,
+        seq_id=seq_id,
+        state="decode",
+        num_prompt=len(cells) - 1,
+        num_computed=len(cells) - 1,
+        num_generated=1,
+        cells_owned=len(cells) + num_shared,
+        cells_shared=num_shared,
+        pos_min=0,
+        pos_max=len(cells) + num_shared - 1,
+    )
+
+
+@dataclass
+class FakeEngine:
+    """Cells laid out by hand: seq 0 at [0, 5), shared [5, 8), seq 1 at [8, 12), holder 7 at
+    [20, 24); `head` after seq 1. Tests mutate `owner_map` to simulate steps."""
+
+    n_cells: int = 64
+    owner_map: np.ndarray = field(default_factory=lambda: np.full(64, FREE, dtype=np.int32))
+    holders: list[int] = field(default_factory=list)
+    slots: list[SlotInfo] = field(default_factory=list)
+    head: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    num_calls: int = 0
+
+    def cell_map(self) -> CellMapSnapshot:
+        self.num_calls += 1
+        owner_map = self.owner_map.copy()
+        return CellMapSnapshot(
+            n_cells=self.n_cells,
+            head=self.head,
+            owner_map=owner_map,
+            slots=list(self.slots),
+            holder_seq_ids=list(self.holders),
+            stats=make_stats(owner_map, self.holders, **self.counters),
+        )
+
+
+def make_busy_engine(n_cells: int = 64) -> FakeEngine:
+    owner_map = np.full(n_cells, FREE, dtype=np.int32)
+    owner_map[0:5] = 0
+    owner_map[5:8] = SHARED
+    owner_map[8:12] = 1
+    owner_map[20:24] = 7
+    slots = [make_slot("chatcmpl-a", 0, owner_map, 3), make_slot("chatcmpl-b", 1, owner_map, 3)]
+    counters = dict(prefix_cache_hit_tokens=3, prefix_cache_queried_tokens=12, num_running=2)
+    return FakeEngine(n_cells, owner_map, [7], slots, head=12, counters=counters)
+
+
+def make_map_app(engine: FakeEngine, api_key: str | None = None) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.state.settings = Settings(api_key=SecretStr(api_key) if api_key else None)
+    app.state.engine = engine
+    app.include_router(router)
+    return app
+
+
+def make_page_app(engine: FakeEngine, api_key: str | None = None) -> FastAPI:
+    """The map endpoints plus the page, mounted as the real server mounts it."""
+    app = make_map_app(engine, api_key)
+    static = Path(server.__file__).parent / "static"
+    app.mount("/static", StaticFiles(directory=static), name="static")
+    app.add_api_route("/", lambda: FileResponse(static / "index.html"), include_in_schema=False)
+    return app
