@@ -358,26 +358,23 @@ class Scheduler:
         if self.config.prefix_cache:
             match = self.prefix.match(np.asarray(seq.tokens, dtype=np.int64))
             match.length = min(match.length, seq.num_tokens - 1)
-        need = seq.num_tokens - match.length
+        # a context at its limit shifts before its last token is fed: it never needs more
+        need = min(seq.num_tokens, self.config.n_ctx_seq)
         # cells that running prompts will still take after this step's rows
         committed = sum(s.num_uncomputed for s in self.running if not s.is_decoding) - sum(
             n for s, n in rows if not s.is_decoding
         )
-        while self._free_cells(rows, evict=False) - committed < need:
-            victim = self.prefix.lru(exclude=match.seq_id)
-            if victim < 0:
-                return False
-            self._drop_holder(victim)
-        while len(self._free_ids) < seq.num_seq_ids:
+        while (
+            self._free_cells(rows, evict=False) - committed < need - match.length
+            or len(self._free_ids) < seq.num_seq_ids
+        ):
             victim = self.prefix.lru(exclude=match.seq_id)
             if victim < 0 and match.seq_id >= 0:
-                match = PrefixMatch(-1, 0)  # the last holder: give up the hit, take the id
+                match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
                 continue
             if victim < 0:
                 return False
             self._drop_holder(victim)
-        if self._free_cells(rows, evict=False) - committed < seq.num_tokens - match.length:
-            return False
 
         seq.seq_id = heapq.heappop(self._free_ids)
         for child in seq.forks:

@@ -156,7 +156,8 @@ def reference_output(req: Request, n_ctx_seq: int, choice: int = 0) -> tuple[lis
             n_discard = max(1, min(n_discard, n_left))
             del ctx[n_keep : n_keep + n_discard]
             num_shifts += 1
-        suppress = tuple(sorted(req.stop_token_ids)) if len(out) < req.min_tokens else ()
+        early = len(out) < req.min_tokens and not req.ignore_eos
+        suppress = tuple(sorted(req.stop_token_ids)) if early else ()
         row = SampleRow(0, req.sampling, seed, len(out), len(req.prompt_ids), None, suppress)
         token = next_token(ctx, row)
         if token in req.stop_token_ids and not req.ignore_eos:
