@@ -17,6 +17,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from scheduler.stats import CellMapSnapshot, SlotInfo
 from server.auth import check_api_key
+from server.deps import EngineDep
 
 FREE = -1
 SHARED = -2
@@ -89,21 +90,19 @@ def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
     }
 
 
-def _snapshot(request: Request) -> dict[str, Any]:
-    return cell_map_payload(request.app.state.engine.cell_map())
-
-
 @router.get("/v1/cache/cells")
-async def get_cells(request: Request) -> dict[str, Any]:
-    return _snapshot(request)
+async def get_cells(engine: EngineDep) -> dict[str, Any]:
+    return cell_map_payload(engine.cell_map())
 
 
-async def _cell_events(request: Request, interval: float) -> AsyncIterator[dict[str, str]]:
+async def _cell_events(
+    request: Request, engine: Any, interval: float
+) -> AsyncIterator[dict[str, str]]:
     """One event per tick while the client is connected; unchanged snapshots are skipped
     (sse-starlette's pings keep an idle connection alive)."""
     last = ""
     while not await request.is_disconnected():
-        data = json.dumps(_snapshot(request), separators=(",", ":"))
+        data = json.dumps(cell_map_payload(engine.cell_map()), separators=(",", ":"))
         if data != last:
             last = data
             yield {"event": "cells", "data": data}
@@ -112,6 +111,6 @@ async def _cell_events(request: Request, interval: float) -> AsyncIterator[dict[
 
 @router.get("/v1/cache/cells/stream")
 async def stream_cells(
-    request: Request, interval_ms: int = Query(250, ge=50, le=5000)
+    request: Request, engine: EngineDep, interval_ms: int = Query(250, ge=50, le=5000)
 ) -> EventSourceResponse:
-    return EventSourceResponse(_cell_events(request, interval_ms / 1000), ping=5)
+    return EventSourceResponse(_cell_events(request, engine, interval_ms / 1000), ping=5)

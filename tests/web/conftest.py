@@ -83,3 +83,33 @@ def browser(browser_session):
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture
+def fake_server():
+    """start(engine, **settings) -> LiveServer over a FakeEngine; stopped at teardown."""
+    from tests.web.fakes import start_fake_server
+
+    started = []
+
+    def start(engine, **settings):
+        started.append(start_fake_server(engine, **settings))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def open_page(browser, fake_server):
+    """open_page(engine, **settings) -> the browser on the page of a fake-engine server.
+    The page is left (closing its streams) before the server stops."""
+
+    def start(engine, **settings):
+        server = fake_server(engine, **settings)
+        browser.get(server.url)
+        return browser
+
+    yield start
+    browser.get("about:blank")

@@ -1,21 +1,16 @@
-"""A fake engine that only answers cell_map(), and an app that serves the map router."""
+"""A fake engine that answers cell_map() (and what create_app's lifespan calls), served by the
+real app: create_app with a backend factory, in uvicorn on a free port."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-from fastapi import FastAPI
-from fastapi.responses import FileResponse
-from fastapi.staticfiles import StaticFiles
-from pydantic import SecretStr
 
-import server
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
-from server.cache_map import FREE, SHARED, router
-from server.errors import install_error_handlers
-from server.settings import Settings
+from server.backend import Backend
+from server.cache_map import FREE, SHARED
+from tests.live_server import LiveServer, start_server
 
 
 def make_stats(owner_map: np.ndarray, holders: list[int], **counters: int) -> EngineStats:
@@ -61,15 +56,28 @@ def make_slot(req_id: str, seq_id: int, owner_map: np.ndarray, num_shared: int =
 @dataclass
 class FakeEngine:
     """Cells laid out by hand: seq 0 at [0, 5), shared [5, 8), seq 1 at [8, 12), holder 7 at
-    [20, 24); `head` after seq 1. Tests mutate `owner_map` to simulate steps."""
+    [20, 24); `head` after seq 1 (see make_busy_engine). Tests mutate `owner_map` and
+    `live_slots` to simulate steps."""
 
     n_cells: int = 64
     owner_map: np.ndarray = field(default_factory=lambda: np.full(64, FREE, dtype=np.int32))
     holders: list[int] = field(default_factory=list)
-    slots: list[SlotInfo] = field(default_factory=list)
+    live_slots: list[SlotInfo] = field(default_factory=list)
     head: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     num_calls: int = 0
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self, drain_timeout: float) -> None:
+        pass
+
+    def stats(self) -> EngineStats:
+        return make_stats(self.owner_map, self.holders, **self.counters)
+
+    def slots(self) -> list[SlotInfo]:
+        return list(self.live_slots)
 
     def cell_map(self) -> CellMapSnapshot:
         self.num_calls += 1
@@ -78,7 +86,7 @@ class FakeEngine:
             n_cells=self.n_cells,
             head=self.head,
             owner_map=owner_map,
-            slots=list(self.slots),
+            slots=list(self.live_slots),
             holder_seq_ids=list(self.holders),
             stats=make_stats(owner_map, self.holders, **self.counters),
         )
@@ -95,19 +103,10 @@ def make_busy_engine(n_cells: int = 64) -> FakeEngine:
     return FakeEngine(n_cells, owner_map, [7], slots, head=12, counters=counters)
 
 
-def make_map_app(engine: FakeEngine, api_key: str | None = None) -> FastAPI:
-    app = FastAPI()
-    install_error_handlers(app)
-    app.state.settings = Settings(api_key=SecretStr(api_key) if api_key else None)
-    app.state.engine = engine
-    app.include_router(router)
-    return app
+def start_fake_server(engine: FakeEngine, **settings) -> LiveServer:
+    """The whole app (routes, auth, the page) over the fake engine."""
 
+    def factory(_settings, _on_step) -> Backend:
+        return Backend(engine, None, None, "fake-model", 512, engine.n_cells, 0)
 
-def make_page_app(engine: FakeEngine, api_key: str | None = None) -> FastAPI:
-    """The map endpoints plus the page, mounted as the real server mounts it."""
-    app = make_map_app(engine, api_key)
-    static = Path(server.__file__).parent / "static"
-    app.mount("/static", StaticFiles(directory=static), name="static")
-    app.add_api_route("/", lambda: FileResponse(static / "index.html"), include_in_schema=False)
-    return app
+    return start_server(factory, ready_timeout=20, **settings)

@@ -8,13 +8,11 @@ import time
 import httpx
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
 from server.cache_map import decode_runs, encode_runs
-from tests.web.fakes import FakeEngine, make_busy_engine, make_map_app
-from tests.web.live import serve_in_thread
+from tests.web.fakes import FakeEngine, make_busy_engine
 
 
 @given(st.lists(st.integers(min_value=-2, max_value=5), max_size=200))
@@ -32,9 +30,9 @@ def test_runs_stay_compact_for_a_large_cache():
     assert encode_runs(owner_map) == [-1, 1000, 3, 500, -1, 28_500, -2, 10, -1, 35_526]
 
 
-def test_snapshot_reports_owners_rows_and_totals():
-    client = TestClient(make_map_app(make_busy_engine()))
-    body = client.get("/v1/cache/cells").json()
+def test_snapshot_reports_owners_rows_and_totals(fake_server):
+    server = fake_server(make_busy_engine())
+    body = httpx.get(f"{server.url}/v1/cache/cells").json()
     owners = decode_runs(body["owner_runs"])
     assert body["n_cells"] == 64 and owners.size == 64 and body["head"] == 12
     assert list(owners[:12]) == [0] * 5 + [-2] * 3 + [1] * 4
@@ -46,16 +44,16 @@ def test_snapshot_reports_owners_rows_and_totals():
     assert body["num_context_shifts"] == 0 and body["num_preemptions"] == 0
 
 
-def test_large_cache_snapshot_is_small():
+def test_large_cache_snapshot_is_small(fake_server):
     engine = FakeEngine(n_cells=65_536, owner_map=np.full(65_536, -1, dtype=np.int32))
     engine.owner_map[:4096] = 0
-    response = TestClient(make_map_app(engine)).get("/v1/cache/cells")
+    response = httpx.get(f"{fake_server(engine).url}/v1/cache/cells")
     assert response.json()["totals"]["free"] == 65_536 - 4096
     assert len(response.content) < 1000
 
 
-def test_api_key_is_required_when_configured():
-    client = TestClient(make_map_app(make_busy_engine(), api_key="sekret"))
+def test_api_key_is_required_when_configured(fake_server):
+    client = httpx.Client(base_url=fake_server(make_busy_engine(), api_key="sekret").url)
     assert client.get("/v1/cache/cells").status_code == 401
     bad = client.get("/v1/cache/cells", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
@@ -65,9 +63,9 @@ def test_api_key_is_required_when_configured():
     assert stream.status_code == 401
 
 
-def test_stream_sends_changes_and_stops_when_the_client_leaves():
+def test_stream_sends_changes_and_stops_when_the_client_leaves(fake_server):
     engine = make_busy_engine()
-    with serve_in_thread(make_map_app(engine)) as url, httpx.Client(base_url=url) as client:
+    with httpx.Client(base_url=fake_server(engine).url) as client:
         with client.stream("GET", "/v1/cache/cells/stream?interval_ms=50") as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             lines = response.iter_lines()
@@ -82,7 +80,7 @@ def test_stream_sends_changes_and_stops_when_the_client_leaves():
 
 
 @pytest.mark.parametrize("interval_ms", [10, 10_000])
-def test_stream_interval_is_bounded(interval_ms):
-    client = TestClient(make_map_app(make_busy_engine()))
-    response = client.get(f"/v1/cache/cells/stream?interval_ms={interval_ms}")
+def test_stream_interval_is_bounded(fake_server, interval_ms):
+    url = fake_server(make_busy_engine()).url
+    response = httpx.get(f"{url}/v1/cache/cells/stream?interval_ms={interval_ms}")
     assert response.status_code == 400

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.web.fakes import FREE, make_busy_engine, make_page_app
-from tests.web.live import serve_in_thread
+from tests.web.fakes import FREE, make_busy_engine
 from tests.web.page import (
     cell_pixels,
     cell_rgb,
@@ -25,13 +24,11 @@ HATCH_DARK = (0xB4, 0x53, 0x09)
 
 
 @pytest.fixture
-def busy_page(browser):
+def busy_page(open_page):
     engine = make_busy_engine()
-    with serve_in_thread(make_page_app(engine)) as url:
-        browser.get(url)
-        wait_for(lambda: drawn_seqs(browser), what="the first cell map")
-        yield browser, engine
-        browser.get("about:blank")  # closes the map stream before the server stops
+    browser = open_page(engine)
+    wait_for(lambda: drawn_seqs(browser), what="the first cell map")
+    return browser, engine
 
 
 def test_cells_are_coloured_by_owner(busy_page):
@@ -77,7 +74,7 @@ def test_rows_counters_and_legend(busy_page):
 def test_map_follows_the_engine_live(busy_page):
     driver, engine = busy_page
     engine.owner_map[engine.owner_map == 1] = FREE
-    engine.slots = engine.slots[:1]
+    engine.live_slots = engine.live_slots[:1]
     wait_for(lambda: 1 not in drawn_seqs(driver), timeout=5, what="seq 1 to leave the map")
     assert close(cell_rgb(driver, 9), FREE_RGB)
     assert [r["seq_id"] for r in table_rows(driver)] == ["0"]
