@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import httpx
 
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 class ServerStartError(RuntimeError):
     pass
@@ -69,7 +71,7 @@ def cellserve(
     with log_path.open("wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         try:
             url = f"http://127.0.0.1:{port}"
             yield url, wait_healthy(url, proc, startup_timeout_s)

@@ -1,0 +1,219 @@
+"""`python -m bench.run --out DIR` (what `make bench` runs): every benchmark, bounded in time.
+
+1. The micro-benchmarks that exist (bench.cache_bench, bench.model_bench, bench.engine_bench:
+   `run(out_dir) -> dict`); a failure is recorded and the rest go on.
+2. A cellserve started here on a free port: a random-prompt sweep over concurrency levels,
+   then a shared-prefix workload; the same shared-prefix workload again against a second
+   server started with --no-prefix-cache, for the TTFT ratio.
+Everything goes under the out dir: results.json, summary.md, one folder per part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.cli import run_benchmark
+from bench.loadgen import LoadConfig
+from bench.report import format_table, plot_levels, write_json
+from bench.server_proc import REPO_ROOT, ServerStartError, cellserve
+from bench.summary import write_summary
+from bench.workloads import WorkloadSpec
+
+MICRO_BENCHES = ("cache_bench", "model_bench", "engine_bench")
+
+
+@dataclass(slots=True)
+class Sizes:
+    input_len: int
+    output_len: int
+    concurrencies: tuple[int, ...]
+    level_max_s: float  # no new request after this; running ones are cut at 1.5x
+    prefix_len: int
+    prefix_input_len: int
+    prefix_output_len: int
+    prefix_concurrency: int
+    prefix_num_prompts: int
+    prefix_max_s: float
+
+    def num_prompts(self, concurrency: int) -> int:
+        return min(max(4, 2 * concurrency), 32)
+
+
+FULL = Sizes(256, 128, (1, 8, 32), 150.0, 1000, 32, 16, 4, 12, 120.0)
+QUICK = Sizes(128, 32, (1, 4), 60.0, 512, 16, 8, 2, 6, 60.0)
+
+
+class Clock:
+    def __init__(self, budget_s: float) -> None:
+        self.deadline = time.monotonic() + budget_s
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def run_micro(name: str, out_dir: pathlib.Path) -> dict[str, Any]:
+    if importlib.util.find_spec(f"bench.{name}") is None:
+        return {"status": "absent"}
+    start = time.perf_counter()
+    try:
+        module = importlib.import_module(f"bench.{name}")
+        result = module.run(out_dir / name)
+    except Exception as exc:  # noqa: BLE001  (one benchmark's failure must not stop the rest)
+        (out_dir / f"{name}.error.txt").write_text(traceback.format_exc())
+        return {
+            "status": "failed",
+            "seconds": time.perf_counter() - start,
+            "error": f"{type(exc).__name__}: {exc}"[:300],
+        }
+    return {"status": "ok", "seconds": time.perf_counter() - start, "result": result}
+
+
+def _load_config(url: str, output_len: int, max_s: float) -> LoadConfig:
+    return LoadConfig(
+        base_url=url,
+        model="",
+        output_len=output_len,
+        timeout_s=max(max_s * 2, 60.0),
+        max_duration_s=max_s,
+        cutoff_s=max_s * 1.5,
+    )
+
+
+def run_sweep(url: str, sizes: Sizes, clock: Clock, reserve_s: float) -> dict[str, Any]:
+    """Random prompts, one level per concurrency; each level's time shrinks to fit."""
+    results: dict[str, Any] = {"levels": [], "skipped_levels": []}
+    for idx, concurrency in enumerate(sizes.concurrencies):
+        n_left = len(sizes.concurrencies) - idx
+        max_s = min(sizes.level_max_s, (clock.left() - reserve_s) / n_left / 1.5)
+        if max_s < 10:
+            results["skipped_levels"].append(concurrency)
+            continue
+        spec = WorkloadSpec("random", sizes.num_prompts(concurrency), sizes.input_len)
+        cfg = _load_config(url, sizes.output_len, max_s)
+        level = run_benchmark(cfg, spec, [concurrency], seed=idx, warmup=idx == 0)
+        results = {
+            **level,
+            "levels": results["levels"] + level["levels"],
+            "skipped_levels": results["skipped_levels"],
+        }
+    return results
+
+
+def run_prefix(url: str, sizes: Sizes, clock: Clock) -> dict[str, Any]:
+    """The shared-prefix workload with the same prompts (same seed) on any server."""
+    max_s = min(sizes.prefix_max_s, max(clock.left() / 1.5, 10.0))
+    spec = WorkloadSpec(
+        "shared-prefix", sizes.prefix_num_prompts, sizes.prefix_input_len, sizes.prefix_len
+    )
+    cfg = _load_config(url, sizes.prefix_output_len, max_s)
+    return run_benchmark(cfg, spec, [sizes.prefix_concurrency], seed=0)
+
+
+def ttft_ratio(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | None]:
+    """TTFT without the prefix cache over TTFT with it (> 1: the cache helps)."""
+    out: dict[str, float | None] = {}
+    for stat in ("mean", "p50", "p99"):
+        with_cache = on["levels"][0]["ttft_ms"][stat]
+        without = off["levels"][0]["ttft_ms"][stat]
+        out[stat] = without / with_cache if with_cache > 0 else None
+    return out
+
+
+def run_serving(
+    out_dir: pathlib.Path, sizes: Sizes, server_args: list[str], clock: Clock, startup_s: float
+) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    prefix_reserve = 2 * (sizes.prefix_max_s * 1.5 + 60)
+    try:
+        with cellserve(out_dir / "server.log", server_args, startup_s) as (url, up_s):
+            report["startup_s"] = up_s
+            sweep = run_sweep(url, sizes, clock, prefix_reserve)
+            report["sweep"] = sweep
+            write_json(out_dir / "sweep" / "results.json", sweep)
+            if sweep["levels"]:
+                title = f"random in={sizes.input_len} out={sizes.output_len} (cellserve, CPU)"
+                plot_levels(out_dir / "sweep" / "results.png", sweep["levels"], title)
+                print(format_table(sweep["levels"]), flush=True)
+            report["prefix_on"] = run_prefix(url, sizes, clock)
+    except ServerStartError as exc:
+        report["error"] = f"cellserve (prefix cache on): {exc}; see {out_dir / 'server.log'}"
+        return report
+    off_args = [*server_args, "--no-prefix-cache"]
+    try:
+        with cellserve(out_dir / "server-no-prefix-cache.log", off_args, startup_s) as (url, _):
+            report["prefix_off"] = run_prefix(url, sizes, clock)
+    except ServerStartError as exc:
+        report["error"] = f"cellserve --no-prefix-cache: {exc}"
+        return report
+    report["prefix_ttft_ratio"] = ttft_ratio(report["prefix_on"], report["prefix_off"])
+    write_json(out_dir / "prefix" / "results.json", {k: report[k] for k in report if "prefix" in k})
+    return report
+
+
+def environment() -> dict[str, Any]:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": commit or None,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "bench" / "results")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
+    p.add_argument("--budget-s", type=float, default=None, help="default 1200, quick 360")
+    p.add_argument("--skip-micro", action="store_true")
+    p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--server-args", default="", help="extra `cellserve serve` flags, quoted")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    clock = Clock(args.budget_s or (360.0 if args.quick else 1200.0))
+    out_dir: pathlib.Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"environment": environment(), "sizes": asdict(sizes)}
+    report["micro"] = {}
+    if not args.skip_micro:
+        for name in MICRO_BENCHES:
+            print(f"== {name}", flush=True)
+            report["micro"][name] = run_micro(name, out_dir)
+            print(f"   {report['micro'][name]['status']}", flush=True)
+            write_json(out_dir / "results.json", report)
+    if not args.skip_serving:
+        print("== serving (cellserve subprocess)", flush=True)
+        server_args = shlex.split(args.server_args)
+        report["serving"] = run_serving(out_dir, sizes, server_args, clock, args.startup_timeout)
+    write_json(out_dir / "results.json", report)
+    summary = write_summary(out_dir / "summary.md", report)
+    print(summary)
+    failed = [n for n, m in report["micro"].items() if m["status"] == "failed"]
+    serving = report.get("serving", {})
+    completed = sum(lv["num_completed"] for lv in serving.get("sweep", {}).get("levels", []))
+    serving_ok = args.skip_serving or ("error" not in serving and completed > 0)
+    return 0 if serving_ok and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

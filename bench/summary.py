@@ -1,0 +1,130 @@
+"""summary.md for `make bench`: the numbers a reader wants first, as Markdown tables."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, int | float):
+        return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return str(value)
+
+
+def _scalars(result: Any, limit: int = 8) -> str:
+    """The first few scalar entries of a micro-benchmark's dict, flattened one level."""
+    if not isinstance(result, dict):
+        return ""
+    items: list[str] = []
+    for key, value in result.items():
+        if isinstance(value, dict):
+            items += [f"{key}.{k}={_num(v, 3)}" for k, v in value.items() if _is_scalar(v)]
+        elif _is_scalar(value):
+            items.append(f"{key}={_num(value, 3)}")
+    more = " ..." if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, int | float | str | bool) or value is None
+
+
+def _micro_section(micro: dict[str, Any]) -> list[str]:
+    lines = ["## Micro-benchmarks", "", "| benchmark | status | seconds | results |"]
+    lines.append("|---|---|---|---|")
+    for name, entry in micro.items():
+        detail = entry.get("error") or _scalars(entry.get("result"))
+        lines.append(f"| {name} | {entry['status']} | {_num(entry.get('seconds'))} | {detail} |")
+    return lines
+
+
+def _level_row(label: str, lv: dict[str, Any]) -> str:
+    cells = [
+        label,
+        f"{lv['num_completed']}/{lv['num_failed']}",
+        _num(lv["request_throughput"], 2),
+        _num(lv["output_throughput"]),
+        _num(lv["total_token_throughput"]),
+        f"{_num(lv['ttft_ms']['p50'])} / {_num(lv['ttft_ms']['p99'])}",
+        f"{_num(lv['tpot_ms']['p50'])} / {_num(lv['tpot_ms']['p99'])}",
+        _num(lv["itl_ms"]["p50"]),
+        f"{_num(lv['e2el_ms']['p50'])} / {_num(lv['e2el_ms']['p99'])}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+LEVEL_HEADER = [
+    "| {first} | done/failed | req/s | out tok/s | total tok/s | TTFT p50/p99 ms "
+    "| TPOT p50/p99 ms | ITL p50 ms | E2EL p50/p99 ms |",
+    "|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def _serving_section(serving: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if "startup_s" in serving:
+        lines += [f"cellserve became healthy in {serving['startup_s']:.1f} s.", ""]
+    sweep = serving.get("sweep")
+    if sweep:
+        w = sweep["workload"]
+        lines += [
+            f"## Serving sweep: random prompts, input {w['input_len']}, output {w['output_len']}",
+            "",
+            f"Model {sweep['model']}; prompt lengths {sweep['prompt_lengths']}; "
+            "client-side timings (`bench/loadgen.py`).",
+            "",
+            LEVEL_HEADER[0].format(first="concurrency"),
+            LEVEL_HEADER[1],
+        ]
+        lines += [_level_row(str(lv["concurrency"]), lv) for lv in sweep["levels"]]
+        if sweep.get("skipped_levels"):
+            lines += ["", f"Skipped for time: concurrency {sweep['skipped_levels']}."]
+        lines.append("")
+    if "prefix_on" in serving:
+        w = serving["prefix_on"]["workload"]
+        lines += [
+            f"## Shared prefix: {w['prefix_len']}-token system prompt + {w['input_len']}-token "
+            f"suffix, output {w['output_len']}",
+            "",
+            LEVEL_HEADER[0].format(first="prefix cache"),
+            LEVEL_HEADER[1],
+            _level_row("on", serving["prefix_on"]["levels"][0]),
+        ]
+        if "prefix_off" in serving:
+            lines.append(_level_row("off", serving["prefix_off"]["levels"][0]))
+        ratio = serving.get("prefix_ttft_ratio")
+        if ratio:
+            lines += [
+                "",
+                f"TTFT without / with the prefix cache: mean {_num(ratio['mean'], 2)}x, "
+                f"p50 {_num(ratio['p50'], 2)}x, p99 {_num(ratio['p99'], 2)}x.",
+            ]
+        lines.append("")
+    if "error" in serving:
+        lines += [f"**Serving error:** {serving['error']}", ""]
+    return lines
+
+
+def render_summary(report: dict[str, Any]) -> str:
+    env = report.get("environment", {})
+    lines = [
+        "# cellserve benchmark",
+        "",
+        f"{env.get('date')}, commit {env.get('commit')}, Python {env.get('python')}, "
+        f"{env.get('cpu_count')} CPUs ({env.get('machine')}).",
+        "",
+    ]
+    if report.get("micro"):
+        lines += [*_micro_section(report["micro"]), ""]
+    if "serving" in report:
+        lines += _serving_section(report["serving"])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_summary(path: pathlib.Path, report: dict[str, Any]) -> str:
+    text = render_summary(report)
+    path.write_text(text)
+    return text
