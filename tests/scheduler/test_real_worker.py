@@ -1,0 +1,77 @@
+"""The scheduler against the real worker on a tiny random Llama (model.testing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model.loader import LoadedModel, load_model
+from model.testing import write_tiny_llama
+from scheduler.plan import SamplingParams
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(write_tiny_llama(Path(tmp_path_factory.mktemp("tiny"))))
+
+
+def request(req_id: str, prompt: list[int], max_tokens: int, **kw: object) -> Request:
+    kw.setdefault("sampling", SamplingParams(temperature=0.0))
+    return Request(req_id, prompt, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def serve(
+    tiny: LoadedModel, batches: list[list[Request]], **cfg: object
+) -> tuple[Outcome, Scheduler]:
+    """Runs each batch of requests to completion, one batch after the other, on one cache."""
+    config = make_config(**cfg)
+    sched = Scheduler(config)
+    worker = tiny.make_worker(config.n_cells)
+    outcome = Outcome()
+    for batch in batches:
+        for r in batch:
+            sched.add_request(r)
+        while sched.has_work:
+            step(sched, worker, outcome)  # type: ignore[arg-type]
+    return outcome, sched
+
+
+def test_prefix_cache_hit_gives_the_cold_output(tiny: LoadedModel) -> None:
+    system = make_prompt(120, seed=1)
+    first = request("a", system + make_prompt(8, seed=2), 10)
+    second = request("b", system + make_prompt(8, seed=3), 16)
+    warm, sched = serve(tiny, [[first], [second]], n_cells=512, n_ctx_seq=256, n_batch=64)
+    assert warm.finish[("b", 0)].num_cached_tokens == 120
+    cold, _ = serve(tiny, [[second]], n_cells=512, n_ctx_seq=256, n_batch=64, prefix_cache=False)
+    assert warm.tokens[("b", 0)] == cold.tokens[("b", 0)]
+
+
+def test_shift_over_shared_cells_equals_shift_over_private_cells(tiny: LoadedModel) -> None:
+    # the same request shifts 3 times, once over cells it shares with a prefix holder
+    # (copy-on-write before the K re-rotation) and once over cells of its own
+    system = make_prompt(20, seed=4)
+    warmup = request("w", system + [5], 2)
+    probe = request("p", system + [9, 10], 60, n_keep=4)
+    cfg: dict[str, object] = dict(n_cells=128, n_ctx_seq=32, n_batch=32)
+    shared, s_sched = serve(tiny, [[warmup], [probe]], **cfg)
+    private, p_sched = serve(tiny, [[probe]], prefix_cache=False, **cfg)
+    assert shared.finish[("p", 0)].num_cached_tokens == 20
+    assert s_sched.counters.num_context_shifts == p_sched.counters.num_context_shifts >= 3
+    assert shared.tokens[("p", 0)] == private.tokens[("p", 0)]
+
+
+def test_preemption_keeps_greedy_and_seeded_outputs(tiny: LoadedModel) -> None:
+    def workload() -> list[Request]:
+        reqs = [request(f"g{i}", make_prompt(12 + i, seed=i), 20) for i in range(4)]
+        seeded = SamplingParams(temperature=0.9, seed=7)
+        reqs.append(request("s", make_prompt(10, seed=9), 20, n=2, sampling=seeded))
+        return reqs
+
+    tight, t_sched = serve(tiny, [workload()], n_cells=48, n_ctx_seq=40, prefix_cache=False)
+    roomy, r_sched = serve(tiny, [workload()], n_cells=512, n_ctx_seq=40, prefix_cache=False)
+    assert t_sched.counters.num_preemptions > 0 and r_sched.counters.num_preemptions == 0
+    assert tight.tokens == roomy.tokens
