@@ -85,7 +85,8 @@ class Generation:
         self.timeout = timeout
         self.want_logprobs = want_logprobs
         self.arrival = time.monotonic()
-        skip = frozenset(int(t) for t in backend.tokenizer.eos_ids)
+        tok = backend.tokenizer
+        skip = frozenset(int(t) for t in (*tok.eos_ids, *getattr(tok, "special_ids", ())))
         self.choices: list[_Choice] = []
         for j, req in enumerate(requests):
             for _ in range(req.n):

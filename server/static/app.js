@@ -70,6 +70,7 @@ function main() {
     model: $("model"),
     temperature: $("temperature"),
     maxTokens: $("max-tokens"),
+    ignoreEos: $("ignore-eos"),
     systemPrompt: $("system-prompt"),
     send: $("send"),
     stop: $("stop"),

@@ -30,6 +30,7 @@ export function createChat(els) {
       stream_options: { include_usage: true },
       temperature: Number(els.temperature.value),
       max_tokens: Number(els.maxTokens.value),
+      ...(els.ignoreEos.checked ? { ignore_eos: true } : {}),
     };
   }
 

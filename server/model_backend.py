@@ -1,0 +1,58 @@
+"""Build the real Backend: load the model, make the worker and its KV cache, start nothing yet."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.stats import StepStats
+from server.backend import Backend
+from server.settings import Settings
+
+log = logging.getLogger("cellserve.server")
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Backend:
+    from model import default_model_path, load_model
+
+    device = resolve_device(settings.device)
+    dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
+    path = settings.model or default_model_path()
+    loaded = load_model(path, dtype=dtype, device=device)
+    n_ctx = min(settings.ctx_per_seq, settings.n_cells)
+    if n_ctx > loaded.config.n_ctx_train > 0:
+        log.warning(
+            "ctx_per_seq %d is past the model's training context %d",
+            n_ctx,
+            loaded.config.n_ctx_train,
+        )
+    worker = loaded.make_worker(settings.n_cells, dtype, device)
+    config = EngineConfig(
+        n_cells=settings.n_cells,
+        n_seq_max=settings.n_seq_max,
+        n_batch=settings.n_batch,
+        n_ctx_seq=n_ctx,
+        context_shift=settings.context_shift,
+        max_queue=settings.max_queue,
+        prefix_cache=settings.prefix_cache,
+    )
+    config.validate()
+    return Backend(
+        engine=Engine(worker, config, on_step=on_step),
+        tokenizer=loaded.tokenizer,
+        chat_template=loaded.chat_template,
+        model_name=settings.served_model_name or loaded.name,
+        n_ctx_seq=n_ctx,
+        n_cells=settings.n_cells,
+        cache_bytes=worker.kv_bytes_per_cell * settings.n_cells,
+    )

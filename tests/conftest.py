@@ -1,0 +1,39 @@
+"""Shared fixtures. `live_server`: the real model behind a real uvicorn, once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.live_server import LiveServer, start_server
+
+# small enough to start in seconds on 2 CPU cores, big enough for 16 concurrent streams
+LIVE_SETTINGS = {
+    "n_cells": 4096,
+    "n_seq_max": 48,
+    "n_batch": 256,
+    "ctx_per_seq": 512,
+    "drain_timeout": 5.0,
+    "request_timeout": 120.0,
+}
+
+
+@pytest.fixture(scope="session")
+def live_server() -> LiveServer:
+    server = start_server(**LIVE_SETTINGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server_factory():
+    """start_server(backend_factory=None, **settings) -> LiveServer; all stopped at teardown."""
+    started: list[LiveServer] = []
+
+    def factory(backend_factory=None, **settings) -> LiveServer:
+        server = start_server(backend_factory, **settings)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
