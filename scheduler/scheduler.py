@@ -7,7 +7,6 @@ admissions (FCFS) while the cache has room. Not thread-safe: the engine holds a 
 
 from __future__ import annotations
 
-import heapq
 import random
 import time
 from collections import deque
@@ -21,7 +20,8 @@ from scheduler.context_shift import apply_shift, clamp_n_keep, plan_shift, trunc
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
 from scheduler.request import Event, FinishEvent, Request, TokenEvent
-from scheduler.sequence import SeqState, Sequence
+from scheduler.seq_ids import SeqIds
+from scheduler.sequence import SeqState, Sequence, make_sample_row
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class Scheduler:
         self.counters = Counters()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
-        self._free_ids = list(range(config.n_seq_max))  # min-heap
+        self.seq_ids = SeqIds(self.cells, self.prefix, config.prefix_cache)
         self._requests: dict[str, list[Sequence]] = {}
         self._aborts: list[tuple[str, int | None]] = []
         self._events: list[Routed] = []
@@ -197,8 +197,7 @@ class Scheduler:
         return events
 
     def clear_prefix_cache(self) -> None:
-        for sid in self.prefix.seq_ids:
-            self._drop_holder(sid)
+        self.seq_ids.clear_holders()
 
     # ---- placement ------------------------------------------------------------------------
 
@@ -233,7 +232,7 @@ class Scheduler:
             seq.num_computed += n
             if seq.num_uncomputed == 0:
                 for choice in [seq, *self._fork(seq)]:
-                    samples.append(self._sample_row(choice, start + n - 1))
+                    samples.append(make_sample_row(choice, start + n - 1))
                     sampled.append(choice)
             start += n
         start = 0
@@ -262,23 +261,6 @@ class Scheduler:
             self.running.append(child)
         return forks
 
-    def _sample_row(self, seq: Sequence, row: int) -> SampleRow:
-        req = seq.request
-        params = req.sampling
-        history = seq.prompt_ids + seq.output_ids if params.needs_history else None
-        suppress: tuple[int, ...] = ()
-        if seq.num_generated < req.min_tokens and not req.ignore_eos:
-            suppress = tuple(sorted(req.stop_token_ids))
-        return SampleRow(
-            row=row,
-            params=params,
-            seed=seq.seed,
-            output_index=seq.num_generated,
-            num_prompt=seq.num_prompt,
-            history=history,
-            suppress_ids=suppress,
-        )
-
     def _append_token(self, seq: Sequence, sample: SampleRow, out: StepOutput, i: int) -> None:
         req = seq.request
         token = int(out.token_ids[i])
@@ -306,8 +288,7 @@ class Scheduler:
         """Cells free for more tokens this step; with `evict`, drops every holder first if
         that is what it takes to get any."""
         free = self.cells.n_cells - self.cells.used - sum(n for _, n in rows)
-        while evict and free <= 0 and len(self.prefix):
-            self._drop_holder(self.prefix.lru())
+        while evict and free <= 0 and self.seq_ids.drop_lru_holder():
             free = self.cells.n_cells - self.cells.used - sum(n for _, n in rows)
         return max(free, 0)
 
@@ -317,8 +298,7 @@ class Scheduler:
         """Makes `n` cells free: LRU holders first, then preempts the most recently admitted
         unscheduled sequence. False when `seq` itself had to be preempted."""
         while self._free_cells(rows, evict=False) < n:
-            if len(self.prefix):
-                self._drop_holder(self.prefix.lru())
+            if self.seq_ids.drop_lru_holder():
                 continue
             victims = [s for s in self.running if id(s) not in scheduled]
             victim = max(victims, key=lambda s: s.admit_order)
@@ -339,10 +319,10 @@ class Scheduler:
         """Frees every cell and seq id of `seq`; it goes to the front of the queue and
         recomputes its context (prompt + generated) when readmitted."""
         self.cells.seq_rm(seq.seq_id, -1, -1)
-        self._release_id(seq.seq_id)
+        self.seq_ids.release(seq.seq_id)
         seq.seq_id = -1
         for child in seq.forks:
-            self._release_id(child.seq_id)
+            self.seq_ids.release(child.seq_id)
             child.seq_id = -1
         seq.num_computed = 0
         seq.state = SeqState.WAITING
@@ -366,19 +346,17 @@ class Scheduler:
         )
         while (
             self._free_cells(rows, evict=False) - committed < need - match.length
-            or len(self._free_ids) < seq.num_seq_ids
+            or self.seq_ids.num_free < seq.num_seq_ids
         ):
-            victim = self.prefix.lru(exclude=match.seq_id)
-            if victim < 0 and match.seq_id >= 0:
-                match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
+            if self.seq_ids.drop_lru_holder(exclude=match.seq_id):
                 continue
-            if victim < 0:
+            if match.seq_id < 0:
                 return False
-            self._drop_holder(victim)
+            match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
 
-        seq.seq_id = heapq.heappop(self._free_ids)
+        seq.seq_id = self.seq_ids.take()
         for child in seq.forks:
-            child.seq_id = heapq.heappop(self._free_ids)
+            child.seq_id = self.seq_ids.take()
         if match.length:
             self.cells.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
             self.prefix.touch(match.seq_id)
@@ -430,7 +408,7 @@ class Scheduler:
             seq.parent.forks.remove(seq)
             seq.parent = None
             if seq.seq_id >= 0:
-                self._release_id(seq.seq_id)
+                self.seq_ids.release(seq.seq_id)
         elif seq.state is SeqState.RUNNING:
             self.running.remove(seq)
             self._release(seq, cache=reason != "error")
@@ -453,31 +431,13 @@ class Scheduler:
             self._requests.pop(seq.req_id, None)
 
     def _release(self, seq: Sequence, cache: bool) -> None:
-        """Frees the seq id, or keeps it as a prefix-cache holder of the computed context
-        (only its unshifted part: a holder's token i must sit at position i)."""
-        sid = seq.seq_id
+        """Retires the seq id; a holder keeps only the unshifted part of the context (a
+        holder's token i must sit at position i)."""
         n = seq.num_computed
         if seq.num_shifts:
             n = min(n, clamp_n_keep(seq.request.n_keep, seq.num_prompt, self.config.n_ctx_seq))
-        tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
-        if cache and self.config.prefix_cache and n > 0 and not self.prefix.is_covered(tokens):
-            self.cells.seq_rm(sid, n, -1)
-            for holder in self.prefix.covered_by(tokens):
-                self._drop_holder(holder)
-            self.prefix.insert(sid, tokens)
-            return
-        self.cells.seq_rm(sid, -1, -1)
-        self._release_id(sid)
-
-    def _drop_holder(self, sid: int) -> None:
-        self.prefix.remove(sid)
-        self.cells.seq_rm(sid, -1, -1)
-        self._release_id(sid)
-
-    def _release_id(self, sid: int) -> None:
-        assert sid >= 0
-        heapq.heappush(self._free_ids, sid)
+        self.seq_ids.retire(seq.seq_id, np.asarray(seq.tokens[:n], dtype=np.int64), cache)
 
     @property
     def num_free_seq_ids(self) -> int:
-        return len(self._free_ids)
+        return self.seq_ids.num_free

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler.plan import SampleRow
 from scheduler.request import Request
 
 
@@ -71,3 +72,21 @@ class Sequence:
     @property
     def num_seq_ids(self) -> int:
         return 1 + len(self.forks)
+
+
+def make_sample_row(seq: Sequence, row: int) -> SampleRow:
+    req = seq.request
+    params = req.sampling
+    history = seq.prompt_ids + seq.output_ids if params.needs_history else None
+    suppress: tuple[int, ...] = ()
+    if seq.num_generated < req.min_tokens and not req.ignore_eos:
+        suppress = tuple(sorted(req.stop_token_ids))
+    return SampleRow(
+        row=row,
+        params=params,
+        seed=seq.seed,
+        output_index=seq.num_generated,
+        num_prompt=seq.num_prompt,
+        history=history,
+        suppress_ids=suppress,
+    )

@@ -1,0 +1,60 @@
+"""Who holds each seq id of the KV cache: nobody, a running choice, or a prefix-cache holder."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from kvcache.cells import KVCells
+from scheduler.prefix_cache import PrefixCache
+
+
+class SeqIds:
+    def __init__(self, cells: KVCells, prefix: PrefixCache, prefix_enabled: bool) -> None:
+        self.cells = cells
+        self.prefix = prefix
+        self.prefix_enabled = prefix_enabled
+        self._free = list(range(cells.n_seq_max))  # min-heap
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def release(self, sid: int) -> None:
+        """`sid` owns no cells any more."""
+        assert sid >= 0
+        heapq.heappush(self._free, sid)
+
+    def retire(self, sid: int, tokens: np.ndarray, cache: bool) -> None:
+        """A choice is done with `sid`, whose cells hold `tokens` at positions 0..n-1 (and
+        maybe more): keep them as a prefix holder, or free everything."""
+        n = tokens.shape[0]
+        if cache and self.prefix_enabled and n > 0 and not self.prefix.is_covered(tokens):
+            self.cells.seq_rm(sid, n, -1)
+            for holder in self.prefix.covered_by(tokens):
+                self.drop_holder(holder)
+            self.prefix.insert(sid, tokens)
+            return
+        self.cells.seq_rm(sid, -1, -1)
+        self.release(sid)
+
+    def drop_holder(self, sid: int) -> None:
+        self.prefix.remove(sid)
+        self.cells.seq_rm(sid, -1, -1)
+        self.release(sid)
+
+    def drop_lru_holder(self, exclude: int = -1) -> bool:
+        """False when there is no holder (other than `exclude`) to drop."""
+        sid = self.prefix.lru(exclude)
+        if sid < 0:
+            return False
+        self.drop_holder(sid)
+        return True
+
+    def clear_holders(self) -> None:
+        for sid in self.prefix.seq_ids:
+            self.drop_holder(sid)
