@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from kvcache.cells import CellStats, KVCells
+from kvcache.memory import Memory
 
 
 def make_cache(n_cells: int = 16, n_seq_max: int = 4) -> KVCells:
@@ -94,7 +97,7 @@ def test_find_slot_none_when_full_and_rejects_zero() -> None:
         lambda kv: kv.seq_pos_max(4),
     ],
 )
-def test_bad_calls_raise_and_change_nothing(call) -> None:  # type: ignore[no-untyped-def]
+def test_bad_calls_raise_and_change_nothing(call: Callable[[KVCells], object]) -> None:
     kv = make_cache(16)
     write(kv, 0, [0, 1, 2, 3])
     kv.seq_add(0, 2, -1, 3)
@@ -236,3 +239,8 @@ def test_clear_resets_everything() -> None:
     assert kv.used == 0 and kv.head == 0 and kv.take_pending().is_empty
     assert [kv.seq_pos_max(s) for s in range(4)] == [-1] * 4
     assert kv.stats() == CellStats(8, 0, 0, 0, 0, 0.0)
+
+
+def test_kvcells_is_a_memory() -> None:
+    memory: Memory = make_cache()
+    assert memory.find_slot(1) is not None
