@@ -27,7 +27,7 @@ from typing import Any
 from bench.cli import run_benchmark
 from bench.loadgen import LoadConfig
 from bench.report import format_table, plot_levels, write_json
-from bench.server_proc import REPO_ROOT, ServerStartError, cellserve
+from bench.server_proc import REPO_ROOT, cellserve
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
@@ -63,12 +63,14 @@ class Clock:
         return self.deadline - time.monotonic()
 
 
-def run_micro(name: str, out_dir: pathlib.Path) -> dict[str, Any]:
-    if importlib.util.find_spec(f"bench.{name}") is None:
+def run_micro(name: str, out_dir: pathlib.Path, package: str = "bench") -> dict[str, Any]:
+    """Calls `{package}.{name}.run(out_dir / name)`; absent modules and failures are reported."""
+    if importlib.util.find_spec(f"{package}.{name}") is None:
         return {"status": "absent"}
     start = time.perf_counter()
     try:
-        module = importlib.import_module(f"bench.{name}")
+        module = importlib.import_module(f"{package}.{name}")
+        (out_dir / name).mkdir(parents=True, exist_ok=True)
         result = module.run(out_dir / name)
     except Exception as exc:  # noqa: BLE001  (one benchmark's failure must not stop the rest)
         (out_dir / f"{name}.error.txt").write_text(traceback.format_exc())
@@ -91,13 +93,13 @@ def _load_config(url: str, output_len: int, max_s: float) -> LoadConfig:
     )
 
 
-def run_sweep(url: str, sizes: Sizes, clock: Clock, reserve_s: float) -> dict[str, Any]:
-    """Random prompts, one level per concurrency; each level's time shrinks to fit."""
+def run_sweep(url: str, sizes: Sizes, clock: Clock) -> dict[str, Any]:
+    """Random prompts, one level per concurrency; each level's time shrinks to fit `clock`."""
     results: dict[str, Any] = {"levels": [], "skipped_levels": []}
     for idx, concurrency in enumerate(sizes.concurrencies):
         n_left = len(sizes.concurrencies) - idx
-        max_s = min(sizes.level_max_s, (clock.left() - reserve_s) / n_left / 1.5)
-        if max_s < 10:
+        max_s = min(sizes.level_max_s, clock.left() / n_left / 1.5)
+        if max_s < 5:
             results["skipped_levels"].append(concurrency)
             continue
         spec = WorkloadSpec("random", sizes.num_prompts(concurrency), sizes.input_len)
@@ -111,9 +113,9 @@ def run_sweep(url: str, sizes: Sizes, clock: Clock, reserve_s: float) -> dict[st
     return results
 
 
-def run_prefix(url: str, sizes: Sizes, clock: Clock) -> dict[str, Any]:
+def run_prefix(url: str, sizes: Sizes, budget_s: float) -> dict[str, Any]:
     """The shared-prefix workload with the same prompts (same seed) on any server."""
-    max_s = min(sizes.prefix_max_s, max(clock.left() / 1.5, 10.0))
+    max_s = min(sizes.prefix_max_s, max(budget_s / 1.5, 10.0))
     spec = WorkloadSpec(
         "shared-prefix", sizes.prefix_num_prompts, sizes.prefix_input_len, sizes.prefix_len
     )
@@ -135,27 +137,28 @@ def run_serving(
     out_dir: pathlib.Path, sizes: Sizes, server_args: list[str], clock: Clock, startup_s: float
 ) -> dict[str, Any]:
     report: dict[str, Any] = {}
-    prefix_reserve = 2 * (sizes.prefix_max_s * 1.5 + 60)
     try:
         with cellserve(out_dir / "server.log", server_args, startup_s) as (url, up_s):
             report["startup_s"] = up_s
-            sweep = run_sweep(url, sizes, clock, prefix_reserve)
+            sweep = run_sweep(url, sizes, Clock(0.6 * clock.left()))
             report["sweep"] = sweep
             write_json(out_dir / "sweep" / "results.json", sweep)
             if sweep["levels"]:
                 title = f"random in={sizes.input_len} out={sizes.output_len} (cellserve, CPU)"
                 plot_levels(out_dir / "sweep" / "results.png", sweep["levels"], title)
                 print(format_table(sweep["levels"]), flush=True)
-            report["prefix_on"] = run_prefix(url, sizes, clock)
-    except ServerStartError as exc:
-        report["error"] = f"cellserve (prefix cache on): {exc}; see {out_dir / 'server.log'}"
+            # the rest: this run, the second server's start-up, and its run
+            report["prefix_on"] = run_prefix(url, sizes, (clock.left() - up_s) / 2)
+    except Exception as exc:  # noqa: BLE001  (report it; the server is stopped already)
+        report["error"] = f"cellserve: {type(exc).__name__}: {exc}; see {out_dir / 'server.log'}"
         return report
     off_args = [*server_args, "--no-prefix-cache"]
     try:
         with cellserve(out_dir / "server-no-prefix-cache.log", off_args, startup_s) as (url, _):
-            report["prefix_off"] = run_prefix(url, sizes, clock)
-    except ServerStartError as exc:
-        report["error"] = f"cellserve --no-prefix-cache: {exc}"
+            report["prefix_off"] = run_prefix(url, sizes, clock.left())
+    except Exception as exc:  # noqa: BLE001
+        log = out_dir / "server-no-prefix-cache.log"
+        report["error"] = f"cellserve --no-prefix-cache: {type(exc).__name__}: {exc}; see {log}"
         return report
     report["prefix_ttft_ratio"] = ttft_ratio(report["prefix_on"], report["prefix_off"])
     write_json(out_dir / "prefix" / "results.json", {k: report[k] for k in report if "prefix" in k})
@@ -179,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
-    p.add_argument("--budget-s", type=float, default=None, help="default 1200, quick 360")
+    p.add_argument("--budget-s", type=float, default=None, help="default 1200, quick 480")
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--server-args", default="", help="extra `cellserve serve` flags, quoted")
@@ -190,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    clock = Clock(args.budget_s or (360.0 if args.quick else 1200.0))
+    clock = Clock(args.budget_s or (480.0 if args.quick else 1200.0))
     out_dir: pathlib.Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"environment": environment(), "sizes": asdict(sizes)}

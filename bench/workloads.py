@@ -36,7 +36,7 @@ _WORD_TEXT = """
     window evidence population river garden stone bridge cloud summer winter spring
     """
 WORDS = tuple(_WORD_TEXT.split())
-TOKENS_PER_WORD_GUESS = 1.3  # random common words with a leading space, BPE tokenizers
+TOKENS_PER_WORD_GUESS = 1.0  # common words with a leading space: one BPE token each, mostly
 
 CountFn = Callable[[str], int]
 

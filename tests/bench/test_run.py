@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from bench.run import QUICK, run_micro, ttft_ratio
+from bench.summary import render_summary
+
+
+@pytest.fixture
+def micro_package(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A throwaway package with one working and one failing micro-benchmark."""
+    pkg = tmp_path / "fake_micro_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "works.py").write_text(
+        "def run(out_dir):\n"
+        "    (out_dir / 'marker.txt').write_text('ran')\n"
+        "    return {'tokens_per_s': 12.5, 'detail': {'n': 3}}\n"
+    )
+    (pkg / "breaks.py").write_text("def run(out_dir):\n    raise RuntimeError('no model')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fake_micro_pkg"
+
+
+def test_micro_benchmark_results_and_failures_are_recorded(
+    micro_package: str, tmp_path: pathlib.Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ok = run_micro("works", out, package=micro_package)
+    assert ok["status"] == "ok" and ok["result"]["tokens_per_s"] == 12.5
+    assert (out / "works" / "marker.txt").read_text() == "ran"
+    broken = run_micro("breaks", out, package=micro_package)
+    assert broken["status"] == "failed" and broken["error"] == "RuntimeError: no model"
+    assert "raise RuntimeError" in (out / "breaks.error.txt").read_text()
+    assert run_micro("missing", out, package=micro_package) == {"status": "absent"}
+
+
+def make_level(ttft_mean: float, concurrency: int = 4, completed: int = 6) -> dict[str, Any]:
+    summary = {"mean": ttft_mean, "p50": ttft_mean, "p90": ttft_mean, "p99": 2 * ttft_mean}
+    return {
+        "concurrency": concurrency, "request_rate": None, "num_completed": completed,
+        "num_failed": 0, "num_skipped": 0, "duration_s": 10.0, "request_throughput": 0.6,
+        "output_throughput": 12.0, "total_token_throughput": 300.0, "goodput": None,
+        "ttft_ms": summary, "tpot_ms": summary, "itl_ms": summary, "e2el_ms": summary,
+        "errors": [],
+    }  # fmt: skip
+
+
+def make_run(levels: list[dict[str, Any]], name: str = "random") -> dict[str, Any]:
+    workload = {"name": name, "input_len": 32, "output_len": 16, "prefix_len": 1000}
+    return {"model": "m", "prompt_lengths": "calibrated with /tokenize", "workload": workload,
+            "levels": levels}  # fmt: skip
+
+
+def test_ttft_ratio_is_without_over_with_the_cache() -> None:
+    ratio = ttft_ratio(make_run([make_level(100.0)]), make_run([make_level(400.0)]))
+    assert ratio == {"mean": 4.0, "p50": 4.0, "p99": 4.0}
+    assert ttft_ratio(make_run([make_level(0.0)]), make_run([make_level(1.0)]))["mean"] is None
+
+
+def test_summary_has_the_sweep_the_prefix_comparison_and_the_micro_results() -> None:
+    report = {
+        "environment": {"date": "today", "commit": "abc", "cpu_count": 2},
+        "micro": {
+            "cache_bench": {"status": "ok", "seconds": 1.5, "result": {"ops_per_s": 1000.0}},
+            "model_bench": {"status": "failed", "seconds": 0.1, "error": "OSError: x"},
+            "engine_bench": {"status": "absent"},
+        },
+        "serving": {
+            "startup_s": 12.0,
+            "sweep": {**make_run([make_level(50.0, 1), make_level(80.0, 8)]),
+                      "skipped_levels": [32]},
+            "prefix_on": make_run([make_level(100.0)], "shared-prefix"),
+            "prefix_off": make_run([make_level(400.0)], "shared-prefix"),
+            "prefix_ttft_ratio": {"mean": 4.0, "p50": 4.0, "p99": 4.0},
+        },
+    }  # fmt: skip
+    text = render_summary(report)
+    assert "| cache_bench | ok | 1.5 | ops_per_s=1000.000 |" in text
+    assert "| model_bench | failed | 0.1 | OSError: x |" in text
+    assert "| engine_bench | absent | - |  |" in text
+    assert "| 1 | 6/0 | 0.60 | 12.0 | 300.0 | 50.0 / 100.0 |" in text
+    assert "| 8 | 6/0 |" in text and "Skipped for time: concurrency [32]" in text
+    assert "| on | 6/0 |" in text and "| off | 6/0 |" in text
+    assert "mean 4.00x" in text
+
+
+def test_quick_sizes_fit_the_model_context() -> None:
+    assert QUICK.prefix_len + QUICK.prefix_input_len + QUICK.prefix_output_len < 2048
+    assert [QUICK.num_prompts(c) for c in (1, 4, 32, 64)] == [4, 8, 32, 32]
