@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import routes_chat, routes_completions, routes_misc
@@ -152,7 +154,14 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
         cache_map = importlib.import_module("server.cache_map")
         app.include_router(cache_map.router, dependencies=[Depends(check_api_key)])
     if (STATIC_DIR / "index.html").is_file():
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
+        app.mount("/", _StaticPages(directory=STATIC_DIR, html=True), name="static")
     return app
+
+
+class _StaticPages(StaticFiles):
+    """The web page at `/`; any other method on an unknown path is a 404, not a 405."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            raise StarletteHTTPException(404, "route not found")
+        await super().__call__(scope, receive, send)

@@ -82,11 +82,16 @@ class DrainingServer(uvicorn.Server):
         AppStatus.should_exit = True
 
 
+def build_settings(args: argparse.Namespace) -> Settings:
+    """CELLSERVE_* environment variables, overridden by the flags given on the command line."""
+    given = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
+    return Settings(**given)
+
+
 def serve(args: argparse.Namespace) -> int:
     from server.app import create_app
 
-    given = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
-    settings = Settings(**given)
+    settings = build_settings(args)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -105,8 +110,7 @@ def serve(args: argparse.Namespace) -> int:
     return 1 if app.state.load_error else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cellserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -118,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
     sub.add_parser("bench", help="benchmarks (see `cellserve bench --help`)", add_help=False)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         try:
             from bench.cli import main as bench_main
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cellserve bench is not available: {exc}", file=sys.stderr)
             return 2
         return int(bench_main(argv[1:]) or 0)
-    args = parser.parse_args(argv)
+    args = make_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
     from server.chat_client import run_chat

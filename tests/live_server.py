@@ -65,9 +65,14 @@ def wait_ready(url: str, timeout: float, is_alive=lambda: True) -> None:
 
 
 def start_server(
-    backend_factory: BackendFactory | None = None, *, ready_timeout: float = 300, **settings
+    backend_factory: BackendFactory | None = None,
+    *,
+    ready_timeout: float = 300,
+    wait: bool = True,
+    **settings,
 ) -> LiveServer:
-    """uvicorn in a daemon thread on a free port; returns once /health is 200."""
+    """uvicorn in a daemon thread on a free port; returns once /health is 200 (or at once
+    when `wait` is False: then the caller sees the loading phase)."""
     sock = _bound_socket("127.0.0.1")
     port = sock.getsockname()[1]
     s = Settings(host="127.0.0.1", port=port, **settings)
@@ -77,6 +82,8 @@ def start_server(
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     live = LiveServer(s.url, s, app, server, thread)
+    if not wait:
+        return live
     try:
         wait_ready(live.url, ready_timeout, thread.is_alive)
     except Exception:

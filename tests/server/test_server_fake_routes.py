@@ -192,6 +192,7 @@ def test_unknown_model_and_route_are_404(url):
     err = error_of(post(url, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404)
     assert err["code"] == "model_not_found"
     error_of(httpx.get(f"{url}/v1/nothing"), 404)
+    error_of(httpx.post(f"{url}/v1/nothing", json={}), 404)  # not a 405 from the static page
 
 
 def test_body_too_large_is_413(url):
