@@ -66,6 +66,7 @@ class FakeEngine:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    submitted: list[Request] = field(default_factory=list)
 
     def start(self) -> None:
         pass
@@ -83,6 +84,7 @@ class FakeEngine:
             for i in range(request.n):
                 self.live[(request.req_id, i)] = _Live(request, i, len(request.prompt_ids))
             self.num_prompt_tokens += len(request.prompt_ids)
+            self.submitted.append(request)
         return self._run(request)
 
     async def _run(self, request: Request) -> AsyncIterator[TokenEvent | FinishEvent]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 
 import httpx
 import openai
@@ -10,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_server import start_server
-from tests.server.fake_engine import REPLY, FakeEngine, fake_backend_factory
+from tests.server.fake_engine import EOS, REPLY, FakeEngine, FakeTokenizer, fake_backend_factory
 
 KEY = "test-key"
 
@@ -33,9 +35,9 @@ def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
 
 
-def post(url: str, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+def post(url: str, path: str, body, key: str | None = KEY, timeout=30) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=30, **kw)
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=timeout)
 
 
 def sse_chunks(resp: httpx.Response) -> list:
@@ -234,8 +236,6 @@ def test_disconnect_aborts_the_request(fake):
             slots = httpx.get(f"{server.url}/slots", headers=headers).json()
             if not slots:
                 break
-            import time
-
             time.sleep(0.02)
         assert slots == []
     finally:
@@ -270,3 +270,41 @@ def test_metrics_parse_and_count(url, client):
     assert after["cellserve_time_to_first_token_seconds_count"] > before.get(
         "cellserve_time_to_first_token_seconds_count", 0
     )
+
+
+def test_default_n_keep_is_the_system_segment(fake, url):
+    _, engine = fake
+    system = {"role": "system", "content": "You are terse."}
+    msgs = [system, {"role": "user", "content": "Hi"}]
+    post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    request = engine.submitted[-1]
+    sys_len = len(FakeTokenizer().encode("<|system|>You are terse.\n"))
+    assert request.n_keep == sys_len
+    assert request.stop_token_ids == frozenset({EOS})
+    post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "n_keep": 3})
+    assert engine.submitted[-1].n_keep == 3
+    post(url, "/v1/chat/completions", {"messages": msgs[1:], "max_tokens": 1})
+    assert engine.submitted[-1].n_keep == 0
+
+
+def test_prompts_are_not_logged_by_default(url, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = "my-secret-prompt-4711"
+    post(url, "/v1/completions", {"prompt": secret, "max_tokens": 2})
+    post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": secret}]})
+    assert caplog.records  # the requests were logged ...
+    assert all(secret not in r.getMessage() for r in caplog.records)  # ... without the prompt
+
+
+def test_non_streamed_client_gone_aborts(fake):
+    server, engine = fake
+    engine.token_delay = 0.05
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 60}, timeout=0.4)
+        deadline = time.monotonic() + 5
+        while engine.live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine.live
+    finally:
+        engine.token_delay = 0.002
