@@ -83,3 +83,58 @@ def counter(driver, element_id: str) -> str:
 def counter_int(driver, element_id: str) -> int:
     text = counter(driver, element_id).split(" ")[0]
     return int(text.replace(",", ""))
+
+
+FETCH_SPY_JS = """
+window.__chatBodies = [];
+const realFetch = window.fetch;
+window.fetch = (url, options) => {
+  if (String(url).includes('/v1/chat/completions')) {
+    window.__chatBodies.push(JSON.parse(options.body));
+  }
+  return realFetch(url, options);
+};
+"""
+
+
+def spy_on_chat_requests(driver) -> None:
+    driver.execute_script(FETCH_SPY_JS)
+
+
+def chat_bodies(driver) -> list[dict]:
+    return driver.execute_script("return window.__chatBodies")
+
+
+def set_generation(driver, max_tokens: int, ignore_eos: bool, temperature: float = 0.0) -> None:
+    """Fills the Settings panel the way a user does."""
+    from selenium.webdriver.common.by import By
+
+    if not driver.execute_script("return document.querySelector('details.settings').open"):
+        driver.find_element(By.CSS_SELECTOR, "details.settings summary").click()
+    for element_id, value in (("max-tokens", max_tokens), ("temperature", temperature)):
+        field = driver.find_element(By.ID, element_id)
+        field.clear()
+        field.send_keys(str(value))
+    box = driver.find_element(By.ID, "ignore-eos")
+    if box.is_selected() != ignore_eos:
+        box.click()
+
+
+def ask(driver, text: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    wait_for(lambda: driver.find_element(By.ID, "send").is_enabled(), what="the Send button")
+    driver.find_element(By.ID, "prompt").send_keys(text, Keys.ENTER)
+
+
+def last_reply(driver) -> dict[str, str]:
+    return driver.execute_script(
+        """
+        const all = document.querySelectorAll('.msg.assistant');
+        const last = all[all.length - 1];
+        if (!last) return null;
+        return {text: last.querySelector('.msg-body').textContent, classes: last.className,
+                meta: last.querySelector('.msg-meta').textContent, count: all.length};
+        """
+    )
