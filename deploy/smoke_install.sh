@@ -29,7 +29,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step() { echo "smoke: $*" >&2; }
+step() { echo "smoke: [${SECONDS}s] $*" >&2; }
 
 # ---- the Dockerfile's ARG and ENV values ----
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
