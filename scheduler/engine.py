@@ -190,6 +190,8 @@ class Engine:
                 events = self.scheduler.fail_plan(error)
             self._dispatch(events)
             self._cond.notify_all()
+            if not plan.num_tokens and not events:
+                self._cond.wait(0.01)  # NOTE: nothing could run; never spin on the lock
         t3 = time.perf_counter()
         if self.on_step is not None and plan.num_tokens:
             counters = self.scheduler.counters
