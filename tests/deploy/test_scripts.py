@@ -1,0 +1,38 @@
+"""The deploy shell scripts: shellcheck, and .ci/system-deps.sh is a no-op once its packages are
+installed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.tooling import DEPLOY, REPO, require_tool, run
+
+SCRIPTS = [DEPLOY / "smoke_install.sh", REPO / ".ci" / "system-deps.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck_passes(script: Path) -> None:
+    shellcheck = require_tool("shellcheck")
+    result = run([shellcheck, str(script)])
+    assert result.returncode == 0, result.stdout
+
+
+def test_shellcheck_flags_an_unquoted_variable(tmp_path: Path) -> None:
+    shellcheck = require_tool("shellcheck")
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/usr/bin/env bash\nrm -rf $1/tmp\n")
+    result = run([shellcheck, str(bad)])
+    assert result.returncode != 0 and "SC2086" in result.stdout
+
+
+def test_system_deps_installs_nothing_when_the_tools_are_there() -> None:
+    for tool in ("prometheus", "promtool"):
+        require_tool(tool)
+    bash = shutil.which("bash")
+    assert bash
+    result = run([bash, str(REPO / ".ci" / "system-deps.sh")], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and "apt-get" not in result.stderr
