@@ -166,12 +166,12 @@ class Engine:
 
     def _step(self) -> bool:
         """One step; False when the engine stops."""
-        t0 = time.perf_counter()
         with self._cond:
             while not self.scheduler.has_work and not self._stopping:
                 self._cond.wait()
             if self._stopping:
                 return False
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         error: str | None = None
@@ -190,9 +190,9 @@ class Engine:
                 events = self.scheduler.fail_plan(error)
             self._dispatch(events)
             self._cond.notify_all()
+            t3 = time.perf_counter()
             if not plan.num_tokens and not events:
                 self._cond.wait(0.01)  # NOTE: nothing could run; never spin on the lock
-        t3 = time.perf_counter()
         if self.on_step is not None and plan.num_tokens:
             counters = self.scheduler.counters
             stats = StepStats(

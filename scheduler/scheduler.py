@@ -55,6 +55,7 @@ class Scheduler:
         self._events: list[Routed] = []
         self._sampled: list[Sequence] = []  # the sequence of each SampleRow of the last plan
         self._in_plan: list[Sequence] = []
+        self._num_scheduled = 0
         self._admit_clock = 0
         self._rng = random.Random(config.seed)
 
@@ -124,6 +125,7 @@ class Scheduler:
         self._apply_aborts()
         budget = self.config.n_batch
         rows: list[tuple[Sequence, int]] = []
+        self._num_scheduled = 0  # tokens in `rows`: cells this step will take
         scheduled: set[int] = set()  # id() of sequences with rows; never preempted this step
 
         for seq in [s for s in self.running if s.is_decoding]:
@@ -136,6 +138,7 @@ class Scheduler:
             if not self._make_room(1, seq, rows, scheduled):
                 continue
             rows.append((seq, 1))
+            self._num_scheduled += 1
             scheduled.add(id(seq))
             budget -= 1
         num_decode = len(rows)
@@ -154,6 +157,7 @@ class Scheduler:
                     continue
                 n = 1
             rows.append((seq, n))
+            self._num_scheduled += n
             scheduled.add(id(seq))
             budget -= n
 
@@ -162,6 +166,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget, self._free_cells(rows, evict=False))
             if n > 0:
                 rows.append((seq, n))
+                self._num_scheduled += n
                 scheduled.add(id(seq))
                 budget -= n
 
@@ -287,9 +292,9 @@ class Scheduler:
     def _free_cells(self, rows: list[tuple[Sequence, int]], evict: bool) -> int:
         """Cells free for more tokens this step; with `evict`, drops every holder first if
         that is what it takes to get any."""
-        free = self.cells.n_cells - self.cells.used - sum(n for _, n in rows)
+        free = self.cells.n_cells - self.cells.used - self._num_scheduled
         while evict and free <= 0 and self.seq_ids.drop_lru_holder():
-            free = self.cells.n_cells - self.cells.used - sum(n for _, n in rows)
+            free = self.cells.n_cells - self.cells.used - self._num_scheduled
         return max(free, 0)
 
     def _make_room(
