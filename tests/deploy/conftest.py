@@ -1,13 +1,11 @@
-"""Fixtures of the deploy tests: a live cellserve (started as the image starts it: `cellserve
-serve` configured by CELLSERVE_* env) and a Debian Prometheus scraping it."""
+"""Fixtures of the deploy tests: the suite's live cellserve and a Debian Prometheus scraping it.
+(deploy/smoke_install.sh starts a server the way the image does: `cellserve serve` + env.)"""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,16 +16,15 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.tooling import DEPLOY, REPO, free_port, require_tool
-
-N_CELLS = 1024
+from tests.deploy.tooling import DEPLOY, free_port, require_tool
+from tests.live_server import LiveServer as SharedLiveServer
 
 
 @dataclass(slots=True)
 class LiveServer:
     url: str
     port: int
-    log: Path
+    n_cells: int
 
 
 @dataclass(slots=True)
@@ -60,34 +57,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
 
 
 @pytest.fixture(scope="session")
-def live_cellserve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """The embedded SmolLM2 served the way the image serves it, on a free port."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("cellserve") / "server.log"
-    env = {
-        **os.environ,
-        "CELLSERVE_HOST": "127.0.0.1",
-        "CELLSERVE_PORT": str(port),
-        "CELLSERVE_N_CELLS": str(N_CELLS),
-        "CELLSERVE_N_SEQ_MAX": "8",
-        "CELLSERVE_DEVICE": "cpu",
-        "CELLSERVE_DRAIN_TIMEOUT": "5",
-        "CELLSERVE_LOG_LEVEL": "warning",
-    }
-    env.pop("CELLSERVE_API_KEY", None)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, log, timeout_s=180)
-        yield LiveServer(url=f"http://127.0.0.1:{port}", port=port, log=log)
-    finally:
-        _stop(proc)
+def live_cellserve(live_server: SharedLiveServer) -> LiveServer:
+    """The suite's shared live server (tests/conftest.py): the embedded SmolLM2, real uvicorn."""
+    port = httpx.URL(live_server.url).port
+    assert port is not None
+    return LiveServer(url=live_server.url, port=port, n_cells=live_server.settings.n_cells)
 
 
 def complete(server: LiveServer, prompt: str, max_tokens: int = 8) -> dict:

@@ -128,7 +128,7 @@ def test_gpu_overlay_runs_the_cuda_image_on_one_gpu_in_bfloat16() -> None:
     docs = render("overlays/gpu")
     c = container(docs)
     assert c["image"].endswith(":cuda")
-    assert container(render("base"))["image"].endswith(":cpu")
+    assert container(render("base"))["image"] == "cellserve:latest"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     data = find(docs, "ConfigMap", "cellserve-config")["data"]
     assert data["CELLSERVE_DEVICE"] == "cuda" and data["CELLSERVE_DTYPE"] == "bfloat16"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.conftest import N_CELLS, LivePrometheus, LiveServer, complete
+from tests.deploy.conftest import LivePrometheus, LiveServer, complete
 from tests.deploy.test_dashboard import as_prometheus, dashboard_exprs
 from tests.deploy.tooling import require_tool, run
 
@@ -76,13 +76,13 @@ def test_prometheus_scrapes_cellserve(
     )
     served = exported_samples(live_cellserve)
     assert generated <= served["cellserve_generation_tokens_total"]
-    assert scalar(live_prometheus, "cellserve_kv_cells_total") == float(N_CELLS)
+    assert scalar(live_prometheus, "cellserve_kv_cells_total") == float(live_cellserve.n_cells)
     # One scrape carries both, so the ratio is exactly used / total.
     ratio = scalar(live_prometheus, "cellserve_kv_cache_usage_ratio")
     used = scalar(live_prometheus, "cellserve_kv_cells_used")
     assert ratio is not None and used is not None
     assert 0.0 <= ratio <= 1.0
-    assert ratio == pytest.approx(used / N_CELLS)
+    assert ratio == pytest.approx(used / live_cellserve.n_cells)
     prompt = scalar(live_prometheus, "cellserve_prompt_tokens_total")
     assert prompt is not None and prompt > 0
 
