@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -250,17 +251,13 @@ async def run_load(
 
 async def warm_up(cfg: LoadConfig, session: Session) -> RequestResult:
     """One short request (not measured) so that lazy start-up costs stay out of the numbers."""
-    short = LoadConfig(**{**_fields(cfg), "output_len": min(cfg.output_len, 4)})
+    short = dataclasses.replace(cfg, output_len=min(cfg.output_len, 4))
     async with httpx.AsyncClient(
         base_url=root_url(cfg.base_url), timeout=cfg.timeout_s, trust_env=False
     ) as client:
         body = build_body(short, session, [], session.user_turns[0])
         result, _ = await send_request(client, short, body, session.turn_tokens[0])
     return result
-
-
-def _fields(cfg: LoadConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in LoadConfig.__dataclass_fields__}
 
 
 def run_sweep(
