@@ -6,6 +6,10 @@ function fmt(n) {
   return Number(n).toLocaleString("en-US");
 }
 
+function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
+}
+
 function percent(part, whole) {
   return whole ? `${((100 * part) / whole).toFixed(1)}%` : "0%";
 }
@@ -46,7 +50,7 @@ function renderLegend(list, s) {
   const holderColorSample = s.holder_seq_ids.length ? holderColor(s.holder_seq_ids[0]) : holderColor(0);
   items.push(
     legendItem("shared", null, "shared (2+ owners)"),
-    legendItem("holder", holderColorSample, `prefix cache (${s.holder_seq_ids.length} holders)`),
+    legendItem("holder", holderColorSample, `prefix cache (${plural(s.holder_seq_ids.length, "holder")})`),
     legendItem("free", null, "free"),
     legendItem("head", null, "write head"),
   );
