@@ -108,7 +108,7 @@ def test_question_gets_a_streamed_answer_and_history_is_kept(page, artifacts_dir
 
 def test_map_shows_two_streams_then_frees_their_cells(page, live_server, artifacts_dir):
     set_generation(page, max_tokens=20, ignore_eos=True)
-    background = stream_in_background(live_server.url, max_tokens=20)
+    background = stream_in_background(live_server.url, max_tokens=40)
     ask(page, "Write a short poem about the sea.")
 
     rows = wait_for(
