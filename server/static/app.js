@@ -17,11 +17,22 @@ function setStatus(text, ok) {
   status.classList.toggle("bad", !ok);
 }
 
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// Retries while the server answers an error (e.g. 503 while the model loads).
 async function loadModels() {
-  const response = await apiFetch("/v1/models");
-  if (!response.ok) throw new Error(await errorMessage(response));
-  const { data } = await response.json();
-  $("model").replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+  for (;;) {
+    try {
+      const response = await apiFetch("/v1/models");
+      if (!response.ok) throw new Error(await errorMessage(response));
+      const { data } = await response.json();
+      $("model").replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+      return;
+    } catch (err) {
+      setStatus(`models: ${err.message}`, false);
+    }
+    await sleep(RECONNECT_MS);
+  }
 }
 
 async function followCells(views) {
@@ -41,7 +52,7 @@ async function followCells(views) {
     } catch (err) {
       setStatus(`map: ${err.message}`, false);
     }
-    await new Promise((resolve) => setTimeout(resolve, RECONNECT_MS));
+    await sleep(RECONNECT_MS);
   }
 }
 
@@ -90,7 +101,7 @@ function main() {
     legend: $("legend"),
     tbody: document.querySelector("#seq-table tbody"),
   });
-  loadModels().catch((err) => setStatus(`models: ${err.message}`, false));
+  loadModels();
   followCells([map, stats]);
 }
 
