@@ -38,12 +38,16 @@ class ModelWorker:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepOutput:
+        return sample(self.forward(plan), plan.samples)
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan) -> torch.Tensor:
+        """Apply plan.pending, run the batch -> logits [len(plan.samples), vocab] float32."""
         if not plan.pending.is_empty:
             self.storage.apply(plan.pending)
         if plan.num_tokens == 0:
-            return StepOutput(token_ids=[])
-        logits = self.model(self.make_batch(plan), self.storage)
-        return sample(logits, plan.samples)
+            return torch.zeros(0, self.model.args.vocab_size)
+        return self.model(self.make_batch(plan), self.storage)
 
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import LoadedModel, default_model_path, load_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path: Path) -> LoadedModel:
+    return load_model(smollm_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path: Path):
+    """transformers' own reading of the same GGUF: the independent reference."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm_path.parent, gguf_file=smollm_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm_path: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        smollm_path.parent, gguf_file=smollm_path.name
+    )
