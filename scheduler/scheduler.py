@@ -163,7 +163,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and self._admit(self.waiting[0], rows):
             seq = self.waiting.popleft()
-            n = min(seq.num_uncomputed, budget, self._free_cells(rows, evict=False))
+            cap = min(seq.num_uncomputed, budget, self.config.n_ctx_seq - seq.num_computed)
+            n = min(cap, self._free_cells(rows, evict=False))
             if n > 0:
                 rows.append((seq, n))
                 self._num_scheduled += n

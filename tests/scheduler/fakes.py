@@ -115,6 +115,7 @@ def step(sched: Scheduler, worker: FakeWorker, outcome: Outcome) -> BatchPlan:
     plan = sched.schedule()
     sched.cells.check()
     assert plan.num_tokens <= sched.config.n_batch
+    assert plan.num_tokens == 0 or plan.positions.max() < sched.config.n_ctx_seq
     out = worker.execute(plan) if plan.num_tokens else StepOutput(token_ids=[])
     outcome.add(sched.update(plan, out))
     sched.cells.check()
