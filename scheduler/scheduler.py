@@ -16,7 +16,8 @@ import numpy as np
 
 from kvcache.cells import KVCells, PendingOps
 from scheduler.config import EngineConfig
-from scheduler.context_shift import apply_shift, clamp_n_keep, plan_shift, truncate_prompt
+from scheduler.context_shift import apply_shift, clamp_n_keep, plan_shift
+from scheduler.intake import make_choices, prepare_prompt, shift_enabled
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
 from scheduler.request import Event, FinishEvent, Request, TokenEvent
@@ -61,54 +62,24 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------------
 
-    def prepare_prompt(self, request: Request) -> list[int]:
-        """The prompt the model will read; raises ValueError for a request it cannot serve."""
-        cfg = self.config
-        if not request.prompt_ids:
-            raise ValueError("empty prompt")
-        if request.n < 1 or request.n > cfg.n_seq_max:
-            raise ValueError(f"n must be in [1, {cfg.n_seq_max}], got {request.n}")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if request.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
+    def add_request(self, request: Request) -> None:
+        """Queues the request's choices; raises ValueError for one it cannot serve."""
         if request.req_id in self._requests:
             raise ValueError(f"duplicate request id {request.req_id!r}")
-        if len(request.prompt_ids) < cfg.n_ctx_seq:
-            return list(request.prompt_ids)
-        if not self.shift_enabled(request):
-            raise ValueError(
-                f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
-                f"{cfg.n_ctx_seq} and context shift is off"
-            )
-        n_keep = clamp_n_keep(request.n_keep, len(request.prompt_ids), cfg.n_ctx_seq)
-        return truncate_prompt(list(request.prompt_ids), n_keep, cfg.n_ctx_seq)
-
-    def add_request(self, request: Request) -> None:
-        prompt = self.prepare_prompt(request)
+        prompt = prepare_prompt(request, self.config)
         seed = request.sampling.seed
         if seed is None:
             seed = self._rng.getrandbits(63)
-        now = time.monotonic()
-        seqs = [
-            Sequence(request, i, seed + i, list(prompt), list(prompt), submit_time=now)
-            for i in range(request.n)
-        ]
-        parent = seqs[0]
-        parent.forks = seqs[1:]
-        for s in parent.forks:
-            s.parent = parent
+        seqs = make_choices(request, prompt, seed, time.monotonic())
         self._requests[request.req_id] = seqs
-        self.waiting.append(parent)
+        self.waiting.append(seqs[0])
 
     def abort(self, req_id: str, index: int | None = None) -> None:
         """Takes effect at the next schedule()."""
         self._aborts.append((req_id, index))
 
     def shift_enabled(self, request: Request) -> bool:
-        if request.context_shift is None:
-            return self.config.context_shift
-        return request.context_shift
+        return shift_enabled(request, self.config)
 
     @property
     def has_work(self) -> bool:

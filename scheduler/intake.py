@@ -1,0 +1,46 @@
+"""A submitted Request -> the prompt the model reads, and the sequences of its choices."""
+
+from __future__ import annotations
+
+from scheduler.config import EngineConfig
+from scheduler.context_shift import clamp_n_keep, truncate_prompt
+from scheduler.request import Request
+from scheduler.sequence import Sequence
+
+
+def shift_enabled(request: Request, config: EngineConfig) -> bool:
+    return config.context_shift if request.context_shift is None else request.context_shift
+
+
+def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
+    """The prompt the model will read; raises ValueError for a request it cannot serve."""
+    if not request.prompt_ids:
+        raise ValueError("empty prompt")
+    if request.n < 1 or request.n > config.n_seq_max:
+        raise ValueError(f"n must be in [1, {config.n_seq_max}], got {request.n}")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if request.min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
+    if len(request.prompt_ids) < config.n_ctx_seq:
+        return list(request.prompt_ids)
+    if not shift_enabled(request, config):
+        raise ValueError(
+            f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
+            f"{config.n_ctx_seq} and context shift is off"
+        )
+    n_keep = clamp_n_keep(request.n_keep, len(request.prompt_ids), config.n_ctx_seq)
+    return truncate_prompt(list(request.prompt_ids), n_keep, config.n_ctx_seq)
+
+
+def make_choices(request: Request, prompt: list[int], seed: int, now: float) -> list[Sequence]:
+    """One sequence per choice; choice i draws from seed + i. Choice 0 reads the prompt and
+    carries the others in `forks` until it is computed."""
+    seqs = [
+        Sequence(request, i, seed + i, list(prompt), list(prompt), submit_time=now)
+        for i in range(request.n)
+    ]
+    seqs[0].forks = seqs[1:]
+    for s in seqs[1:]:
+        s.parent = seqs[0]
+    return seqs
