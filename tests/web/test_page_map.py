@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
 
 from tests.web.fakes import FREE, make_busy_engine
 from tests.web.page import (
@@ -79,3 +81,23 @@ def test_map_follows_the_engine_live(busy_page):
     assert close(cell_rgb(driver, 9), FREE_RGB)
     assert [r["seq_id"] for r in table_rows(driver)] == ["0"]
     assert counter_int(driver, "total-used") == 12
+
+
+@pytest.mark.parametrize(
+    ("cell", "text"),
+    [
+        (2, "cell 2: seq 0 (chatcmpl-a)"),
+        (6, "cell 6: shared by 2+ sequences"),
+        (21, "cell 21: prefix cache (seq 7)"),
+        (40, "cell 40: free"),
+    ],
+)
+def test_hovering_a_cell_names_its_owner(busy_page, cell, text):
+    driver, _ = busy_page
+    canvas = driver.find_element(By.ID, "cell-canvas")
+    size, cols = (int(canvas.get_attribute(f"data-{k}")) for k in ("cell-size", "cols"))
+    x = (cell % cols) * size + size // 2 - canvas.size["width"] // 2
+    y = (cell // cols) * size + size // 2 - canvas.size["height"] // 2
+    ActionChains(driver).move_to_element_with_offset(canvas, x, y).perform()
+    tip = driver.find_element(By.ID, "cell-tip")
+    wait_for(lambda: tip.is_displayed() and tip.text == text, 5, f"the tip {text!r}")
