@@ -70,7 +70,7 @@ async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
     while not gen.finished:
         if await request.is_disconnected():
             log.info("client gone: aborting %s", gen.requests[0].req_id)
-            gen.abort()
+            gen.cancel()
             return
         await asyncio.sleep(0.25)
 
@@ -102,11 +102,17 @@ def sse_response(
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks(gen):
-                yield json.dumps(chunk, ensure_ascii=False)
+                yield json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
         except GenerationTimeout as exc:
             yield json.dumps(error_body(504, str(exc), code="request_timeout"))
         except GenerationFailed as exc:
             yield json.dumps(error_body(500, str(exc), code="engine_error"))
+        finally:
+            gen.cancel()
         yield "[DONE]"
 
-    return EventSourceResponse(events(), ping=15)
+    async def client_gone(_: object) -> None:
+        log.info("client gone: aborting %s", gen.requests[0].req_id)
+        gen.cancel()
+
+    return EventSourceResponse(events(), ping=15, client_close_handler_callable=client_gone)

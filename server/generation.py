@@ -109,6 +109,16 @@ class Generation:
         for req in self.requests[: len(self._streams)]:
             self.backend.engine.abort(req.req_id)
 
+    def cancel(self) -> None:
+        """Timeout, client gone, or an engine error: abort what is unfinished. Idempotent."""
+        if self.finished:
+            return
+        self.abort()
+        for choice in self.choices:
+            if not choice.done:
+                choice.done = True
+                self.metrics.requests.labels(finish_reason="abort").inc()
+
     @property
     def finished(self) -> bool:
         return all(c.done for c in self.choices)
@@ -153,8 +163,7 @@ class Generation:
         finally:
             for pump in pumps:
                 pump.cancel()
-            if not self.finished:
-                self.abort()
+            self.cancel()
 
     @staticmethod
     async def _pump(job: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:

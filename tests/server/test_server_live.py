@@ -172,6 +172,8 @@ def test_client_disconnect_aborts_and_frees_cells(live_server, model):
         after["cellserve_generation_tokens_total"] - before["cellserve_generation_tokens_total"]
     )
     assert generated < 400  # aborted long before max_tokens
+    abort = "cellserve_requests_total{finish_reason=abort}"
+    assert after[abort] - before.get(abort, 0.0) == 1
 
 
 def test_metrics_counters_move_by_usage(live_server, client, model):
