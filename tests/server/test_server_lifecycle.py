@@ -140,3 +140,35 @@ def test_flags_override_environment(monkeypatch):
 def test_bad_flag_value_is_rejected():
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--port", "not-a-number"])
+
+
+def test_chat_client_streams_and_keeps_the_conversation(monkeypatch, capsys):
+    from server import chat_client
+
+    engine = FakeEngine()
+    server = start_server(fake_backend_factory(engine), api_key="k")
+    try:
+        lines = iter(["What is the capital of France?", "And again?", ""])
+        monkeypatch.setattr("builtins.input", lambda _prompt="": next(lines))
+        args = make_parser().parse_args(
+            ["chat", "--url", server.url, "--api-key", "k", "--system", "Be brief."]
+        )
+        assert chat_client.run_chat(args) == 0
+        out = capsys.readouterr().out
+        assert out.count("The capital of France is Paris.") == 2
+        second = engine.submitted[-1].prompt_ids
+        text = bytes(t for t in second if t < 256).decode()
+        assert "Be brief." in text and "And again?" in text
+        assert text.count("The capital of France is Paris.") == 1  # the first answer is history
+    finally:
+        server.stop()
+
+
+def test_bench_subcommand_dispatches_to_bench_cli(monkeypatch):
+    import bench.cli
+    from server import cli
+
+    seen = []
+    monkeypatch.setattr(bench.cli, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["bench", "--workload", "chat"]) == 0
+    assert seen == [["--workload", "chat"]]
