@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -31,7 +32,7 @@ class RequestGuard:
     """ASGI middleware: 413 for bodies over the limit (Content-Length AND the bytes actually
     received), and a count of HTTP requests in flight for the graceful drain."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, state: object) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, state: Any) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.state = state

@@ -60,7 +60,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
-    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+    async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
@@ -102,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
-        timeout_graceful_shutdown=max(settings.drain_timeout, 1.0) + 10.0,
+        timeout_graceful_shutdown=int(settings.drain_timeout) + 10,
     )
     server = DrainingServer(config)
     print(f"cellserve: loading the model; will listen on {settings.url}", flush=True)

@@ -32,20 +32,22 @@ router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 def _prompts(backend: Backend, body: CompletionRequest) -> list[tuple[list[int], str]]:
     """-> [(token ids, prompt text)] for each prompt of the batch."""
     prompt = body.prompt
+    batch: list[str | list[int]]
     if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
+        batch = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        batch = [[int(p) for p in prompt]]  # type: ignore[arg-type]
+    else:
+        batch = list(prompt)  # type: ignore[arg-type]
+    if not batch:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]  # type: ignore[list-item]
     out = []
-    for i, p in enumerate(prompt):
+    for i, p in enumerate(batch):
         if isinstance(p, str):
             out.append((encode_text(backend.tokenizer, p, body.add_special_tokens), p))
         else:
-            ids = list(p)  # type: ignore[arg-type]
-            check_token_ids(backend, ids, f"prompt.{i}" if len(prompt) > 1 else "prompt")
-            out.append((ids, backend.tokenizer.decode(ids) if body.echo else ""))
+            check_token_ids(backend, p, f"prompt.{i}" if len(batch) > 1 else "prompt")
+            out.append((p, backend.tokenizer.decode(p) if body.echo else ""))
     return out
 
 
