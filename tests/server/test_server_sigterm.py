@@ -1,4 +1,8 @@
-"""SIGTERM on a `cellserve serve` process: running streams finish, new requests get 503, exit 0."""
+"""SIGTERM on a `cellserve serve` process: running streams finish, new requests get 503, exit 0.
+
+The process serves a tiny random Llama (model.testing) so that it starts in seconds; the drain
+does not depend on the model.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,20 @@ import threading
 import httpx
 import pytest
 
+from model.testing import write_tiny_llama
 from tests.live_server import start_server_process
 
-pytestmark = pytest.mark.model
+MAX_TOKENS = 300
 
 
-def test_sigterm_drains_running_stream_then_exits_zero():
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def test_sigterm_drains_running_stream_then_exits_zero(tiny_model):
     server = start_server_process(
-        "--n-cells", "1024", "--ctx-per-seq", "256", "--drain-timeout", "60", "--log-level", "info"
+        "--model", tiny_model, "--n-cells", "1024", "--ctx-per-seq", "512", "--drain-timeout", "60"
     )
     try:
         first_chunk = threading.Event()
@@ -23,10 +33,11 @@ def test_sigterm_drains_running_stream_then_exits_zero():
 
         def stream() -> None:
             body = {
-                "prompt": "Once upon a time",
-                "max_tokens": 30,
-                "stream": True,
+                "prompt": "Hello world",
+                "max_tokens": MAX_TOKENS,
                 "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
             with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
@@ -38,6 +49,7 @@ def test_sigterm_drains_running_stream_then_exits_zero():
         reader.start()
         assert first_chunk.wait(120)
         server.terminate()
+        assert "[DONE]" not in data  # SIGTERM arrived mid-stream
 
         for path, method in (("/health", "GET"), ("/v1/completions", "POST")):
             try:
@@ -50,8 +62,8 @@ def test_sigterm_drains_running_stream_then_exits_zero():
         reader.join(timeout=120)
         assert data[-1] == "[DONE]"
         chunks = [json.loads(d) for d in data[:-1]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert len([c for c in chunks if c["choices"][0]["text"]]) >= 20  # the whole answer came
+        assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # the whole answer came
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert server.process.wait(timeout=60) == 0, server.output()
     finally:
         server.stop()
