@@ -46,6 +46,7 @@ class KVCells:
 
     # NOTE: invariants (check() asserts them):
     #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and n_owners[c] == 0;
+    #   owner[c] is the owner's seq id wherever n_owners[c] == 1 (else meaningless);
     #   used == count(pos != -1); seq_count[s] == owners[s].sum();
     #   seq_min/seq_max[s] are exact unless seq_dirty[s] (then recomputed on read).
     # NOTE: pending copies are recorded in the logical order of the cell operations and
@@ -66,6 +67,7 @@ class KVCells:
         self.shift = np.zeros(n_cells, dtype=np.int64)
         self.owners = np.zeros((n_seq_max, n_cells), dtype=bool)  # [n_seq_max, n_cells]
         self.n_owners = np.zeros(n_cells, dtype=np.int32)
+        self.owner = np.zeros(n_cells, dtype=np.int32)
         self.seq_count = np.zeros(n_seq_max, dtype=np.int64)
         self.seq_min = np.full(n_seq_max, _NO_POS, dtype=np.int64)
         self.seq_max = np.full(n_seq_max, -1, dtype=np.int64)
@@ -112,6 +114,7 @@ class KVCells:
         self.pos[cells] = positions
         self.owners[seq_ids, cells] = True
         self.n_owners[cells] = 1
+        self.owner[cells] = seq_ids
         self.used += int(cells.size)
         self.seq_count += np.bincount(seq_ids, minlength=self.n_seq_max)
         np.minimum.at(self.seq_min, seq_ids, positions)
@@ -134,11 +137,8 @@ class KVCells:
             freed = cells
         else:
             cells = np.flatnonzero(in_range & self.owners[seq_id])
-            self.owners[seq_id, cells] = False
-            self.n_owners[cells] -= 1
-            self.seq_count[seq_id] -= cells.size
+            freed = self._drop_owner(seq_id, cells)
             self.seq_dirty[seq_id] |= cells.size > 0
-            freed = cells[self.n_owners[cells] == 0]
         self._free(freed)
         self._reset_empty_seqs()
         if freed.size and freed[0] < self.head:
@@ -169,6 +169,7 @@ class KVCells:
         self.owners[:] = False
         self.owners[seq_id] = keep
         self.n_owners[:] = keep
+        self.owner[keep] = seq_id
         self._free(freed)
         self.seq_count[:] = 0
         self.seq_count[seq_id] = int(keep.sum())
@@ -192,10 +193,7 @@ class KVCells:
         self.pos[moved] += delta
         self.shift[moved] += delta
         self.has_shift |= moved.size > 0
-        self.owners[seq_id, gone] = False
-        self.n_owners[gone] -= 1
-        self.seq_count[seq_id] -= gone.size
-        freed = gone[self.n_owners[gone] == 0]
+        freed = self._drop_owner(seq_id, gone)
         self._free(freed)
         self.seq_dirty[seq_id] = True
         self._reset_empty_seqs()
@@ -247,11 +245,8 @@ class KVCells:
 
     def owner_map(self) -> np.ndarray:
         """Per cell: -1 free, -2 shared (2+ owners), else the single owner's seq id (int32)."""
-        out = np.full(self.n_cells, -1, dtype=np.int32)
-        out[self.n_owners > 1] = -2
-        single = np.flatnonzero(self.n_owners == 1)
-        out[single] = self.owners[:, single].argmax(axis=0)
-        return out
+        n = self.n_owners
+        return np.where(n == 1, self.owner, np.where(n == 0, -1, -2)).astype(np.int32)
 
     def take_pending(self) -> PendingOps:
         """Copies (in order) then K-shifts recorded since the last call; resets them."""
@@ -305,6 +300,8 @@ class KVCells:
         assert self.used == int((~empty).sum()), "used"
         assert 0 <= self.head < self.n_cells, "head"
         assert (self.seq_count == self.owners.sum(axis=1)).all(), "seq_count"
+        single = np.flatnonzero(n_owners == 1)
+        assert (self.owner[single] == self.owners[:, single].argmax(axis=0)).all(), "owner"
         assert self.has_shift or not self.shift.any(), "has_shift"
         for s in range(self.n_seq_max):
             p = self.pos[self.owners[s]]
@@ -336,15 +333,25 @@ class KVCells:
         dst = self._free_from_head(n_copies)
         self.pos[dst] = self.pos[src]
         self.shift[dst] = self.shift[src]
-        self.owners[seq_id, src] = False
+        self._drop_owner(seq_id, src)
+        self.seq_count[seq_id] += n_copies
         self.owners[seq_id, dst] = True
-        self.n_owners[src] -= 1
         self.n_owners[dst] = 1
+        self.owner[dst] = seq_id
         self.used += n_copies
         self.copies.append((src.astype(np.int64), dst.astype(np.int64)))
         out = cells.copy()
         out[shared] = dst
         return out
+
+    def _drop_owner(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
+        """Remove seq_id from `cells` (all owned by it); returns the cells left ownerless."""
+        self.owners[seq_id, cells] = False
+        self.n_owners[cells] -= 1
+        self.seq_count[seq_id] -= cells.size
+        single = cells[self.n_owners[cells] == 1]
+        self.owner[single] = self.owners[:, single].argmax(axis=0)
+        return cells[self.n_owners[cells] == 0]
 
     def _seq_cells_in(self, seq_id: int, lo: int, hi: int) -> np.ndarray:
         p = self.pos

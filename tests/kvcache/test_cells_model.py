@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -78,12 +78,16 @@ def snapshot(kv: KVCells) -> tuple[object, ...]:
         kv.owners.copy().tolist(),
         kv.head,
         kv.used,
-        len(kv.copies),
+        [(src.tolist(), dst.tolist()) for src, dst in kv.copies],
     )
 
 
 class CellsMachine(RuleBasedStateMachine):
-    @initialize(n_cells=st.integers(8, 32), prefix=st.integers(0, 8), sharers=st.sets(seq_ids))
+    @initialize(
+        n_cells=st.integers(8, 32),
+        prefix=st.integers(0, 6),
+        sharers=st.sets(st.integers(1, N_SEQ - 1), min_size=1),
+    )
     def setup(self, n_cells: int, prefix: int, sharers: set[int]) -> None:
         """Start from a prompt of seq 0 whose prefix `sharers` share (the common case)."""
         self.kv = KVCells(n_cells, N_SEQ)
@@ -193,11 +197,23 @@ class CellsMachine(RuleBasedStateMachine):
         before = snapshot(self.kv)
         if self.ref.shift(s, lo, hi, new_pos):
             call()
+            if len(self.kv.copies) > len(before[5]):  # type: ignore[arg-type]
+                event("copy-on-write")
             self.storage_synced = False
         else:
             with pytest.raises(ValueError, match="copy-on-write"):
                 call()
             assert snapshot(self.kv) == before
+
+    @rule(src=seq_ids, dst=seq_ids)
+    def fork(self, src: int, dst: int) -> None:
+        """Whole-sequence seq_cp (n > 1 choices, prefix reuse): makes sharing common."""
+        self.seq_cp(src, dst, -1, -1)
+
+    @rule(s=seq_ids, delta=deltas)
+    def context_shift(self, s: int, delta: int) -> None:
+        """Whole-sequence seq_add: with fork, makes copies of already-shifted cells common."""
+        self.seq_add(s, -1, -1, delta)
 
     @rule()
     def take_pending(self) -> None:
@@ -218,6 +234,10 @@ class CellsMachine(RuleBasedStateMachine):
         assert stats.used == kv.used
         assert stats.shared == sum(1 for e in ref.entries if len(e.owners) > 1)
         assert stats.num_seqs == sum(1 for s in range(N_SEQ) if ref.seq_positions(s))
+        owner_map = kv.owner_map().tolist()
+        assert owner_map.count(-1) == kv.n_cells - len(ref.entries)
+        for s in range(N_SEQ):
+            assert owner_map.count(s) == sum(1 for e in ref.entries if e.owners == {s})
         for s in range(N_SEQ):
             want = ref.seq_positions(s)
             cells, positions = kv.seq_cells(s)
