@@ -113,4 +113,5 @@ if [ "$rc" -ne 0 ]; then
     echo "smoke: the server exited with $rc after SIGTERM" >&2
     exit 1
 fi
+step "the server drained and exited 0"
 echo "smoke: OK"
