@@ -35,15 +35,20 @@ def make_busy_cache() -> KVCells:
     return kv
 
 
-def timed(op: Callable[[int], None], restore: Callable[[int], None], n: int) -> dict[str, float]:
-    total = 0.0
+def timed(op: Callable[[int], object], restore: Callable[[int], None], n: int) -> dict[str, float]:
+    times = np.empty(n)
     for i in range(n):
         start = time.perf_counter()
         op(i)
-        total += time.perf_counter() - start
+        times[i] = time.perf_counter() - start
         restore(i)
-    mean = total / n
-    return {"mean_us": mean * 1e6, "ops_per_s": 1.0 / mean, "n": n}
+    mean = float(times.mean())
+    return {
+        "mean_us": mean * 1e6,
+        "median_us": float(np.median(times)) * 1e6,
+        "ops_per_s": 1.0 / mean,
+        "n": n,
+    }
 
 
 def bench_prefill(kv: KVCells, n: int) -> dict[str, float]:
@@ -99,6 +104,29 @@ def bench_pos_max_all(kv: KVCells, n: int) -> dict[str, float]:
     return timed(op, lambda _: None, n)
 
 
+def bench_shared_shift(kv: KVCells, n: int) -> dict[str, float]:
+    """Context shift of a seq that shares the 2,000-token prefix: seq_rm + seq_add with
+    copy-on-write of the prefix tail (1,000 copies), then take_pending."""
+    seq = N_SEQ - 1
+    kv.seq_cp(0, seq, 0, PREFIX)
+    saved = kv.seq_cells(seq)
+
+    def op(_: int) -> None:
+        kv.seq_rm(seq, 500, 1000)
+        kv.seq_add(seq, 1000, -1, -500)
+        kv.take_pending()
+
+    def restore(_: int) -> None:
+        kv.seq_rm(seq, -1, -1)
+        mine = saved[1] >= PREFIX
+        kv.apply_ubatch(saved[0][mine], saved[1][mine], np.full(int(mine.sum()), seq))
+        kv.seq_cp(0, seq, 0, PREFIX)
+
+    result = timed(op, restore, n)
+    kv.seq_rm(seq, 0, PREFIX)
+    return result
+
+
 def run(out_dir: pathlib.Path | None = None, n: int = 200) -> dict[str, Any]:
     kv = make_busy_cache()
     results: dict[str, Any] = {
@@ -110,6 +138,9 @@ def run(out_dir: pathlib.Path | None = None, n: int = 200) -> dict[str, Any]:
         "seq_cp prefix 2000": bench_seq_cp(kv, n),
         "seq_rm whole seq": bench_seq_rm(kv, n),
         "seq_pos_max x256": bench_pos_max_all(kv, n),
+        "owner_map": timed(lambda _: kv.owner_map(), lambda _: None, n),
+        "stats": timed(lambda _: kv.stats(), lambda _: None, n),
+        "context shift, shared prefix (CoW)": bench_shared_shift(kv, n),
     }
     kv.check()
     if out_dir is not None:
@@ -125,7 +156,10 @@ def main() -> None:
     )
     for name, r in results.items():
         if isinstance(r, dict):
-            print(f"  {name:40s} {r['mean_us']:9.1f} us  {r['ops_per_s']:10.0f} ops/s")
+            print(
+                f"  {name:38s} mean {r['mean_us']:8.1f} us  median {r['median_us']:8.1f} us"
+                f"  {r['ops_per_s']:8.0f} ops/s"
+            )
 
 
 if __name__ == "__main__":

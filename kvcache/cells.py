@@ -46,7 +46,7 @@ class KVCells:
 
     # NOTE: invariants (check() asserts them):
     #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and n_owners[c] == 0;
-    #   owner[c] is the owner's seq id wherever n_owners[c] == 1 (else meaningless);
+    #   owner_xor[c] == XOR of c's owner ids, so the single owner's id where n_owners[c] == 1;
     #   used == count(pos != -1); seq_count[s] == owners[s].sum();
     #   seq_min/seq_max[s] are exact unless seq_dirty[s] (then recomputed on read).
     # NOTE: pending copies are recorded in the logical order of the cell operations and
@@ -67,7 +67,7 @@ class KVCells:
         self.shift = np.zeros(n_cells, dtype=np.int64)
         self.owners = np.zeros((n_seq_max, n_cells), dtype=bool)  # [n_seq_max, n_cells]
         self.n_owners = np.zeros(n_cells, dtype=np.int32)
-        self.owner = np.zeros(n_cells, dtype=np.int32)
+        self.owner_xor = np.zeros(n_cells, dtype=np.int32)
         self.seq_count = np.zeros(n_seq_max, dtype=np.int64)
         self.seq_min = np.full(n_seq_max, _NO_POS, dtype=np.int64)
         self.seq_max = np.full(n_seq_max, -1, dtype=np.int64)
@@ -114,7 +114,7 @@ class KVCells:
         self.pos[cells] = positions
         self.owners[seq_ids, cells] = True
         self.n_owners[cells] = 1
-        self.owner[cells] = seq_ids
+        self.owner_xor[cells] = seq_ids
         self.used += int(cells.size)
         self.seq_count += np.bincount(seq_ids, minlength=self.n_seq_max)
         np.minimum.at(self.seq_min, seq_ids, positions)
@@ -134,6 +134,7 @@ class KVCells:
             self.seq_dirty |= self.owners[:, cells].any(axis=1)
             self.owners[:, cells] = False
             self.n_owners[cells] = 0
+            self.owner_xor[cells] = 0
             freed = cells
         else:
             cells = np.flatnonzero(in_range & self.owners[seq_id])
@@ -157,6 +158,7 @@ class KVCells:
             return
         self.owners[dst, cells] = True
         self.n_owners[cells] += 1
+        self.owner_xor[cells] ^= dst
         self.seq_count[dst] += cells.size
         self.seq_min[dst] = min(int(self.seq_min[dst]), int(p[cells].min()))
         self.seq_max[dst] = max(int(self.seq_max[dst]), int(p[cells].max()))
@@ -169,7 +171,7 @@ class KVCells:
         self.owners[:] = False
         self.owners[seq_id] = keep
         self.n_owners[:] = keep
-        self.owner[keep] = seq_id
+        self.owner_xor[:] = np.where(keep, seq_id, 0)
         self._free(freed)
         self.seq_count[:] = 0
         self.seq_count[seq_id] = int(keep.sum())
@@ -246,7 +248,7 @@ class KVCells:
     def owner_map(self) -> np.ndarray:
         """Per cell: -1 free, -2 shared (2+ owners), else the single owner's seq id (int32)."""
         n = self.n_owners
-        return np.where(n == 1, self.owner, np.where(n == 0, -1, -2)).astype(np.int32)
+        return np.where(n == 1, self.owner_xor, np.where(n == 0, -1, -2)).astype(np.int32)
 
     def take_pending(self) -> PendingOps:
         """Copies (in order) then K-shifts recorded since the last call; resets them."""
@@ -270,6 +272,7 @@ class KVCells:
         self.shift[:] = 0
         self.owners[:] = False
         self.n_owners[:] = 0
+        self.owner_xor[:] = 0
         self.seq_count[:] = 0
         self._reset_empty_seqs()
         self.head = 0
@@ -300,8 +303,10 @@ class KVCells:
         assert self.used == int((~empty).sum()), "used"
         assert 0 <= self.head < self.n_cells, "head"
         assert (self.seq_count == self.owners.sum(axis=1)).all(), "seq_count"
-        single = np.flatnonzero(n_owners == 1)
-        assert (self.owner[single] == self.owners[:, single].argmax(axis=0)).all(), "owner"
+        owner_xor = np.zeros(self.n_cells, dtype=np.int32)
+        for s in range(self.n_seq_max):
+            owner_xor[self.owners[s]] ^= s
+        assert (owner_xor == self.owner_xor).all(), "owner_xor"
         assert self.has_shift or not self.shift.any(), "has_shift"
         for s in range(self.n_seq_max):
             p = self.pos[self.owners[s]]
@@ -337,7 +342,7 @@ class KVCells:
         self.seq_count[seq_id] += n_copies
         self.owners[seq_id, dst] = True
         self.n_owners[dst] = 1
-        self.owner[dst] = seq_id
+        self.owner_xor[dst] = seq_id
         self.used += n_copies
         self.copies.append((src.astype(np.int64), dst.astype(np.int64)))
         out = cells.copy()
@@ -349,8 +354,7 @@ class KVCells:
         self.owners[seq_id, cells] = False
         self.n_owners[cells] -= 1
         self.seq_count[seq_id] -= cells.size
-        single = cells[self.n_owners[cells] == 1]
-        self.owner[single] = self.owners[:, single].argmax(axis=0)
+        self.owner_xor[cells] ^= seq_id
         return cells[self.n_owners[cells] == 0]
 
     def _seq_cells_in(self, seq_id: int, lo: int, hi: int) -> np.ndarray:
