@@ -39,3 +39,12 @@ def test_system_deps_does_not_reinstall_prometheus() -> None:
     assert result.returncode == 0, result.stderr
     would_install = result.stdout.removeprefix("system-deps: would install").split()
     assert "prometheus" not in would_install
+
+
+def test_a_missing_tool_skips_locally_and_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CELLSERVE_REQUIRE_TOOLS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no-such-tool"):
+        require_tool("no-such-tool")
+    monkeypatch.setenv("CELLSERVE_REQUIRE_TOOLS", "1")
+    with pytest.raises(pytest.fail.Exception, match="no-such-tool"):
+        require_tool("no-such-tool")
