@@ -42,7 +42,7 @@ _NO_POS = np.iinfo(np.int64).max  # seq_min sentinel for an empty sequence
 
 
 class KVCells:
-    """Cell metadata of the unified KV cache, after llama.cpp's llama_kv_cells + llama_kv_cache.
+    """Cell metadata of the unified KV cache, after llama.cpp's llama_kv_cells + llama_kv_cache."""
 
     # NOTE: invariants (check() asserts them):
     #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and n_owners[c] == 0;
@@ -56,7 +56,6 @@ class KVCells:
     #   copy src freed and reused afterwards (by a later copy or by apply_ubatch) still reads
     #   the right row. The one order to avoid: seq_add/seq_div copying a cell written by an
     #   apply_ubatch whose forward has not run yet (that row does not hold its data yet).
-    """
 
     def __init__(self, n_cells: int, n_seq_max: int) -> None:
         if n_cells < 1 or n_seq_max < 1:
