@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"))
 
 
-def _level_name(level: dict[str, Any]) -> str:
+def level_name(level: dict[str, Any]) -> str:
     if level.get("concurrency") is None:
         return f"rate {level['request_rate']}"
     if level.get("request_rate") is not None:
@@ -39,7 +39,7 @@ def format_table(levels: list[dict[str, Any]]) -> str:
     for key, label in LATENCIES:
         for stat in ("mean", "p50", "p90", "p99"):
             rows.append((f"{label} {stat} ms", [_fmt(lv[key][stat]) for lv in levels]))
-    table = [("", [_level_name(lv) for lv in levels]), *rows]
+    table = [("", [level_name(lv) for lv in levels]), *rows]
     width0 = max(len(label) for label, _ in table)
     widths = [max(len(cells[i]) for _, cells in table) for i in range(len(levels))]
     lines = []
@@ -58,7 +58,7 @@ def plot_levels(path: pathlib.Path, levels: list[dict[str, Any]], title: str) ->
     """Throughput and latency percentiles against the load level (one tick per level)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     xs = list(range(len(levels)))
-    labels = [_level_name(lv) for lv in levels]
+    labels = [level_name(lv) for lv in levels]
     fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax_tput.plot(xs, [lv["output_throughput"] for lv in levels], "o-", label="output tok/s")
     ax_tput.plot(xs, [lv["total_token_throughput"] for lv in levels], "s-", label="total tok/s")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from bench.report import level_name as _level_name
+
 
 def _num(value: Any, digits: int = 1) -> str:
     if isinstance(value, bool) or value is None:
@@ -63,6 +65,15 @@ LEVEL_HEADER = [
 ]
 
 
+def _failures(levels: list[dict[str, Any]]) -> list[str]:
+    notes = [
+        f"{_level_name(lv)}: {lv['num_failed']} failed ({'; '.join(lv['errors'])})"
+        for lv in levels
+        if lv["num_failed"]
+    ]
+    return ["", "Failures: " + ", ".join(notes) + "."] if notes else []
+
+
 def _serving_section(serving: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "startup_s" in serving:
@@ -80,6 +91,7 @@ def _serving_section(serving: dict[str, Any]) -> list[str]:
             LEVEL_HEADER[1],
         ]
         lines += [_level_row(str(lv["concurrency"]), lv) for lv in sweep["levels"]]
+        lines += _failures(sweep["levels"])
         if sweep.get("skipped_levels"):
             lines += ["", f"Skipped for time: concurrency {sweep['skipped_levels']}."]
         lines.append("")
@@ -95,6 +107,9 @@ def _serving_section(serving: dict[str, Any]) -> list[str]:
         ]
         if "prefix_off" in serving:
             lines.append(_level_row("off", serving["prefix_off"]["levels"][0]))
+        lines += _failures(
+            [serving[k]["levels"][0] for k in ("prefix_on", "prefix_off") if k in serving]
+        )
         ratio = serving.get("prefix_ttft_ratio")
         if ratio:
             lines += [

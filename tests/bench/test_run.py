@@ -39,14 +39,16 @@ def test_micro_benchmark_results_and_failures_are_recorded(
     assert run_micro("missing", out, package=micro_package) == {"status": "absent"}
 
 
-def make_level(ttft_mean: float, concurrency: int = 4, completed: int = 6) -> dict[str, Any]:
+def make_level(
+    ttft_mean: float, concurrency: int = 4, completed: int = 6, errors: tuple[str, ...] = ()
+) -> dict[str, Any]:
     summary = {"mean": ttft_mean, "p50": ttft_mean, "p90": ttft_mean, "p99": 2 * ttft_mean}
     return {
         "concurrency": concurrency, "request_rate": None, "num_completed": completed,
-        "num_failed": 0, "num_skipped": 0, "duration_s": 10.0, "request_throughput": 0.6,
+        "num_failed": len(errors), "num_skipped": 0, "duration_s": 10.0, "request_throughput": 0.6,
         "output_throughput": 12.0, "total_token_throughput": 300.0, "goodput": None,
         "ttft_ms": summary, "tpot_ms": summary, "itl_ms": summary, "e2el_ms": summary,
-        "errors": [],
+        "errors": list(errors),
     }  # fmt: skip
 
 
@@ -72,7 +74,7 @@ def test_summary_has_the_sweep_the_prefix_comparison_and_the_micro_results() -> 
         },
         "serving": {
             "startup_s": 12.0,
-            "sweep": {**make_run([make_level(50.0, 1), make_level(80.0, 8)]),
+            "sweep": {**make_run([make_level(50.0, 1), make_level(80.0, 8, 5, ("cut off",))]),
                       "skipped_levels": [32]},
             "prefix_on": make_run([make_level(100.0)], "shared-prefix"),
             "prefix_off": make_run([make_level(400.0)], "shared-prefix"),
@@ -84,7 +86,8 @@ def test_summary_has_the_sweep_the_prefix_comparison_and_the_micro_results() -> 
     assert "| model_bench | failed | 0.1 | OSError: x |" in text
     assert "| engine_bench | absent | - |  |" in text
     assert "| 1 | 6/0 | 0.60 | 12.0 | 300.0 | 50.0 / 100.0 |" in text
-    assert "| 8 | 6/0 |" in text and "Skipped for time: concurrency [32]" in text
+    assert "| 8 | 5/1 |" in text and "Skipped for time: concurrency [32]" in text
+    assert "Failures: c=8: 1 failed (cut off)." in text
     assert "| on | 6/0 |" in text and "| off | 6/0 |" in text
     assert "mean 4.00x" in text
 
