@@ -93,6 +93,7 @@ def test_every_dashboard_expression_runs(
     wait_for(live_prometheus, "cellserve_generation_tokens_total", lambda v: v >= generated_tokens)
     answered = [query(live_prometheus, as_prometheus(expr)) for _, expr in dashboard_exprs()]
     assert len(answered) == len(dashboard_exprs())
-    # Gauges and counters already have series after the requests above.
+    # Gauges and counters have series after the requests above; rate() once two scrapes exist.
     assert query(live_prometheus, "cellserve_kv_cells_used")
-    assert query(live_prometheus, "sum(rate(cellserve_generation_tokens_total[1m]))")
+    rate = "sum(rate(cellserve_generation_tokens_total[1m]))"
+    assert wait_for(live_prometheus, rate, lambda v: v >= 0.0) >= 0.0
