@@ -33,7 +33,9 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/... on bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}).") from e
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})."
+        ) from e
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

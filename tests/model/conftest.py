@@ -11,6 +11,16 @@ from model import LoadedModel, default_model_path, load_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread():
+    """NOTE: CI shares 2 cores between test processes; an OpenMP team waiting on a descheduled
+    thread at every op makes the model tests 5-10x slower than one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
     return default_model_path()
