@@ -1,0 +1,200 @@
+"""`python -m bench.model_bench`: the worker on SmolLM2 beside transformers, same run, greedy.
+
+Decode tokens/s at 1, 8 and 32 concurrent sequences (each with a 64-token prompt already in
+the cache) and prefill tokens/s of one 256-token prompt, in float32 and bfloat16. The
+transformers side is `generate` (greedy, fixed length, its own KV cache) on the same GGUF;
+its decode rate is (generate N tokens - generate 1 token) / (N - 1) per sequence.
+Also profiles one decode step at concurrency 1 (what dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcache.cells import PendingOps
+from model import default_model_path, load_model
+from model.worker import ModelWorker, make_worker
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
+
+PROMPT_LEN = 64
+PREFILL_LEN = 256
+DECODE_STEPS = 12
+CONCURRENCY = (1, 8, 32)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_plan(tokens: list[list[int]], starts: list[int], n_cells_per_seq: int) -> BatchPlan:
+    """Seq i writes tokens[i] at positions starts[i].. into its own cell range."""
+    flat, pos, seqs, cells, batches, samples = [], [], [], [], [], []
+    for i, toks in enumerate(tokens):
+        row0, base = len(flat), i * n_cells_per_seq
+        p = list(range(starts[i], starts[i] + len(toks)))
+        flat += toks
+        pos += p
+        seqs += [i] * len(toks)
+        cells += [base + q for q in p]
+        kv = np.arange(starts[i] + len(toks))
+        batches.append(SeqBatch(i, row0, len(flat), base + kv, kv))
+        samples.append(SampleRow(len(flat) - 1, GREEDY, 0, 0, len(toks)))
+    as_np = [np.array(a, np.int64) for a in (flat, pos, seqs, cells)]
+    return BatchPlan(*as_np, seqs=batches, samples=samples, pending=PendingOps.empty())
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(n)
+    return rng.integers(100, vocab - 100, size=(n, length)).tolist()
+
+
+def ours_decode(worker: ModelWorker, conc: int, vocab: int) -> float:
+    per_seq = PROMPT_LEN + DECODE_STEPS + 1
+    batch = prompts(conc, PROMPT_LEN, vocab)
+    last = worker.execute(make_plan(batch, [0] * conc, per_seq)).token_ids
+    start = time.perf_counter()
+    for step in range(DECODE_STEPS):
+        plan = make_plan([[t] for t in last], [PROMPT_LEN + step] * conc, per_seq)
+        last = worker.execute(plan).token_ids
+    return conc * DECODE_STEPS / (time.perf_counter() - start)
+
+
+def ours_prefill(worker: ModelWorker, vocab: int) -> float:
+    plan = make_plan(prompts(1, PREFILL_LEN, vocab), [0], PREFILL_LEN)
+    worker.execute(plan)  # warm-up
+    start = time.perf_counter()
+    worker.execute(plan)
+    return PREFILL_LEN / (time.perf_counter() - start)
+
+
+def hf_rates(hf: Any, vocab: int) -> dict[str, float]:
+    rates: dict[str, float] = {}
+
+    def generate(ids: torch.Tensor, n: int) -> float:
+        start = time.perf_counter()
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        for conc in CONCURRENCY:
+            ids = torch.tensor(prompts(conc, PROMPT_LEN, vocab))
+            generate(ids, 2)  # warm-up
+            t_one = generate(ids, 1)
+            t_all = generate(ids, DECODE_STEPS + 1)
+            rates[f"decode_c{conc}"] = conc * DECODE_STEPS / max(t_all - t_one, 1e-9)
+        ids = torch.tensor(prompts(1, PREFILL_LEN, vocab))
+        hf(ids)
+        start = time.perf_counter()
+        hf(ids)
+        rates["prefill"] = PREFILL_LEN / (time.perf_counter() - start)
+    return rates
+
+
+def profile_decode(worker: ModelWorker, vocab: int) -> list[dict[str, Any]]:
+    from torch.profiler import profile
+
+    plan = make_plan(prompts(1, PROMPT_LEN, vocab), [0], PROMPT_LEN + 1)
+    worker.execute(plan)
+    step = make_plan([[123]], [PROMPT_LEN], PROMPT_LEN + 1)
+    with profile() as prof:
+        for _ in range(3):
+            worker.execute(step)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [
+        {
+            "op": e.key,
+            "share": round(e.self_cpu_time_total / total, 3),
+            "calls_per_step": e.count // 3,
+        }
+        for e in events[:6]
+    ]
+
+
+def load_hf(path: pathlib.Path) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def run(out_dir: pathlib.Path | str | None = None, threads: int | None = 1) -> dict[str, Any]:
+    """NOTE: threads=1 by default: on shared CPUs an OpenMP team waiting for a descheduled
+    thread at every op makes both sides several times slower and the ratio noise."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    path = default_model_path()
+    hf32 = load_hf(path)
+    result: dict[str, Any] = {
+        "model": path.name,
+        "torch_threads": torch.get_num_threads(),
+        "decode_steps": DECODE_STEPS,
+        "prompt_len": PROMPT_LEN,
+        "rows": [],
+    }
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(path, dtype=dtype)
+        vocab = loaded.config.vocab_size
+        worker = make_worker(loaded, n_cells=max(CONCURRENCY) * (PROMPT_LEN + DECODE_STEPS + 1))
+        ours = {f"decode_c{c}": ours_decode(worker, c, vocab) for c in CONCURRENCY}
+        ours["prefill"] = ours_prefill(worker, vocab)
+        if dtype == "float32":
+            result["decode_profile_c1"] = profile_decode(worker, vocab)
+        hf = hf32 if dtype == "float32" else hf32.to(torch.bfloat16)
+        theirs = hf_rates(hf, vocab)
+        for key, value in ours.items():
+            result["rows"].append(
+                {
+                    "dtype": dtype,
+                    "metric": key,
+                    "cellserve_tok_s": round(value, 1),
+                    "transformers_tok_s": round(theirs[key], 1),
+                    "ratio": round(value / theirs[key], 2),
+                }
+            )
+        del worker, loaded
+    if out_dir is not None:
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model_bench.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']}, torch threads {result['torch_threads']}",
+        f"{'dtype':<9} {'metric':<11} {'cellserve tok/s':>16} {'transformers tok/s':>19} "
+        f"{'ratio':>6}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['dtype']:<9} {r['metric']:<11} {r['cellserve_tok_s']:>16} "
+            f"{r['transformers_tok_s']:>19} {r['ratio']:>6}"
+        )
+    lines.append("decode step at concurrency 1, top ops by self CPU time:")
+    for e in result["decode_profile_c1"]:
+        lines.append(f"  {e['op']:<50} {e['share']:>6.1%}  {e['calls_per_step']} calls/step")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    print(format_table(run(args.out, threads=args.threads or None)))
