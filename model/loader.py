@@ -73,7 +73,12 @@ def load_model(
         weights = hf_loader.read_weights(path, args, config, torch_dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
         tok_config = hf_loader.read_json(path / "tokenizer_config.json")
-        template_source = tok_config.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        template_source = (
+            template_file.read_text()
+            if template_file.is_file()
+            else tok_config.get("chat_template")
+        )
         if isinstance(template_source, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template_source}
             template_source = named.get("default")

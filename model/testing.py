@@ -43,9 +43,11 @@ def write_tiny_llama(
     n_kv_heads: int = 2,
     hidden_dim: int = 128,
     seed: int = 0,
+    model_type: str = "llama",
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
-    generation_config.json of a random Llama (ChatML template) into `folder`; returns it."""
+    generation_config.json of a random Llama (ChatML template) into `folder`; returns it.
+    model_type "qwen2" adds the q/k/v biases."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = _tiny_tokenizer()
@@ -54,8 +56,8 @@ def write_tiny_llama(
     eos_id = tok.token_to_id("<|im_end|>")
     head_dim = dim // n_heads
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": dim,
         "intermediate_size": hidden_dim,
@@ -102,6 +104,12 @@ def write_tiny_llama(
             p + "mlp.up_proj.weight": rand(hidden_dim, dim),
             p + "mlp.down_proj.weight": rand(dim, hidden_dim),
         }
+        if model_type == "qwen2":
+            tensors |= {
+                p + "self_attn.q_proj.bias": rand(n_heads * head_dim),
+                p + "self_attn.k_proj.bias": rand(n_kv_heads * head_dim),
+                p + "self_attn.v_proj.bias": rand(n_kv_heads * head_dim),
+            }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return folder
 
@@ -164,6 +172,9 @@ def write_tiny_gguf(
     for i in range(config["num_hidden_layers"]):
         for hf_name, gguf_name in hf_to_gguf.items():
             names[f"model.layers.{i}.{hf_name}"] = f"blk.{i}.{gguf_name}"
+        if arch == "qwen2":
+            for proj in "qkv":
+                names[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = f"blk.{i}.attn_{proj}.bias"
     for hf_name, gguf_name in names.items():
         if gguf_name in skip:
             continue

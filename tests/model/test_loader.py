@@ -55,6 +55,20 @@ def test_gguf_with_permuted_qk_equals_the_hf_folder(tiny_dir, tmp_path):
     assert float((ours - want).abs().max()) < 1e-5
 
 
+def test_qwen2_qkv_bias_matches_transformers_and_its_gguf(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_llama(tmp_path / "qwen", model_type="qwen2", seed=3)
+    model = load_model(folder)
+    assert model.config.qkv_bias
+    ids = model.tokenizer.encode(PROMPT)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert float((our_logits(folder, ids) - want).abs().max()) < 1e-4
+    gguf_path = write_tiny_gguf(tmp_path / "qwen.gguf", folder, arch="qwen2")
+    assert float((our_logits(gguf_path, ids) - want).abs().max()) < 1e-4
+
+
 def test_bfloat16_is_close_to_float32(tiny_dir):
     ids = load_model(tiny_dir).tokenizer.encode(PROMPT)
     full, half = our_logits(tiny_dir, ids), our_logits(tiny_dir, ids, "bfloat16")
