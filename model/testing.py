@@ -123,11 +123,81 @@ def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+SPM_PIECES = [
+    "▁",
+    "e",
+    "t",
+    "h",
+    "o",
+    "l",
+    "w",
+    "r",
+    "d",
+    "a",
+    "n",
+    "s",
+    "i",
+    "u",
+    "m",
+    "y",
+    ",",
+    ".",
+    "!",
+    "?",
+    "▁t",
+    "he",
+    "▁the",
+    "ll",
+    "▁h",
+    "▁he",
+    "llo",
+    "▁hello",
+    "▁w",
+    "or",
+    "▁wor",
+    "ld",
+    "▁world",
+    "in",
+    "▁a",
+    "an",
+    "▁an",
+    "is",
+    "▁is",
+    "▁th",
+    "▁i",
+    "▁s",
+    "▁m",
+    "my",
+    "▁my",
+    "▁▁",
+    "▁▁▁▁",
+]
+
+
+def _add_spm_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """A SentencePiece-BPE vocab (llama 2 / TinyLlama style): <unk> <s> </s>, 256 byte tokens,
+    then pieces scored best-first."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(SPM_PIECES)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+
+
 def write_tiny_gguf(
-    path: str | Path, hf_folder: str | Path, arch: str = "llama", skip: tuple[str, ...] = ()
+    path: str | Path,
+    hf_folder: str | Path,
+    arch: str = "llama",
+    skip: tuple[str, ...] = (),
+    spm_tokenizer: bool = False,
 ) -> Path:
     """Convert a tiny HF folder (from write_tiny_llama) to GGUF the way llama.cpp does (F32,
-    Q/K permuted, gpt2 tokenizer); `skip` leaves out tensors by GGUF name."""
+    Q/K permuted, gpt2 tokenizer, or a small SentencePiece vocab with `spm_tokenizer`);
+    `skip` leaves out tensors by GGUF name."""
     path, hf_folder = Path(path), Path(hf_folder)
     config = json.loads((hf_folder / "config.json").read_text())
     spec = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -141,17 +211,20 @@ def write_tiny_gguf(
     writer.add_head_count_kv(n_kv)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    vocab = Tokenizer.from_file(str(hf_folder / "tokenizer.json")).get_vocab(True)
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in TINY_SPECIALS else 1 for t in tokens])
-    merges = spec["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_add_bos_token(False)
+    if spm_tokenizer:
+        _add_spm_tokenizer(writer)
+    else:
+        vocab = Tokenizer.from_file(str(hf_folder / "tokenizer.json")).get_vocab(True)
+        tokens = sorted(vocab, key=vocab.__getitem__)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in TINY_SPECIALS else 1 for t in tokens])
+        merges = spec["model"]["merges"]
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        writer.add_bos_token_id(config["bos_token_id"])
+        writer.add_eos_token_id(config["eos_token_id"])
+        writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
     tensors = load_file(str(hf_folder / "model.safetensors"))
     names = {

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
@@ -22,7 +22,7 @@ _QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
 _SPLIT_RES = {"llama3": _LLAMA3_RE, "llama-bpe": _LLAMA3_RE, "qwen2": _QWEN2_RE}
 # Tokens llama.cpp treats as end-of-generation when present (llama_vocab::impl::load).
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_BYTE = 3, 4, 6
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
 
 @lru_cache(maxsize=1)
@@ -105,9 +105,9 @@ class Tokenizer:
         elif kind == "llama":
             scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
             tok = HFTokenizer(_spm_bpe(tokens, scores, types))
-            tok.normalizer = normalizers.Sequence(
-                [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
-            )
+            # NOTE: like transformers' LlamaTokenizer: "▁" only before the first fragment
+            # (llama.cpp also adds it after each special token).
+            tok.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", "first", split=False)
             tok.decoder = decoders.Sequence(
                 [
                     decoders.Replace("\u2581", " "),
@@ -181,15 +181,13 @@ def _spm_bpe(tokens: list[str], scores: list[float], types: list[int]) -> models
     """SentencePiece-BPE vocab as a byte-fallback BPE: merges ranked by the merged token's score
     (what HF's GGUF converter and llama.cpp's llm_tokenizer_spm both do)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    ranked: list[tuple[float, int, str, str]] = []
+    ranked: list[tuple[float, int, int, int]] = []
     for piece, pid in vocab.items():
-        if types[pid] in (_TOKEN_CONTROL, _TOKEN_BYTE) or len(piece) < 2:
-            continue
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                ranked.append((-scores[pid], pid, left, right))
-    ranked.sort()
-    merges = [(left, right) for _, _, left, right in ranked]
+                ranked.append((-scores[pid], pid, vocab[left], vocab[right]))
+    ranked.sort()  # best score first; ties as transformers' generate_merges orders them
+    merges = [(tokens[left], tokens[right]) for _, _, left, right in ranked]
     unk = next((t for t, i in vocab.items() if types[i] == 2), None)
     return models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True)

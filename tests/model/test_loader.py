@@ -69,6 +69,33 @@ def test_qwen2_qkv_bias_matches_transformers_and_its_gguf(tmp_path):
     assert float((our_logits(gguf_path, ids) - want).abs().max()) < 1e-4
 
 
+SPM_TEXTS = [
+    "hello world",
+    "Hello World!",
+    " the  hello, my world.",
+    "  leading spaces",
+    "is this\nan émoji 😀?",
+    "<s>hello</s> world",
+    "",
+    "ωμέγα  日本",
+]
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tiny_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = write_tiny_gguf(tmp_path / "spm.gguf", tiny_dir, spm_tokenizer=True)
+    tok = load_model(path).tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert ids[:1] == [1]  # BOS added by default for a sentencepiece vocab
+        assert tok.decode(ids, skip_special=True) == ref.decode(ids, skip_special_tokens=True)
+    ids = tok.encode("hello 😀", add_special=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == " hello 😀".encode()
+    assert tok.eos_ids == {2}
+
+
 def test_bfloat16_is_close_to_float32(tiny_dir):
     ids = load_model(tiny_dir).tokenizer.encode(PROMPT)
     full, half = our_logits(tiny_dir, ids), our_logits(tiny_dir, ids, "bfloat16")
