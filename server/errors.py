@@ -81,10 +81,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        code = None
         if exc.status_code == 404 and message == "Not Found":
             message = "route not found"
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "the request body could not be decoded: send UTF-8 JSON"
+            code = "invalid_json"
         headers = dict(exc.headers) if exc.headers else None
-        return error_response(exc.status_code, message, headers=headers)
+        return error_response(exc.status_code, message, code=code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

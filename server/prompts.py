@@ -86,11 +86,22 @@ def make_request(
     if max_tokens is not None and max_tokens > limit:
         raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens")
     shift = settings.context_shift if body.context_shift is None else body.context_shift
-    if not shift and len(prompt_ids) >= backend.n_ctx_seq:
+    num_prompt = len(prompt_ids)
+    if not shift and num_prompt >= backend.n_ctx_seq:
         raise APIError(
             400,
-            f"the prompt has {len(prompt_ids)} tokens; the context is {backend.n_ctx_seq} tokens "
+            f"the prompt has {num_prompt} tokens; the context is {backend.n_ctx_seq} tokens "
             "and context shift is off",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    # NOTE: with context shift on, a prompt past the context is shifted (its middle dropped,
+    # llama.cpp style); one longer than the whole KV cache is refused rather than mostly lost.
+    if num_prompt > backend.n_cells:
+        raise APIError(
+            400,
+            f"the prompt has {num_prompt} tokens, more than the whole KV cache "
+            f"({backend.n_cells} cells); the context is {backend.n_ctx_seq} tokens",
             param=prompt_param,
             code="context_length_exceeded",
         )

@@ -213,6 +213,14 @@ def test_real_errors(live_server, model):
         400,
     )
     assert err["code"] == "context_length_exceeded"
+    # context shift on: past the context is fine, past the whole cache is not
+    ok = httpx.post(
+        f"{url}/v1/completions", json={"prompt": long_prompt, "max_tokens": 2}, timeout=120
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 512
+    huge = "hello " * (live_server.settings.n_cells + 100)
+    err = error_of(httpx.post(f"{url}/v1/completions", json={"prompt": huge}), 400)
+    assert err["code"] == "context_length_exceeded" and "KV cache" in err["message"]
     err = error_of(httpx.post(f"{url}/v1/completions", json={"prompt": [1, 10**7]}), 400)
     assert err["param"] == "prompt"
     error_of(httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 400)
