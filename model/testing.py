@@ -194,10 +194,12 @@ def write_tiny_gguf(
     arch: str = "llama",
     skip: tuple[str, ...] = (),
     spm_tokenizer: bool = False,
+    qtype: str = "F32",
 ) -> Path:
     """Convert a tiny HF folder (from write_tiny_llama) to GGUF the way llama.cpp does (F32,
     Q/K permuted, gpt2 tokenizer, or a small SentencePiece vocab with `spm_tokenizer`);
-    `skip` leaves out tensors by GGUF name."""
+    `skip` leaves out tensors by GGUF name; `qtype` (F16, BF16, Q8_0, Q4_0, Q4_1, ...) is
+    the type of the 2-D weights, quantized with gguf.quants."""
     path, hf_folder = Path(path), Path(hf_folder)
     config = json.loads((hf_folder / "config.json").read_text())
     spec = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -256,7 +258,11 @@ def write_tiny_gguf(
             w = _permute_for_gguf(w, n_heads)
         elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
             w = _permute_for_gguf(w, n_kv)
-        writer.add_tensor(gguf_name, w)
+        if qtype == "F32" or w.ndim == 1:
+            writer.add_tensor(gguf_name, w)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -96,6 +96,21 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tiny_dir, tmp_path):
     assert tok.eos_ids == {2}
 
 
+@pytest.mark.parametrize(
+    ("qtype", "tolerance"),
+    [("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 2e-2), ("Q5_0", 0.1), ("Q4_1", 0.2), ("Q4_0", 0.2)],
+)
+def test_quantized_gguf_weights_dequantize_in_place(tiny_dir, tmp_path, qtype, tolerance):
+    """Each weight of a quantized GGUF lands where the HF folder has it, within the
+    quantization error (relative to the tensor's largest value)."""
+    want = load_model(tiny_dir).transformer.state_dict()
+    got = load_model(write_tiny_gguf(tmp_path / "q.gguf", tiny_dir, qtype=qtype))
+    for name, tensor in got.transformer.state_dict().items():
+        err = float((tensor - want[name]).abs().max() / want[name].abs().max())
+        assert err < tolerance, (name, err)
+    assert got.transformer.tok_embeddings.dtype == torch.float32
+
+
 def test_bfloat16_is_close_to_float32(tiny_dir):
     ids = load_model(tiny_dir).tokenizer.encode(PROMPT)
     full, half = our_logits(tiny_dir, ids), our_logits(tiny_dir, ids, "bfloat16")
