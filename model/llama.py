@@ -81,7 +81,7 @@ class ForwardBatch:
     cells: torch.Tensor  # [n] int64
     cos: torch.Tensor  # [n, rope_dim / 2] float32
     sin: torch.Tensor  # [n, rope_dim / 2] float32
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup]
     prompts: list[PromptGroup]
     logit_rows: torch.Tensor  # [n_out] int64
 
@@ -126,8 +126,8 @@ class Attention(nn.Module):
         storage.write(layer, batch.cells, k, v)
 
         out = x.new_empty(n, h, hd)
-        if batch.decode is not None:
-            out.index_copy_(0, batch.decode.rows, self._decode(q, storage, layer, batch.decode))
+        for g in batch.decodes:
+            out.index_copy_(0, g.rows, self._decode(q, storage, layer, g))
         for p in batch.prompts:
             out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
         return F.linear(out.view(n, h * hd), self.wo)

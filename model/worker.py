@@ -64,7 +64,7 @@ class ModelWorker:
             cells=_tensor(plan.cells, dev),
             cos=cos.to(dev),
             sin=sin.to(dev),
-            decode=_decode_group(decode, plan.positions, dev) if decode else None,
+            decodes=[_decode_group(g, plan.positions, dev) for g in _by_kv_length(decode)],
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
         )
@@ -72,6 +72,23 @@ class ModelWorker:
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def _by_kv_length(seqs: list[SeqBatch], max_waste: float = 0.5) -> list[list[SeqBatch]]:
+    """Split decode rows into groups whose padded kv wastes at most `max_waste` of the group
+    (one sequence with a long context must not pad 31 short ones to its length)."""
+    groups: list[list[SeqBatch]] = []
+    real = 0
+    for s in sorted(seqs, key=lambda s: len(s.kv_cells)):
+        n = len(s.kv_cells)
+        padded = (len(groups[-1]) + 1) * n if groups else 0
+        if groups and padded - (real + n) <= max_waste * padded:
+            groups[-1].append(s)
+            real += n
+        else:
+            groups.append([s])
+            real = n
+    return groups
 
 
 def _decode_group(seqs: list[SeqBatch], positions: np.ndarray, dev: torch.device) -> DecodeGroup:

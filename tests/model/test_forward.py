@@ -166,3 +166,18 @@ def test_context_shift_discard_equals_fresh_prefill_of_kept_tokens(tmp_path):
     ref = make_worker(model, n_cells=128).forward(make_plan([prefill_chunk(0, kept, 0)]))
     assert_close(after_shift(apply_k_shift=True), ref)
     assert float((after_shift(apply_k_shift=False) - ref).abs().max()) > 1e-2
+
+
+def test_decode_rows_of_very_different_context_lengths(tmp_path):
+    """Short and long contexts decoded in one step (split into padded groups) give the logits
+    each sequence gets alone."""
+    model = load_model(write_tiny_llama(tmp_path / "tiny"))
+    lengths = [3, 5, 300, 4, 40, 280]
+    prompts = [[(11 * i + 3 * n) % 300 + 5 for i in range(n)] for n in lengths]
+    driver = Driver(make_worker(model, n_cells=1024), 1024, seed=6)
+    driver.step([driver.chunk(s, p) for s, p in enumerate(prompts)])
+    together = driver.logits([driver.chunk(s, [17]) for s in range(len(prompts))])
+    for s, p in enumerate(prompts):
+        alone = Driver(make_worker(model, n_cells=1024), 1024, seed=s)
+        alone.step([alone.chunk(0, p)])
+        assert_close(together[s : s + 1], alone.logits([alone.chunk(0, [17])]))
