@@ -4,7 +4,7 @@ Decode tokens/s at 1, 8 and 32 concurrent sequences (each with a 64-token prompt
 the cache) and prefill tokens/s of one 256-token prompt, in float32 and bfloat16. The
 transformers side is `generate` (greedy, fixed length, its own KV cache) on the same GGUF;
 its decode rate is (generate N tokens - generate 1 token) / (N - 1) per sequence.
-Also profiles one decode step at concurrency 1 (what dominates).
+Each rate is the best of REPEATS runs. Also profiles one decode step at concurrency 1.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ PROMPT_LEN = 64
 PREFILL_LEN = 256
 DECODE_STEPS = 12
 CONCURRENCY = (1, 8, 32)
+REPEATS = 2  # best of: the CI machine is shared
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -55,12 +56,16 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 def ours_decode(worker: ModelWorker, conc: int, vocab: int) -> float:
     per_seq = PROMPT_LEN + DECODE_STEPS + 1
     batch = prompts(conc, PROMPT_LEN, vocab)
-    last = worker.execute(make_plan(batch, [0] * conc, per_seq)).token_ids
-    start = time.perf_counter()
-    for step in range(DECODE_STEPS):
-        plan = make_plan([[t] for t in last], [PROMPT_LEN + step] * conc, per_seq)
-        last = worker.execute(plan).token_ids
-    return conc * DECODE_STEPS / (time.perf_counter() - start)
+    first = worker.execute(make_plan(batch, [0] * conc, per_seq)).token_ids
+    best = float("inf")
+    for _ in range(REPEATS):
+        last = first
+        start = time.perf_counter()
+        for step in range(DECODE_STEPS):
+            plan = make_plan([[t] for t in last], [PROMPT_LEN + step] * conc, per_seq)
+            last = worker.execute(plan).token_ids
+        best = min(best, time.perf_counter() - start)
+    return conc * DECODE_STEPS / best
 
 
 def ours_prefill(worker: ModelWorker, vocab: int) -> float:
@@ -90,8 +95,8 @@ def hf_rates(hf: Any, vocab: int) -> dict[str, float]:
         for conc in CONCURRENCY:
             ids = torch.tensor(prompts(conc, PROMPT_LEN, vocab))
             generate(ids, 2)  # warm-up
-            t_one = generate(ids, 1)
-            t_all = generate(ids, DECODE_STEPS + 1)
+            t_one = min(generate(ids, 1) for _ in range(REPEATS))
+            t_all = min(generate(ids, DECODE_STEPS + 1) for _ in range(REPEATS))
             rates[f"decode_c{conc}"] = conc * DECODE_STEPS / max(t_all - t_one, 1e-9)
         ids = torch.tensor(prompts(1, PREFILL_LEN, vocab))
         hf(ids)
