@@ -48,6 +48,7 @@ class Tokenizer:
         eos_ids: set[int],
         byte_level: bool,
         special_ids: set[int],
+        added_ids: set[int] | None = None,
     ) -> None:
         self._tok = tok
         self.bos_id = bos_id
@@ -55,6 +56,7 @@ class Tokenizer:
         self.eos_ids = eos_ids  # every end-of-generation id
         self.byte_level = byte_level
         self.special_ids = special_ids
+        self.added_ids = special_ids | (added_ids or set())  # matched whole, spelled verbatim
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
@@ -70,7 +72,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token contributes to the text (may be part of a UTF-8 char)."""
         piece = self.id_to_token(token_id)
-        if token_id in self.special_ids:
+        if token_id in self.added_ids:
             return piece.encode()
         if self.byte_level:
             table = _byte_decoder()
@@ -142,7 +144,8 @@ class Tokenizer:
             if fields.get(k) is not None
         }
         eos_ids |= {vocab[t] for t in _EOG_TEXTS if t in vocab and vocab[t] in special_ids}
-        return Tokenizer(tok, bos, eos, eos_ids, byte_level_vocab, special_ids)
+        added_ids = {i for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED}
+        return Tokenizer(tok, bos, eos, eos_ids, byte_level_vocab, special_ids, added_ids)
 
     @staticmethod
     def from_hf_dir(folder: Path) -> Tokenizer:
@@ -164,7 +167,8 @@ class Tokenizer:
             eos_ids.add(eos_cfg)
         vocab = tok.get_vocab(with_added_tokens=True)
         eos_ids |= {vocab[t] for t in _EOG_TEXTS if t in vocab and vocab[t] in special_ids}
-        return Tokenizer(tok, bos_id, eos_id, eos_ids, byte_level, special_ids)
+        added_ids = {a["id"] for a in spec.get("added_tokens", [])}
+        return Tokenizer(tok, bos_id, eos_id, eos_ids, byte_level, special_ids, added_ids)
 
 
 def _read_json(file: Path) -> dict[str, Any]:

