@@ -115,9 +115,16 @@ class KVStorage:
 
     def apply(self, pending: PendingOps) -> None:
         """Apply the cells' deferred work: copies first (in order), then K-shifts."""
-        for src, dst in zip(pending.copy_src.tolist(), pending.copy_dst.tolist(), strict=True):
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+        src_list, dst_list = pending.copy_src.tolist(), pending.copy_dst.tolist()
+        if src_list and set(src_list).isdisjoint(dst_list):  # no chains: one gather suffices
+            src = torch.as_tensor(src_list, dtype=torch.int64, device=self.device)
+            dst = torch.as_tensor(dst_list, dtype=torch.int64, device=self.device)
+            self.k.index_copy_(1, dst, self.k.index_select(1, src))
+            self.v.index_copy_(1, dst, self.v.index_select(1, src))
+        else:
+            for s, d in zip(src_list, dst_list, strict=True):
+                self.k[:, d] = self.k[:, s]
+                self.v[:, d] = self.v[:, s]
         if pending.shift_cells.size == 0:
             return
         cells = torch.as_tensor(pending.shift_cells, dtype=torch.int64, device=self.device)
