@@ -89,9 +89,17 @@ def build_settings(args: argparse.Namespace) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from server.app import create_app
 
-    settings = build_settings(args)
+    try:
+        settings = build_settings(args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            print(f"cellserve serve: --{where.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

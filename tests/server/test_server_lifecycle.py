@@ -172,3 +172,11 @@ def test_bench_subcommand_dispatches_to_bench_cli(monkeypatch):
     monkeypatch.setattr(bench.cli, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["bench", "--workload", "chat"]) == 0
     assert seen == [["--workload", "chat"]]
+
+
+def test_serve_with_an_invalid_setting_exits_2(capsys):
+    from server import cli
+
+    assert cli.main(["serve", "--dtype", "float8", "--n-cells", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "--n-cells" in err
