@@ -1,0 +1,202 @@
+"""Faults: clients that vanish, a worker that raises, an engine thread that dies, a client that
+stops reading, requests that run out of time. Nothing leaks and the other requests are unaffected.
+
+The worker faults use the test-only hooks of server/faults.py: CELLSERVE_FAULT_TOKEN_ID makes
+the worker raise on any batch holding that token id, CELLSERVE_FAULT_KILL_TOKEN_ID kills the
+engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.reliability.clients import (
+    StalledClient,
+    mixed_bodies,
+    run_alone,
+    run_concurrently,
+    stream_request,
+)
+from tests.reliability.conftest import CORPUS, slots, wait_idle
+from tests.reliability.harness import ServerProcess, assert_openai_error, metric, scrape
+
+FAULT_FLAGS = [
+    "--n-cells", "768", "--n-seq-max", "24", "--n-batch", "128", "--ctx-per-seq", "256",
+    "--max-queue", "512", "--stream-buffer", "32",
+]  # fmt: skip
+FAULT_WORD = " xylophone"  # its first token is the fault token: in no other prompt or output
+KILL_WORD = " zymurgy"
+
+
+@pytest.fixture(scope="module")
+def fault_ids(tokenizer) -> tuple[int, int]:
+    fault = tokenizer.encode(FAULT_WORD, add_special=False)[0]
+    kill = tokenizer.encode(KILL_WORD, add_special=False)[-1]
+    corpus = tokenizer.encode(CORPUS, add_special=False)
+    assert fault not in corpus and kill not in corpus and fault != kill
+    return fault, kill
+
+
+@pytest.fixture(scope="module")
+def fault_server(fault_ids):
+    env = {"CELLSERVE_FAULT_TOKEN_ID": str(fault_ids[0])}
+    with ServerProcess(FAULT_FLAGS, env=env) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_disconnecting_clients_are_aborted_and_others_unaffected(fault_server, corpus_ids):
+    url = fault_server.url
+    rng = random.Random(7)
+    bodies, order = mixed_bodies(corpus_ids, 120, 30, seed=99)
+    requests = [dict(bodies[i]) for i in order]
+    cut: list[int | None] = [None] * len(requests)
+    for i in rng.sample(range(len(requests)), k=int(0.3 * len(requests))):
+        requests[i]["max_tokens"] = 200  # would run long if the disconnect were missed
+        cut[i] = rng.randint(0, 12)
+    alone = asyncio.run(run_alone(url, bodies))
+    before = wait_idle(url)
+
+    results = asyncio.run(run_concurrently(url, requests, num_clients=32, disconnect_at=cut))
+
+    kept = [(order[i], r) for i, r in enumerate(results) if cut[i] is None]
+    assert all(r.ok for _, r in kept), [r for _, r in kept if not r.ok][:3]
+    assert [r.text for _, r in kept] == [alone[j] for j, _ in kept]
+    after = wait_idle(url)
+    generated = metric(after, "cellserve_generation_tokens_total") - metric(
+        before, "cellserve_generation_tokens_total"
+    )
+    full = sum(bodies[j]["max_tokens"] for j, _ in kept)
+    num_cut = sum(c is not None for c in cut)
+    # each vanished client costs at most its cut plus a few steps before the abort lands
+    assert generated <= full + sum(c + 24 for c in cut if c is not None), (generated, full)
+    assert generated < full + num_cut * 200 / 2
+
+
+@pytest.mark.model
+def test_worker_exception_fails_only_the_culprit(fault_server, corpus_ids, tokenizer):
+    url = fault_server.url
+    others = [
+        {"prompt": corpus_ids[i * 20 : i * 20 + 16], "max_tokens": 40, "temperature": 0.0,
+         "ignore_eos": True}
+        for i in range(6)
+    ]  # fmt: skip
+    alone = asyncio.run(run_alone(url, others))
+    culprit = {"prompt": f"Tell me about the{FAULT_WORD}.", "max_tokens": 8}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+            tasks = [asyncio.create_task(stream_request(client, b)) for b in others]
+            while len([s for s in slots(url) if s["state"] == "decode"]) < len(others):
+                await asyncio.sleep(0.02)  # the others are decoding: the culprit joins their batch
+            plain = await client.post("/v1/completions", json=culprit)
+            streamed = await stream_request(client, culprit)
+            return plain, streamed, await asyncio.gather(*tasks)
+
+    plain, streamed, results = asyncio.run(scenario())
+    assert_openai_error(plain, 500, "fault")
+    assert streamed.status == 200 and streamed.error is not None, streamed
+    assert "fault" in streamed.error["message"].lower(), streamed.error
+    assert all(r.ok for r in results), results
+    assert [r.text for r in results] == alone
+    wait_idle(url)
+    assert httpx.get(f"{url}/health").status_code == 200
+    again = asyncio.run(run_alone(url, others[:1]))  # the engine serves on
+    assert again == alone[:1]
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_stalled_reader_is_cut_off_without_stalling_others(fault_server, corpus_ids):
+    url = fault_server.url
+    others = [
+        {"prompt": corpus_ids[i * 30 : i * 30 + 24], "max_tokens": 24, "temperature": 0.0}
+        for i in range(4)
+    ]
+    alone = asyncio.run(run_alone(url, others))
+    before = wait_idle(url)
+    # big chunks (top-20 logprobs, 4 choices) fill the socket buffers in a few hundred tokens
+    heavy = {"prompt": "Once upon a time", "max_tokens": 200, "n": 4, "logprobs": 20,
+             "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+    stalled = StalledClient("127.0.0.1", fault_server.port, heavy)
+    stalled.open()
+    try:
+        results = asyncio.run(run_concurrently(url, others * 3, num_clients=4))
+        assert all(r.ok for r in results), results
+        assert [r.text for r in results] == alone * 3
+        after = wait_idle(url, timeout=120.0)  # the stalled request is gone, its cells free
+        generated = metric(after, "cellserve_generation_tokens_total") - metric(
+            before, "cellserve_generation_tokens_total"
+        )
+        assert generated < 3 * sum(b["max_tokens"] for b in others) + 4 * 200
+        tail = stalled.read_all(timeout=10.0).decode(errors="replace")
+    finally:
+        stalled.close()
+    errors = [
+        json.loads(line[5:])["error"]
+        for line in tail.splitlines()
+        if line.startswith("data:") and '"error"' in line[:20]
+    ]
+    assert errors and "slow" in errors[-1]["message"].lower(), tail[-2000:]
+
+
+@pytest.fixture(scope="module")
+def fragile_server(fault_ids):
+    """Short request timeout, and a kill switch for the engine thread."""
+    env = {"CELLSERVE_FAULT_KILL_TOKEN_ID": str(fault_ids[1])}
+    flags = ["--n-cells", "512", "--n-seq-max", "8", "--ctx-per-seq", "128"]
+    flags += ["--request-timeout", "3"]
+    with ServerProcess(flags, env=env) as srv:
+        yield srv
+
+
+@pytest.mark.model
+def test_request_timeout_ends_with_a_clear_error_and_frees_cells(fragile_server):
+    url = fragile_server.url
+    assert httpx.get(f"{url}/health").status_code == 200  # NOTE: runs before the kill test
+    endless = {"prompt": "Count to a million:", "max_tokens": 4096, "ignore_eos": True}
+    resp = httpx.post(f"{url}/v1/completions", json={**endless, "max_tokens": 100}, timeout=60)
+    assert resp.status_code == 200  # short requests are not affected
+    big = httpx.post(f"{url}/v1/completions", json=endless, timeout=60)
+    assert_openai_error(big, 504, "3 s")
+
+    async def streamed():
+        async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+            return await stream_request(client, endless)
+
+    res = asyncio.run(streamed())
+    assert res.status == 200 and res.error is not None and res.saw_done, res
+    assert "3 s" in res.error["message"], res.error
+    wait_idle(url, timeout=30.0)
+
+
+@pytest.mark.model
+def test_dead_engine_is_noticed_and_requests_fail_fast(fragile_server, tokenizer):
+    url = fragile_server.url
+    long_body = {"prompt": "Tell a long story:", "max_tokens": 60, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+            victim = asyncio.create_task(stream_request(client, long_body))
+            while not slots(url):
+                await asyncio.sleep(0.02)
+            killer = await client.post(
+                "/v1/completions", json={"prompt": f"A{KILL_WORD} brewer", "max_tokens": 4}
+            )
+            return killer, await victim
+
+    killer, victim = asyncio.run(scenario())
+    assert killer.status_code in (500, 503), killer.text
+    assert victim.error is not None or victim.status != 200, victim
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and "dead" in health.text
+    resp = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert_openai_error(resp, 503, "engine")  # at once: the client's timeout guards a hang
+    assert fragile_server.alive()
+    assert scrape(url)["cellserve_requests_running"] >= 0  # /metrics still answers
