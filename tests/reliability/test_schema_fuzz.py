@@ -37,6 +37,27 @@ def operations(url: str) -> list:
     return [result.ok() for result in schema.get_all_operations()]
 
 
+def fuzzer(op, mode: GenerationMode, url: str, calls: dict[str, int]):
+    """A hypothesis test over `op`'s generated cases (valid or invalid by `mode`)."""
+    label = f"{op.label} {mode.value}"
+
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def fuzz(case) -> None:
+        if isinstance(case.body, dict):
+            case.body.pop("stream", None)  # SSE answers are not in the JSON schema
+        calls[label] = calls.get(label, 0) + 1
+        case.call_and_validate(base_url=url, checks=CHECKS, timeout=60)
+
+    return fuzz
+
+
 @pytest.mark.slow
 @pytest.mark.model
 def test_every_operation_survives_schema_fuzzing(fuzz_server):
@@ -46,27 +67,18 @@ def test_every_operation_survives_schema_fuzzing(fuzz_server):
     for expected in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"):
         assert expected in labels, labels
     calls: dict[str, int] = {}
+    failures: list[str] = []
     for op in ops:
         for mode in GenerationMode:
-
-            @settings(
-                max_examples=MAX_EXAMPLES,
-                deadline=None,
-                database=None,
-                derandomize=True,
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=op.as_strategy(generation_mode=mode))
-            def fuzz(case, op=op, mode=mode):
-                if isinstance(case.body, dict):
-                    case.body.pop("stream", None)  # SSE answers are not in the JSON schema
-                calls[f"{op.label} {mode.value}"] = calls.get(f"{op.label} {mode.value}", 0) + 1
-                case.call_and_validate(base_url=url, checks=CHECKS, timeout=60)
-
             try:
-                fuzz()
+                fuzzer(op, mode, url, calls)()
             except Unsatisfiable:
                 assert mode is GenerationMode.NEGATIVE  # nothing invalid to send (no inputs)
+            except BaseException as exc:  # schemathesis raises an exception group
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                failures.append(f"{op.label} [{mode.value}]: {exc}"[:2000])
+    assert not failures, "\n\n".join(failures)
     assert sum(calls.values()) >= len(ops) * 2, calls
     assert httpx.get(f"{url}/health").status_code == 200
     assert fuzz_server.alive()
