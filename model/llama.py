@@ -98,6 +98,18 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class Linear(nn.Module):
+    """y = x @ weight.T + bias; model/quant.py swaps these for quantized ones."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
@@ -106,19 +118,18 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.layout = args.rope.layout
         wqkv = torch.cat([weights[prefix + n] for n in ("wq", "wk", "wv")])
-        self.wqkv = nn.Parameter(wqkv, requires_grad=False)
         bqkv = None
         if args.qkv_bias:
             bqkv = torch.cat([weights[prefix + n] for n in ("bq", "bk", "bv")])
-        self.bqkv = None if bqkv is None else nn.Parameter(bqkv, requires_grad=False)
-        self.wo = nn.Parameter(weights[prefix + "wo"], requires_grad=False)
+        self.wqkv = Linear(wqkv, bqkv)
+        self.wo = Linear(weights[prefix + "wo"])
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage, layer: int
     ) -> torch.Tensor:
         n = x.shape[0]
         h, h_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = F.linear(x, self.wqkv, self.bqkv)  # [n, (h + 2 h_kv) * hd]
+        qkv = self.wqkv(x)  # [n, (h + 2 h_kv) * hd]
         qk = qkv[:, : (h + h_kv) * hd].view(n, h + h_kv, hd)
         qk = apply_rope(qk, batch.cos, batch.sin, self.layout)
         q, k = qk.split((h, h_kv), dim=1)  # [n, h, hd], [n, h_kv, hd]
@@ -130,7 +141,7 @@ class Attention(nn.Module):
             out.index_copy_(0, g.rows, self._decode(q, storage, layer, g))
         for p in batch.prompts:
             out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
-        return F.linear(out.view(n, h * hd), self.wo)
+        return self.wo(out.view(n, h * hd))
 
     def _decode(
         self, q: torch.Tensor, storage: KVStorage, layer: int, g: DecodeGroup
@@ -162,12 +173,12 @@ class FeedForward(nn.Module):
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         w13 = torch.cat([weights[prefix + "w1"], weights[prefix + "w3"]])  # gate, up
-        self.w13 = nn.Parameter(w13, requires_grad=False)
-        self.w2 = nn.Parameter(weights[prefix + "w2"], requires_grad=False)
+        self.w13 = Linear(w13)
+        self.w2 = Linear(weights[prefix + "w2"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -195,7 +206,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Parameter(weights["tok_embeddings"], requires_grad=False)
         self.layers = nn.ModuleList(Block(args, weights, i) for i in range(args.n_layers))
         self.norm = RMSNorm(weights["norm"], args.norm_eps)
-        self.output = nn.Parameter(weights["output"], requires_grad=False)
+        self.output = Linear(weights["output"])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -211,4 +222,4 @@ class Transformer(nn.Module):
         for block in self.layers:
             x = block(x, batch, storage)
         x = self.norm(x.index_select(0, batch.logit_rows))
-        return F.linear(x, self.output).float()
+        return self.output(x).float()

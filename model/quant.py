@@ -1,0 +1,110 @@
+"""Weight-only quantization of the Transformer's Linear layers (opt-in: `--quant`; CPU).
+
+"int4": group-wise (32) asymmetric 4-bit weights, w = (q - 8) * scale + zero, q in [0, 15],
+through `_weight_int4pack_mm_for_cpu`. Group 32 is the GGUF Q4_0/Q4_1 block, so a Q4_1 file's
+weights come back onto their own grid (only the bfloat16 scales round). The output head keeps
+8 bits (GGUF heads are usually Q8_0/Q6_K; 4 bits would move the logits) through fbgemm's
+dynamic int8 linear, one row at a time (its activation scale is per call, so per token).
+"int8": symmetric int8 per output channel through `_weight_int8pack_mm`.
+Both run the activations in bfloat16 or 8 bits and change the logits a little (the server
+says so). Batches of more than SMALL_ROWS rows use a bfloat16 copy of the weights instead:
+past ~4 rows the quantized CPU kernels lose to the bfloat16 GEMM on AVX-512.
+fbgemm's dynamic int8 over whole batches was tried for every layer and dropped: one activation
+scale per batch cost SmolLM2-135M half of its top-1 agreement with float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.llama import Linear, Transformer
+
+QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
+INT4_GROUP = 32
+SMALL_ROWS = 4
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, k] -> int8 [n, k], scales [n] float32 with w ~= int8 * scales[:, None]."""
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, k] -> q [n, k] int32 in [0, 15], scales_zeros [k / group, n, 2] float32 with
+    w ~= (q - 8) * scale + zero per group of INT4_GROUP along k."""
+    n, k = w.shape
+    if k % INT4_GROUP != 0:
+        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
+    wg = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
+    zero = lo + 8.0 * scale
+    scales_zeros = torch.stack((scale.view(n, -1), zero.view(n, -1)), dim=-1)
+    return q, scales_zeros.transpose(0, 1).contiguous()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b: a quantized kernel for small batches, bfloat16 for large ones."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.kind = kind
+        self.dense = w.bfloat16()
+        self.bias = None if bias is None else bias.detach().bfloat16()
+        if kind == "fbgemm8":
+            int8, scales = quantize_int8(w)
+            qweight = torch._make_per_channel_quantized_tensor(
+                int8, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0
+            )
+            b = None if bias is None else bias.detach().float()
+            self.packed = torch.ops.quantized.linear_prepack(qweight, b)
+        elif kind == "int4":
+            q, scales_zeros = quantize_int4(w)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.scales = scales_zeros.bfloat16()
+        elif kind == "int8":
+            self.packed, scales = quantize_int8(w)
+            self.scales = scales.bfloat16()
+        else:
+            raise ValueError(f"kind must be int4, int8 or fbgemm8, got {kind!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > SMALL_ROWS:
+            return F.linear(x.bfloat16(), self.dense, self.bias).to(x.dtype)
+        if self.kind == "fbgemm8":
+            # NOTE: reduce_range=False (full 8-bit activations) measured closer to float32.
+            rows = [
+                torch.ops.quantized.linear_dynamic(r, self.packed, False)
+                for r in x.float().split(1)
+            ]
+            return torch.cat(rows).to(x.dtype)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.bfloat16(), self.packed, INT4_GROUP, self.scales
+            )
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.packed, self.scales)
+        y = y if self.bias is None else y + self.bias
+        return y.to(x.dtype)
+
+
+def quantize(model: Transformer, mode: str) -> Transformer:
+    """Replace every Linear (attention, feed-forward, output head) in place; "none" is a no-op."""
+    if mode == "none":
+        return model
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quant {mode!r} is not one of {', '.join(QUANT_MODES)}")
+    if model.device.type != "cpu":
+        raise ValueError(f"quant {mode!r} is CPU-only (the model is on {model.device})")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                head = parent is model and name == "output"
+                kind = "fbgemm8" if head and mode == "int4" else mode
+                setattr(parent, name, QuantLinear(child.weight, child.bias, kind))
+    return model
