@@ -15,6 +15,8 @@ scale per batch cost SmolLM2-135M half of its top-1 agreement with float32.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,9 +60,11 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().bfloat16()
         if kind == "fbgemm8":
             int8, scales = quantize_int8(w)
-            qweight = torch._make_per_channel_quantized_tensor(
-                int8, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0
-            )
+            with warnings.catch_warnings():  # qint8 tensors are deprecated; fbgemm still takes them
+                warnings.simplefilter("ignore", UserWarning)
+                qweight = torch._make_per_channel_quantized_tensor(
+                    int8, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0
+                )
             b = None if bias is None else bias.detach().float()
             self.packed = torch.ops.quantized.linear_prepack(qweight, b)
         elif kind == "int4":

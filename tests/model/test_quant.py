@@ -1,0 +1,102 @@
+"""--quant int4/int8: the quantized SmolLM2 stays close to float32, on both kernel paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import load_model
+from model.llama import Linear
+from model.quant import SMALL_ROWS, QuantLinear, quantize, quantize_int4
+from model.worker import make_worker
+from tests.model.factories import SeqChunk, make_plan, prefill_chunk
+
+pytestmark = pytest.mark.model
+
+TEXT = (
+    "The history of the Roman Empire spans many centuries. It began when Augustus became the "
+    "first emperor in 27 BC and, in the West, ended in 476 AD. During this time the empire built "
+    "roads, aqueducts and cities across Europe, North Africa and the Middle East."
+)
+
+
+def decode_logits(worker, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced, one token per step: every Linear sees a single row (the small path)."""
+    rows = []
+    for i, t in enumerate(ids):
+        chunk = SeqChunk(0, [t], [i], [i], list(range(i + 1)), list(range(i + 1)))
+        rows.append(worker.forward(make_plan([chunk])))
+    return torch.cat(rows)
+
+
+def prompt_logits(worker, ids: list[int]) -> torch.Tensor:
+    """All rows in one batch (past SMALL_ROWS: the bfloat16 path)."""
+    return worker.forward(make_plan([prefill_chunk(0, ids, 0, all_rows=True)]))
+
+
+def closeness(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """-> (top-1 agreement, mean KL(ref || ours))."""
+    agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    kl = torch.nn.functional.kl_div(
+        ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    return agree, float(kl)
+
+
+@pytest.fixture(scope="module")
+def ids(smollm) -> list[int]:
+    return smollm.tokenizer.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, ids) -> torch.Tensor:
+    return prompt_logits(make_worker(smollm, n_cells=128), ids)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_logits_stay_close_to_float32(smollm_path, ids, reference, mode):
+    loaded = load_model(smollm_path, dtype="float32")
+    quantize(loaded.transformer, mode)
+    assert not any(isinstance(m, Linear) for m in loaded.transformer.modules())
+    worker = make_worker(loaded, n_cells=128)
+    assert len(ids) > SMALL_ROWS
+    for ours in (decode_logits(worker, ids), prompt_logits(worker, ids)):
+        agree, kl = closeness(ours, reference)
+        assert agree >= 0.9 and kl < 0.02, (mode, agree, kl)
+
+
+def test_none_leaves_the_model_untouched(smollm):
+    before = list(smollm.transformer.modules())
+    assert quantize(smollm.transformer, "none") is smollm.transformer
+    assert list(smollm.transformer.modules()) == before
+
+
+def test_unknown_mode_is_refused(smollm):
+    with pytest.raises(ValueError, match="int3"):
+        quantize(smollm.transformer, "int3")
+
+
+def test_int4_recovers_weights_on_a_4_bit_grid():
+    torch.manual_seed(0)
+    scale = torch.rand(8, 4, 1) * 0.1 + 0.01
+    low = torch.randn(8, 4, 1)
+    q = torch.randint(0, 16, (8, 4, 32))
+    q[..., 0], q[..., 1] = 0, 15  # every group spans its whole grid
+    w = (low + q * scale).view(8, 128)
+    q_out, scales_zeros = quantize_int4(w)
+    scale_out, zero = scales_zeros[..., 0].T, scales_zeros[..., 1].T  # [n, groups]
+    back = (q_out.view(8, 4, 32) - 8) * scale_out[..., None] + zero[..., None]
+    torch.testing.assert_close(back.view(8, 128), w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "fbgemm8"])
+def test_small_and_large_batches_agree(kind):
+    torch.manual_seed(1)
+    w, b = torch.randn(64, 96) * 0.1, torch.randn(64)
+    lin = QuantLinear(w, b, kind)
+    x = torch.randn(SMALL_ROWS + 4, 96)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert lin(x).shape == ref.shape
+    for y in (lin(x[:SMALL_ROWS]), lin(x)[:SMALL_ROWS]):
+        err = float((y - ref[:SMALL_ROWS]).abs().max())
+        assert err < 0.05 * float(ref.abs().max()), (kind, err)
