@@ -23,12 +23,25 @@ def resolve_device(device: str) -> str:
 
 
 def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Backend:
-    from model import default_model_path, load_model
+    import os
 
+    import torch
+
+    from model import default_model_path, load_model
+    from model.quant import quantize
+
+    torch.set_num_threads(settings.threads or os.cpu_count() or 1)
     device = resolve_device(settings.device)
     dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
     loaded = load_model(path, dtype=dtype, device=device)
+    if settings.quant != "none":
+        quantize(loaded.transformer, settings.quant)
+        log.warning(
+            "--quant %s: weights are quantized; outputs differ slightly from the unquantized model",
+            settings.quant,
+        )
+    log.info("torch threads: %d", torch.get_num_threads())
     n_ctx = min(settings.ctx_per_seq, settings.n_cells)
     if n_ctx > loaded.config.n_ctx_train > 0:
         log.warning(

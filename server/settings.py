@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     prefix_cache: bool = True
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: float32 on CPU
     device: Literal["cpu", "cuda", "auto"] = "auto"
+    quant: Literal["none", "int8", "int4"] = "none"  # weight-only, CPU; changes the logits
+    threads: int | None = Field(None, ge=1)  # torch threads; None: every core
     api_key: SecretStr | None = None
     served_model_name: str | None = None
     max_queue: int = Field(256, ge=1)
