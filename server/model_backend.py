@@ -23,14 +23,12 @@ def resolve_device(device: str) -> str:
 
 
 def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Backend:
-    import os
-
     import torch
 
     from model import default_model_path, load_model
     from model.quant import quantize
 
-    torch.set_num_threads(settings.threads or os.cpu_count() or 1)
+    torch.set_num_threads(settings.threads)
     device = resolve_device(settings.device)
     dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
