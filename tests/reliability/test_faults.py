@@ -54,7 +54,7 @@ def fault_server(fault_ids):
 def test_disconnecting_clients_are_aborted_and_others_unaffected(fault_server, corpus_ids):
     url = fault_server.url
     rng = random.Random(7)
-    bodies, order = mixed_bodies(corpus_ids, 120, 30, seed=99)
+    bodies, order = mixed_bodies(corpus_ids, 100, 16, seed=99)
     requests = [dict(bodies[i]) for i in order]
     cut: list[int | None] = [None] * len(requests)
     for i in rng.sample(range(len(requests)), k=int(0.3 * len(requests))):
@@ -83,9 +83,9 @@ def test_disconnecting_clients_are_aborted_and_others_unaffected(fault_server, c
 def test_worker_exception_fails_only_the_culprit(fault_server, corpus_ids, tokenizer):
     url = fault_server.url
     others = [
-        {"prompt": corpus_ids[i * 20 : i * 20 + 16], "max_tokens": 40, "temperature": 0.0,
+        {"prompt": corpus_ids[i * 20 : i * 20 + 16], "max_tokens": 32, "temperature": 0.0,
          "ignore_eos": True}
-        for i in range(6)
+        for i in range(4)
     ]  # fmt: skip
     alone = asyncio.run(run_alone(url, others))
     culprit = {"prompt": f"Tell me about the{FAULT_WORD}.", "max_tokens": 8}

@@ -1,6 +1,6 @@
-"""At the worker level, a sequence's logits do not depend on which other sequences share its
-batch or the cache: B's logits are bit-identical with and without A (whose prompt holds a
-secret) in the same batch."""
+"""At the worker level, a sequence's logits do not depend on the other sequences of its batch:
+B's logits are bit-identical whatever A's prompt holds, and (batch-invariant worker) whether
+or not A is in the batch at all."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from kvcache.cells import KVCells, PendingOps
 from model import default_model_path, load_model
 from model.loader import LoadedModel
-from model.worker import ModelWorker
+from model.worker import make_worker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
 
 N_CELLS = 256
@@ -55,40 +55,54 @@ def make_plan(cells: KVCells, chunks: list[tuple[int, list[int], int]]) -> Batch
     )
 
 
-def logits(worker: ModelWorker, plan: BatchPlan) -> torch.Tensor:
-    """[n_samples, vocab] raw logits of the plan's sampled rows."""
-    with torch.inference_mode():
-        return worker.model(worker.make_batch(plan), worker.storage).clone()
-
-
-def run_b(smollm: LoadedModel, with_a: bool, a_first: bool) -> list[torch.Tensor]:
-    """B's logits over a prefill step and two decode steps, alone or batched with A."""
-    tok = smollm.tokenizer
-    prompt_a = tok.encode("The password is QX7-ZEBRA-4821. Repeat the password:")
-    prompt_b = tok.encode("Write a short poem about the sea and the wind:")
-    worker = smollm.make_worker(N_CELLS)
+def run_b(
+    smollm: LoadedModel, prompt_a: list[int] | None, a_first: bool, batch_invariant: bool
+) -> list[torch.Tensor]:
+    """B's logits over a prefill step and two decode steps, alone (prompt_a None) or in the
+    same batches as A."""
+    prompt_b = smollm.tokenizer.encode("Write a short poem about the sea and the wind:")
+    worker = make_worker(smollm, N_CELLS, batch_invariant=batch_invariant)
     cells = KVCells(N_CELLS, 4)
-    out = []
-    a, b = (0, prompt_a, 0), (1, prompt_b, 0)
-    step = [a, b] if a_first else [b, a]
-    plan = make_plan(cells, step if with_a else [b])
-    out.append(logits(worker, plan)[-1 if a_first else 0])  # B's sampled row
-    next_b, pos_b = 11, len(prompt_b)
-    next_a, pos_a = 22, len(prompt_a)
-    for _ in range(2):
-        chunks = [(0, [next_a], pos_a), (1, [next_b], pos_b)] if with_a else [(1, [next_b], pos_b)]
-        plan = make_plan(cells, chunks)
-        out.append(logits(worker, plan)[-1])
+    a = [] if prompt_a is None else [(0, prompt_a, 0)]
+    b = [(1, prompt_b, 0)]
+    plan = make_plan(cells, a + b if a_first else b + a)
+    out = [worker.forward(plan)[-1 if a_first else 0].clone()]  # B's sampled row
+    pos_a, pos_b = len(prompt_a or []), len(prompt_b)
+    for token in (11, 22):
+        a = [] if prompt_a is None else [(0, [token + 1], pos_a)]
+        plan = make_plan(cells, a + [(1, [token], pos_b)])
+        out.append(worker.forward(plan)[-1].clone())
         pos_a, pos_b = pos_a + 1, pos_b + 1
         cells.check()
     return out
 
 
+def assert_same(xs: list[torch.Tensor], ys: list[torch.Tensor], what: str) -> None:
+    for step, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        diff = (x - y).abs().max().item()
+        assert torch.equal(x, y), f"{what}, step {step}: max |diff| {diff:g}"
+
+
+def secret_prompt(smollm: LoadedModel, secret: str) -> list[int]:
+    return smollm.tokenizer.encode(f"The password is {secret}. Repeat the password:")
+
+
+@pytest.mark.model
+def test_b_logits_do_not_depend_on_what_a_holds(smollm):
+    """Default worker: A's content (its secret) cannot reach B's logits, bit for bit."""
+    x, y = secret_prompt(smollm, "blue-zebra-4821"), secret_prompt(smollm, "red-otter-9305")
+    assert len(x) == len(y) and x != y  # same shapes, different content
+    for a_first in (True, False):
+        with_x = run_b(smollm, x, a_first, batch_invariant=False)
+        with_y = run_b(smollm, y, a_first, batch_invariant=False)
+        assert_same(with_x, with_y, f"A holds X or Y, A first={a_first}")
+
+
 @pytest.mark.model
 def test_b_logits_are_bit_identical_with_or_without_a(smollm):
-    alone = run_b(smollm, with_a=False, a_first=True)
+    """Batch-invariant worker: whether A shares B's batches at all does not change B's logits."""
+    alone = run_b(smollm, None, a_first=True, batch_invariant=True)
+    prompt_a = secret_prompt(smollm, "QX7-ZEBRA-4821")
     for a_first in (True, False):
-        together = run_b(smollm, with_a=True, a_first=a_first)
-        for step, (x, y) in enumerate(zip(alone, together, strict=True)):
-            diff = (x - y).abs().max().item()
-            assert torch.equal(x, y), f"step {step}, A first={a_first}: max |diff| {diff:g}"
+        together = run_b(smollm, prompt_a, a_first, batch_invariant=True)
+        assert_same(alone, together, f"with and without A, A first={a_first}")
