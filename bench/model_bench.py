@@ -1,10 +1,11 @@
 """`python -m bench.model_bench`: the worker on SmolLM2 beside transformers, same run, greedy.
 
 Decode tokens/s at 1, 8 and 32 concurrent sequences (each with a 64-token prompt already in
-the cache) and prefill tokens/s of one 256-token prompt, in float32 and bfloat16. The
-transformers side is `generate` (greedy, fixed length, its own KV cache) on the same GGUF;
-its decode rate is (generate N tokens - generate 1 token) / (N - 1) per sequence.
-Each rate is the best of REPEATS runs. Also profiles one decode step at concurrency 1.
+the cache) and prefill tokens/s of one 256-token prompt, in float32, bfloat16 and float32 with
+`--quant` int8/int4 (model/quant.py). The transformers side is `generate` (greedy, fixed length,
+its own KV cache) on the same GGUF, float32 except beside bfloat16; its decode rate is
+(generate N tokens - generate 1 token) / (N - 1) per sequence.
+Each rate is the best of REPEATS runs. Also profiles one decode step at concurrency 1 and 32.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from kvcache.cells import PendingOps
 from model import default_model_path, load_model
+from model.quant import quantize
 from model.worker import ModelWorker, make_worker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
 
@@ -106,25 +108,32 @@ def hf_rates(hf: Any, vocab: int) -> dict[str, float]:
     return rates
 
 
-def profile_decode(worker: ModelWorker, vocab: int) -> list[dict[str, Any]]:
+def profile_decode(worker: ModelWorker, vocab: int, conc: int = 1) -> dict[str, Any]:
+    """Top ops by self CPU time of one decode step of `conc` sequences."""
     from torch.profiler import profile
 
-    plan = make_plan(prompts(1, PROMPT_LEN, vocab), [0], PROMPT_LEN + 1)
-    worker.execute(plan)
-    step = make_plan([[123]], [PROMPT_LEN], PROMPT_LEN + 1)
+    per_seq = PROMPT_LEN + 1
+    worker.execute(make_plan(prompts(conc, PROMPT_LEN, vocab), [0] * conc, per_seq))
+    step = make_plan([[123]] * conc, [PROMPT_LEN] * conc, per_seq)
+    worker.execute(step)
+    start = time.perf_counter()
+    for _ in range(3):
+        worker.execute(step)
+    step_ms = (time.perf_counter() - start) / 3 * 1e3
     with profile() as prof:
         for _ in range(3):
             worker.execute(step)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
-    return [
+    top = [
         {
             "op": e.key,
             "share": round(e.self_cpu_time_total / total, 3),
             "calls_per_step": e.count // 3,
         }
-        for e in events[:6]
+        for e in events[:8]
     ]
+    return {"concurrency": conc, "step_ms": round(step_ms, 2), "top_ops": top}
 
 
 def load_hf(path: pathlib.Path) -> Any:
@@ -136,7 +145,14 @@ def load_hf(path: pathlib.Path) -> Any:
     ).eval()
 
 
-def run(out_dir: pathlib.Path | str | None = None, threads: int | None = 1) -> dict[str, Any]:
+VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("float32", "int4"))
+
+
+def run(
+    out_dir: pathlib.Path | str | None = None,
+    threads: int | None = 1,
+    profile_quant: str = "int4",
+) -> dict[str, Any]:
     """NOTE: threads=1 by default: on shared CPUs an OpenMP team waiting for a descheduled
     thread at every op makes both sides several times slower and the ratio noise."""
     if threads is not None:
@@ -150,20 +166,27 @@ def run(out_dir: pathlib.Path | str | None = None, threads: int | None = 1) -> d
         "prompt_len": PROMPT_LEN,
         "rows": [],
     }
-    for dtype in ("float32", "bfloat16"):
+    hf_by_dtype: dict[str, dict[str, float]] = {}
+    result["profiles"] = []
+    for dtype, quant in VARIANTS:
         loaded = load_model(path, dtype=dtype)
+        quantize(loaded.transformer, quant)
         vocab = loaded.config.vocab_size
         worker = make_worker(loaded, n_cells=max(CONCURRENCY) * (PROMPT_LEN + DECODE_STEPS + 1))
         ours = {f"decode_c{c}": ours_decode(worker, c, vocab) for c in CONCURRENCY}
         ours["prefill"] = ours_prefill(worker, vocab)
-        if dtype == "float32":
-            result["decode_profile_c1"] = profile_decode(worker, vocab)
-        hf = hf32 if dtype == "float32" else hf32.to(torch.bfloat16)
-        theirs = hf_rates(hf, vocab)
+        if quant == profile_quant or (dtype, quant) == ("float32", "none"):
+            for conc in (1, max(CONCURRENCY)):
+                result["profiles"].append({"quant": quant, **profile_decode(worker, vocab, conc)})
+        if dtype not in hf_by_dtype:
+            hf = hf32 if dtype == "float32" else hf32.to(torch.bfloat16)
+            hf_by_dtype[dtype] = hf_rates(hf, vocab)
+        theirs = hf_by_dtype[dtype]
         for key, value in ours.items():
             result["rows"].append(
                 {
                     "dtype": dtype,
+                    "quant": quant,
                     "metric": key,
                     "cellserve_tok_s": round(value, 1),
                     "transformers_tok_s": round(theirs[key], 1),
@@ -181,17 +204,21 @@ def run(out_dir: pathlib.Path | str | None = None, threads: int | None = 1) -> d
 def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']}, torch threads {result['torch_threads']}",
-        f"{'dtype':<9} {'metric':<11} {'cellserve tok/s':>16} {'transformers tok/s':>19} "
-        f"{'ratio':>6}",
+        f"{'dtype':<9} {'quant':<5} {'metric':<11} {'cellserve tok/s':>16} "
+        f"{'transformers tok/s':>19} {'ratio':>6}",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['dtype']:<9} {r['metric']:<11} {r['cellserve_tok_s']:>16} "
+            f"{r['dtype']:<9} {r['quant']:<5} {r['metric']:<11} {r['cellserve_tok_s']:>16} "
             f"{r['transformers_tok_s']:>19} {r['ratio']:>6}"
         )
-    lines.append("decode step at concurrency 1, top ops by self CPU time:")
-    for e in result["decode_profile_c1"]:
-        lines.append(f"  {e['op']:<50} {e['share']:>6.1%}  {e['calls_per_step']} calls/step")
+    for p in result["profiles"]:
+        lines.append(
+            f"decode step, float32 quant {p['quant']}, {p['concurrency']} seqs: "
+            f"{p['step_ms']} ms; top ops by self CPU time:"
+        )
+        for e in p["top_ops"]:
+            lines.append(f"  {e['op']:<50} {e['share']:>6.1%}  {e['calls_per_step']} calls/step")
     return "\n".join(lines)
 
 
