@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -121,48 +120,6 @@ async def run_concurrently(
         await asyncio.gather(*(worker() for _ in range(num_clients)))
     assert all(r is not None for r in results)
     return [r for r in results if r is not None]
-
-
-@dataclass
-class StalledClient:
-    """A raw-socket client that sends a streaming request and then never reads: the server's
-    send buffers fill and its writes block (a slow reader taken to the limit)."""
-
-    host: str
-    port: int
-    body: dict
-    sock: socket.socket | None = field(default=None, repr=False)
-
-    def open(self) -> None:
-        payload = json.dumps({**self.body, "stream": True}).encode()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((self.host, self.port))
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-        )
-        sock.sendall(head.encode() + payload)
-        self.sock = sock
-
-    def read_all(self, timeout: float = 60.0) -> bytes:
-        """Drain whatever the server sent (after the test's checks), until it closes."""
-        assert self.sock is not None
-        self.sock.settimeout(timeout)
-        chunks = []
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (TimeoutError, OSError):
-                break
-            if not data:
-                break
-            chunks.append(data)
-        return b"".join(chunks)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
 
 
 def mixed_bodies(

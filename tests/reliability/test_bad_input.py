@@ -107,6 +107,13 @@ def test_prompt_of_a_million_characters_is_a_400(default_server, path):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("interval", ["1", "100000", "soon"])
+def test_bad_cell_map_stream_interval_is_a_400(default_server, interval):
+    url = f"{default_server.url}/v1/cache/cells/stream?interval_ms={interval}"
+    assert_openai_error(httpx.get(url, timeout=30.0), 400, "interval_ms")
+
+
+@pytest.mark.model
 def test_server_still_serves_after_bad_input(default_server):
     body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
     resp = post(default_server.url, COMPLETIONS, body)

@@ -33,8 +33,11 @@ def fuzz_server():
 
 
 def operations(url: str) -> list:
+    """Every operation but the endless event streams (the cell map's), which a request-response
+    fuzzer cannot read to the end; test_bad_input checks their parameters."""
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    return [result.ok() for result in schema.get_all_operations()]
+    ops = [result.ok() for result in schema.get_all_operations()]
+    return [op for op in ops if not op.path.endswith("/stream")]
 
 
 def fuzzer(op, mode: GenerationMode, url: str, calls: dict[str, int]):
