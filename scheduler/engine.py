@@ -18,6 +18,7 @@ import numpy as np
 
 from scheduler.config import EngineConfig
 from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from scheduler.isolate import describe, isolate, pending_only, without_pending
 from scheduler.plan import BatchPlan, StepOutput
 from scheduler.request import Event, FinishEvent, Request
 from scheduler.scheduler import Routed, Scheduler
@@ -176,15 +177,17 @@ class Engine:
         t1 = time.perf_counter()
         error: str | None = None
         out = StepOutput(token_ids=[])
+        failed: dict[int, str] = {}
         if plan.num_tokens:
             try:
-                out = self.worker.execute(plan)
+                out, failed = self._execute(plan)
             except Exception as exc:  # noqa: BLE001 - the batch fails, the engine serves on
-                log.exception("worker failed on a batch of %d tokens", plan.num_tokens)
-                error = f"{type(exc).__name__}: {exc}"
+                log.exception("worker failed on the pending cache work of a batch")
+                error = describe(exc)
         t2 = time.perf_counter()
         with self._cond:
             if error is None:
+                self.scheduler.fail_seqs(failed)
                 events = self.scheduler.update(plan, out)
             else:
                 events = self.scheduler.fail_plan(error)
@@ -207,6 +210,21 @@ class Engine:
             except Exception:  # noqa: BLE001
                 log.exception("on_step callback failed")
         return True
+
+    def _execute(self, plan: BatchPlan) -> tuple[StepOutput, dict[int, str]]:
+        """-> (the plan's output, {seq_id: error} of the sequences the worker fails on). A
+        failing batch is bisected so that only the culprits' requests fail (scheduler/isolate.py).
+        An exception from the pending cache work itself propagates: the whole batch fails."""
+        if not plan.pending.is_empty:
+            self.worker.execute(pending_only(plan))
+        forward = without_pending(plan)
+        try:
+            return self.worker.execute(forward), {}
+        except Exception as exc:  # noqa: BLE001 - find the culprit, the others go on
+            log.exception("worker failed on a batch of %d tokens; isolating", plan.num_tokens)
+            out, failed = isolate(self.worker, forward, describe(exc))
+            log.warning("failing %d of %d sequences: %s", len(failed), len(plan.seqs), failed)
+            return out, failed
 
     def _dispatch(self, routed: list[Routed]) -> None:
         """Hands each request its events of this step in one call (engine lock held)."""

@@ -167,6 +167,12 @@ class Scheduler:
         events, self._events = self._events, []
         return events
 
+    def fail_seqs(self, errors: dict[int, str]) -> None:
+        """The worker failed on these sequences of the last plan ({seq_id: error}): their
+        requests finish with an error; update() then skips them and updates the rest."""
+        for seq in [s for s in self._in_plan if s.seq_id in errors]:
+            self._finish_request(seq.req_id, None, "error", errors[seq.seq_id])
+
     def abort_all(self, reason: str = "abort", error: str | None = None) -> list[Routed]:
         for req_id in list(self._requests):
             self._finish_request(req_id, None, reason, error)
