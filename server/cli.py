@@ -39,6 +39,8 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("max_n", int, "largest n a request may ask for"),
     ("max_body_bytes", int, "largest request body"),
     ("request_timeout", float, "seconds before a request is aborted"),
+    ("stream_buffer", int, "unsent tokens a stream may hold before a slow reader is cut off"),
+    ("batch_invariant", None, "logits independent of the rest of the batch (slower at batch < 16)"),
     ("drain_timeout", float, "seconds running requests get to finish on SIGTERM"),
     ("protect_metrics", None, "require the API key on /metrics too"),
     ("log_level", str, "critical | error | warning | info | debug"),

@@ -78,8 +78,10 @@ class Generation:
         stops: list[str],
         timeout: float,
         want_logprobs: bool,
+        max_buffered: int = 1024,
     ) -> None:
         self.backend = backend
+        self.max_buffered = max_buffered  # unsent events before a slow reader is cut off
         self.metrics = metrics
         self.requests = requests
         self.timeout = timeout
@@ -146,6 +148,8 @@ class Generation:
                     raise GenerationTimeout(
                         f"the request ran longer than {self.timeout:g} s and was aborted"
                     ) from exc
+                if isinstance(item, GenerationFailed):
+                    raise item
                 if isinstance(item, BaseException):
                     raise GenerationFailed(f"engine error: {item}") from item
                 job, event = item
@@ -165,11 +169,21 @@ class Generation:
                 pump.cancel()
             self.cancel()
 
-    @staticmethod
-    async def _pump(job: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+    async def _pump(self, job: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
         try:
             async for event in stream:
                 queue.put_nowait((job, event))
+                if queue.qsize() > self.max_buffered:
+                    # NOTE: a client that stops reading must not make the server hold its whole
+                    # generation: past max_buffered unsent events the request is aborted
+                    self.abort()
+                    queue.put_nowait(
+                        GenerationFailed(
+                            f"the client read the stream too slowly ({self.max_buffered} tokens "
+                            "were waiting to be sent); the request was aborted"
+                        )
+                    )
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -47,7 +47,13 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
             n_ctx,
             loaded.config.n_ctx_train,
         )
-    worker = loaded.make_worker(settings.n_cells, dtype, device)
+    from model.worker import make_worker
+    from server.faults import wrap_worker
+
+    worker = make_worker(
+        loaded, settings.n_cells, dtype, device, batch_invariant=settings.batch_invariant
+    )
+    worker = wrap_worker(worker)  # test-only fault hooks; the worker itself unless env vars say
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,

@@ -58,7 +58,13 @@ async def chat_completions(
     )
     log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
     gen = Generation(
-        backend, metrics, [engine_request], body.stop_list, settings.request_timeout, body.logprobs
+        backend,
+        metrics,
+        [engine_request],
+        body.stop_list,
+        settings.request_timeout,
+        body.logprobs,
+        max_buffered=settings.stream_buffer,
     )
     gen.submit()
     head = envelope(req_id, "chat.completion", int(time.time()), backend.model_name)

@@ -82,7 +82,13 @@ async def completions(
     for req, (_, text) in zip(engine_requests, prompts, strict=True):
         log_request(settings, req.req_id, text, len(req.prompt_ids), n=body.n, stream=body.stream)
     gen = Generation(
-        backend, metrics, engine_requests, body.stop_list, settings.request_timeout, want_logprobs
+        backend,
+        metrics,
+        engine_requests,
+        body.stop_list,
+        settings.request_timeout,
+        want_logprobs,
+        max_buffered=settings.stream_buffer,
     )
     gen.submit()
     head = envelope(base_id, "text_completion", int(time.time()), backend.model_name)

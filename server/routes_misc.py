@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from server.auth import check_api_key
 from server.deps import BackendDep, EngineDep, MetricsDep, check_model
@@ -85,5 +85,6 @@ async def metrics(metrics: MetricsDep) -> Response:
 
 def metrics_router(protect: bool) -> APIRouter:
     r = APIRouter(dependencies=[Depends(check_api_key)] if protect else [])
-    r.add_api_route("/metrics", metrics, methods=["GET"])
+    # Prometheus text, documented as such in the OpenAPI schema
+    r.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     return r

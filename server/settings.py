@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     max_n: int = Field(8, ge=1)
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     request_timeout: float = Field(600.0, gt=0)
+    stream_buffer: int = Field(1024, ge=1)  # unsent tokens before a slow reader is cut off
+    batch_invariant: bool = False  # a sequence's logits do not depend on the rest of its batch
     drain_timeout: float = Field(30.0, ge=0)
     protect_metrics: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
