@@ -15,6 +15,14 @@ from scheduler.plan import BatchPlan, SeqBatch, StepOutput
 if TYPE_CHECKING:
     from model.loader import LoadedModel
 
+# NOTE: CPU GEMM kernels (MKL, oneDNN) take shape-dependent paths for small row counts, so a
+# row's result can depend on how many other rows share the matmul (~1e-5 apart). With
+# batch_invariant, every forward has at least MIN_ROWS rows (padding rows read and write a
+# scratch cell that no plan uses) and as many logit rows, and each sequence attends on its
+# own: a sequence's logits are then bit-identical whatever else is in its batch
+# (tests/reliability/test_worker_isolation.py). It costs up to 2x on a lone decoding sequence.
+MIN_ROWS = 16
+
 
 def kv_bytes_per_cell(args: ModelArgs, dtype: torch.dtype) -> int:
     """K and V of one token over every layer."""
@@ -25,9 +33,14 @@ def kv_bytes_per_cell(args: ModelArgs, dtype: torch.dtype) -> int:
 class ModelWorker:
     """The engine's Worker: `execute(plan) -> StepOutput`."""
 
-    def __init__(self, model: Transformer, storage: KVStorage) -> None:
+    def __init__(
+        self, model: Transformer, storage: KVStorage, batch_invariant: bool = False
+    ) -> None:
         self.model = model
         self.storage = storage
+        self.batch_invariant = batch_invariant
+        # the last cell is scratch for padding rows: make_worker allocates one cell more
+        self.scratch_cell = storage.n_cells - 1 if batch_invariant else -1
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
@@ -47,19 +60,21 @@ class ModelWorker:
             self.storage.apply(plan.pending)
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
-        return self.model(self.make_batch(plan), self.storage)
+        logits = self.model(self.make_batch(plan), self.storage)
+        return logits[: len(plan.samples)]
 
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device
         positions = torch.from_numpy(np.ascontiguousarray(plan.positions, dtype=np.int64))
         cos, sin = self.rope.cos_sin(positions, self._inv_freq.cpu())
-        decode = [s for s in plan.seqs if s.end - s.start == 1]
+        one_each = self.batch_invariant  # every sequence attends on its own
+        decode = [] if one_each else [s for s in plan.seqs if s.end - s.start == 1]
         prompts = [
             _prompt_group(s, plan.positions[s.start : s.end], dev)
             for s in plan.seqs
-            if s.end - s.start != 1
+            if one_each or s.end - s.start != 1
         ]
-        return ForwardBatch(
+        batch = ForwardBatch(
             tokens=_tensor(plan.token_ids, dev),
             cells=_tensor(plan.cells, dev),
             cos=cos.to(dev),
@@ -68,6 +83,29 @@ class ModelWorker:
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
         )
+        return _pad_rows(batch, self.scratch_cell) if self.batch_invariant else batch
+
+
+def _pad_rows(batch: ForwardBatch, scratch_cell: int) -> ForwardBatch:
+    """At least MIN_ROWS token rows and logit rows; padding rows are token 0 at position 0,
+    attending only the scratch cell they write."""
+    n = batch.tokens.shape[0]
+    pad = MIN_ROWS - n
+    if pad > 0:
+        dev = batch.tokens.device
+        zeros = torch.zeros(pad, dtype=torch.int64, device=dev)
+        batch.tokens = torch.cat([batch.tokens, zeros])
+        batch.cells = torch.cat([batch.cells, zeros + scratch_cell])
+        batch.cos = torch.cat([batch.cos, torch.ones_like(batch.cos[:1]).expand(pad, -1)])
+        batch.sin = torch.cat([batch.sin, torch.zeros_like(batch.sin[:1]).expand(pad, -1)])
+        mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
+        scratch = torch.tensor([scratch_cell], dtype=torch.int64, device=dev)
+        batch.prompts.append(PromptGroup(n, n + pad, scratch, mask))
+    n_out = batch.logit_rows.shape[0]
+    if 0 < n_out < MIN_ROWS:
+        extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
+        batch.logit_rows = torch.cat([batch.logit_rows, extra])
+    return batch
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -118,8 +156,10 @@ def make_worker(
     n_cells: int,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
+    batch_invariant: bool = False,
 ) -> ModelWorker:
-    """A worker with a fresh KV cache of `n_cells` cells (dtype/device default to the model's)."""
+    """A worker with a fresh KV cache of `n_cells` cells (dtype/device default to the model's);
+    see MIN_ROWS for `batch_invariant`."""
     from model.loader import resolve_dtype
 
     model = loaded.transformer
@@ -128,11 +168,11 @@ def make_worker(
     args = loaded.config
     storage = KVStorage(
         n_layers=args.n_layers,
-        n_cells=n_cells,
+        n_cells=n_cells + 1 if batch_invariant else n_cells,
         n_kv_heads=args.n_kv_heads,
         head_dim=args.head_dim,
         dtype=model.dtype if dtype is None else resolve_dtype(dtype),
         device=model.device,
         rope=args.rope,
     )
-    return ModelWorker(model, storage)
+    return ModelWorker(model, storage, batch_invariant)
