@@ -6,6 +6,7 @@ environment (the test-only fault hooks) and a process that may lose its engine t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import httpx
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO_ROOT / "tests" / "artifacts"
 START_TIMEOUT = 180.0
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -147,3 +149,13 @@ def assert_openai_error(resp: httpx.Response, status: int, *words: str) -> dict:
     for word in words:
         assert word.lower() in err["message"].lower(), (word, err)
     return err
+
+
+def record(name: str, values: dict) -> None:
+    """Keep measured numbers in tests/artifacts/reliability.json (ignored by git): the README's
+    Reliability table is filled from it."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / "reliability.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[name] = values
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))

@@ -27,7 +27,7 @@ from tests.reliability.clients import (
     stream_request,
 )
 from tests.reliability.conftest import CORPUS, slots, wait_idle
-from tests.reliability.harness import ServerProcess, assert_openai_error, metric, scrape
+from tests.reliability.harness import ServerProcess, assert_openai_error, metric, record, scrape
 
 FAULT_FLAGS = [
     "--n-cells", "768", "--n-seq-max", "24", "--n-batch", "128", "--ctx-per-seq", "256",
@@ -81,6 +81,11 @@ def test_disconnecting_clients_are_aborted_and_others_unaffected(fault_server, c
     # each vanished client costs at most its cut plus a few steps before the abort lands
     assert generated <= full + sum(c + 24 for c in cut if c is not None), (generated, full)
     assert generated < full + num_cut * 200 / 2
+    record(
+        "disconnects",
+        {"requests": len(requests), "disconnected": num_cut, "generated_tokens": generated,
+         "tokens_if_kept": full + num_cut * 200, "tokens_of_kept_requests": full},
+    )  # fmt: skip
 
 
 @pytest.mark.model

@@ -5,15 +5,13 @@ nothing leaks (cells, seq ids, memory)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.reliability.clients import mixed_bodies, run_alone, run_concurrently
 from tests.reliability.conftest import CORPUS, slots, tokenize, wait_idle
-from tests.reliability.harness import ServerProcess, metric, scrape
+from tests.reliability.harness import ServerProcess, metric, record, scrape
 
 NUM_CLIENTS = 64
 NUM_REQUESTS = 500
@@ -24,16 +22,6 @@ LOAD_FLAGS = [
     "--n-cells", "640", "--n-seq-max", "32", "--n-batch", "256", "--ctx-per-seq", "72",
     "--context-shift", "--max-queue", "1024",
 ]  # fmt: skip
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-
-
-def record(name: str, values: dict) -> None:
-    """Keep the measured numbers (tests/artifacts/, ignored by git) for the README table."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / "reliability.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[name] = values
-    path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from schemathesis.checks import (
     response_schema_conformance,
 )
 
-from tests.reliability.harness import ServerProcess
+from tests.reliability.harness import ServerProcess, record
 
 MAX_EXAMPLES = 25
 # Generations are capped at 4 tokens and 2 choices so that fuzzing stays fast on SmolLM2.
@@ -83,5 +83,6 @@ def test_every_operation_survives_schema_fuzzing(fuzz_server):
                 failures.append(f"{op.label} [{mode.value}]: {exc}"[:2000])
     assert not failures, "\n\n".join(failures)
     assert sum(calls.values()) >= len(ops) * 2, calls
+    record("schema_fuzz", {"operations": len(ops), "calls": sum(calls.values())})
     assert httpx.get(f"{url}/health").status_code == 200
     assert fuzz_server.alive()
