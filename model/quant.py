@@ -25,6 +25,7 @@ from model.llama import Linear, Transformer
 
 QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
 INT4_GROUP = 32
+# NOTE: below model.worker.MIN_ROWS, so batch_invariant batches always take the bfloat16 path.
 SMALL_ROWS = 8  # measured on SmolLM2 decode: int4 wins up to 8 rows, bf16 from 16 on
 
 
