@@ -168,6 +168,7 @@ def test_limits_are_settings_with_safe_defaults():
     assert 1 <= s.max_n <= 16
     assert 1 <= s.max_queue <= 4096
     assert 0 < s.request_timeout <= 3600
+    assert 1 <= s.stream_buffer <= s.max_tokens_limit * s.max_n
     assert s.api_key is None and not s.log_prompts
     help_text = subprocess.run(
         [sys.executable, "-c", "from server.cli import main; main()", "serve", "--help"],
@@ -178,5 +179,6 @@ def test_limits_are_settings_with_safe_defaults():
     ).stdout
     flags = ["--max-body-bytes", "--max-tokens-limit", "--max-n", "--max-queue"]
     flags += ["--request-timeout", "--api-key", "--protect-metrics", "--log-prompts"]
+    flags += ["--stream-buffer"]
     for flag in flags:
         assert flag in help_text, flag
