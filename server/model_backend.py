@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from scheduler.config import EngineConfig
@@ -28,7 +29,7 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     from model import default_model_path, load_model
     from model.quant import quantize
 
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(settings.threads or max(1, (os.cpu_count() or 2) - 1))
     device = resolve_device(settings.device)
     dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
