@@ -102,7 +102,9 @@ def test_worker_exception_fails_only_the_culprit(fault_server, corpus_ids, token
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
             tasks = [asyncio.create_task(stream_request(client, b)) for b in others]
-            while len([s for s in slots(url) if s["state"] == "decode"]) < len(others):
+            while not all(t.done() for t in tasks) and (
+                len([s for s in slots(url) if s["state"] == "decode"]) < len(others)
+            ):
                 await asyncio.sleep(0.02)  # the others are decoding: the culprit joins their batch
             plain = await client.post("/v1/completions", json=culprit)
             streamed = await stream_request(client, culprit)
@@ -253,7 +255,7 @@ def test_dead_engine_is_noticed_and_requests_fail_fast(fragile_server, tokenizer
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
             victim = asyncio.create_task(stream_request(client, long_body))
-            while not slots(url):
+            while not slots(url) and not victim.done():
                 await asyncio.sleep(0.02)
             killer = await client.post(
                 "/v1/completions", json={"prompt": f"A{KILL_WORD} brewer", "max_tokens": 4}
