@@ -18,6 +18,7 @@ import pytest
 
 from scheduler.request import FinishEvent, Request, TokenEvent
 from server.backend import Backend
+from server.faults import FaultyWorker, wrap_worker
 from server.generation import Generation, GenerationFailed
 from server.metrics import Metrics
 from tests.reliability.clients import (
@@ -271,3 +272,12 @@ def test_dead_engine_is_noticed_and_requests_fail_fast(fragile_server, tokenizer
     assert_openai_error(resp, 503, "engine")  # at once: the client's timeout guards a hang
     assert fragile_server.alive()
     assert scrape(url)["cellserve_requests_running"] >= 0  # /metrics still answers
+
+
+def test_fault_hooks_are_off_unless_their_env_var_is_set():
+    worker = object()
+    assert wrap_worker(worker, {}) is worker
+    assert wrap_worker(worker, {"CELLSERVE_OTHER": "1"}) is worker
+    hooked = wrap_worker(worker, {"CELLSERVE_FAULT_TOKEN_ID": "7"})
+    assert isinstance(hooked, FaultyWorker) and hooked.fault_token_id == 7
+    assert hooked.kill_token_id is None
