@@ -75,13 +75,17 @@ async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
         await asyncio.sleep(0.25)
 
 
-async def collect(gen: Generation, request: Request) -> list[ChoiceDelta]:
-    """Run to the end (non-streaming); the request is aborted if the client goes away."""
+async def collect(gen: Generation, request: Request, prefixes: list[str]) -> list[ChoiceDelta]:
+    """Run to the end (non-streaming) and fold the deltas into one ChoiceDelta per choice,
+    its text starting with `prefixes[i]`; the request is aborted if the client goes away."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, gen))
-    deltas: list[ChoiceDelta] = []
+    choices = [ChoiceDelta(i, prefix, []) for i, prefix in enumerate(prefixes)]
     try:
         async for delta in gen.deltas():
-            deltas.append(delta)
+            choice = choices[delta.index]
+            choice.text += delta.text
+            choice.logprobs.extend(delta.logprobs)
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
     except GenerationTimeout as exc:
         raise APIError(504, str(exc), code="request_timeout") from exc
     except GenerationFailed as exc:
@@ -90,7 +94,7 @@ async def collect(gen: Generation, request: Request) -> list[ChoiceDelta]:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-    return deltas
+    return choices
 
 
 def sse_response(

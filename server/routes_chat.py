@@ -71,22 +71,15 @@ async def chat_completions(
     if body.stream:
         return sse_response(gen, lambda g: _chunks(g, head, body))
 
-    deltas = await collect(gen, request)
-    texts = [""] * body.n
-    logprobs: list[list] = [[] for _ in range(body.n)]
-    reasons: list[str | None] = [None] * body.n
-    for d in deltas:
-        texts[d.index] += d.text
-        logprobs[d.index].extend(d.logprobs)
-        reasons[d.index] = d.finish_reason or reasons[d.index]
+    results = await collect(gen, request, [""] * body.n)
     choices = [
         {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i], "refusal": None},
-            "logprobs": chat_logprobs(backend.tokenizer, logprobs[i]) if body.logprobs else None,
-            "finish_reason": reasons[i],
+            "index": r.index,
+            "message": {"role": "assistant", "content": r.text, "refusal": None},
+            "logprobs": chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None,
+            "finish_reason": r.finish_reason,
         }
-        for i in range(body.n)
+        for r in results
     ]
     return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
 

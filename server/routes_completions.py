@@ -96,25 +96,17 @@ async def completions(
     if body.stream:
         return sse_response(gen, lambda g: _chunks(g, head, body, echoes))
 
-    deltas = await collect(gen, request)
-    num_choices = len(echoes)
-    texts = list(echoes)
-    logprobs: list[list] = [[] for _ in range(num_choices)]
-    reasons: list[str | None] = [None] * num_choices
-    for d in deltas:
-        texts[d.index] += d.text
-        logprobs[d.index].extend(d.logprobs)
-        reasons[d.index] = d.finish_reason or reasons[d.index]
+    results = await collect(gen, request, echoes)
     choices = [
         {
-            "index": i,
-            "text": texts[i],
-            "logprobs": completion_logprobs(backend.tokenizer, logprobs[i], len(echoes[i]))
+            "index": r.index,
+            "text": r.text,
+            "logprobs": completion_logprobs(backend.tokenizer, r.logprobs, len(echoes[r.index]))
             if want_logprobs
             else None,
-            "finish_reason": reasons[i],
+            "finish_reason": r.finish_reason,
         }
-        for i in range(num_choices)
+        for r in results
     ]
     return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
 
