@@ -79,36 +79,26 @@ class Metrics:
         self.requests = Counter(
             "cellserve_requests", "Finished choices by reason", ["finish_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "cellserve_time_to_first_token_seconds",
-            "Seconds from arrival to the first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Seconds from arrival to the first token"
         )
-        self.itl = Histogram(
-            "cellserve_inter_token_latency_seconds",
-            "Seconds between consecutive tokens of a choice",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Seconds between consecutive tokens of a choice"
         )
-        self.e2e = Histogram(
-            "cellserve_e2e_request_latency_seconds",
-            "Seconds from arrival to the last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Seconds from arrival to the last token"
         )
-        self.queue_time = Histogram(
-            "cellserve_request_queue_time_seconds",
-            "Seconds from submit to admission",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Seconds from submit to admission"
         )
-        self.tokens_per_step = Histogram(
-            "cellserve_tokens_per_step",
-            "Tokens in each engine step",
-            buckets=_STEP_BUCKETS,
-            registry=r,
+        self.tokens_per_step = self._histogram(
+            "tokens_per_step", "Tokens in each engine step", _STEP_BUCKETS
         )
+
+    def _histogram(
+        self, name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+    ) -> Histogram:
+        return Histogram(f"cellserve_{name}", doc, buckets=buckets, registry=self.registry)
 
     def bind_engine(self, source: StatsSource) -> None:
         self._stats_source = source
