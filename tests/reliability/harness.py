@@ -14,12 +14,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
+
+from tests.live_server import wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO_ROOT / "tests" / "artifacts"
@@ -70,19 +71,11 @@ class ServerProcess:
         return self
 
     def _wait_healthy(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {START_TIMEOUT} s:\n{self.log()}")
+        try:
+            wait_ready(self.url, START_TIMEOUT, self.alive)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.log()}") from exc
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
