@@ -75,8 +75,46 @@ def apply_rope(
     return torch.cat((out, x[..., rot:]), dim=-1)
 
 
+def rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, head_dim: int, layout: RopeLayout, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [n, dim/2] -> c, s: [n, 1, head_dim] in `dtype` with
+    rope(x) = x * c + rope_partner(x) * s (the pass-through dims get c = 1, s = 0).
+
+    Built once per batch, so each layer rotates with three ops instead of apply_rope's ten.
+    """
+    n, half = cos.shape
+    if layout == "neox":
+        c, s = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    else:
+        c = cos.repeat_interleave(2, dim=-1)
+        s = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    rest = head_dim - 2 * half
+    if rest:
+        c = torch.cat((c, c.new_ones(n, rest)), dim=-1)
+        s = torch.cat((s, s.new_zeros(n, rest)), dim=-1)
+    return c[:, None, :].to(dtype), s[:, None, :].to(dtype)
+
+
+def rope_partner(x: torch.Tensor, rot: int, layout: RopeLayout) -> torch.Tensor:
+    """The element each rotated dim pairs with: x[i + dim/2] / x[i - dim/2] (neox) or x[2i+1] /
+    x[2i] (interleaved); the pass-through dims past `rot` are returned as they are."""
+    half = rot // 2
+    if layout == "neox":
+        parts = [x[..., half:rot], x[..., :half]]
+    else:
+        parts = [x[..., :rot].unflatten(-1, (half, 2)).flip(-1).flatten(-2)]
+    if rot < x.shape[-1]:
+        parts.append(x[..., rot:])
+    return torch.cat(parts, dim=-1)
+
+
 class KVStorage:
-    """K and V for every layer and cell: k, v: [n_layers, n_cells, n_kv_heads, head_dim]."""
+    """K and V for every layer and cell: k, v: [n_layers, n_kv_heads, n_cells, head_dim].
+
+    Head-major, so that a gather of cells is [n_kv_heads, n, head_dim] contiguous: attention
+    batches over (kv head, sequence) and reads it without another copy.
+    """
 
     def __init__(
         self,
@@ -88,7 +126,7 @@ class KVStorage:
         device: torch.device | str = "cpu",
         rope: RopeConfig | None = None,
     ) -> None:
-        shape = (n_layers, n_cells, n_kv_heads, head_dim)
+        shape = (n_layers, n_kv_heads, n_cells, head_dim)
         self.n_layers = n_layers
         self.n_cells = n_cells
         self.n_kv_heads = n_kv_heads
@@ -106,12 +144,31 @@ class KVStorage:
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v: [n, n_kv_heads, head_dim] into `cells` [n] (int64) of `layer`."""
-        self.k[layer].index_copy_(0, cells, k.to(self.dtype))
-        self.v[layer].index_copy_(0, cells, v.to(self.dtype))
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        self.k[layer].index_copy_(1, cells, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, cells, v.transpose(0, 1))
+
+    def head_index(self, cells: torch.Tensor) -> torch.Tensor:
+        """cells [n] -> [n_kv_heads * n] rows of a layer's [n_kv_heads * n_cells, head_dim] view,
+        head-major: built once per batch, used by gather_heads in every layer."""
+        heads = torch.arange(self.n_kv_heads, dtype=torch.int64, device=cells.device)
+        return (heads[:, None] * self.n_cells + cells[None, :]).reshape(-1)
+
+    def gather_heads(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """index from head_index(cells) -> k, v: [n_kv_heads, n, head_dim], contiguous.
+
+        NOTE: a dim-0 gather of whole rows: index_select along the cell dim (1) ran 2x slower.
+        """
+        hd = self.head_dim
+        k = self.k[layer].view(-1, hd).index_select(0, index)
+        v = self.v[layer].view(-1, hd).index_select(0, index)
+        return k.view(self.n_kv_heads, -1, hd), v.view(self.n_kv_heads, -1, hd)
 
     def gather(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> k, v: [n, n_kv_heads, head_dim] rows of `cells` [n] (int64) of `layer`."""
-        return self.k[layer].index_select(0, cells), self.v[layer].index_select(0, cells)
+        """-> k, v: [n, n_kv_heads, head_dim] (views of gather_heads) of `cells` of `layer`."""
+        k, v = self.gather_heads(layer, self.head_index(cells))
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     def apply(self, pending: PendingOps) -> None:
         """Apply the cells' deferred work: copies first (in order), then K-shifts."""
@@ -119,20 +176,21 @@ class KVStorage:
         if src_list and set(src_list).isdisjoint(dst_list):  # no chains: one gather suffices
             src = torch.as_tensor(src_list, dtype=torch.int64, device=self.device)
             dst = torch.as_tensor(dst_list, dtype=torch.int64, device=self.device)
-            self.k.index_copy_(1, dst, self.k.index_select(1, src))
-            self.v.index_copy_(1, dst, self.v.index_select(1, src))
+            self.k.index_copy_(2, dst, self.k.index_select(2, src))
+            self.v.index_copy_(2, dst, self.v.index_select(2, src))
         else:
             for s, d in zip(src_list, dst_list, strict=True):
-                self.k[:, d] = self.k[:, s]
-                self.v[:, d] = self.v[:, s]
+                self.k[:, :, d] = self.k[:, :, s]
+                self.v[:, :, d] = self.v[:, :, s]
         if pending.shift_cells.size == 0:
             return
         cells = torch.as_tensor(pending.shift_cells, dtype=torch.int64, device=self.device)
         deltas = torch.as_tensor(pending.shift_deltas, dtype=torch.int64, device=self.device)
         cos, sin = self.rope.cos_sin(deltas)
         for layer in range(self.n_layers):
-            k = self.k[layer].index_select(0, cells)
-            self.k[layer].index_copy_(0, cells, apply_rope(k, cos, sin, self.rope.layout))
+            k = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, hd]
+            rotated = apply_rope(k, cos, sin, self.rope.layout)
+            self.k[layer].index_copy_(1, cells, rotated.transpose(0, 1))
 
     def clear(self) -> None:
         self.k.zero_()

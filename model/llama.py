@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.storage import KVStorage, RopeConfig, apply_rope
+from kvcache.storage import KVStorage, RopeConfig, rope_partner
 
 
 @dataclass(slots=True)
@@ -55,13 +55,17 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     }
 
 
+# Decode groups of fewer sequences use SDPA (faster than two bmm calls for 1-2 sequences).
+SDPA_MAX_SEQS = 4
+
+
 @dataclass(slots=True)
 class DecodeGroup:
     """Rows with one new token each, attended together over padded kv."""
 
-    rows: torch.Tensor  # [n_seq] int64
-    kv_cells: torch.Tensor  # [n_seq * max_kv] int64 (padding points at any cell)
-    mask: torch.Tensor  # [n_seq, 1, 1, max_kv] bool: cell visible to the seq's query
+    rows: torch.Tensor | None  # [n_seq] int64; None: every row of the batch, in order
+    kv_index: torch.Tensor  # KVStorage.head_index of [n_seq * max_kv] cells (padding: any cell)
+    bias: torch.Tensor | None  # [n_seq, 1, max_kv] model dtype: 0 visible, -inf not; None: all
     max_kv: int
 
 
@@ -71,7 +75,7 @@ class PromptGroup:
 
     start: int
     end: int
-    kv_cells: torch.Tensor  # [n_kv] int64
+    kv_index: torch.Tensor  # KVStorage.head_index of the [n_kv] cells it reads
     mask: torch.Tensor  # [end - start, n_kv] bool
 
 
@@ -79,8 +83,8 @@ class PromptGroup:
 class ForwardBatch:
     tokens: torch.Tensor  # [n] int64
     cells: torch.Tensor  # [n] int64
-    cos: torch.Tensor  # [n, rope_dim / 2] float32
-    sin: torch.Tensor  # [n, rope_dim / 2] float32
+    rope_c: torch.Tensor  # [n, 1, head_dim] model dtype (kvcache.storage.rope_tables)
+    rope_s: torch.Tensor  # [n, 1, head_dim]
     decodes: list[DecodeGroup]
     prompts: list[PromptGroup]
     logit_rows: torch.Tensor  # [n_out] int64
@@ -93,6 +97,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same arithmetic as below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # NOTE: normalise in float32, scale in the model dtype (HF LlamaRMSNorm).
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
@@ -117,6 +123,8 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.layout = args.rope.layout
+        self.rot = args.rope.dim
+        self.scale = args.head_dim**-0.5
         wqkv = torch.cat([weights[prefix + n] for n in ("wq", "wk", "wv")])
         bqkv = None
         if args.qkv_bias:
@@ -131,38 +139,61 @@ class Attention(nn.Module):
         h, h_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x)  # [n, (h + 2 h_kv) * hd]
         qk = qkv[:, : (h + h_kv) * hd].view(n, h + h_kv, hd)
-        qk = apply_rope(qk, batch.cos, batch.sin, self.layout)
+        partner = rope_partner(qk, self.rot, self.layout)
+        qk = torch.addcmul(qk * batch.rope_c, partner, batch.rope_s)
         q, k = qk.split((h, h_kv), dim=1)  # [n, h, hd], [n, h_kv, hd]
         v = qkv[:, (h + h_kv) * hd :].view(n, h_kv, hd)
         storage.write(layer, batch.cells, k, v)
 
-        out = x.new_empty(n, h, hd)
-        for g in batch.decodes:
-            out.index_copy_(0, g.rows, self._decode(q, storage, layer, g))
-        for p in batch.prompts:
-            out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
-        return self.wo(out.view(n, h * hd))
+        if not batch.prompts and len(batch.decodes) == 1 and batch.decodes[0].rows is None:
+            out = self._decode(q, storage, layer, batch.decodes[0])  # all decode, one group
+        elif not batch.decodes and len(batch.prompts) == 1 and batch.prompts[0].end == n:
+            out = self._prompt(q, storage, layer, batch.prompts[0])  # one chunk, every row
+        else:
+            out = x.new_empty(n, h, hd)
+            for g in batch.decodes:
+                rows = torch.arange(n, device=x.device) if g.rows is None else g.rows
+                out.index_copy_(0, rows, self._decode(q, storage, layer, g))
+            for p in batch.prompts:
+                out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
+        return self.wo(out.reshape(n, h * hd))
 
     def _decode(
         self, q: torch.Tensor, storage: KVStorage, layer: int, g: DecodeGroup
     ) -> torch.Tensor:
-        n_seq, h_kv, hd = g.rows.shape[0], self.n_kv_heads, self.head_dim
-        # GQA without repeat: the h / h_kv query heads of a kv head become its query rows.
-        qd = q.index_select(0, g.rows).view(n_seq, h_kv, self.n_heads // h_kv, hd)
-        k, v = storage.gather(layer, g.kv_cells)  # [n_seq * max_kv, h_kv, hd]
-        k = k.view(n_seq, g.max_kv, h_kv, hd).transpose(1, 2)  # [n_seq, h_kv, max_kv, hd]
-        v = v.view(n_seq, g.max_kv, h_kv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask)
-        return o.reshape(n_seq, self.n_heads, hd)
+        n_seq = q.shape[0] if g.rows is None else g.rows.shape[0]
+        h_kv, hd = self.n_kv_heads, self.head_dim
+        # GQA without repeat: the h / h_kv query heads of a kv head become its query rows,
+        # batched over (kv head, sequence): [h_kv, n_seq, h / h_kv, hd].
+        qd = q if g.rows is None else q.index_select(0, g.rows)
+        qd = qd.view(n_seq, h_kv, self.n_heads // h_kv, hd).transpose(0, 1)
+        k, v = storage.gather_heads(layer, g.kv_index)  # [h_kv, n_seq * max_kv, hd]
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        k = k.view(h_kv, n_seq, g.max_kv, hd)
+        v = v.view(h_kv, n_seq, g.max_kv, hd)
+        if n_seq < SDPA_MAX_SEQS:
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.bias)
+        else:
+            # NOTE: two batched matmuls, not SDPA: the CPU flash kernel with 1-3 query rows
+            # per head ran 2.6x slower at 32 sequences x 330 cells (bfloat16).
+            scores = torch.matmul(qd * self.scale, k.transpose(-1, -2))  # [.., g, max_kv]
+            if g.bias is not None:
+                scores = scores + g.bias
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            o = torch.matmul(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
+        return o.transpose(0, 1).reshape(n_seq, self.n_heads, hd)
 
     def _prompt(
         self, q: torch.Tensor, storage: KVStorage, layer: int, p: PromptGroup
     ) -> torch.Tensor:
-        k, v = storage.gather(layer, p.kv_cells)  # [n_kv, h_kv, hd]
+        k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, h, L, hd]
-            k.to(q.dtype).transpose(0, 1)[None],  # [1, h_kv, n_kv, hd]
-            v.to(q.dtype).transpose(0, 1)[None],
+            k[None],  # [1, h_kv, n_kv, hd]
+            v[None],
             attn_mask=p.mask,
             enable_gqa=True,
         )

@@ -79,23 +79,22 @@ class QuantLinear(nn.Module):
             raise ValueError(f"kind must be int4, int8 or fbgemm8, got {kind!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:  # the kernels take bfloat16 activations
+            return self.forward(x.bfloat16()).to(x.dtype)
         if x.shape[0] > SMALL_ROWS:
-            return F.linear(x.bfloat16(), self.dense, self.bias).to(x.dtype)
+            return F.linear(x, self.dense, self.bias)
         if self.kind == "fbgemm8":
             # NOTE: reduce_range=False (full 8-bit activations) measured closer to float32.
             rows = [
                 torch.ops.quantized.linear_dynamic(r, self.packed, False)
                 for r in x.float().split(1)
             ]
-            return torch.cat(rows).to(x.dtype)
+            return torch.cat(rows).bfloat16()
         if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.bfloat16(), self.packed, INT4_GROUP, self.scales
-            )
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.packed, self.scales)
-        y = y if self.bias is None else y + self.bias
-        return y.to(x.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+        return y if self.bias is None else y + self.bias
 
 
 def quantize(model: Transformer, mode: str) -> Transformer:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvcache.storage import KVStorage
+from kvcache.storage import KVStorage, rope_tables
 from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
 from model.sampling import sample
 from scheduler.plan import BatchPlan, SeqBatch, StepOutput
 
 if TYPE_CHECKING:
     from model.loader import LoadedModel
+
+HeadIndex = Callable[[torch.Tensor], torch.Tensor]  # KVStorage.head_index
 
 # NOTE: CPU GEMM kernels (MKL, oneDNN) take shape-dependent paths for small row counts, so a
 # row's result can depend on how many other rows share the matmul (~1e-5 apart). With
@@ -67,26 +70,36 @@ class ModelWorker:
         dev = self.device
         positions = torch.from_numpy(np.ascontiguousarray(plan.positions, dtype=np.int64))
         cos, sin = self.rope.cos_sin(positions, self._inv_freq.cpu())
+        rope_c, rope_s = rope_tables(
+            cos, sin, self.model.args.head_dim, self.rope.layout, self.model.dtype
+        )
+        head_index = self.storage.head_index
         one_each = self.batch_invariant  # every sequence attends on its own
         decode = [] if one_each else [s for s in plan.seqs if s.end - s.start == 1]
         prompts = [
-            _prompt_group(s, plan.positions[s.start : s.end], dev)
+            _prompt_group(s, plan.positions[s.start : s.end], head_index, dev)
             for s in plan.seqs
             if one_each or s.end - s.start != 1
         ]
+        n = len(plan.token_ids)
         batch = ForwardBatch(
             tokens=_tensor(plan.token_ids, dev),
             cells=_tensor(plan.cells, dev),
-            cos=cos.to(dev),
-            sin=sin.to(dev),
-            decodes=[_decode_group(g, plan.positions, dev) for g in _by_kv_length(decode)],
+            rope_c=rope_c.to(dev),
+            rope_s=rope_s.to(dev),
+            decodes=[
+                _decode_group(g, plan.positions, n, self.model.dtype, head_index, dev)
+                for g in _by_kv_length(decode)
+            ],
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
         )
-        return _pad_rows(batch, self.scratch_cell) if self.batch_invariant else batch
+        if self.batch_invariant:
+            return _pad_rows(batch, self.scratch_cell, head_index)
+        return batch
 
 
-def _pad_rows(batch: ForwardBatch, scratch_cell: int) -> ForwardBatch:
+def _pad_rows(batch: ForwardBatch, scratch_cell: int, head_index: HeadIndex) -> ForwardBatch:
     """At least MIN_ROWS token rows and logit rows; padding rows are token 0 at position 0,
     attending only the scratch cell they write."""
     n = batch.tokens.shape[0]
@@ -96,11 +109,12 @@ def _pad_rows(batch: ForwardBatch, scratch_cell: int) -> ForwardBatch:
         zeros = torch.zeros(pad, dtype=torch.int64, device=dev)
         batch.tokens = torch.cat([batch.tokens, zeros])
         batch.cells = torch.cat([batch.cells, zeros + scratch_cell])
-        batch.cos = torch.cat([batch.cos, torch.ones_like(batch.cos[:1]).expand(pad, -1)])
-        batch.sin = torch.cat([batch.sin, torch.zeros_like(batch.sin[:1]).expand(pad, -1)])
+        c, s = batch.rope_c, batch.rope_s  # padding rows rotate by 0
+        batch.rope_c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
+        batch.rope_s = torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
         mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
         scratch = torch.tensor([scratch_cell], dtype=torch.int64, device=dev)
-        batch.prompts.append(PromptGroup(n, n + pad, scratch, mask))
+        batch.prompts.append(PromptGroup(n, n + pad, head_index(scratch), mask))
     n_out = batch.logit_rows.shape[0]
     if 0 < n_out < MIN_ROWS:
         extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
@@ -129,7 +143,14 @@ def _by_kv_length(seqs: list[SeqBatch], max_waste: float = 0.5) -> list[list[Seq
     return groups
 
 
-def _decode_group(seqs: list[SeqBatch], positions: np.ndarray, dev: torch.device) -> DecodeGroup:
+def _decode_group(
+    seqs: list[SeqBatch],
+    positions: np.ndarray,
+    n_rows: int,
+    dtype: torch.dtype,
+    head_index: HeadIndex,
+    dev: torch.device,
+) -> DecodeGroup:
     n_seq = len(seqs)
     max_kv = max(len(s.kv_cells) for s in seqs)
     kv_cells = np.zeros((n_seq, max_kv), dtype=np.int64)
@@ -138,17 +159,27 @@ def _decode_group(seqs: list[SeqBatch], positions: np.ndarray, dev: torch.device
         n = len(s.kv_cells)
         kv_cells[i, :n] = s.kv_cells
         mask[i, :n] = s.kv_pos <= positions[s.start]
+    starts = [s.start for s in seqs]
+    every_row = n_seq == n_rows and starts == list(range(n_rows))
     return DecodeGroup(
-        rows=torch.tensor([s.start for s in seqs], dtype=torch.int64, device=dev),
-        kv_cells=torch.from_numpy(kv_cells.reshape(-1)).to(dev),
-        mask=torch.from_numpy(mask).to(dev)[:, None, None, :],
+        rows=None if every_row else torch.tensor(starts, dtype=torch.int64, device=dev),
+        kv_index=head_index(torch.from_numpy(kv_cells.reshape(-1)).to(dev)),
+        bias=None if mask.all() else _additive(torch.from_numpy(mask), dtype, dev)[:, None],
         max_kv=max_kv,
     )
 
 
-def _prompt_group(s: SeqBatch, q_pos: np.ndarray, dev: torch.device) -> PromptGroup:
+def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """bool visible -> 0 / -inf in `dtype`."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(dev)
+
+
+def _prompt_group(
+    s: SeqBatch, q_pos: np.ndarray, head_index: HeadIndex, dev: torch.device
+) -> PromptGroup:
     mask = np.asarray(s.kv_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [L, n_kv]
-    return PromptGroup(s.start, s.end, _tensor(s.kv_cells, dev), torch.from_numpy(mask).to(dev))
+    kv_index = head_index(_tensor(s.kv_cells, dev))
+    return PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
 
 
 def make_worker(

@@ -84,8 +84,8 @@ def test_bfloat16_storage_shift_is_computed_in_float32():
 def test_copies_run_in_order_before_shifts():
     storage = make_storage()
     for c in range(4):
-        storage.k[:, c] = float(c)
-        storage.v[:, c] = float(c) + 0.5
+        storage.k[:, :, c] = float(c)
+        storage.v[:, :, c] = float(c) + 0.5
     ops = PendingOps(
         copy_src=np.array([0, 5], np.int64),
         copy_dst=np.array([5, 6], np.int64),  # 6 gets what 0 had, through 5
@@ -93,10 +93,10 @@ def test_copies_run_in_order_before_shifts():
         shift_deltas=np.array([0], np.int64),
     )
     storage.apply(ops)
-    assert torch.equal(storage.k[:, 6], storage.k[:, 0]) and torch.equal(
-        storage.v[:, 6], storage.v[:, 0]
+    assert torch.equal(storage.k[:, :, 6], storage.k[:, :, 0]) and torch.equal(
+        storage.v[:, :, 6], storage.v[:, :, 0]
     )
-    assert float(storage.v[2, 6, 0, 0]) == 0.5
+    assert float(storage.v[2, 0, 6, 0]) == 0.5
 
 
 def test_shifting_one_of_two_sharing_seqs_leaves_the_other_bit_identical():
@@ -119,7 +119,7 @@ def test_shifting_one_of_two_sharing_seqs_leaves_the_other_bit_identical():
     seq1_cells, seq1_pos = cells.seq_cells(1)
     assert seq1_pos.tolist() == positions
     idx = torch.from_numpy(seq1_cells)
-    assert torch.equal(storage.k[:, idx], before[:, idx])  # bit-identical
+    assert torch.equal(storage.k[:, :, idx], before[:, :, idx])  # bit-identical
     seq0_cells, seq0_pos = cells.seq_cells(0)
     assert seq0_pos.tolist() == list(range(10))
     assert not set(seq0_cells.tolist()) & set(seq1_cells.tolist())
