@@ -31,7 +31,7 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "none | int8 | int4: weight-only quantization on CPU (default none; int8/int4 are "
         "faster but CHANGE the outputs slightly: top-1 agreement with float32 ~95%%)",
     ),
-    ("threads", int, "torch CPU threads (default: every core but one, leaving one for HTTP)"),
+    ("threads", int, "torch CPU threads for model steps (default: every core)"),
     ("api_key", str, "require 'Authorization: Bearer <key>'"),
     ("served_model_name", str, "model id in the API (default: the file name)"),
     ("max_queue", int, "waiting requests before 429"),

@@ -29,7 +29,10 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     from model import default_model_path, load_model
     from model.quant import quantize
 
-    torch.set_num_threads(settings.threads or max(1, (os.cpu_count() or 2) - 1))
+    # NOTE: load on one thread; the worker takes its threads in the engine thread (see
+    # model.worker.set_torch_threads: OpenMP teams opened here would slow every step).
+    threads = settings.threads or os.cpu_count() or 1
+    torch.set_num_threads(1)
     device = resolve_device(settings.device)
     dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
@@ -40,7 +43,7 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
             "--quant %s: weights are quantized; outputs differ slightly from the unquantized model",
             settings.quant,
         )
-    log.info("torch threads: %d", torch.get_num_threads())
+    log.info("torch threads: %d (model steps)", threads)
     n_ctx = min(settings.ctx_per_seq, settings.n_cells)
     if n_ctx > loaded.config.n_ctx_train > 0:
         log.warning(
@@ -52,7 +55,12 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     from server.faults import wrap_worker
 
     worker = make_worker(
-        loaded, settings.n_cells, dtype, device, batch_invariant=settings.batch_invariant
+        loaded,
+        settings.n_cells,
+        dtype,
+        device,
+        batch_invariant=settings.batch_invariant,
+        threads=threads if device == "cpu" else None,
     )
     worker = wrap_worker(worker)  # test-only fault hooks; the worker itself unless env vars say
     config = EngineConfig(

@@ -23,9 +23,7 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: float32 on CPU
     device: Literal["cpu", "cuda", "auto"] = "auto"
     quant: Literal["none", "int8", "int4"] = "none"  # weight-only, CPU; changes the logits
-    # NOTE: None = every core but one (1 on a 2-core box): the spare core serves HTTP, and an
-    # OpenMP team waiting on a descheduled thread made a decode step 60x slower (README).
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1)  # None = every core (model.worker.set_torch_threads)
     api_key: SecretStr | None = None
     served_model_name: str | None = None
     max_queue: int = Field(256, ge=1)
