@@ -2,9 +2,11 @@
 
 1. The micro-benchmarks that exist (bench.cache_bench, bench.model_bench, bench.engine_bench:
    `run(out_dir) -> dict`); a failure is recorded and the rest go on.
-2. A cellserve started here on a free port: a random-prompt sweep over concurrency levels,
-   then a shared-prefix workload; the same shared-prefix workload again against a second
-   server started with --no-prefix-cache, for the TTFT ratio.
+2. A cellserve started here on a free port: a random-prompt sweep over concurrency levels.
+3. With a llama.cpp `llama-server` binary (--llamacpp, found by default where
+   bench/build_llamacpp.sh puts it): the same sweep, same prompts, against it on the same GGUF.
+4. A shared-prefix workload against a fresh cellserve, then again against one started with
+   --no-prefix-cache, for the TTFT ratio.
 Everything goes under the out dir: results.json, summary.md, one folder per part.
 """
 
@@ -27,11 +29,13 @@ from typing import Any
 from bench.cli import run_benchmark
 from bench.loadgen import LoadConfig
 from bench.report import format_table, plot_levels, write_json
-from bench.server_proc import REPO_ROOT, cellserve
+from bench.server_proc import LLAMACPP_DEFAULT, REPO_ROOT, cellserve_process, llama_server
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
 MICRO_BENCHES = ("cache_bench", "model_bench", "engine_bench")
+# the fast CPU configuration; 32 x (256 + 128) tokens fit in the cache, so nothing is preempted
+DEFAULT_SERVER_ARGS = "--quant int4 --dtype bfloat16 --n-cells 32768"
 
 
 @dataclass(slots=True)
@@ -133,35 +137,97 @@ def ttft_ratio(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | Non
     return out
 
 
+def sweep_budget_s(sizes: Sizes, clock: Clock, share: float) -> float:
+    """Seconds for one sweep: `share` of what is left, at most what its levels can use."""
+    most = len(sizes.concurrencies) * sizes.level_max_s * 1.5 + 30.0
+    return min(share * clock.left(), most)
+
+
+def _save_sweep(out_dir: pathlib.Path, sweep: dict[str, Any], title: str) -> None:
+    write_json(out_dir / "results.json", sweep)
+    if sweep["levels"]:
+        plot_levels(out_dir / "results.png", sweep["levels"], title)
+        print(format_table(sweep["levels"]), flush=True)
+
+
+def run_llamacpp(
+    out_dir: pathlib.Path,
+    sizes: Sizes,
+    binary: pathlib.Path,
+    budget_s: float,
+    model_path: pathlib.Path | None = None,
+    startup_s: float = 120.0,
+) -> dict[str, Any]:
+    """`run_sweep` against llama-server on the same GGUF; a failure is returned as "error"."""
+    report: dict[str, Any] = {"binary": str(binary)}
+    log = out_dir / "llamacpp.log"
+    try:
+        from model import default_model_path
+
+        model = model_path or default_model_path()
+        n_threads = os.cpu_count() or 1
+        with llama_server(binary, model, log, n_threads, startup_s) as srv:
+            report["command"] = srv.command
+            report["startup_s"] = srv.startup_s
+            report["sweep"] = run_sweep(srv.url, sizes, Clock(budget_s))
+    except Exception as exc:  # noqa: BLE001  (the comparison is optional; cellserve's run goes on)
+        report["error"] = f"llama.cpp: {type(exc).__name__}: {exc}; see {log}"
+        return report
+    title = f"random in={sizes.input_len} out={sizes.output_len} (llama.cpp, CPU)"
+    _save_sweep(out_dir / "llamacpp", report["sweep"], title)
+    return report
+
+
 def run_serving(
-    out_dir: pathlib.Path, sizes: Sizes, server_args: list[str], clock: Clock, startup_s: float
+    out_dir: pathlib.Path,
+    sizes: Sizes,
+    server_args: list[str],
+    clock: Clock,
+    startup_s: float,
+    llamacpp: pathlib.Path | None = None,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {}
+    budget_s = sweep_budget_s(sizes, clock, 0.4 if llamacpp else 0.6)
+    report["sweep_budget_s"] = budget_s
     try:
-        with cellserve(out_dir / "server.log", server_args, startup_s) as (url, up_s):
-            report["startup_s"] = up_s
-            sweep = run_sweep(url, sizes, Clock(0.6 * clock.left()))
-            report["sweep"] = sweep
-            write_json(out_dir / "sweep" / "results.json", sweep)
-            if sweep["levels"]:
-                title = f"random in={sizes.input_len} out={sizes.output_len} (cellserve, CPU)"
-                plot_levels(out_dir / "sweep" / "results.png", sweep["levels"], title)
-                print(format_table(sweep["levels"]), flush=True)
-            # the rest: this run, the second server's start-up, and its run
-            report["prefix_on"] = run_prefix(url, sizes, (clock.left() - up_s) / 2)
+        with cellserve_process(out_dir / "server.log", server_args, startup_s) as srv:
+            report["startup_s"] = srv.startup_s
+            report["command"] = srv.command
+            report["sweep"] = run_sweep(srv.url, sizes, Clock(budget_s))
     except Exception as exc:  # noqa: BLE001  (report it; the server is stopped already)
         report["error"] = f"cellserve: {type(exc).__name__}: {exc}; see {out_dir / 'server.log'}"
         return report
-    off_args = [*server_args, "--no-prefix-cache"]
+    title = f"random in={sizes.input_len} out={sizes.output_len} (cellserve, CPU)"
+    _save_sweep(out_dir / "sweep", report["sweep"], title)
+    if llamacpp is not None:
+        print(f"== serving (llama.cpp: {llamacpp})", flush=True)
+        report["llamacpp"] = run_llamacpp(out_dir, sizes, llamacpp, budget_s)
+    return {**report, **run_prefix_pair(out_dir, sizes, server_args, clock, startup_s)}
+
+
+def run_prefix_pair(
+    out_dir: pathlib.Path, sizes: Sizes, server_args: list[str], clock: Clock, startup_s: float
+) -> dict[str, Any]:
+    """The shared-prefix workload with the prefix cache and without, each on a fresh server."""
+    report: dict[str, Any] = {}
+    log = out_dir / "server-prefix-cache.log"
     try:
-        with cellserve(out_dir / "server-no-prefix-cache.log", off_args, startup_s) as (url, _):
-            report["prefix_off"] = run_prefix(url, sizes, clock.left())
+        with cellserve_process(log, server_args, startup_s) as srv:
+            # the rest: this run, the second server's start-up, and its run
+            report["prefix_on"] = run_prefix(srv.url, sizes, (clock.left() - srv.startup_s) / 2)
     except Exception as exc:  # noqa: BLE001
-        log = out_dir / "server-no-prefix-cache.log"
+        report["error"] = f"cellserve: {type(exc).__name__}: {exc}; see {log}"
+        return report
+    off_args = [*server_args, "--no-prefix-cache"]
+    log = out_dir / "server-no-prefix-cache.log"
+    try:
+        with cellserve_process(log, off_args, startup_s) as srv:
+            report["prefix_off"] = run_prefix(srv.url, sizes, clock.left())
+    except Exception as exc:  # noqa: BLE001
         report["error"] = f"cellserve --no-prefix-cache: {type(exc).__name__}: {exc}; see {log}"
         return report
     report["prefix_ttft_ratio"] = ttft_ratio(report["prefix_on"], report["prefix_off"])
-    write_json(out_dir / "prefix" / "results.json", {k: report[k] for k in report if "prefix" in k})
+    write_json(out_dir / "prefix" / "results.json", report)
     return report
 
 
@@ -178,14 +244,42 @@ def environment() -> dict[str, Any]:
     }
 
 
+def default_llamacpp() -> pathlib.Path | None:
+    return LLAMACPP_DEFAULT if LLAMACPP_DEFAULT.is_file() else None
+
+
+def default_budget_s(quick: bool, with_llamacpp: bool) -> float:
+    """Room for the micro-benchmarks, the sweep(s) at their full per-level time, the prefix runs."""
+    if with_llamacpp:
+        return 600.0 if quick else 2200.0
+    return 480.0 if quick else 1200.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
-    p.add_argument("--budget-s", type=float, default=None, help="default 1200, quick 480")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="default 1200, quick 480; with llama.cpp 2200, quick 600",
+    )
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
-    p.add_argument("--server-args", default="", help="extra `cellserve serve` flags, quoted")
+    p.add_argument(
+        "--server-args",
+        default=DEFAULT_SERVER_ARGS,
+        help=f"`cellserve serve` flags, quoted (default: {DEFAULT_SERVER_ARGS!r})",
+    )
+    p.add_argument(
+        "--llamacpp",
+        type=pathlib.Path,
+        default=default_llamacpp(),
+        help="llama-server binary to compare with (default: the one bench/build_llamacpp.sh "
+        "builds, when it exists)",
+    )
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparison")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return p
 
@@ -193,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    clock = Clock(args.budget_s or (480.0 if args.quick else 1200.0))
+    llamacpp: pathlib.Path | None = None if args.no_llamacpp else args.llamacpp
+    clock = Clock(args.budget_s or default_budget_s(args.quick, llamacpp is not None))
     out_dir: pathlib.Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"environment": environment(), "sizes": asdict(sizes)}
@@ -207,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_serving:
         print("== serving (cellserve subprocess)", flush=True)
         server_args = shlex.split(args.server_args)
-        report["serving"] = run_serving(out_dir, sizes, server_args, clock, args.startup_timeout)
+        report["serving"] = run_serving(
+            out_dir, sizes, server_args, clock, args.startup_timeout, llamacpp
+        )
     write_json(out_dir / "results.json", report)
     summary = write_summary(out_dir / "summary.md", report)
     print(summary)

@@ -1,4 +1,8 @@
-"""A cellserve started as a subprocess for the benchmark, stopped even when the run fails."""
+"""Servers started as subprocesses for the benchmark, stopped even when the run fails.
+
+`cellserve(...)` starts this repository's server; `llama_server(...)` starts llama.cpp's
+`llama-server` on the same GGUF, for a side-by-side run of the same workload.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,27 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+LLAMACPP_DEFAULT = (
+    pathlib.Path.home() / ".cache" / "cellserve" / "llama.cpp" / "bin" / "llama-server"
+)
 
 
 class ServerStartError(RuntimeError):
     pass
+
+
+@dataclass(slots=True)
+class Served:
+    url: str
+    startup_s: float
+    command: list[str]
 
 
 def free_port() -> int:
@@ -45,7 +60,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> f
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM (cellserve drains), then SIGKILL after the grace period."""
+    """SIGTERM (both servers drain or exit on it), then SIGKILL after the grace period."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
@@ -57,15 +72,15 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 
 @contextmanager
-def cellserve(
-    log_path: pathlib.Path, extra_args: list[str], startup_timeout_s: float = 300.0
-) -> Iterator[tuple[str, float]]:
-    """Starts `python -m server.cli serve` on a free port; yields (base URL, start-up seconds).
+def served(
+    command_for: Callable[[int], list[str]], log_path: pathlib.Path, startup_timeout_s: float
+) -> Iterator[Served]:
+    """Runs `command_for(free port)` until /health is 200; stops it on exit, error or not.
 
-    The server's output goes to `log_path`; the process is stopped on exit, error or not.
+    The command line and then the server's output go to `log_path`.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *extra_args]
+    cmd = command_for(port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
@@ -74,6 +89,57 @@ def cellserve(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         try:
             url = f"http://127.0.0.1:{port}"
-            yield url, wait_healthy(url, proc, startup_timeout_s)
+            yield Served(url, wait_healthy(url, proc, startup_timeout_s), cmd)
         finally:
             stop(proc)
+
+
+def cellserve_command(port: int, extra_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *extra_args]
+
+
+@contextmanager
+def cellserve_process(
+    log_path: pathlib.Path, extra_args: list[str], startup_timeout_s: float = 300.0
+) -> Iterator[Served]:
+    """Starts `python -m server.cli serve` on a free port."""
+    with served(lambda port: cellserve_command(port, extra_args), log_path, startup_timeout_s) as s:
+        yield s
+
+
+@contextmanager
+def cellserve(
+    log_path: pathlib.Path, extra_args: list[str], startup_timeout_s: float = 300.0
+) -> Iterator[tuple[str, float]]:
+    """`cellserve_process` that yields (base URL, start-up seconds)."""
+    with cellserve_process(log_path, extra_args, startup_timeout_s) as s:
+        yield s.url, s.startup_s
+
+
+def llamacpp_command(
+    binary: pathlib.Path, model_path: pathlib.Path, port: int, n_threads: int, n_ctx: int = 32768
+) -> list[str]:
+    """llama-server with 32 slots sharing `n_ctx` cells: the same shape as cellserve's cache."""
+    return [
+        str(binary), "-m", str(model_path), "-t", str(n_threads), "-c", str(n_ctx), "-np", "32",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+
+
+@contextmanager
+def llama_server(
+    binary: pathlib.Path,
+    model_path: pathlib.Path,
+    log_path: pathlib.Path,
+    n_threads: int,
+    startup_timeout_s: float = 120.0,
+) -> Iterator[Served]:
+    """Starts llama.cpp's `llama-server`; raises ServerStartError if `binary` cannot run."""
+    if not binary.is_file() or not os.access(binary, os.X_OK):
+        raise ServerStartError(f"{binary} is not an executable file")
+
+    def command_for(port: int) -> list[str]:
+        return llamacpp_command(binary, model_path, port, n_threads)
+
+    with served(command_for, log_path, startup_timeout_s) as s:
+        yield s

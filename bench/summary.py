@@ -74,10 +74,59 @@ def _failures(levels: list[dict[str, Any]]) -> list[str]:
     return ["", "Failures: " + ", ".join(notes) + "."] if notes else []
 
 
+def _ratio(a: Any, b: Any) -> str:
+    if isinstance(a, int | float) and isinstance(b, int | float) and b > 0:
+        return f"{a / b:.2f}x"
+    return "-"
+
+
+def _stat(level: dict[str, Any] | None, metric: str) -> Any:
+    return None if level is None else level[metric]["p50"]
+
+
+def _llamacpp_section(serving: dict[str, Any]) -> list[str]:
+    """cellserve's sweep next to llama.cpp's, level by level (same prompts, same seeds)."""
+    llama = serving["llamacpp"]
+    lines = ["## Side by side with llama.cpp (same GGUF, same prompts)", ""]
+    if "error" in llama:
+        return [*lines, f"**llama.cpp error:** {llama['error']}", ""]
+    ours = {lv["concurrency"]: lv for lv in serving.get("sweep", {}).get("levels", [])}
+    theirs = {lv["concurrency"]: lv for lv in llama["sweep"]["levels"]}
+    lines += [
+        "| concurrency | cellserve out tok/s | llama.cpp out tok/s | cellserve / llama.cpp "
+        "| TTFT p50 ms (cellserve / llama.cpp) | ITL p50 ms (cellserve / llama.cpp) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in sorted(ours.keys() | theirs.keys()):
+        a, b = ours.get(c), theirs.get(c)
+        tps_a = None if a is None else a["output_throughput"]
+        tps_b = None if b is None else b["output_throughput"]
+        cells = [
+            str(c),
+            _num(tps_a),
+            _num(tps_b),
+            _ratio(tps_a, tps_b),
+            f"{_num(_stat(a, 'ttft_ms'))} / {_num(_stat(b, 'ttft_ms'))}",
+            f"{_num(_stat(a, 'itl_ms'))} / {_num(_stat(b, 'itl_ms'))}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += _failures(llama["sweep"]["levels"])
+    if llama["sweep"].get("skipped_levels"):
+        lines += [
+            "",
+            f"llama.cpp skipped for time: concurrency {llama['sweep']['skipped_levels']}.",
+        ]
+    lines += ["", "cellserve:", "", "```", " ".join(serving.get("command", ["?"])), "```", ""]
+    lines += ["llama.cpp:", "", "```", " ".join(llama["command"]), "```", ""]
+    return lines
+
+
 def _serving_section(serving: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "startup_s" in serving:
         lines += [f"cellserve became healthy in {serving['startup_s']:.1f} s.", ""]
+    if "command" in serving and "llamacpp" not in serving:
+        lines += [f"cellserve: `{' '.join(serving['command'])}`", ""]
     sweep = serving.get("sweep")
     if sweep:
         w = sweep["workload"]
@@ -95,6 +144,8 @@ def _serving_section(serving: dict[str, Any]) -> list[str]:
         if sweep.get("skipped_levels"):
             lines += ["", f"Skipped for time: concurrency {sweep['skipped_levels']}."]
         lines.append("")
+    if "llamacpp" in serving:
+        lines += _llamacpp_section(serving)
     if "prefix_on" in serving:
         w = serving["prefix_on"]["workload"]
         lines += [

@@ -1,11 +1,23 @@
 from __future__ import annotations
 
 import pathlib
+import shlex
 from typing import Any
 
 import pytest
 
-from bench.run import QUICK, run_micro, ttft_ratio
+from bench.run import (
+    DEFAULT_SERVER_ARGS,
+    QUICK,
+    Clock,
+    build_parser,
+    default_budget_s,
+    run_llamacpp,
+    run_micro,
+    sweep_budget_s,
+    ttft_ratio,
+)
+from bench.server_proc import llamacpp_command
 from bench.summary import render_summary
 
 
@@ -95,3 +107,82 @@ def test_summary_has_the_sweep_the_prefix_comparison_and_the_micro_results() -> 
 def test_quick_sizes_fit_the_model_context() -> None:
     assert QUICK.prefix_len + QUICK.prefix_input_len + QUICK.prefix_output_len < 2048
     assert [QUICK.num_prompts(c) for c in (1, 4, 32, 64)] == [4, 8, 32, 32]
+
+
+def test_llamacpp_command_serves_the_gguf_with_32_slots_on_a_32768_cell_context() -> None:
+    cmd = llamacpp_command(pathlib.Path("/bin/llama-server"), pathlib.Path("/m/x.gguf"), 8123, 2)
+    assert cmd == [
+        "/bin/llama-server", "-m", "/m/x.gguf", "-t", "2", "-c", "32768", "-np", "32",
+        "--host", "127.0.0.1", "--port", "8123",
+    ]  # fmt: skip
+
+
+def test_default_server_args_are_the_fast_cpu_configuration_and_overridable() -> None:
+    args = build_parser().parse_args([])
+    assert shlex.split(args.server_args) == [
+        "--quant", "int4", "--dtype", "bfloat16", "--n-cells", "32768"
+    ]  # fmt: skip
+    assert args.server_args == DEFAULT_SERVER_ARGS
+    assert build_parser().parse_args(["--server-args", "--n-cells 1024"]).server_args == (
+        "--n-cells 1024"
+    )
+    parsed = build_parser().parse_args(["--llamacpp", "/x/llama-server", "--no-llamacpp"])
+    assert parsed.llamacpp == pathlib.Path("/x/llama-server") and parsed.no_llamacpp
+    assert default_budget_s(quick=True, with_llamacpp=True) <= 600.0
+    assert default_budget_s(quick=False, with_llamacpp=True) > default_budget_s(False, False)
+
+
+def test_the_sweep_budget_gives_every_level_its_full_time_when_the_clock_allows() -> None:
+    assert sweep_budget_s(QUICK, Clock(10_000.0), 0.4) == 2 * 60.0 * 1.5 + 30.0
+    assert 39.0 < sweep_budget_s(QUICK, Clock(100.0), 0.4) <= 40.0
+
+
+def write_script(path: pathlib.Path, body: str, mode: int) -> pathlib.Path:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["missing", "not executable", "exits at once"])
+def test_a_llamacpp_that_cannot_start_is_recorded_as_an_error(
+    kind: str, tmp_path: pathlib.Path
+) -> None:
+    binary = {
+        "missing": tmp_path / "no-such-llama-server",
+        "not executable": write_script(tmp_path / "plain", "exit 0", 0o644),
+        "exits at once": write_script(tmp_path / "dies", "echo 'no model'; exit 3", 0o755),
+    }[kind]
+    model = tmp_path / "model.gguf"
+    result = run_llamacpp(tmp_path, QUICK, binary, 30.0, model_path=model, startup_s=10.0)
+    assert result["binary"] == str(binary) and "sweep" not in result
+    expected = "exited with status 3" if kind == "exits at once" else "not an executable file"
+    assert result["error"].startswith("llama.cpp: ServerStartError") and expected in result["error"]
+    if kind == "exits at once":
+        log = (tmp_path / "llamacpp.log").read_text()
+        assert f"-m {model} -t" in log and "no model" in log
+
+
+def test_summary_puts_cellserve_and_llamacpp_side_by_side() -> None:
+    ours = [make_level(50.0, 1), make_level(80.0, 8)]
+    theirs = [make_level(20.0, 1), make_level(40.0, 8)]
+    ours[0]["output_throughput"], theirs[0]["output_throughput"] = 15.0, 30.0
+    ours[1]["output_throughput"], theirs[1]["output_throughput"] = 90.0, 60.0
+    report = {
+        "environment": {},
+        "serving": {
+            "command": ["python", "-m", "server.cli", "serve", "--quant", "int4"],
+            "sweep": make_run(ours),
+            "llamacpp": {
+                "command": ["llama-server", "-m", "x.gguf", "-np", "32"],
+                "sweep": {**make_run(theirs), "skipped_levels": [32]},
+            },
+        },
+    }
+    text = render_summary(report)
+    assert "| 1 | 15.0 | 30.0 | 0.50x | 50.0 / 20.0 | 50.0 / 20.0 |" in text
+    assert "| 8 | 90.0 | 60.0 | 1.50x | 80.0 / 40.0 | 80.0 / 40.0 |" in text
+    assert "python -m server.cli serve --quant int4" in text
+    assert "llama-server -m x.gguf -np 32" in text
+    assert "llama.cpp skipped for time: concurrency [32]" in text
+    report["serving"]["llamacpp"] = {"binary": "/x", "error": "llama.cpp: OSError: boom"}
+    assert "**llama.cpp error:** llama.cpp: OSError: boom" in render_summary(report)
