@@ -45,7 +45,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
-	$(PY) -m bench.run --out $(BENCH_OUT)
+	$(PY) -m bench.run --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
