@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvcache.cells import PendingOps
@@ -155,11 +156,25 @@ class KVStorage:
         heads = torch.arange(self.n_kv_heads, dtype=torch.int64, device=cells.device)
         return (heads[:, None] * self.n_cells + cells[None, :]).reshape(-1)
 
-    def gather_heads(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """index from head_index(cells) -> k, v: [n_kv_heads, n, head_dim], contiguous.
+    def read_index(self, cells: np.ndarray) -> torch.Tensor | slice:
+        """What gather_heads takes for `cells` [n]: a slice when they are one increasing run
+        (a lone sequence's cells usually are: read in place, no copy), else head_index."""
+        n = len(cells)
+        if n and int(cells[-1]) - int(cells[0]) == n - 1 and bool(np.all(np.diff(cells) == 1)):
+            return slice(int(cells[0]), int(cells[0]) + n)
+        index = torch.from_numpy(np.ascontiguousarray(cells, dtype=np.int64)).to(self.device)
+        return self.head_index(index)
+
+    def gather_heads(
+        self, layer: int, index: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """index from head_index(cells) or read_index -> k, v: [n_kv_heads, n, head_dim]
+        (contiguous for an index tensor; views of the cache for a slice).
 
         NOTE: a dim-0 gather of whole rows: index_select along the cell dim (1) ran 2x slower.
         """
+        if isinstance(index, slice):
+            return self.k[layer][:, index], self.v[layer][:, index]
         hd = self.head_dim
         k = self.k[layer].view(-1, hd).index_select(0, index)
         v = self.v[layer].view(-1, hd).index_select(0, index)

@@ -64,7 +64,7 @@ class DecodeGroup:
     """Rows with one new token each, attended together over padded kv."""
 
     rows: torch.Tensor | None  # [n_seq] int64; None: every row of the batch, in order
-    kv_index: torch.Tensor  # KVStorage.head_index of [n_seq * max_kv] cells (padding: any cell)
+    kv_index: torch.Tensor | slice  # KVStorage.read_index of [n_seq * max_kv] cells (pad: any)
     bias: torch.Tensor | None  # [n_seq, 1, max_kv] model dtype: 0 visible, -inf not; None: all
     max_kv: int
 
@@ -75,7 +75,7 @@ class PromptGroup:
 
     start: int
     end: int
-    kv_index: torch.Tensor  # KVStorage.head_index of the [n_kv] cells it reads
+    kv_index: torch.Tensor | slice  # KVStorage.read_index of the [n_kv] cells it reads
     mask: torch.Tensor  # [end - start, n_kv] bool
 
 
@@ -97,11 +97,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; same arithmetic as below
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # NOTE: normalise in float32, scale in the model dtype (HF LlamaRMSNorm).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        # NOTE: torch normalises in float32 and scales in the model dtype, as HF LlamaRMSNorm.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -170,8 +167,8 @@ class Attention(nn.Module):
         k, v = storage.gather_heads(layer, g.kv_index)  # [h_kv, n_seq * max_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        k = k.view(h_kv, n_seq, g.max_kv, hd)
-        v = v.view(h_kv, n_seq, g.max_kv, hd)
+        k = k.unflatten(1, (n_seq, g.max_kv))  # a view, also of a slice of the cache
+        v = v.unflatten(1, (n_seq, g.max_kv))
         if n_seq < SDPA_MAX_SEQS:
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.bias)
         else:

@@ -17,7 +17,7 @@ from scheduler.plan import BatchPlan, SeqBatch, StepOutput
 if TYPE_CHECKING:
     from model.loader import LoadedModel
 
-HeadIndex = Callable[[torch.Tensor], torch.Tensor]  # KVStorage.head_index
+ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index
 
 # NOTE: CPU GEMM kernels (MKL, oneDNN) take shape-dependent paths for small row counts, so a
 # row's result can depend on how many other rows share the matmul (~1e-5 apart). With
@@ -95,11 +95,11 @@ class ModelWorker:
         rope_c, rope_s = rope_tables(
             cos, sin, self.model.args.head_dim, self.rope.layout, self.model.dtype
         )
-        head_index = self.storage.head_index
+        read_index = self.storage.read_index
         one_each = self.batch_invariant  # every sequence attends on its own
         decode = [] if one_each else [s for s in plan.seqs if s.end - s.start == 1]
         prompts = [
-            _prompt_group(s, plan.positions[s.start : s.end], head_index, dev)
+            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev)
             for s in plan.seqs
             if one_each or s.end - s.start != 1
         ]
@@ -110,18 +110,18 @@ class ModelWorker:
             rope_c=rope_c.to(dev),
             rope_s=rope_s.to(dev),
             decodes=[
-                _decode_group(g, plan.positions, n, self.model.dtype, head_index, dev)
+                _decode_group(g, plan.positions, n, self.model.dtype, read_index, dev)
                 for g in _by_kv_length(decode)
             ],
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
         )
         if self.batch_invariant:
-            return _pad_rows(batch, self.scratch_cell, head_index)
+            return _pad_rows(batch, self.scratch_cell, read_index)
         return batch
 
 
-def _pad_rows(batch: ForwardBatch, scratch_cell: int, head_index: HeadIndex) -> ForwardBatch:
+def _pad_rows(batch: ForwardBatch, scratch_cell: int, read_index: ReadIndex) -> ForwardBatch:
     """At least MIN_ROWS token rows and logit rows; padding rows are token 0 at position 0,
     attending only the scratch cell they write."""
     n = batch.tokens.shape[0]
@@ -135,8 +135,8 @@ def _pad_rows(batch: ForwardBatch, scratch_cell: int, head_index: HeadIndex) -> 
         batch.rope_c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
         batch.rope_s = torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
         mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
-        scratch = torch.tensor([scratch_cell], dtype=torch.int64, device=dev)
-        batch.prompts.append(PromptGroup(n, n + pad, head_index(scratch), mask))
+        scratch = read_index(np.array([scratch_cell], dtype=np.int64))
+        batch.prompts.append(PromptGroup(n, n + pad, scratch, mask))
     n_out = batch.logit_rows.shape[0]
     if 0 < n_out < MIN_ROWS:
         extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
@@ -170,7 +170,7 @@ def _decode_group(
     positions: np.ndarray,
     n_rows: int,
     dtype: torch.dtype,
-    head_index: HeadIndex,
+    read_index: ReadIndex,
     dev: torch.device,
 ) -> DecodeGroup:
     n_seq = len(seqs)
@@ -185,7 +185,7 @@ def _decode_group(
     every_row = n_seq == n_rows and starts == list(range(n_rows))
     return DecodeGroup(
         rows=None if every_row else torch.tensor(starts, dtype=torch.int64, device=dev),
-        kv_index=head_index(torch.from_numpy(kv_cells.reshape(-1)).to(dev)),
+        kv_index=read_index(kv_cells.reshape(-1)),
         bias=None if mask.all() else _additive(torch.from_numpy(mask), dtype, dev)[:, None],
         max_kv=max_kv,
     )
@@ -197,10 +197,10 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torc
 
 
 def _prompt_group(
-    s: SeqBatch, q_pos: np.ndarray, head_index: HeadIndex, dev: torch.device
+    s: SeqBatch, q_pos: np.ndarray, read_index: ReadIndex, dev: torch.device
 ) -> PromptGroup:
     mask = np.asarray(s.kv_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [L, n_kv]
-    kv_index = head_index(_tensor(s.kv_cells, dev))
+    kv_index = read_index(np.asarray(s.kv_cells))
     return PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
 
 
