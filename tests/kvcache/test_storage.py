@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcache.cells import KVCells, PendingOps
-from kvcache.storage import KVStorage, RopeConfig, apply_rope
+from kvcache.storage import KVStorage, RopeConfig, apply_rope, rope_partner, rope_tables
 
 LAYOUTS = ["interleaved", "neox"]
 
@@ -132,3 +132,36 @@ def test_shifting_one_of_two_sharing_seqs_leaves_the_other_bit_identical():
 def test_bytes_per_cell():
     assert make_storage().bytes_per_cell == 2 * 3 * 2 * 16 * 4
     assert make_storage(dtype=torch.bfloat16).bytes_per_cell == 2 * 3 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rot", [16, 8])  # full and partial rotary
+def test_rope_tables_rotate_like_apply_rope(layout, rot):
+    rope = RopeConfig(theta=10000.0, dim=rot, layout=layout)
+    x = torch.randn(7, 3, 16, generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([0, 1, 5, 100, 2047, 9000, 3])
+    cos, sin = rope.cos_sin(positions)
+    c, s = rope_tables(cos, sin, 16, layout, torch.float32)
+    fast = torch.addcmul(x * c, rope_partner(x, rot, layout), s)
+    torch.testing.assert_close(fast, apply_rope(x, cos, sin, layout), atol=1e-6, rtol=0)
+    assert torch.equal(fast[..., rot:], x[..., rot:])  # pass-through dims untouched
+
+
+def test_a_run_of_cells_is_read_in_place_and_equals_the_gather():
+    storage = make_storage(n_cells=32)
+    x = torch.randn(32, 2, 16, generator=torch.Generator().manual_seed(4))
+    for layer in range(storage.n_layers):
+        storage.write(layer, torch.arange(32), x + layer, -x)
+    run = storage.read_index(np.arange(5, 12))
+    assert run == slice(5, 12)
+    scattered = storage.read_index(np.array([5, 6, 8, 9]))
+    assert isinstance(scattered, torch.Tensor)
+    assert not isinstance(storage.read_index(np.array([7, 6, 5])), slice)  # a run must increase
+    for layer in range(storage.n_layers):
+        k, v = storage.gather_heads(layer, run)
+        assert k.data_ptr() == storage.k[layer, 0, 5].data_ptr()  # a view, no copy
+        assert torch.equal(k.transpose(0, 1), x[5:12] + layer) and torch.equal(
+            v.transpose(0, 1), -x[5:12]
+        )
+        k, v = storage.gather_heads(layer, scattered)
+        assert k.is_contiguous() and torch.equal(k.transpose(0, 1), x[[5, 6, 8, 9]] + layer)

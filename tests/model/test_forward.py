@@ -181,3 +181,19 @@ def test_decode_rows_of_very_different_context_lengths(tmp_path):
         alone = Driver(make_worker(model, n_cells=1024), 1024, seed=s)
         alone.step([alone.chunk(0, p)])
         assert_close(together[s : s + 1], alone.logits([alone.chunk(0, [17])]))
+
+
+def test_decode_attention_paths_agree(tmp_path, monkeypatch):
+    """The bmm decode path (groups of SDPA_MAX_SEQS sequences and more) and SDPA give the same
+    logits on one batch of padded, masked contexts."""
+    import model.llama
+
+    loaded = load_model(write_tiny_llama(tmp_path / "tiny"))
+    prompts = [[(7 * i + 5 * n) % 300 + 5 for i in range(n)] for n in (30, 24, 33, 27, 31)]
+    results = []
+    for limit in (1, 100):  # bmm for every group, then SDPA for every group
+        monkeypatch.setattr(model.llama, "SDPA_MAX_SEQS", limit)
+        driver = Driver(make_worker(loaded, n_cells=512), 512, seed=7)
+        driver.step([driver.chunk(s, p) for s, p in enumerate(prompts)])
+        results.append(driver.logits([driver.chunk(s, [17]) for s in range(len(prompts))]))
+    assert_close(results[0], results[1])
