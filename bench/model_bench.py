@@ -5,7 +5,8 @@ the cache) and prefill tokens/s of one 256-token prompt, in float32, bfloat16 an
 `--quant` int8/int4 (model/quant.py). The transformers side is `generate` (greedy, fixed length,
 its own KV cache) on the same GGUF, float32 except beside bfloat16; its decode rate is
 (generate N tokens - generate 1 token) / (N - 1) per sequence.
-Each rate is the best of REPEATS runs. Also profiles one decode step at concurrency 1 and 32.
+Each rate is the best of REPEATS runs. Also breaks a decode step of the fastest variant
+(int4 + bfloat16) down by ablation (step_breakdown) at 1 and 32 sequences, 300 cached tokens.
 """
 
 from __future__ import annotations
@@ -108,32 +109,68 @@ def hf_rates(hf: Any, vocab: int) -> dict[str, float]:
     return rates
 
 
-def profile_decode(worker: ModelWorker, vocab: int, conc: int = 1) -> dict[str, Any]:
-    """Top ops by self CPU time of one decode step of `conc` sequences."""
-    from torch.profiler import profile
+def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict[str, Any]:
+    """Where a decode step of `conc` sequences at `ctx` cached tokens goes, by ablation: the
+    median step time, then again with each part replaced by zeros of its shape (cumulative):
+    the layers' matmuls, the output head, attention (K/V gathers + SDPA/bmm); what is left is
+    RMSNorm, RoPE, cache writes, residuals, embedding, sampling and building the batch."""
+    model = worker.model
+    per_seq = ctx + 64
+    worker.execute(make_plan(prompts(conc, ctx, vocab), [0] * conc, per_seq))
+    position = [ctx]
 
-    per_seq = PROMPT_LEN + 1
-    worker.execute(make_plan(prompts(conc, PROMPT_LEN, vocab), [0] * conc, per_seq))
-    step = make_plan([[123]] * conc, [PROMPT_LEN] * conc, per_seq)
-    worker.execute(step)
-    start = time.perf_counter()
-    for _ in range(3):
-        worker.execute(step)
-    step_ms = (time.perf_counter() - start) / 3 * 1e3
-    with profile() as prof:
-        for _ in range(3):
-            worker.execute(step)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events)
-    top = [
-        {
-            "op": e.key,
-            "share": round(e.self_cpu_time_total / total, 3),
-            "calls_per_step": e.count // 3,
-        }
-        for e in events[:8]
-    ]
-    return {"concurrency": conc, "step_ms": round(step_ms, 2), "top_ops": top}
+    def median_ms(n: int = 15) -> float:
+        times = []
+        for _ in range(n):
+            plan = make_plan([[123]] * conc, position * conc, per_seq)
+            start = time.perf_counter()
+            worker.execute(plan)
+            times.append(time.perf_counter() - start)
+            position[0] += 1
+        return float(np.median(times)) * 1e3
+
+    def zeros_linear(lin: torch.nn.Module, n_out: int) -> None:
+        lin.forward = lambda x: x.new_zeros(x.shape[0], n_out)  # type: ignore[method-assign]
+
+    median_ms(3)  # warm-up
+    stages = [("full step", median_ms())]
+    patched: list[torch.nn.Module] = []
+    for block in model.layers:
+        a, f = block.attention, block.feed_forward
+        for lin, n_out in (
+            (a.wqkv, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim),
+            (a.wo, model.args.dim),
+            (f.w13, 2 * model.args.hidden_dim),
+            (f.w2, model.args.dim),
+        ):
+            zeros_linear(lin, n_out)
+            patched.append(lin)
+    stages.append(("without the layers' matmuls", median_ms()))
+    zeros_linear(model.output, model.args.vocab_size)
+    patched.append(model.output)
+    stages.append(("and without the output head", median_ms()))
+    for block in model.layers:
+        a = block.attention
+        h, hd = a.n_heads, a.head_dim
+        a._decode = lambda q, *_, h=h, hd=hd: q.new_zeros(q.shape[0], h, hd)
+        a._prompt = lambda q, *_, h=h, hd=hd: q.new_zeros(q.shape[0], h, hd)
+    stages.append(("and without attention (gathers + SDPA)", median_ms()))
+    for m in patched:
+        del m.forward
+    for block in model.layers:
+        del block.attention._decode, block.attention._prompt
+    parts = {
+        "matmuls (30 layers)": stages[0][1] - stages[1][1],
+        "output head": stages[1][1] - stages[2][1],
+        "attention (K/V gathers, SDPA/bmm)": stages[2][1] - stages[3][1],
+        "the rest (norms, RoPE, cache writes, sampling, batch building)": stages[3][1],
+    }
+    return {
+        "concurrency": conc,
+        "context": ctx,
+        "step_ms": round(stages[0][1], 2),
+        "parts_ms": {k: round(v, 2) for k, v in parts.items()},
+    }
 
 
 def load_hf(path: pathlib.Path) -> Any:
@@ -145,16 +182,22 @@ def load_hf(path: pathlib.Path) -> Any:
     ).eval()
 
 
-VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("float32", "int4"))
+VARIANTS = (
+    ("float32", "none"),
+    ("bfloat16", "none"),
+    ("float32", "int8"),
+    ("float32", "int4"),
+    ("bfloat16", "int4"),
+)
+BREAKDOWN = ("bfloat16", "int4")  # the variant whose decode step is broken down
 
 
 def run(
     out_dir: pathlib.Path | str | None = None,
-    threads: int | None = 1,
-    profile_quant: str = "int4",
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """NOTE: threads=1 by default: on shared CPUs an OpenMP team waiting for a descheduled
-    thread at every op makes both sides several times slower and the ratio noise."""
+    """threads: torch threads (None: every core). Run it on an otherwise idle machine: an
+    OpenMP team whose thread is descheduled stalls at every op and the ratios turn to noise."""
     if threads is not None:
         torch.set_num_threads(threads)
     path = default_model_path()
@@ -167,7 +210,7 @@ def run(
         "rows": [],
     }
     hf_by_dtype: dict[str, dict[str, float]] = {}
-    result["profiles"] = []
+    result["breakdowns"] = []
     for dtype, quant in VARIANTS:
         loaded = load_model(path, dtype=dtype)
         quantize(loaded.transformer, quant)
@@ -175,9 +218,11 @@ def run(
         worker = make_worker(loaded, n_cells=max(CONCURRENCY) * (PROMPT_LEN + DECODE_STEPS + 1))
         ours = {f"decode_c{c}": ours_decode(worker, c, vocab) for c in CONCURRENCY}
         ours["prefill"] = ours_prefill(worker, vocab)
-        if quant == profile_quant or (dtype, quant) == ("float32", "none"):
+        if (dtype, quant) == BREAKDOWN:
             for conc in (1, max(CONCURRENCY)):
-                result["profiles"].append({"quant": quant, **profile_decode(worker, vocab, conc)})
+                big = make_worker(loaded, n_cells=conc * (300 + 64))
+                result["breakdowns"].append(step_breakdown(big, vocab, conc, 300))
+                del big
         if dtype not in hf_by_dtype:
             hf = hf32 if dtype == "float32" else hf32.to(torch.bfloat16)
             hf_by_dtype[dtype] = hf_rates(hf, vocab)
@@ -212,13 +257,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['dtype']:<9} {r['quant']:<5} {r['metric']:<11} {r['cellserve_tok_s']:>16} "
             f"{r['transformers_tok_s']:>19} {r['ratio']:>6}"
         )
-    for p in result["profiles"]:
+    for b in result["breakdowns"]:
         lines.append(
-            f"decode step, float32 quant {p['quant']}, {p['concurrency']} seqs: "
-            f"{p['step_ms']} ms; top ops by self CPU time:"
+            f"decode step, {' + '.join(BREAKDOWN)}, {b['concurrency']} seqs x {b['context']} "
+            f"cached tokens: {b['step_ms']} ms"
         )
-        for e in p["top_ops"]:
-            lines.append(f"  {e['op']:<50} {e['share']:>6.1%}  {e['calls_per_step']} calls/step")
+        for part, ms in b["parts_ms"].items():
+            lines.append(f"  {part:<66} {ms:>7.2f} ms")
     return "\n".join(lines)
 
 
@@ -226,7 +271,7 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     print(format_table(run(args.out, threads=args.threads or None)))
