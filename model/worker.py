@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvcache.storage import KVStorage, rope_tables
+from model.kernels import DecodeAttention, load_decode_attention
 from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
 from model.sampling import sample
 from scheduler.plan import BatchPlan, SeqBatch, StepOutput
@@ -55,9 +56,11 @@ class ModelWorker:
         storage: KVStorage,
         batch_invariant: bool = False,
         threads: int | None = None,
+        decode_kernel: DecodeAttention | None = None,
     ) -> None:
         self.model = model
         self.threads = threads
+        self.decode_kernel = decode_kernel
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
@@ -115,6 +118,7 @@ class ModelWorker:
             ],
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
+            decode_kernel=self.decode_kernel,
         )
         if self.batch_invariant:
             return _pad_rows(batch, self.scratch_cell, read_index)
@@ -183,11 +187,15 @@ def _decode_group(
         mask[i, :n] = s.kv_pos <= positions[s.start]
     starts = [s.start for s in seqs]
     every_row = n_seq == n_rows and starts == list(range(n_rows))
+    lens = np.array([len(s.kv_cells) for s in seqs], dtype=np.int64)
+    prefix = bool(np.all(mask == (np.arange(max_kv)[None, :] < lens[:, None])))
     return DecodeGroup(
         rows=None if every_row else torch.tensor(starts, dtype=torch.int64, device=dev),
         kv_index=read_index(kv_cells.reshape(-1)),
         bias=None if mask.all() else _additive(torch.from_numpy(mask), dtype, dev)[:, None],
         max_kv=max_kv,
+        cells=torch.from_numpy(kv_cells).to(dev) if prefix else None,
+        lens=torch.from_numpy(lens).to(dev) if prefix else None,
     )
 
 
@@ -229,4 +237,5 @@ def make_worker(
         device=model.device,
         rope=args.rope,
     )
-    return ModelWorker(model, storage, batch_invariant, threads)
+    kernel = load_decode_attention() if model.device.type == "cpu" else None
+    return ModelWorker(model, storage, batch_invariant, threads, kernel)

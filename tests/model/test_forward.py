@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from kvcache.cells import KVCells, PendingOps
 from model import load_model
+from model.kernels import load_decode_attention
 from model.testing import write_tiny_llama
 from model.worker import make_worker
 from tests.model.factories import Driver, SeqChunk, make_plan, prefill_chunk
@@ -184,16 +187,23 @@ def test_decode_rows_of_very_different_context_lengths(tmp_path):
 
 
 def test_decode_attention_paths_agree(tmp_path, monkeypatch):
-    """The bmm decode path (groups of SDPA_MAX_SEQS sequences and more) and SDPA give the same
-    logits on one batch of padded, masked contexts."""
+    """The bmm decode path (groups of SDPA_MAX_SEQS sequences and more), SDPA and the C++
+    kernel (model/kernels) give the same logits on one batch of padded, masked contexts."""
     import model.llama
 
     loaded = load_model(write_tiny_llama(tmp_path / "tiny"))
     prompts = [[(7 * i + 5 * n) % 300 + 5 for i in range(n)] for n in (30, 24, 33, 27, 31)]
+    kernel = load_decode_attention()
+    if kernel is None and os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1":
+        pytest.fail("the decode attention kernel did not build")
+    paths = [(1, None), (100, None)] + ([(100, kernel)] if kernel is not None else [])
     results = []
-    for limit in (1, 100):  # bmm for every group, then SDPA for every group
+    for limit, decode_kernel in paths:  # bmm for every group, SDPA, then the kernel
         monkeypatch.setattr(model.llama, "SDPA_MAX_SEQS", limit)
-        driver = Driver(make_worker(loaded, n_cells=512), 512, seed=7)
+        worker = make_worker(loaded, n_cells=512)
+        worker.decode_kernel = decode_kernel
+        driver = Driver(worker, 512, seed=7)
         driver.step([driver.chunk(s, p) for s, p in enumerate(prompts)])
         results.append(driver.logits([driver.chunk(s, [17]) for s in range(len(prompts))]))
-    assert_close(results[0], results[1])
+    for other in results[1:]:
+        assert_close(other, results[0])
