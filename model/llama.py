@@ -7,6 +7,7 @@ whose K/V goes into cell `cells[i]`; attention groups say which cells each row m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,9 @@ class ForwardBatch:
     prompts: list[PromptGroup]
     logit_rows: torch.Tensor  # [n_out] int64
     decode_kernel: DecodeAttention | None = None  # model.kernels.load_decode_attention()
+
+
+LayersFn = Callable[[torch.Tensor, ForwardBatch, KVStorage], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -266,10 +270,15 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.device
 
-    def forward(self, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        """-> logits [n_out, vocab] float32 for batch.logit_rows."""
+    def forward(
+        self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None
+    ) -> torch.Tensor:
+        """-> logits [n_out, vocab] float32 for batch.logit_rows. `layers` (model.native) runs
+        all the blocks at once instead of one module call each."""
         x = F.embedding(batch.tokens, self.tok_embeddings)  # [n, dim]
-        for block in self.layers:
+        if layers is not None:
+            x = layers(x, batch, storage)
+        for block in self.layers if layers is None else ():
             x = block(x, batch, storage)
         x = self.norm(x.index_select(0, batch.logit_rows))
         return self.output(x).float()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvcache.storage import KVStorage, rope_tables
-from model.kernels import DecodeAttention, load_decode_attention
+from model.kernels import load_kernels
 from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
+from model.native import NativeDecoder
 from model.sampling import sample
 from scheduler.plan import BatchPlan, SeqBatch, StepOutput
 
@@ -56,11 +57,12 @@ class ModelWorker:
         storage: KVStorage,
         batch_invariant: bool = False,
         threads: int | None = None,
-        decode_kernel: DecodeAttention | None = None,
+        kernels: Any | None = None,
     ) -> None:
         self.model = model
         self.threads = threads
-        self.decode_kernel = decode_kernel
+        self.decode_kernel = None if kernels is None else kernels.decode_attention
+        self.native = NativeDecoder.build(model, storage, kernels)
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
@@ -88,7 +90,9 @@ class ModelWorker:
             self.storage.apply(plan.pending)
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
-        logits = self.model(self.make_batch(plan), self.storage)
+        batch = self.make_batch(plan)
+        native = self.native if self.native is not None and self.native.runs(batch) else None
+        logits = self.model(batch, self.storage, None if native is None else native.layers)
         return logits[: len(plan.samples)]
 
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
@@ -237,5 +241,5 @@ def make_worker(
         device=model.device,
         rope=args.rope,
     )
-    kernel = load_decode_attention() if model.device.type == "cpu" else None
-    return ModelWorker(model, storage, batch_invariant, threads, kernel)
+    kernels = load_kernels() if model.device.type == "cpu" else None
+    return ModelWorker(model, storage, batch_invariant, threads, kernels)

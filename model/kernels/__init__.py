@@ -1,9 +1,9 @@
-"""Optional C++ CPU kernels, compiled on first use with torch.utils.cpp_extension.
+"""Optional C++ CPU kernels (decode.cpp), compiled on first use with torch.utils.cpp_extension.
 
-`load_decode_attention()` returns `decode_attention(q, k, v, cells, lens, scale)` (see
-decode_attention.cpp) or None when it cannot be built here (no C++ compiler or ninja, a
-non-CPU build of torch, CELLSERVE_KERNELS=0): callers then keep the gather + SDPA/bmm path.
-The build is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
+`load_kernels()` returns the module (`decode_attention(q, k, v, cells, lens, scale)`,
+`decode_layers(...)`) or None when it cannot be built here (no C++ compiler or ninja,
+CELLSERVE_KERNELS=0): callers then keep the torch path. The build is cached under
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), compiled for this CPU (-march=native).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import os
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,23 +21,26 @@ log = logging.getLogger("cellserve.model")
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
-SOURCE = pathlib.Path(__file__).with_name("decode_attention.cpp")
+SOURCE = pathlib.Path(__file__).with_name("decode.cpp")
 
 
-def load_decode_attention() -> DecodeAttention | None:
+def load_kernels() -> Any | None:
     if os.environ.get("CELLSERVE_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils import cpp_extension
 
-        module = cpp_extension.load(
-            name="cellserve_decode_attention",
+        return cpp_extension.load(
+            name="cellserve_decode",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-ffast-math"],
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001  (any build failure means: use the torch path)
-        log.info("decode attention kernel unavailable (%s); using gather + SDPA", exc)
+        log.info("C++ decode kernels unavailable (%s); using the torch path", exc)
         return None
-    fn: DecodeAttention = module.decode_attention
-    return fn
+
+
+def load_decode_attention() -> DecodeAttention | None:
+    module = load_kernels()
+    return None if module is None else module.decode_attention

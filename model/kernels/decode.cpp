@@ -1,4 +1,6 @@
-// Decode attention over the cell cache, reading K/V in place (no gather).
+// CPU decode kernels over the cell cache (built by model/kernels/__init__.py).
+//
+// decode_attention: attention reading K/V from the cells in place (no gather).
 //
 // q:     [n_seq, n_heads, head_dim]            float32 or bfloat16 (the cache's dtype)
 // k, v:  [n_kv_heads, n_cells, head_dim]       one layer of KVStorage (head-major), any
@@ -128,6 +130,49 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// decode_layers: every layer of a Llama decode step for 1-3 sequences in one call, int4 weights
+// (model/quant.py QuantLinear "int4", no bias), bfloat16, rotate-half RoPE over the whole head:
+// the same ATen ops, in the same order, as model/llama.py's Block, without the Python between
+// them. weights: per layer, in order: attn_norm, wqkv packed, wqkv scales, wo packed, wo scales,
+// ffn_norm, w13 packed, w13 scales, w2 packed, w2 scales. k_cache, v_cache: KVStorage.k / .v
+// ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each row's K/V goes;
+// rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells, lens: as for
+// decode_attention, row i being sequence i. Returns the hidden state after the last layer.
+at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& write_cells, const at::Tensor& rope_c,
+                         const at::Tensor& rope_s, const at::Tensor& kv_cells,
+                         const at::Tensor& lens, int64_t n_heads, double eps, double scale,
+                         int64_t group_size) {
+  constexpr int64_t kPerLayer = 10;
+  const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
+              "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
+  const int64_t n = x.size(0), d = x.size(1), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
+  auto mm = [group_size](const at::Tensor& a, const at::Tensor& packed, const at::Tensor& sz) {
+    return at::_weight_int4pack_mm_for_cpu(a, packed, group_size, sz);
+  };
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kPerLayer;
+    auto qkv = mm(at::rms_norm(x, {d}, w[0], eps), w[1], w[2]);
+    auto qk = qkv.narrow(1, 0, qk_width).view({n, n_heads + n_kv, hd});
+    auto partner = at::cat({qk.narrow(2, half, hd - half), qk.narrow(2, 0, half)}, 2);
+    qk = at::addcmul(qk * rope_c, partner, rope_s);
+    auto v = qkv.narrow(1, qk_width, n_kv * hd).view({n, n_kv, hd});
+    auto k_layer = k_cache.select(0, l);
+    auto v_layer = v_cache.select(0, l);
+    k_layer.index_copy_(1, write_cells, qk.narrow(1, n_heads, n_kv).transpose(0, 1));
+    v_layer.index_copy_(1, write_cells, v.transpose(0, 1));
+    auto attn = decode_attention(qk.narrow(1, 0, n_heads), k_layer, v_layer, kv_cells, lens, scale);
+    x = x + mm(attn.view({n, n_heads * hd}), w[3], w[4]);
+    auto gate_up = mm(at::rms_norm(x, {d}, w[5], eps), w[6], w[7]);
+    const int64_t f = gate_up.size(1) / 2;
+    x = x + mm(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f), w[8], w[9]);
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
+  m.def("decode_layers", &decode_layers, "a whole int4 decode step of 1-3 sequences");
 }

@@ -1,0 +1,81 @@
+"""The layers of a decode step of 1-3 sequences in one C++ call (model/kernels decode_layers).
+
+A single-stream decode step is ~1,000 small torch calls; from Python each costs a few
+microseconds more than the op itself. For int4 + bfloat16 models (the fast CPU setup) the C++
+side runs the same ATen ops in the same order as model/llama.py's Block, so the logits match
+the Python path (tests/model/test_native.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcache.storage import KVStorage
+from model.llama import SDPA_MAX_SEQS, ForwardBatch, Transformer
+from model.quant import INT4_GROUP, QuantLinear
+
+
+@dataclass(slots=True)
+class NativeDecoder:
+    """Flattened per-layer weights for decode_layers; `build` says whether a model qualifies."""
+
+    kernels: Any  # the model.kernels module
+    weights: list[torch.Tensor]
+    n_heads: int
+    eps: float
+    scale: float
+
+    @staticmethod
+    def build(model: Transformer, storage: KVStorage, kernels: Any) -> NativeDecoder | None:
+        args = model.args
+        if (
+            kernels is None
+            or model.dtype != torch.bfloat16
+            or storage.dtype != torch.bfloat16
+            or args.rope.layout != "neox"
+            or args.rope.dim != args.head_dim
+        ):
+            return None
+        weights: list[torch.Tensor] = []
+        for block in model.layers:
+            a, f = block.attention, block.feed_forward
+            linears = (a.wqkv, a.wo, f.w13, f.w2)
+            if not all(
+                isinstance(m, QuantLinear) and m.kind == "int4" and m.bias is None for m in linears
+            ):
+                return None
+            norms = (block.attention_norm.weight, None, block.ffn_norm.weight, None)
+            for norm, lin in zip(norms, linears, strict=True):
+                if norm is not None:
+                    weights.append(norm.detach())
+                weights += [lin.packed, lin.scales]
+        return NativeDecoder(kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5)
+
+    def runs(self, batch: ForwardBatch) -> bool:
+        """One decode group of every row, small enough for the attention kernel."""
+        if batch.prompts or len(batch.decodes) != 1:
+            return False
+        g = batch.decodes[0]
+        return g.rows is None and g.lens is not None and g.lens.shape[0] < SDPA_MAX_SEQS
+
+    def layers(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
+        g = batch.decodes[0]
+        out: torch.Tensor = self.kernels.decode_layers(
+            x,
+            self.weights,
+            storage.k,
+            storage.v,
+            batch.cells,
+            batch.rope_c,
+            batch.rope_s,
+            g.cells,
+            g.lens,
+            self.n_heads,
+            self.eps,
+            self.scale,
+            INT4_GROUP,
+        )
+        return out

@@ -1,0 +1,71 @@
+"""model/native: the one-call C++ decode step gives the Python layers' logits, bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from model import load_model
+from model.native import NativeDecoder
+from model.quant import quantize
+from model.worker import make_worker
+from tests.model.factories import Driver
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def int4_bf16(smollm_path):
+    loaded = load_model(smollm_path, dtype="bfloat16")
+    quantize(loaded.transformer, "int4")
+    return loaded
+
+
+def native_worker(loaded, n_cells: int = 1024):
+    worker = make_worker(loaded, n_cells=n_cells)
+    if worker.native is None:
+        if os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1":
+            pytest.fail("the C++ decode kernels did not build")
+        pytest.skip("no C++ toolchain: the Python layers run")
+    return worker
+
+
+def decode(worker, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    """Prefill every prompt, then `steps` greedy decode steps of all of them together."""
+    driver = Driver(worker, worker.storage.n_cells, seed=11)
+    last = driver.step([driver.chunk(s, p) for s, p in enumerate(prompts)])
+    rows = []
+    for _ in range(steps):
+        logits = driver.logits([driver.chunk(s, [t]) for s, t in enumerate(last)])
+        rows.append(logits)
+        last = logits.argmax(-1).tolist()
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_native_layers_equal_the_python_layers(int4_bf16, n_seq, monkeypatch):
+    prompts = [
+        int4_bf16.tokenizer.encode(f"Fact {i}: the sky is blue. " * (2 + 3 * i))
+        for i in range(n_seq)
+    ]
+    worker = native_worker(int4_bf16)
+    calls = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    native = decode(worker, prompts, steps=6)
+    assert len(calls) == 6  # every decode step took the C++ path, no prefill did
+    worker.native = None
+    python = decode(worker, prompts, steps=6)
+    assert torch.equal(native, python)
+
+
+def test_only_int4_bfloat16_models_qualify(smollm_path, int4_bf16):
+    assert native_worker(int4_bf16).native is not None
+    fp32 = load_model(smollm_path, dtype="float32")
+    quantize(fp32.transformer, "int4")
+    assert make_worker(fp32, n_cells=64).native is None  # float32 activations
+    bf16 = load_model(smollm_path, dtype="bfloat16")
+    quantize(bf16.transformer, "int8")
+    assert make_worker(bf16, n_cells=64).native is None  # int8 weights
