@@ -130,7 +130,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// decode_layers: every layer of a Llama decode step for 1-3 sequences in one call, int4 weights
+// decode_layers: every layer of a Llama decode step of up to 8 sequences in one call, int4 weights
 // (model/quant.py QuantLinear "int4", no bias), bfloat16, rotate-half RoPE over the whole head:
 // the same ATen ops, in the same order, as model/llama.py's Block, without the Python between
 // them. weights: per layer, in order: attn_norm, wqkv packed, wqkv scales, wo packed, wo scales,
@@ -174,5 +174,5 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
-  m.def("decode_layers", &decode_layers, "a whole int4 decode step of 1-3 sequences");
+  m.def("decode_layers", &decode_layers, "every layer of an int4 decode step");
 }
