@@ -22,7 +22,7 @@ import torch
 
 from kvcache.cells import PendingOps
 from model import default_model_path, load_model
-from model.quant import quantize
+from model.quant import SMALL_ROWS, quantize
 from model.worker import ModelWorker, make_worker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
 
@@ -111,11 +111,13 @@ def hf_rates(hf: Any, vocab: int) -> dict[str, float]:
 
 def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict[str, Any]:
     """Where a decode step of `conc` sequences at `ctx` cached tokens goes, by ablation: the
-    median step time, then again with each part replaced by zeros of its shape (cumulative):
-    the layers' matmuls, the output head, attention (K/V gathers + SDPA/bmm); what is left is
-    RMSNorm, RoPE, cache writes, residuals, embedding, sampling and building the batch."""
+    median step time of the Python layers, then again with each part replaced by zeros of its
+    shape (cumulative): the layers' matmuls, the output head, attention (K/V gathers +
+    SDPA/bmm); what is left is RMSNorm, RoPE, cache writes, residuals, embedding, sampling and
+    building the batch. Also the step through model.native (one C++ call for the layers) when
+    the worker has it."""
     model = worker.model
-    per_seq = ctx + 64
+    per_seq = ctx + 96  # 78 decode steps follow the prompt
     worker.execute(make_plan(prompts(conc, ctx, vocab), [0] * conc, per_seq))
     position = [ctx]
 
@@ -133,6 +135,12 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
         lin.forward = lambda x: x.new_zeros(x.shape[0], n_out)  # type: ignore[method-assign]
 
     median_ms(3)  # warm-up
+    native, worker.native = worker.native, None  # the ablation patches the Python layers
+    native_ms = None
+    if native is not None and conc <= SMALL_ROWS:
+        worker.native = native
+        native_ms = median_ms()
+        worker.native = None
     stages = [("full step", median_ms())]
     patched: list[torch.nn.Module] = []
     for block in model.layers:
@@ -159,6 +167,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
         del m.forward
     for block in model.layers:
         del block.attention._decode, block.attention._prompt
+    worker.native = native
     parts = {
         "matmuls (30 layers)": stages[0][1] - stages[1][1],
         "output head": stages[1][1] - stages[2][1],
@@ -169,6 +178,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
         "concurrency": conc,
         "context": ctx,
         "step_ms": round(stages[0][1], 2),
+        "native_step_ms": None if native_ms is None else round(native_ms, 2),
         "parts_ms": {k: round(v, 2) for k, v in parts.items()},
     }
 
@@ -220,7 +230,7 @@ def run(
         ours["prefill"] = ours_prefill(worker, vocab)
         if (dtype, quant) == BREAKDOWN:
             for conc in (1, max(CONCURRENCY)):
-                big = make_worker(loaded, n_cells=conc * (300 + 64))
+                big = make_worker(loaded, n_cells=conc * (300 + 96))
                 result["breakdowns"].append(step_breakdown(big, vocab, conc, 300))
                 del big
         if dtype not in hf_by_dtype:
@@ -260,7 +270,7 @@ def format_table(result: dict[str, Any]) -> str:
     for b in result["breakdowns"]:
         lines.append(
             f"decode step, {' + '.join(BREAKDOWN)}, {b['concurrency']} seqs x {b['context']} "
-            f"cached tokens: {b['step_ms']} ms"
+            f"cached tokens: {b['step_ms']} ms (through model.native: {b['native_step_ms']} ms)"
         )
         for part, ms in b["parts_ms"].items():
             lines.append(f"  {part:<66} {ms:>7.2f} ms")
