@@ -72,8 +72,9 @@ class DecodeGroup:
     kv_index: torch.Tensor | slice  # KVStorage.read_index of [n_seq * max_kv] cells (pad: any)
     bias: torch.Tensor | None  # [n_seq, 1, max_kv] model dtype: 0 visible, -inf not; None: all
     max_kv: int
-    cells: torch.Tensor | None = None  # [n_seq, max_kv] int64 for the kernel; None: no kernel
-    lens: torch.Tensor | None = None  # [n_seq] int64: seq i sees cells[i, :lens[i]], all of them
+    # for the C++ kernels, set together when each seq sees exactly cells[i, :lens[i]]:
+    cells: torch.Tensor | None = None  # [n_seq, max_kv] int64
+    lens: torch.Tensor | None = None  # [n_seq] int64
 
 
 @dataclass(slots=True)
@@ -161,8 +162,8 @@ class Attention(nn.Module):
         else:
             out = x.new_empty(n, h, hd)
             for g in batch.decodes:
-                rows = torch.arange(n, device=x.device) if g.rows is None else g.rows
-                out.index_copy_(0, rows, self._decode(q, storage, layer, g, kernel))
+                assert g.rows is not None, "a group of every row takes the branch above"
+                out.index_copy_(0, g.rows, self._decode(q, storage, layer, g, kernel))
             for p in batch.prompts:
                 out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
         return self.wo(out.reshape(n, h * hd))
@@ -179,7 +180,6 @@ class Attention(nn.Module):
         h_kv, hd = self.n_kv_heads, self.head_dim
         if (
             kernel is not None
-            and g.cells is not None
             and g.lens is not None
             and storage.dtype == q.dtype
             and n_seq < SDPA_MAX_SEQS
@@ -278,7 +278,8 @@ class Transformer(nn.Module):
         x = F.embedding(batch.tokens, self.tok_embeddings)  # [n, dim]
         if layers is not None:
             x = layers(x, batch, storage)
-        for block in self.layers if layers is None else ():
-            x = block(x, batch, storage)
+        else:
+            for block in self.layers:
+                x = block(x, batch, storage)
         x = self.norm(x.index_select(0, batch.logit_rows))
         return self.output(x).float()
