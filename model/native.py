@@ -47,22 +47,26 @@ class NativeDecoder:
             a, f = block.attention, block.feed_forward
             linears = (a.wqkv, a.wo, f.w13, f.w2)
             if not all(
-                isinstance(m, QuantLinear) and m.kind == "int4" and m.bias is None for m in linears
+                isinstance(m, QuantLinear)
+                and m.kind == "int4"
+                and m.bias is None
+                and m.dense_packed
+                for m in linears
             ):
                 return None
             norms = (block.attention_norm.weight, None, block.ffn_norm.weight, None)
             for norm, lin in zip(norms, linears, strict=True):
                 if norm is not None:
                     weights.append(norm.detach())
-                weights += [lin.packed, lin.scales]
+                weights += [lin.packed, lin.scales, lin.dense]
         return NativeDecoder(kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5)
 
     def runs(self, batch: ForwardBatch) -> bool:
-        """One decode group of every row, within the int4 kernels' SMALL_ROWS."""
+        """One decode group of every row, each attending a prefix of its cells."""
         if batch.prompts or len(batch.decodes) != 1:
             return False
         g = batch.decodes[0]
-        return g.rows is None and g.lens is not None and g.lens.shape[0] <= SMALL_ROWS
+        return g.rows is None and g.lens is not None
 
     def layers(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
         g = batch.decodes[0]
@@ -80,5 +84,6 @@ class NativeDecoder:
             self.eps,
             self.scale,
             INT4_GROUP,
+            SMALL_ROWS,
         )
         return out

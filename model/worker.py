@@ -63,6 +63,9 @@ class ModelWorker:
         self.threads = threads
         self.decode_kernel = None if kernels is None else kernels.decode_attention
         self.native = NativeDecoder.build(model, storage, kernels)
+        # the C++ kernel attends each sequence over its own length, so padding costs nothing:
+        # every decode row goes into one group (else _by_kv_length bounds the padding)
+        self.one_decode_group = self.decode_kernel is not None and storage.dtype == model.dtype
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
@@ -118,7 +121,7 @@ class ModelWorker:
             rope_s=rope_s.to(dev),
             decodes=[
                 _decode_group(g, plan.positions, n, self.model.dtype, read_index, dev)
-                for g in _by_kv_length(decode)
+                for g in ([decode] if self.one_decode_group and decode else _by_kv_length(decode))
             ],
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),

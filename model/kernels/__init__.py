@@ -33,7 +33,7 @@ def load_kernels() -> Any | None:
         return cpp_extension.load(
             name="cellserve_decode",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001  (any build failure means: use the torch path)

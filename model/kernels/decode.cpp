@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,6 +36,137 @@ template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
 }
+
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define CELLSERVE_AVX512_BF16 1
+
+// out lane i = the sum of the 16 lanes of a[i] (a 16x16 transpose folded into adds: 45 ops for
+// 16 dot products instead of 16 horizontal reductions).
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                  _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                  _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
+}
+
+inline __m512 bf16_to_f32(__m256i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+constexpr int64_t kPairsAhead = 16;  // V rows prefetched ahead
+
+inline void prefetch_row(const at::BFloat16* row, int64_t hd) {  // every 64-byte line of a row
+  for (int64_t b = 0; b < hd; b += 32) __builtin_prefetch(row + b);
+}
+
+constexpr int kMaxGroup = 8;   // query heads per kv head
+constexpr int kMaxChunks = 8;  // head_dim / 32 (head_dim <= 256)
+
+// One (sequence, kv head) task, bfloat16 K/V and q, head_dim % 32 == 0: scores by
+// vdpbf16ps (bf16 pairs, float32 sums; q is already bf16 so nothing rounds that the torch
+// path does not), softmax in float32, the weighted V sum in float32.
+void attend_bf16(const at::BFloat16* const* qrows, int64_t group, int64_t hd,
+                 const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
+                 int64_t vstride, const int64_t* sc, int64_t n, float scale, float* scores,
+                 at::BFloat16* const* dst) {
+  const int64_t chunks = hd / 32, ns = n + (n & 1);  // ns: scores row stride (pairs)
+  __m512bh q[kMaxGroup][kMaxChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      q[g][c] = (__m512bh)_mm512_loadu_si512(qrows[g] + 32 * c);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const at::BFloat16* rows[16];
+    for (int r = 0; r < 16; ++r) {
+      rows[r] = kbase + sc[j + r] * kstride;
+      if (j + 16 + r < n) prefetch_row(kbase + sc[j + 16 + r] * kstride, hd);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c)
+          a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(rows[r] + 32 * c));
+        acc[r] = a;
+      }
+      _mm512_storeu_ps(scores + g * ns + j, _mm512_mul_ps(sum16(acc), vscale));
+    }
+  }
+  for (; j < n; ++j) {
+    const at::BFloat16* row = kbase + sc[j] * kstride;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c)
+        a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+      scores[g * ns + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  for (int64_t i = 0; i < std::min(n, kPairsAhead); ++i) prefetch_row(vbase + sc[i] * vstride, hd);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * ns;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  // P V by vdpbf16ps over row pairs: p rounds to bfloat16 as in the torch path (probs.to(v));
+  // unpacklo/hi_epi16 interleave two rows, so lane k of acc[g][c][h] is dim 8 * (k / 4) + k % 4
+  // (+ 4 for h = 1) of chunk c; fixed below.
+  for (int64_t g = 0; g < group; ++g)
+    if (n % 2) scores[g * ns + n] = 0.0f;  // the last pair's pad row (reads a real row, weight 0)
+  __m512 acc[kMaxGroup][kMaxChunks][2];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    if (i + kPairsAhead < n) prefetch_row(vbase + sc[i + kPairsAhead] * vstride, hd);
+    if (i + kPairsAhead + 1 < n) prefetch_row(vbase + sc[i + kPairsAhead + 1] * vstride, hd);
+    const at::BFloat16* r0 = vbase + sc[i] * vstride;
+    const at::BFloat16* r1 = i + 1 < n ? vbase + sc[i + 1] * vstride : r0;
+    __m512bh p[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) {  // two probabilities -> one bf16 pair in every lane
+      const float* sg = scores + g * ns;
+      const uint32_t lo = at::BFloat16(sg[i]).x, hi = at::BFloat16(sg[i + 1]).x;
+      p[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | (hi << 16)));
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int64_t g = 0; g < group; ++g) {
+        acc[g][c][0] = _mm512_dpbf16_ps(acc[g][c][0], lo, p[g]);
+        acc[g][c][1] = _mm512_dpbf16_ps(acc[g][c][1], hi, p[g]);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 x0 = _mm512_permutex2var_ps(acc[g][c][0], first, acc[g][c][1]);
+      const __m512 x1 = _mm512_permutex2var_ps(acc[g][c][0], second, acc[g][c][1]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[g] + 32 * c), (__m256i)_mm512_cvtneps_pbh(x0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[g] + 32 * c + 16),
+                          (__m256i)_mm512_cvtneps_pbh(x1));
+    }
+}
+#endif
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
@@ -58,6 +190,28 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / n_kv, kvh = task % n_kv, n = lp[s];
       const int64_t* sc = cp + s * max_kv;
+#ifdef CELLSERVE_AVX512_BF16
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (hd % 32 == 0 && hd <= 32 * kMaxChunks && group <= kMaxGroup) {
+          const T* qrows[kMaxGroup];
+          T* dst[kMaxGroup];
+          for (int64_t g = 0; g < group; ++g) {
+            qrows[g] = qp + s * qs0 + (kvh * group + g) * qs1;
+            dst[g] = op + s * os0 + (kvh * group + g) * os1;
+          }
+          if (task + 1 < end) {  // the next task's first K rows arrive while this one runs
+            const int64_t s1 = (task + 1) / n_kv, kvh1 = (task + 1) % n_kv;
+            const int64_t* sc1 = cp + s1 * max_kv;
+            for (int64_t r = 0; r < std::min<int64_t>(lp[s1], 16); ++r)
+              prefetch_row(kp + kvh1 * ks0 + sc1[r] * ks1, hd);
+          }
+          scores.resize(group * (n + 1));
+          attend_bf16(qrows, group, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc, n, fscale,
+                      scores.data(), dst);
+          continue;
+        }
+      }
+#endif
       scores.assign(group * n, 0.0f);
       for (int64_t g = 0; g < group; ++g) {
         load_row(qp + s * qs0 + (kvh * group + g) * qs1, qf.data() + g * hd, hd);
@@ -130,31 +284,47 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// decode_layers: every layer of a Llama decode step of up to 8 sequences in one call, int4 weights
-// (model/quant.py QuantLinear "int4", no bias), bfloat16, rotate-half RoPE over the whole head:
-// the same ATen ops, in the same order, as model/llama.py's Block, without the Python between
-// them. weights: per layer, in order: attn_norm, wqkv packed, wqkv scales, wo packed, wo scales,
-// ffn_norm, w13 packed, w13 scales, w2 packed, w2 scales. k_cache, v_cache: KVStorage.k / .v
-// ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each row's K/V goes;
-// rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells, lens: as for
-// decode_attention, row i being sequence i. Returns the hidden state after the last layer.
+// oneDNN's bfloat16 linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
+// model/quant.py dense_linear runs), through the dispatcher: it has no at:: function.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(std::string())};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// decode_layers: every layer of a Llama decode step in one call, bfloat16, weights of
+// model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over the whole head: the same
+// ATen ops, in the same order, as model/llama.py's Block, without the Python between them.
+// Steps of up to small_rows rows use the int4 kernel, larger ones the packed bfloat16 copy
+// (QuantLinear.forward's choice). weights: per layer, in order: attn_norm, then wqkv as (int4
+// packed, scales, dense packed), wo (3), ffn_norm, w13 (3), w2 (3). k_cache, v_cache:
+// KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each
+// row's K/V goes; rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells,
+// lens: as for decode_attention, row i being sequence i. Returns the hidden state after the
+// last layer.
 at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& write_cells, const at::Tensor& rope_c,
                          const at::Tensor& rope_s, const at::Tensor& kv_cells,
                          const at::Tensor& lens, int64_t n_heads, double eps, double scale,
-                         int64_t group_size) {
-  constexpr int64_t kPerLayer = 10;
+                         int64_t group_size, int64_t small_rows) {
+  constexpr int64_t kPerLayer = 14;
   const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
               "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
   const int64_t n = x.size(0), d = x.size(1), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
-  auto mm = [group_size](const at::Tensor& a, const at::Tensor& packed, const at::Tensor& sz) {
-    return at::_weight_int4pack_mm_for_cpu(a, packed, group_size, sz);
+  const bool small = n <= small_rows;
+  auto mm = [group_size, small](const at::Tensor& a, const at::Tensor* w) {
+    return small ? at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1])
+                 : packed_linear(a, w[2]);
   };
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
-    auto qkv = mm(at::rms_norm(x, {d}, w[0], eps), w[1], w[2]);
+    auto qkv = mm(at::rms_norm(x, {d}, w[0], eps), w + 1);
     auto qk = qkv.narrow(1, 0, qk_width).view({n, n_heads + n_kv, hd});
     auto partner = at::cat({qk.narrow(2, half, hd - half), qk.narrow(2, 0, half)}, 2);
     qk = at::addcmul(qk * rope_c, partner, rope_s);
@@ -164,15 +334,15 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
     k_layer.index_copy_(1, write_cells, qk.narrow(1, n_heads, n_kv).transpose(0, 1));
     v_layer.index_copy_(1, write_cells, v.transpose(0, 1));
     auto attn = decode_attention(qk.narrow(1, 0, n_heads), k_layer, v_layer, kv_cells, lens, scale);
-    x = x + mm(attn.view({n, n_heads * hd}), w[3], w[4]);
-    auto gate_up = mm(at::rms_norm(x, {d}, w[5], eps), w[6], w[7]);
+    x = x + mm(attn.view({n, n_heads * hd}), w + 4);
+    auto gate_up = mm(at::rms_norm(x, {d}, w[7], eps), w + 8);
     const int64_t f = gate_up.size(1) / 2;
-    x = x + mm(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f), w[8], w[9]);
+    x = x + mm(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f), w + 11);
   }
   return x;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
-  m.def("decode_layers", &decode_layers, "every layer of an int4 decode step");
+  m.def("decode_layers", &decode_layers, "every layer of an int4 + bfloat16 decode step");
 }

@@ -52,6 +52,28 @@ def test_matches_the_reference_on_scattered_padded_cells(kernel, dtype, tol):
     assert torch.equal(kernel(q, k, v, cells, lens, 0.125), got)
 
 
+@pytest.mark.parametrize("n_heads, n_kv, hd", [(9, 3, 64), (8, 2, 128), (6, 3, 48)])
+def test_bfloat16_blocks_tails_and_head_sizes(kernel, n_heads, n_kv, hd):
+    """bfloat16 with head_dim % 32 == 0 takes the AVX-512 BF16 path where the CPU has it (16-row
+    score blocks, row pairs for P V): lengths around the block and pair edges; 48 takes the
+    generic loop. Tolerance: bfloat16 probabilities and output, as in the torch path."""
+    gen = torch.Generator().manual_seed(1)
+    n_cells = 700
+    k = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    v = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    lens = torch.tensor([333, 1, 2, 15, 16, 17, 32, 64])
+    cells = torch.stack([torch.randperm(n_cells, generator=gen)[:333] for _ in lens])
+    q = torch.randn(len(lens), n_heads, hd, generator=gen).bfloat16()
+    scale = hd**-0.5
+    got = kernel(q, k, v, cells, lens, scale)
+    want = reference(q, k, v, cells, lens, scale)
+    assert float((got.double() - want).abs().max()) < 2e-2
+    # every output row is its own: the same sequences one at a time give the same values
+    for s in (0, 3, 5):
+        alone = kernel(q[s : s + 1], k, v, cells[s : s + 1], lens[s : s + 1], scale)
+        assert torch.equal(alone[0], got[s])
+
+
 def test_refuses_mismatched_inputs(kernel):
     q = torch.randn(2, 4, 16)
     k = torch.randn(2, 8, 16)

@@ -7,7 +7,7 @@ import torch
 
 from model import load_model
 from model.llama import Linear
-from model.quant import SMALL_ROWS, QuantLinear, quantize, quantize_int4
+from model.quant import SMALL_ROWS, QuantLinear, dense_linear, pack_dense, quantize, quantize_int4
 from model.worker import make_worker
 from tests.model.factories import SeqChunk, make_plan, prefill_chunk
 
@@ -100,3 +100,17 @@ def test_small_and_large_batches_agree(kind):
     for y in (lin(x[:SMALL_ROWS]), lin(x)[:SMALL_ROWS]):
         err = float((y - ref[:SMALL_ROWS]).abs().max())
         assert err < 0.05 * float(ref.abs().max()), (kind, err)
+
+
+def test_packed_dense_weights_give_the_plain_bfloat16_linear():
+    """pack_dense (oneDNN's blocked layout) changes the speed of the large-batch path, not its
+    values: row for row what F.linear gives on the bfloat16 weights, at any batch size."""
+    torch.manual_seed(2)
+    w, b = (torch.randn(160, 96) * 0.1).bfloat16(), torch.randn(160).bfloat16()
+    packed, is_packed = pack_dense(w)
+    if not torch.backends.mkldnn.is_available():
+        assert not is_packed
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, 96).bfloat16()
+        want = torch.nn.functional.linear(x, w, b)
+        assert torch.equal(dense_linear(x, packed, b, is_packed), want)
