@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.storage import KVStorage, RopeConfig, rope_partner
-from model.kernels import DecodeAttention
+from model.kernels import DecodeAttention, PromptAttention
 
 
 @dataclass(slots=True)
@@ -86,6 +86,9 @@ class PromptGroup:
     end: int
     kv_index: torch.Tensor | slice  # KVStorage.read_index of the [n_kv] cells it reads
     mask: torch.Tensor  # [end - start, n_kv] bool
+    # for the C++ prompt kernel: the cells in position order, and how many of them each row sees
+    cells: torch.Tensor | None = None  # [n_kv] int64
+    lens: torch.Tensor | None = None  # [end - start] int64
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class ForwardBatch:
     prompts: list[PromptGroup]
     logit_rows: torch.Tensor  # [n_out] int64
     decode_kernel: DecodeAttention | None = None  # model.kernels.load_decode_attention()
+    prompt_kernel: PromptAttention | None = None  # kernels.prompt_attention (bfloat16 only)
 
 
 LayersFn = Callable[[torch.Tensor, ForwardBatch, KVStorage], torch.Tensor]
@@ -159,14 +163,16 @@ class Attention(nn.Module):
         if not batch.prompts and len(batch.decodes) == 1 and batch.decodes[0].rows is None:
             out = self._decode(q, storage, layer, batch.decodes[0], kernel)  # all decode, 1 group
         elif not batch.decodes and len(batch.prompts) == 1 and batch.prompts[0].end == n:
-            out = self._prompt(q, storage, layer, batch.prompts[0])  # one chunk, every row
+            out = self._prompt(q, storage, layer, batch.prompts[0], batch.prompt_kernel)
         else:
             out = x.new_empty(n, h, hd)
             for g in batch.decodes:
                 assert g.rows is not None, "a group of every row takes the branch above"
                 out.index_copy_(0, g.rows, self._decode(q, storage, layer, g, kernel))
             for p in batch.prompts:
-                out[p.start : p.end] = self._prompt(q[p.start : p.end], storage, layer, p)
+                out[p.start : p.end] = self._prompt(
+                    q[p.start : p.end], storage, layer, p, batch.prompt_kernel
+                )
         return self.wo(out.reshape(n, h * hd))
 
     def _decode(
@@ -204,8 +210,15 @@ class Attention(nn.Module):
         return o.transpose(0, 1).reshape(n_seq, self.n_heads, hd)
 
     def _prompt(
-        self, q: torch.Tensor, storage: KVStorage, layer: int, p: PromptGroup
+        self,
+        q: torch.Tensor,
+        storage: KVStorage,
+        layer: int,
+        p: PromptGroup,
+        kernel: PromptAttention | None = None,
     ) -> torch.Tensor:
+        if kernel is not None and p.lens is not None:  # the worker checked dtypes and shapes
+            return kernel(q, storage.k[layer], storage.v[layer], p.cells, p.lens, self.scale)
         k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)

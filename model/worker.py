@@ -66,6 +66,18 @@ class ModelWorker:
         # the C++ kernel attends each sequence over its own length, so padding costs nothing:
         # every decode row goes into one group (else _by_kv_length bounds the padding)
         self.one_decode_group = self.decode_kernel is not None and storage.dtype == model.dtype
+        args = model.args
+        bf16 = model.dtype == storage.dtype == torch.bfloat16
+        self.prompt_kernel = (
+            kernels.prompt_attention
+            if kernels is not None
+            and kernels.has_bf16_kernels()
+            and bf16
+            and args.head_dim % 32 == 0
+            and args.head_dim <= 256
+            and args.n_heads // args.n_kv_heads <= 16
+            else None
+        )
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
@@ -108,8 +120,9 @@ class ModelWorker:
         read_index = self.storage.read_index
         one_each = self.batch_invariant  # every sequence attends on its own
         decode = [] if one_each else [s for s in plan.seqs if s.end - s.start == 1]
+        order = self.prompt_kernel is not None
         prompts = [
-            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev)
+            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order)
             for s in plan.seqs
             if one_each or s.end - s.start != 1
         ]
@@ -126,6 +139,7 @@ class ModelWorker:
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
             decode_kernel=self.decode_kernel,
+            prompt_kernel=self.prompt_kernel,
         )
         if self.batch_invariant:
             return _pad_rows(batch, self.scratch_cell, read_index)
@@ -212,11 +226,18 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torc
 
 
 def _prompt_group(
-    s: SeqBatch, q_pos: np.ndarray, read_index: ReadIndex, dev: torch.device
+    s: SeqBatch, q_pos: np.ndarray, read_index: ReadIndex, dev: torch.device, order: bool = False
 ) -> PromptGroup:
-    mask = np.asarray(s.kv_pos)[None, :] <= np.asarray(q_pos)[:, None]  # [L, n_kv]
+    """`order`: also the cells in position order and each row's visible count (prompt kernel)."""
+    kv_pos, q_pos = np.asarray(s.kv_pos), np.asarray(q_pos)
+    mask = kv_pos[None, :] <= q_pos[:, None]  # [L, n_kv]
     kv_index = read_index(np.asarray(s.kv_cells))
-    return PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
+    group = PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
+    if order:
+        by_pos = np.argsort(kv_pos, kind="stable")
+        group.cells = _tensor(np.asarray(s.kv_cells)[by_pos], dev)
+        group.lens = _tensor(np.searchsorted(kv_pos[by_pos], q_pos, side="right"), dev)
+    return group
 
 
 def make_worker(

@@ -1,9 +1,10 @@
 """Optional C++ CPU kernels (decode.cpp), compiled on first use with torch.utils.cpp_extension.
 
 `load_kernels()` returns the module (`decode_attention(q, k, v, cells, lens, scale)`,
-`decode_layers(...)`) or None when it cannot be built here (no C++ compiler or ninja,
-CELLSERVE_KERNELS=0): callers then keep the torch path. The build is cached under
-TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), compiled for this CPU (-march=native).
+`prompt_attention(...)` where `has_bf16_kernels()` (AVX-512 BF16), `decode_layers(...)`) or
+None when it cannot be built here (no C++ compiler or ninja, CELLSERVE_KERNELS=0): callers
+then keep the torch path. The build is cached under TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions), compiled for this CPU (-march=native, -fopenmp).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ log = logging.getLogger("cellserve.model")
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
+PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale), bfloat16
 SOURCE = pathlib.Path(__file__).with_name("decode.cpp")
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from model.kernels import load_decode_attention
+from model.kernels import load_decode_attention, load_kernels
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,38 @@ def test_refuses_mismatched_inputs(kernel):
         kernel(torch.randn(2, 3, 16), k, k, cells, lens, 1.0)
     with pytest.raises(RuntimeError, match="int64"):
         kernel(q, k, k, cells.int(), lens, 1.0)
+
+
+@pytest.fixture(scope="module")
+def prompt_kernel(kernel):
+    module = load_kernels()
+    if not module.has_bf16_kernels():
+        pytest.skip("no AVX-512 BF16 on this CPU: prompts keep SDPA")
+    return module.prompt_attention
+
+
+@pytest.mark.parametrize("n_heads, n_kv, hd", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("past", [0, 21])
+def test_prompt_attention_is_causal_over_position_ordered_cells(
+    prompt_kernel, n_heads, n_kv, hd, past
+):
+    """Row i of a prompt chunk sees the first lens[i] of the position-ordered cells: the float64
+    reference per row, rows in blocks of several per task (37 rows: a partial last block)."""
+    gen = torch.Generator().manual_seed(3)
+    n_cells, L = 300, 37
+    k = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    v = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    cells = torch.randperm(n_cells, generator=gen)[: past + L]
+    lens = torch.arange(past + 1, past + L + 1)
+    q = torch.randn(L, n_heads, hd, generator=gen).bfloat16()
+    scale = hd**-0.5
+    got = prompt_kernel(q, k, v, cells, lens, scale)
+    want = reference(q, k, v, cells.expand(L, -1), lens, scale)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    assert float((got.double() - want).abs().max()) < 2e-2
+    # a row's output does not depend on the rows beside it: rows 5 and 36 alone
+    for r in (5, 36):
+        alone = prompt_kernel(q[r : r + 1], k, v, cells, lens[r : r + 1], scale)
+        assert torch.equal(alone[0], got[r])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        prompt_kernel(q.float(), k.float(), v.float(), cells, lens, scale)
