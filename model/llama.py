@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [n_out] int64
     decode_kernel: DecodeAttention | None = None  # model.kernels.load_decode_attention()
     prompt_kernel: PromptAttention | None = None  # kernels.prompt_attention (bfloat16 only)
+    fused: Any | None = None  # the kernels module for bfloat16 RMSNorm / SiLU-mul (rms_norm_bf16)
 
 
 LayersFn = Callable[[torch.Tensor, ForwardBatch, KVStorage], torch.Tensor]
@@ -113,8 +115,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: torch normalises in float32 and scales in the model dtype, as HF LlamaRMSNorm.
+    def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
+        if fused is not None:  # one C++ pass, torch's rounding (model/kernels/decode.cpp)
+            return fused.rms_norm_bf16(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -239,7 +242,9 @@ class FeedForward(nn.Module):
         self.w13 = Linear(w13)
         self.w2 = Linear(weights[prefix + "w2"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
+        if fused is not None:
+            return self.w2(fused.silu_mul_bf16(self.w13(x)))
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
@@ -255,8 +260,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(weights, prefix)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), batch, storage, self.layer)
-        return h + self.feed_forward(self.ffn_norm(h))
+        fused = batch.fused
+        h = x + self.attention(self.attention_norm(x, fused), batch, storage, self.layer)
+        return h + self.feed_forward(self.ffn_norm(h, fused), fused)
 
 
 class Transformer(nn.Module):
@@ -290,5 +296,5 @@ class Transformer(nn.Module):
         else:
             for block in self.layers:
                 x = block(x, batch, storage)
-        x = self.norm(x.index_select(0, batch.logit_rows))
+        x = self.norm(x.index_select(0, batch.logit_rows), batch.fused)
         return self.output(x).float()

@@ -78,6 +78,7 @@ class ModelWorker:
             and args.n_heads // args.n_kv_heads <= 16
             else None
         )
+        self.fused = kernels if kernels is not None and model.dtype == torch.bfloat16 else None
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
@@ -140,6 +141,7 @@ class ModelWorker:
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
             decode_kernel=self.decode_kernel,
             prompt_kernel=self.prompt_kernel,
+            fused=self.fused,
         )
         if self.batch_invariant:
             return _pad_rows(batch, self.scratch_cell, read_index)

@@ -120,3 +120,24 @@ def test_prompt_attention_is_causal_over_position_ordered_cells(
         assert torch.equal(alone[0], got[r])
     with pytest.raises(RuntimeError, match="bfloat16"):
         prompt_kernel(q.float(), k.float(), v.float(), cells, lens, scale)
+
+
+def test_fused_rms_norm_and_silu_mul_round_as_torch_does(kernel):
+    """The bfloat16 RMSNorm and SiLU-mul the model uses when the kernels are built: torch's
+    values up to float32 summation order / exp ulps (at most one bfloat16 step, rarely)."""
+    module = load_kernels()
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(33, 576, generator=gen) * 3).bfloat16()
+    w = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    got = module.rms_norm_bf16(x, w, 1e-5)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert float((got != want).float().mean()) < 0.01
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # one bfloat16 step
+    gate_up = (torch.randn(33, 2 * 96, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = module.silu_mul_bf16(gate_up)
+    assert got.shape == want.shape
+    assert float((got != want).float().mean()) < 0.01
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)
