@@ -1,12 +1,13 @@
-"""The layers of a decode step of up to 8 sequences in one C++ call (model/kernels decode_layers).
+"""The layers of an all-decode step in one C++ call (model/kernels decode_layers).
 
-A single-stream decode step is ~1,000 small torch calls; from Python each costs a few
-microseconds more than the op itself. For int4 + bfloat16 models (the fast CPU setup) the C++
-side runs the same ATen ops in the same order as model/llama.py's Block, so the logits equal the
-Python path's bit for bit when both attend with the C++ kernel (the Python path does for 1-3
-sequences; from 4 on it uses bmm, whose bfloat16 scores round more): tests/model/test_native.py.
-Decode steps, int4 + bfloat16, 300 cached tokens, native vs Python: 8.1 vs 11.8 ms at 1
-sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs 33.7 at 8.
+A decode step is ~1,000 small torch calls; from Python each costs a few microseconds more
+than the op itself. For int4 + bfloat16 models (the fast CPU setup) the C++ side runs the same
+ops in the same order as model/llama.py's Block (ATen ops, the packed GEMMs and the kernels the
+Python layers call too), so the logits equal the Python path's bit for bit:
+tests/model/test_native.py. Steps of up to SMALL_ROWS rows use the int4 kernel, larger ones
+the oneDNN-packed bfloat16 weights (QuantLinear's choice). Decode steps, int4 + bfloat16, 300
+cached tokens, native vs Python (before the packed weights and the fused kernels): 8.1 vs 11.8
+ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs 33.7 at 8.
 """
 
 from __future__ import annotations
