@@ -22,7 +22,7 @@ import torch
 
 from kvcache.cells import PendingOps
 from model import default_model_path, load_model
-from model.quant import SMALL_ROWS, quantize
+from model.quant import quantize
 from model.worker import ModelWorker, make_worker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
 
@@ -112,10 +112,10 @@ def hf_rates(hf: Any, vocab: int) -> dict[str, float]:
 def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict[str, Any]:
     """Where a decode step of `conc` sequences at `ctx` cached tokens goes, by ablation: the
     median step time of the Python layers, then again with each part replaced by zeros of its
-    shape (cumulative): the layers' matmuls, the output head, attention (K/V gathers +
-    SDPA/bmm); what is left is RMSNorm, RoPE, cache writes, residuals, embedding, sampling and
-    building the batch. Also the step through model.native (one C++ call for the layers) when
-    the worker has it."""
+    shape (cumulative): the layers' matmuls, the output head, attention (the C++ kernel where
+    built, else K/V gathers + SDPA/bmm); what is left is RMSNorm, RoPE, cache writes,
+    residuals, embedding, sampling and building the batch. Also the step through model.native
+    (one C++ call for the layers) when the worker has it."""
     model = worker.model
     per_seq = ctx + 96  # 78 decode steps follow the prompt
     worker.execute(make_plan(prompts(conc, ctx, vocab), [0] * conc, per_seq))
@@ -137,7 +137,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
     median_ms(3)  # warm-up
     native, worker.native = worker.native, None  # the ablation patches the Python layers
     native_ms = None
-    if native is not None and conc <= SMALL_ROWS:
+    if native is not None:
         worker.native = native
         native_ms = median_ms()
         worker.native = None
@@ -162,7 +162,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
         h, hd = a.n_heads, a.head_dim
         a._decode = lambda q, *_, h=h, hd=hd: q.new_zeros(q.shape[0], h, hd)
         a._prompt = lambda q, *_, h=h, hd=hd: q.new_zeros(q.shape[0], h, hd)
-    stages.append(("and without attention (gathers + SDPA)", median_ms()))
+    stages.append(("and without attention", median_ms()))
     for m in patched:
         del m.forward
     for block in model.layers:
@@ -171,7 +171,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
     parts = {
         "matmuls (30 layers)": stages[0][1] - stages[1][1],
         "output head": stages[1][1] - stages[2][1],
-        "attention (K/V gathers, SDPA/bmm)": stages[2][1] - stages[3][1],
+        "attention (C++ kernel, or K/V gathers + SDPA/bmm)": stages[2][1] - stages[3][1],
         "the rest (norms, RoPE, cache writes, sampling, batch building)": stages[3][1],
     }
     return {
