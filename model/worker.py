@@ -133,10 +133,7 @@ class ModelWorker:
             cells=_tensor(plan.cells, dev),
             rope_c=rope_c.to(dev),
             rope_s=rope_s.to(dev),
-            decodes=[
-                _decode_group(g, plan.positions, n, self.model.dtype, read_index, dev)
-                for g in ([decode] if self.one_decode_group and decode else _by_kv_length(decode))
-            ],
+            decodes=self._decode_groups(decode, plan.positions, n),
             prompts=prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
             decode_kernel=self.decode_kernel,
@@ -146,6 +143,23 @@ class ModelWorker:
         if self.batch_invariant:
             return _pad_rows(batch, self.scratch_cell, read_index)
         return batch
+
+    def _decode_groups(
+        self, decode: list[SeqBatch], positions: np.ndarray, n_rows: int
+    ) -> list[DecodeGroup]:
+        """One group for the C++ kernel when every sequence attends a prefix of its cells (it
+        reads each one's own length), else groups that bound the padding."""
+
+        def group(seqs: list[SeqBatch]) -> DecodeGroup:
+            return _decode_group(
+                seqs, positions, n_rows, self.model.dtype, self.storage.read_index, self.device
+            )
+
+        if self.one_decode_group and decode:
+            one = group(decode)
+            if one.lens is not None:
+                return [one]
+        return [group(g) for g in _by_kv_length(decode)]
 
 
 def _pad_rows(batch: ForwardBatch, scratch_cell: int, read_index: ReadIndex) -> ForwardBatch:

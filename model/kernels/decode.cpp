@@ -24,6 +24,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define CELLSERVE_AVX512_BF16 1
+#endif
+
 namespace {
 
 constexpr int64_t kAhead = 8;  // rows prefetched ahead: cells are scattered, not streamed
@@ -41,10 +46,10 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) 
   for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define CELLSERVE_AVX512_BF16 1
+constexpr int kMaxQueries = 16;  // query vectors per task: a kv head's query heads x rows
+constexpr int kMaxChunks = 8;    // head_dim / 32 (head_dim <= 256)
 
+#ifdef CELLSERVE_AVX512_BF16
 // out lane i = the sum of the 16 lanes of a[i] (a 16x16 transpose folded into adds: 45 ops for
 // 16 dot products instead of 16 horizontal reductions).
 inline __m512 sum16(const __m512* a) {
@@ -62,18 +67,11 @@ inline __m512 sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
 }
 
-inline __m512 bf16_to_f32(__m256i x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
 constexpr int64_t kPairsAhead = 16;  // V rows prefetched ahead
 
 inline void prefetch_row(const at::BFloat16* row, int64_t hd) {  // every 64-byte line of a row
   for (int64_t b = 0; b < hd; b += 32) __builtin_prefetch(row + b);
 }
-
-constexpr int kMaxQueries = 16;  // query vectors per task: a kv head's query heads x rows
-constexpr int kMaxChunks = 8;    // head_dim / 32 (head_dim <= 256)
 
 // One task: nq bfloat16 query vectors that share one kv head, over the K/V rows of cells
 // sc[0, n), head_dim % 32 == 0; query g sees the first qlens[g] of them (qlens null: all n).
@@ -91,13 +89,17 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
     for (int64_t c = 0; c < chunks; ++c)
       q[g][c] = (__m512bh)_mm512_loadu_si512(qrows[g] + 32 * c);
   const __m512 vscale = _mm512_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
+  // every score goes through the same blocks and sum16, the last block masked (its missing
+  // rows repeat row n - 1, unstored): a row's scores do not depend on n, so a prompt row's
+  // output does not depend on the rows it shares a task with
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t valid = std::min<int64_t>(16, n - j);
     const at::BFloat16* rows[16];
     for (int r = 0; r < 16; ++r) {
-      rows[r] = kbase + sc[j + r] * kstride;
+      rows[r] = kbase + sc[j + std::min<int64_t>(r, valid - 1)] * kstride;
       if (j + 16 + r < n) prefetch_row(kbase + sc[j + 16 + r] * kstride, hd);
     }
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
     for (int64_t g = 0; g < nq; ++g) {
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) {
@@ -106,16 +108,7 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
           a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(rows[r] + 32 * c));
         acc[r] = a;
       }
-      _mm512_storeu_ps(scores + g * ns + j, _mm512_mul_ps(sum16(acc), vscale));
-    }
-  }
-  for (; j < n; ++j) {
-    const at::BFloat16* row = kbase + sc[j] * kstride;
-    for (int64_t g = 0; g < nq; ++g) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c)
-        a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-      scores[g * ns + j] = _mm512_reduce_add_ps(a) * scale;
+      _mm512_mask_storeu_ps(scores + g * ns + j, keep, _mm512_mul_ps(sum16(acc), vscale));
     }
   }
   for (int64_t i = 0; i < std::min(n, kPairsAhead); ++i)  // V's first rows, during the softmax
@@ -176,6 +169,14 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
     }
 }
 #endif
+
+// every lens[i] in [1, n_cells]: the kernels read cells[.., :lens[i]] and divide by the sum
+void check_lens(const at::Tensor& lens, int64_t n_cells) {
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < lens.numel(); ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= n_cells, "lens[", i, "] = ", lp[i], " is not in [1, ",
+                n_cells, "]");
+}
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
@@ -282,6 +283,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "cells [n_seq, max_kv] and lens [n_seq] must match q");
   auto c = cells.contiguous();
   auto l = lens.contiguous();
+  check_lens(l, c.size(1));
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, k, v, c, l, scale, out);
@@ -299,7 +301,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // mask is a prefix of the position-ordered cells). head_dim % 32 == 0 and a CPU with AVX-512
 // BF16 (has_bf16_kernels()). A task is one kv head and a block of rows (its query heads x rows
 // <= kMaxQueries share every K/V row read), scheduled dynamically: later rows see more.
-// SmolLM2's 256-token prompt: 0.3 vs 1.1-1.3 ms a layer for SDPA's flash kernel with the mask.
+// SmolLM2's 256-token prompt: 0.78 vs ~1.3 ms a layer for SDPA's flash kernel with the mask.
 bool has_bf16_kernels() {
 #ifdef CELLSERVE_AVX512_BF16
   return true;
@@ -321,7 +323,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv_heads");
   const int64_t group = n_heads / n_kv;
   TORCH_CHECK(hd % 32 == 0 && hd <= 32 * kMaxChunks && group <= kMaxQueries,
-              "prompt_attention: head_dim must be a multiple of 32 up to 256");
+              "prompt_attention: head_dim must be a multiple of 32 up to 256, and at most 16 "
+              "query heads per kv head");
   TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "head_dim / K-V shapes differ");
   TORCH_CHECK(cells.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
               "cells and lens must be int64");
@@ -329,6 +332,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "cells [n_kv] and lens [L] must match q");
   auto c = cells.contiguous();
   auto l = lens.contiguous();
+  check_lens(l, c.size(0));
   auto out = at::empty({L, n_heads, hd}, q.options());
 #ifdef CELLSERVE_AVX512_BF16
   const int64_t rows = std::max<int64_t>(1, kMaxQueries / group);
@@ -341,9 +345,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* lp = l.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  const int64_t n_cells = c.size(0);
   const float fscale = static_cast<float>(scale);
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel  // torch.set_num_threads set this thread's team size
   {
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
@@ -358,7 +361,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
         for (int64_t g = 0; g < group; ++g, ++nq) {
           qrows[nq] = qp + r * qs0 + (kvh * group + g) * qs1;
           dst[nq] = op + r * os0 + (kvh * group + g) * os1;
-          qlens[nq] = std::clamp<int64_t>(lp[r], 1, n_cells);
+          qlens[nq] = lp[r];
           n = std::max(n, qlens[nq]);
         }
       scores.resize(nq * (n + 1));
@@ -371,11 +374,12 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // rms_norm_bf16 / silu_mul_bf16: what model/llama.py's RMSNorm and FeedForward compute for
-// bfloat16 rows, rounded where torch rounds, in one pass each instead of ~10 ATen ops
-// (at::rms_norm on [32, 576] bfloat16 took 83 us, this ~2 us). Both paths call these, so the
-// one-call decode step stays bit-identical to the Python layers.
+// bfloat16 rows, rounded to bfloat16 where torch rounds, in one pass each instead of ~10 ATen
+// ops (RMSNorm of [32, 576]: 4.3 vs 24.7 us). The float32 math inside differs from torch's in
+// op order (-ffast-math, vector expf), so a value can differ by one bfloat16 step, rarely. Both
+// paths call these, so the one-call decode step stays bit-identical to the Python layers.
 //
-// x [n, d] -> bf16(x * rsqrt(mean(x^2) + eps) * w), in float32 (torch 2.13's rounding).
+// x [n, d] -> bf16(x * rsqrt(mean(x^2) + eps) * w) in float32, rounded once as torch 2.13.
 at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_in.scalar_type() == at::kBFloat16,
               "rms_norm_bf16 takes bfloat16");
@@ -407,7 +411,8 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double 
 
 // gate_up [n, 2f] (gate then up) -> [n, f]: bf16(bf16(silu(gate)) * up).
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up_in) {
-  TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16 && gate_up_in.dim() == 2,
+  TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16 && gate_up_in.dim() == 2 &&
+                  gate_up_in.size(1) % 2 == 0,
               "silu_mul_bf16 takes [n, 2f] bfloat16");
   auto gu = gate_up_in.contiguous();
   const int64_t n = gu.size(0), f = gu.size(1) / 2;

@@ -22,7 +22,7 @@ def test_dry_run_on_cpu_reports_every_level(tmp_path):
     assert per_cell == 3 * 17 * 2 * 30 * 3 * 64 * 2  # 3 seqs x 17 cells of bf16 K/V, SmolLM2
     for row in report["levels"]:
         assert row["output_tokens"] == row["concurrency"] * 3  # ignore_eos: exact lengths
-        assert row["decode_step_ms"] > 0 and 0 < row["bandwidth_share"]
+        assert row["decode_step_ms"] > 0 and row["bandwidth_share"] > 0
     assert report["copy_bandwidth_gb_s"] > 0
 
 
