@@ -116,7 +116,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
-        if fused is not None:  # one C++ pass, torch's rounding (model/kernels/decode.cpp)
+        if fused is not None:  # one C++ pass, torch's rounding (model/kernels/layers.cpp)
             return fused.rms_norm_bf16(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 

@@ -1,4 +1,5 @@
-"""Optional C++ CPU kernels (decode.cpp), compiled on first use with torch.utils.cpp_extension.
+"""Optional C++ CPU kernels (attention.cpp, layers.cpp), compiled on first use with
+torch.utils.cpp_extension into one module.
 
 `load_kernels()` returns the module (`decode_attention(q, k, v, cells, lens, scale)`,
 `prompt_attention(...)` where `has_bf16_kernels()` (AVX-512 BF16), `decode_layers(...)`) or
@@ -23,7 +24,7 @@ DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
 PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale), bfloat16
-SOURCE = pathlib.Path(__file__).with_name("decode.cpp")
+SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("attention.cpp", "layers.cpp")]
 
 
 def load_kernels() -> Any | None:
@@ -34,7 +35,7 @@ def load_kernels() -> Any | None:
 
         return cpp_extension.load(
             name="cellserve_decode",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             verbose=False,
         )

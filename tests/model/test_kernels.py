@@ -156,13 +156,13 @@ def test_builds_and_runs_without_avx512(kernel, tmp_path):
 
     from torch.utils import cpp_extension
 
-    from model.kernels import SOURCE
+    from model.kernels import SOURCES
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86 build check")
     module = cpp_extension.load(
         name="cellserve_decode_avx2",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp"],
         build_directory=str(tmp_path),
     )

@@ -1,4 +1,5 @@
-// CPU decode kernels over the cell cache (built by model/kernels/__init__.py).
+// CPU attention kernels over the cell cache (built by model/kernels/__init__.py, with
+// layers.cpp, into one extension).
 //
 // decode_attention: attention reading K/V from the cells in place (no gather).
 //
@@ -13,7 +14,7 @@
 // OpenMP pragma in ATen/ParallelOpenMP.h compiles away and the kernel runs on one thread).
 // bfloat16 with head_dim % 32 == 0 on a CPU with AVX-512 BF16 takes attend_bf16: 30 layers of
 // 32 sequences x 330 scattered cells in 14-16 ms, against ~60 for the generic loop below.
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -33,12 +34,17 @@ namespace {
 
 constexpr int64_t kAhead = 8;  // rows prefetched ahead: cells are scattered, not streamed
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+// s[0, m) -> softmax(s) in place, float32 (m >= 1)
+inline void softmax_inplace(float* s, int64_t m) {
+  float mx = s[0];
+  for (int64_t i = 1; i < m; ++i) mx = std::max(mx, s[i]);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < m; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < m; ++i) s[i] *= inv;
 }
 
 template <typename T>
@@ -117,15 +123,7 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
     // rows past qlens[g] and the last pair's pad row get weight 0 (no infinities: -ffast-math)
     float* sg = scores + g * ns;
     const int64_t m = qlens == nullptr ? n : qlens[g];
-    float mx = sg[0];
-    for (int64_t i = 1; i < m; ++i) mx = std::max(mx, sg[i]);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < m; ++i) {
-      sg[i] = std::exp(sg[i] - mx);
-      sum += sg[i];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t i = 0; i < m; ++i) sg[i] *= inv;
+    softmax_inplace(sg, m);
     for (int64_t i = m; i < ns; ++i) sg[i] = 0.0f;
   }
   // P V by vdpbf16ps over row pairs: p rounds to bfloat16 as in the torch path (probs.to(v));
@@ -237,17 +235,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           scores[g * n + j] = dot;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
-        const float mx = *std::max_element(sg, sg + n);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
-          sum += sg[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         if (j + kAhead < n) __builtin_prefetch(vp + kvh * vs0 + sc[j + kAhead] * vs1);
@@ -371,131 +359,4 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
 #endif
   return out;
-}
-
-// rms_norm_bf16 / silu_mul_bf16: what model/llama.py's RMSNorm and FeedForward compute for
-// bfloat16 rows, rounded to bfloat16 where torch rounds, in one pass each instead of ~10 ATen
-// ops (RMSNorm of [32, 576]: 4.3 vs 24.7 us). The float32 math inside differs from torch's in
-// op order (-ffast-math, vector expf), so a value can differ by one bfloat16 step, rarely. Both
-// paths call these, so the one-call decode step stays bit-identical to the Python layers.
-//
-// x [n, d] -> bf16(x * rsqrt(mean(x^2) + eps) * w) in float32, rounded once as torch 2.13.
-at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_in.scalar_type() == at::kBFloat16,
-              "rms_norm_bf16 takes bfloat16");
-  const int64_t d = x_in.size(-1);
-  TORCH_CHECK(w_in.numel() == d, "rms_norm_bf16: weight size differs from the last dim");
-  auto x = x_in.contiguous();
-  auto w = w_in.contiguous();
-  auto out = at::empty_like(x);
-  const int64_t n = x.numel() / d;
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  const auto* wp = w.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const at::BFloat16* xr = xp + r * d;
-      at::BFloat16* orow = op + r * d;
-      float ss = 0.0f;
-      for (int64_t i = 0; i < d; ++i) {
-        const float v = to_float(xr[i]);
-        ss += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + feps);
-      for (int64_t i = 0; i < d; ++i) orow[i] = at::BFloat16(to_float(xr[i]) * inv * to_float(wp[i]));
-    }
-  });
-  return out;
-}
-
-// gate_up [n, 2f] (gate then up) -> [n, f]: bf16(bf16(silu(gate)) * up).
-at::Tensor silu_mul_bf16(const at::Tensor& gate_up_in) {
-  TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16 && gate_up_in.dim() == 2 &&
-                  gate_up_in.size(1) % 2 == 0,
-              "silu_mul_bf16 takes [n, 2f] bfloat16");
-  auto gu = gate_up_in.contiguous();
-  const int64_t n = gu.size(0), f = gu.size(1) / 2;
-  auto out = at::empty({n, f}, gu.options());
-  const auto* gp = gu.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / f), [&](int64_t begin, int64_t end) {
-    std::vector<float> g(f);
-    for (int64_t r = begin; r < end; ++r) {
-      const at::BFloat16* gr = gp + r * 2 * f;
-      for (int64_t i = 0; i < f; ++i) {
-        const float v = to_float(gr[i]);
-        g[i] = v / (1.0f + std::exp(-v));
-      }
-      at::BFloat16* orow = op + r * f;
-      for (int64_t i = 0; i < f; ++i)
-        orow[i] = at::BFloat16(to_float(at::BFloat16(g[i])) * to_float(gr[f + i]));
-    }
-  });
-  return out;
-}
-
-// oneDNN's bfloat16 linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
-// model/quant.py dense_linear runs), through the dispatcher: it has no at:: function.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                          c10::IValue(std::string())};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// decode_layers: every layer of a Llama decode step in one call, bfloat16, weights of
-// model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over the whole head: the same
-// ATen ops, in the same order, as model/llama.py's Block, without the Python between them.
-// Steps of up to small_rows rows use the int4 kernel, larger ones the packed bfloat16 copy
-// (QuantLinear.forward's choice). weights: per layer, in order: attn_norm, then wqkv as (int4
-// packed, scales, dense packed), wo (3), ffn_norm, w13 (3), w2 (3). k_cache, v_cache:
-// KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each
-// row's K/V goes; rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells,
-// lens: as for decode_attention, row i being sequence i. Returns the hidden state after the
-// last layer.
-at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
-                         const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& write_cells, const at::Tensor& rope_c,
-                         const at::Tensor& rope_s, const at::Tensor& kv_cells,
-                         const at::Tensor& lens, int64_t n_heads, double eps, double scale,
-                         int64_t group_size, int64_t small_rows) {
-  constexpr int64_t kPerLayer = 14;
-  const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
-              "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
-  const int64_t n = x.size(0), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
-  const bool small = n <= small_rows;
-  auto mm = [group_size, small](const at::Tensor& a, const at::Tensor* w) {
-    return small ? at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1])
-                 : packed_linear(a, w[2]);
-  };
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kPerLayer;
-    auto qkv = mm(rms_norm_bf16(x, w[0], eps), w + 1);
-    auto qk = qkv.narrow(1, 0, qk_width).view({n, n_heads + n_kv, hd});
-    auto partner = at::cat({qk.narrow(2, half, hd - half), qk.narrow(2, 0, half)}, 2);
-    qk = at::addcmul(qk * rope_c, partner, rope_s);
-    auto v = qkv.narrow(1, qk_width, n_kv * hd).view({n, n_kv, hd});
-    auto k_layer = k_cache.select(0, l);
-    auto v_layer = v_cache.select(0, l);
-    k_layer.index_copy_(1, write_cells, qk.narrow(1, n_heads, n_kv).transpose(0, 1));
-    v_layer.index_copy_(1, write_cells, v.transpose(0, 1));
-    auto attn = decode_attention(qk.narrow(1, 0, n_heads), k_layer, v_layer, kv_cells, lens, scale);
-    x = x + mm(attn.view({n, n_heads * hd}), w + 4);
-    x = x + mm(silu_mul_bf16(mm(rms_norm_bf16(x, w[7], eps), w + 8)), w + 11);
-  }
-  return x;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
-  m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells, bf16");
-  m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
-  m.def("decode_layers", &decode_layers, "every layer of an int4 + bfloat16 decode step");
 }
