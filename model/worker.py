@@ -61,11 +61,11 @@ class ModelWorker:
     ) -> None:
         self.model = model
         self.threads = threads
-        self.decode_kernel = None if kernels is None else kernels.decode_attention
-        self.native = NativeDecoder.build(model, storage, kernels)
         # the C++ kernel attends each sequence over its own length, so padding costs nothing:
-        # every decode row goes into one group (else _by_kv_length bounds the padding)
-        self.one_decode_group = self.decode_kernel is not None and storage.dtype == model.dtype
+        # with it every decode row goes into one group (else _by_kv_length bounds the padding)
+        same_dtype = storage.dtype == model.dtype
+        self.decode_kernel = kernels.decode_attention if kernels and same_dtype else None
+        self.native = NativeDecoder.build(model, storage, kernels)
         args = model.args
         bf16 = model.dtype == storage.dtype == torch.bfloat16
         self.prompt_kernel = (
@@ -155,7 +155,7 @@ class ModelWorker:
                 seqs, positions, n_rows, self.model.dtype, self.storage.read_index, self.device
             )
 
-        if self.one_decode_group and decode:
+        if self.decode_kernel is not None and decode:
             one = group(decode)
             if one.lens is not None:
                 return [one]
