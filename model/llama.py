@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache.spec import Attention as AttentionSpec
+from kvcache.spec import MemorySpec
 from kvcache.storage import KVStorage, RopeConfig, rope_partner
 from model.kernels import DecodeAttention, PromptAttention
 
@@ -33,6 +35,12 @@ class ModelArgs:
     rope: RopeConfig
     n_ctx_train: int
     qkv_bias: bool = False
+
+    @property
+    def memory_spec(self) -> MemorySpec:
+        """What each layer keeps per sequence (kvcache/spec.py): K/V of every token."""
+        layer = AttentionSpec(self.n_kv_heads, self.head_dim)
+        return MemorySpec.of([layer] * self.n_layers)
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
