@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache.cells import PendingOps
 from model import default_model_path, load_model
 from model.quant import quantize
 from model.worker import ModelWorker, make_worker
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
 
 PROMPT_LEN = 64
 PREFILL_LEN = 256
@@ -36,7 +35,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def make_plan(tokens: list[list[int]], starts: list[int], n_cells_per_seq: int) -> BatchPlan:
     """Seq i writes tokens[i] at positions starts[i].. into its own cell range."""
-    flat, pos, seqs, cells, batches, samples = [], [], [], [], [], []
+    flat, pos, seqs, cells, batches, samples, kvs = [], [], [], [], [], [], []
     for i, toks in enumerate(tokens):
         row0, base = len(flat), i * n_cells_per_seq
         p = list(range(starts[i], starts[i] + len(toks)))
@@ -45,10 +44,12 @@ def make_plan(tokens: list[list[int]], starts: list[int], n_cells_per_seq: int) 
         seqs += [i] * len(toks)
         cells += [base + q for q in p]
         kv = np.arange(starts[i] + len(toks))
-        batches.append(SeqBatch(i, row0, len(flat), base + kv, kv))
+        batches.append(SeqBatch(i, row0, len(flat)))
+        kvs.append((base + kv, kv))
         samples.append(SampleRow(len(flat) - 1, GREEDY, 0, 0, len(toks)))
-    as_np = [np.array(a, np.int64) for a in (flat, pos, seqs, cells)]
-    return BatchPlan(*as_np, seqs=batches, samples=samples, pending=PendingOps.empty())
+    tok, p_arr, seq_arr, cell_arr = (np.array(a, np.int64) for a in (flat, pos, seqs, cells))
+    group = full_group(cell_arr, kvs, [p_arr[b.start : b.end] for b in batches])
+    return BatchPlan(tok, p_arr, seq_arr, batches, [group], samples)
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:

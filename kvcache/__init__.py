@@ -1,6 +1,7 @@
-"""The shared KV cache: cell metadata (cells, numpy) apart from the K/V tensors (storage)."""
+"""The KV cache: cell metadata (cells, numpy), the Memory variants over it (unified, iSWA),
+and the K/V tensors (storage, torch)."""
 
 from kvcache.cells import CellStats, KVCells, PendingOps
-from kvcache.memory import Memory
+from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells
 
-__all__ = ["CellStats", "KVCells", "Memory", "PendingOps"]
+__all__ = ["CellStats", "KVCells", "Memory", "MemoryPlan", "PendingOps", "Pool", "SeqCells"]

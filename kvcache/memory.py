@@ -1,69 +1,195 @@
 """The memory interface the scheduler programs against (llama.cpp's llama_memory_i).
 
-KVCells (the unified cell cache) satisfies it structurally; a sliding-window or a
-recurrent memory must fit it too, so the scheduler never needs to know which it drives.
-Ranges are half-open [p0, p1); p0 < 0 means 0, p1 < 0 means infinity.
+A Memory is built from the model's MemorySpec (kvcache/spec.py) and keeps the metadata of one
+or more pools of cells; the worker's storage is built from the same spec. The scheduler only
+asks it questions (does this step fit, how many tokens are free, can this sequence shift) and
+programs it with llama.cpp's sequence operations; it never counts cells itself. Two variants
+exist: the unified cache (kvcache/unified.py) and iSWA (kvcache/iswa.py). Ranges are half-open
+[p0, p1); p0 < 0 means 0, p1 < 0 means infinity.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache.cells import CellStats, PendingOps
+from kvcache.cells import CellStats, KVCells, PendingOps
+from kvcache.spec import MemorySpec
 
 
-class Memory(Protocol):
-    n_cells: int
+@dataclass(slots=True)
+class Pool:
+    """One pool of cells: `name` labels it in /metrics and on the cell map."""
+
+    name: str  # "full" | "swa"
+    cells: KVCells
+    window: int  # 0: full attention; W: cells leave a sequence's window W positions behind
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    """Where each row of a step goes, made by Memory.plan against the state it saw.
+
+    NOTE: valid only until the next mutation of the memory: apply it at once or drop it."""
+
+    positions: np.ndarray  # [n_tokens] int64
+    seq_ids: np.ndarray  # [n_tokens] int64
+    cells: tuple[np.ndarray, ...]  # per pool: [n_tokens] int64, the cell each row writes
+
+
+@dataclass(slots=True)
+class SeqCells:
+    """What one sequence's rows of a step may read in one layer group: the cells it owns in
+    that group's pool, sorted by position, and per row the visible run kv[lo[i]:hi[i]]
+    (kvcache.spec.Attention.visible: causal, and kv_pos > q_pos - window for a window)."""
+
+    kv_cells: np.ndarray  # [n_kv] int64
+    kv_pos: np.ndarray  # [n_kv] int64, strictly increasing
+    lo: np.ndarray  # [n_rows] int64
+    hi: np.ndarray  # [n_rows] int64
+
+
+def seq_cells_view(
+    kv_cells: np.ndarray, kv_pos: np.ndarray, q_pos: np.ndarray, window: int
+) -> SeqCells:
+    """SeqCells of rows at `q_pos` over cells sorted by position."""
+    q_pos = np.asarray(q_pos, dtype=np.int64)
+    hi = np.searchsorted(kv_pos, q_pos, side="right").astype(np.int64)
+    if window > 0:
+        lo = np.searchsorted(kv_pos, q_pos - window, side="right").astype(np.int64)
+    else:
+        lo = np.zeros_like(hi)
+    return SeqCells(kv_cells, kv_pos, lo, hi)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    name: str
+    stats: CellStats
+
+
+class Memory(ABC):
+    """What the scheduler programs against. Every method either answers (never mutates) or
+    mutates (named after llama.cpp's seq_* operations, plus apply and clear)."""
+
+    spec: MemorySpec
     n_seq_max: int
-    head: int
-    used: int
 
-    def find_slot(self, n_tokens: int) -> np.ndarray | None:
-        """Cells for n_tokens new tokens, or None if they do not fit; never mutates."""
+    # -- layout ----------------------------------------------------------------------------
 
-    def apply_ubatch(self, cells: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> None:
-        """Record token i (positions[i], seq_ids[i]) in cells[i]; the cells must be free."""
+    @property
+    @abstractmethod
+    def pools(self) -> list[Pool]:
+        """Every pool of cells, the full-attention one first."""
 
-    def seq_rm(self, seq_id: int, p0: int, p1: int) -> None:
-        """Forget seq_id's tokens in [p0, p1); seq_id -1 means every sequence."""
+    @property
+    @abstractmethod
+    def group_pools(self) -> tuple[int, ...]:
+        """Per layer group of `spec.groups`: the index of the pool its layers read and write."""
 
+    # -- a step: plan, then apply --------------------------------------------------------------
+
+    @abstractmethod
+    def n_free(self) -> int:
+        """How many new tokens (of any sequences) the next apply can place beside everything
+        the memory holds, counting what apply would free first. Never mutates."""
+
+    @abstractmethod
+    def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+        """Cells for one step's rows (row i: seq_ids[i] at positions[i], each sequence's rows
+        contiguous and ascending, right after what it holds); None when they do not fit.
+        Never mutates."""
+
+    @abstractmethod
+    def apply(self, plan: MemoryPlan) -> None:
+        """Commit a plan made against the current state: the rows own their cells."""
+
+    @abstractmethod
+    def views(self, seq_id: int, q_pos: np.ndarray) -> list[SeqCells]:
+        """Per layer group: what rows of seq_id at q_pos may read, after apply. Never mutates."""
+
+    @abstractmethod
+    def take_pending(self) -> list[PendingOps]:
+        """Per layer group: storage work (copies, then K-shifts) owed to its tensors since the
+        last call, which resets it. Groups that share a pool get the same work."""
+
+    # -- sequence operations (llama_memory_i::seq_*) ---------------------------------------------
+
+    @abstractmethod
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Forget seq_id's tokens in [p0, p1) (-1: every sequence). False, changing nothing,
+        when this memory cannot remove that range (can_rm)."""
+
+    @abstractmethod
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """dst shares src's tokens in [p0, p1) (no data is copied)."""
+        """dst shares src's tokens in [p0, p1): no data is copied."""
 
+    @abstractmethod
     def seq_keep(self, seq_id: int) -> None:
         """Forget every token seq_id does not own; seq_id becomes their only owner."""
 
+    @abstractmethod
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
-        """Move seq_id's tokens in [p0, p1) by delta; those going negative are forgotten."""
+        """Move seq_id's tokens in [p0, p1) by delta (deferred K-shift, copy-on-write of
+        shared cells); tokens going negative are forgotten. Needs n_shift_copies free cells."""
 
+    @abstractmethod
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """Divide seq_id's positions in [p0, p1) by d (floor)."""
+        """Divide seq_id's positions in [p0, p1) by d (floor); deferred K-shift, copy-on-write."""
 
+    @abstractmethod
     def seq_pos_min(self, seq_id: int) -> int:
-        """Smallest position of seq_id, -1 if it holds nothing."""
+        """Smallest position seq_id holds, -1 if none."""
 
+    @abstractmethod
     def seq_pos_max(self, seq_id: int) -> int:
-        """Largest position of seq_id, -1 if it holds nothing."""
+        """Largest position seq_id holds, -1 if none."""
 
-    def seq_cells(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """(cells, positions) of seq_id, int64, sorted by position: what attention gathers."""
+    # -- what this variant allows ----------------------------------------------------------------
 
+    @abstractmethod
+    def can_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Whether seq_rm(seq_id, p0, p1) would succeed."""
+
+    @abstractmethod
+    def can_shift(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
+        """Whether a context shift of seq_id (seq_rm [n_keep, n_keep + n_discard), then seq_add
+        of the rest by -n_discard) leaves every cell the next row needs. When False the
+        caller recomputes the shifted context instead."""
+
+    @abstractmethod
+    def n_shift_copies(self, seq_id: int, p0: int) -> int:
+        """Free cells (in n_free's units) a seq_add of seq_id's [p0, inf) needs for its
+        copies-on-write."""
+
+    @abstractmethod
+    def usable_prefix(self, seq_id: int, n: int) -> int:
+        """The longest m <= n such that a sequence given seq_id's [0, m) by seq_cp can go on
+        at position m with every cell its rows need; 0 if none."""
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    @abstractmethod
     def seq_num_cells(self, seq_id: int) -> int:
-        """Number of cells seq_id holds."""
+        """Cells seq_id owns over every pool."""
 
-    def take_pending(self) -> PendingOps:
-        """Storage work (copies, then K-shifts) owed since the last call; resets it."""
+    @property
+    def num_used(self) -> int:
+        """Cells in use over every pool."""
+        return sum(p.cells.used for p in self.pools)
 
-    def owner_map(self) -> np.ndarray:
-        """Per cell: -1 free, -2 shared, else the owner seq id (int32)."""
+    def stats(self) -> list[PoolStats]:
+        """Per pool, labelled: for /metrics and the cell map."""
+        return [PoolStats(p.name, p.cells.stats()) for p in self.pools]
 
     def clear(self) -> None:
         """Forget everything, pending work included."""
-
-    def stats(self) -> CellStats:
-        """Accounting for /metrics and the cell map."""
+        for p in self.pools:
+            p.cells.clear()
 
     def check(self) -> None:
-        """Recompute every cached quantity and assert the invariants (AssertionError)."""
+        """Assert every pool's invariants (AssertionError); variants add their own."""
+        for p in self.pools:
+            p.cells.check()

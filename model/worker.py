@@ -4,22 +4,49 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
+from kvcache.cells import PendingOps
 from kvcache.storage import KVStorage, rope_tables
+from model.dtypes import resolve_dtype
 from model.kernels import load_kernels
 from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
-from scheduler.plan import BatchPlan, SeqBatch, StepOutput
-
-if TYPE_CHECKING:
-    from model.loader import LoadedModel
+from scheduler.plan import BatchPlan, StepOutput
 
 ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index
+
+
+class SeqBatch(NamedTuple):
+    """A sequence's rows [start, end) and the cells they read (the plan's first group)."""
+
+    seq_id: int
+    start: int
+    end: int
+    kv_cells: np.ndarray  # [n_kv] int64, sorted by position
+    kv_pos: np.ndarray  # [n_kv] int64
+
+
+def seq_batches(plan: BatchPlan) -> list[SeqBatch]:
+    group = plan.groups[0]
+    return [
+        SeqBatch(s.seq_id, s.start, s.end, v.kv_cells, v.kv_pos)
+        for s, v in zip(plan.seqs, group.seqs, strict=True)
+    ]
+
+
+def distinct_pending(plan: BatchPlan) -> list[PendingOps]:
+    """Each pool's pending work once (groups that share a pool share its PendingOps)."""
+    seen: dict[int, PendingOps] = {}
+    for g in plan.groups:
+        if not g.pending.is_empty:
+            seen.setdefault(id(g.pending), g.pending)
+    return list(seen.values())
+
 
 # NOTE: CPU GEMM kernels (MKL, oneDNN) take shape-dependent paths for small row counts, so a
 # row's result can depend on how many other rows share the matmul (~1e-5 apart). With
@@ -102,8 +129,8 @@ class ModelWorker:
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """Apply plan.pending, run the batch -> logits [len(plan.samples), vocab] float32."""
-        if not plan.pending.is_empty:
-            self.storage.apply(plan.pending)
+        for pending in distinct_pending(plan):
+            self.storage.apply(pending)
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
         batch = self.make_batch(plan)
@@ -120,17 +147,18 @@ class ModelWorker:
         )
         read_index = self.storage.read_index
         one_each = self.batch_invariant  # every sequence attends on its own
-        decode = [] if one_each else [s for s in plan.seqs if s.end - s.start == 1]
+        seqs = seq_batches(plan)
+        decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
         order = self.prompt_kernel is not None
         prompts = [
             _prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order)
-            for s in plan.seqs
+            for s in seqs
             if one_each or s.end - s.start != 1
         ]
         n = len(plan.token_ids)
         batch = ForwardBatch(
             tokens=_tensor(plan.token_ids, dev),
-            cells=_tensor(plan.cells, dev),
+            cells=_tensor(plan.groups[0].cells, dev),
             rope_c=rope_c.to(dev),
             rope_s=rope_s.to(dev),
             decodes=self._decode_groups(decode, plan.positions, n),
@@ -256,8 +284,18 @@ def _prompt_group(
     return group
 
 
+class Loaded(Protocol):
+    """What make_worker reads of a model.loader.LoadedModel."""
+
+    @property
+    def config(self) -> ModelArgs: ...
+
+    @property
+    def transformer(self) -> Transformer: ...
+
+
 def make_worker(
-    loaded: LoadedModel,
+    loaded: Loaded,
     n_cells: int,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
@@ -266,8 +304,6 @@ def make_worker(
 ) -> ModelWorker:
     """A worker with a fresh KV cache of `n_cells` cells (dtype/device default to the model's);
     see MIN_ROWS for `batch_invariant`."""
-    from model.loader import resolve_dtype
-
     model = loaded.transformer
     if device is not None and torch.device(device) != model.device:
         model = model.to(device)

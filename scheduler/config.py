@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from kvcache.spec import MemorySpec
+
+MemoryKind = Literal["auto", "unified", "iswa"]
 
 
 @dataclass(slots=True)
@@ -15,9 +20,15 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests before submit raises QueueFullError
     prefix_cache: bool = True
     seed: int | None = None  # seeds the per-request random seeds (tests); None = OS entropy
+    memory_spec: MemorySpec | None = None  # the model's; None: full attention everywhere
+    # "auto": iSWA when the spec has sliding-window layers, else unified; "unified" keeps one
+    # cell per token for every layer (sliding windows applied as masks)
+    memory: MemoryKind = "auto"
 
     def validate(self) -> None:
         if self.n_cells < 1 or self.n_seq_max < 1 or self.n_batch < 1 or self.max_queue < 0:
             raise ValueError(f"bad engine config: {self}")
         if not 8 <= self.n_ctx_seq <= self.n_cells:
             raise ValueError(f"n_ctx_seq must be in [8, n_cells={self.n_cells}]: {self}")
+        if self.memory not in ("auto", "unified", "iswa"):
+            raise ValueError(f"memory must be auto, unified or iswa, got {self.memory!r}")

@@ -1,14 +1,12 @@
 """Context shift (llama.cpp server's `ctx_shift`): keep the first n_keep tokens, drop the next
 n_discard, slide the tail down by n_discard positions. The K re-rotation is deferred to the
-storage through the cells' pending ops."""
+storage through the memory's pending ops."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvcache.cells import KVCells
+from kvcache.memory import Memory
 from scheduler.sequence import Sequence
 
 
@@ -16,7 +14,6 @@ from scheduler.sequence import Sequence
 class ShiftPlan:
     n_keep: int
     n_discard: int
-    num_copies: int  # shared cells of the tail: copy-on-write needs this many free cells
 
 
 def clamp_n_keep(n_keep: int, num_prompt: int, n_ctx_seq: int) -> int:
@@ -37,24 +34,26 @@ def truncate_prompt(prompt: list[int], n_keep: int, n_ctx_seq: int) -> list[int]
     return prompt[:n_keep] + prompt[n_keep + n_erased * n_block :]
 
 
-def plan_shift(cells: KVCells, seq: Sequence, n_ctx_seq: int) -> ShiftPlan:
-    """What a shift of `seq` (all of whose tokens but the last are computed) would do."""
+def plan_shift(seq: Sequence, n_ctx_seq: int) -> ShiftPlan:
+    """What a shift of `seq` (all of whose tokens but the last are computed) would drop."""
     req = seq.request
-    n_past = seq.num_computed
     n_keep = clamp_n_keep(req.n_keep, seq.num_prompt, n_ctx_seq)
-    n_left = n_past - n_keep
+    n_left = seq.num_computed - n_keep
     n_discard = req.n_discard if req.n_discard is not None else n_left // 2
-    n_discard = max(1, min(n_discard, n_left))
-    kv_cells, kv_pos = cells.seq_cells(seq.seq_id)
-    tail = kv_cells[kv_pos >= n_keep + n_discard]
-    num_copies = int(np.count_nonzero(cells.owner_map()[tail] == -2)) if tail.size else 0
-    return ShiftPlan(n_keep, n_discard, num_copies)
+    return ShiftPlan(n_keep, max(1, min(n_discard, n_left)))
 
 
-def apply_shift(cells: KVCells, seq: Sequence, plan: ShiftPlan) -> None:
+def apply_shift(memory: Memory, seq: Sequence, plan: ShiftPlan) -> None:
+    """Shift the cache and the sequence's tokens (memory.can_shift said yes and the
+    copies-on-write have room)."""
     n0, n1 = plan.n_keep, plan.n_keep + plan.n_discard
-    cells.seq_rm(seq.seq_id, n0, n1)
-    cells.seq_add(seq.seq_id, n1, -1, -plan.n_discard)
-    del seq.tokens[n0:n1]
+    memory.seq_rm(seq.seq_id, n0, n1)
+    memory.seq_add(seq.seq_id, n1, -1, -plan.n_discard)
+    drop_tokens(seq, plan)
+
+
+def drop_tokens(seq: Sequence, plan: ShiftPlan) -> None:
+    """The token side of a shift (alone: the context is then recomputed from scratch)."""
+    del seq.tokens[plan.n_keep : plan.n_keep + plan.n_discard]
     seq.num_computed -= plan.n_discard
     seq.num_shifts += 1

@@ -12,26 +12,19 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
-
-import numpy as np
 
 from scheduler.config import EngineConfig
 from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
 from scheduler.isolate import describe, isolate, pending_only, without_pending
-from scheduler.plan import BatchPlan, StepOutput
+from scheduler.plan import BatchPlan, StepOutput, Worker
 from scheduler.request import Event, FinishEvent, Request
 from scheduler.scheduler import Routed, Scheduler
-from scheduler.snapshot import engine_stats, slot_infos
+from scheduler.snapshot import engine_stats, pool_maps, slot_infos
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo, StepStats
 
 __all__ = ["Engine", "EngineConfig", "Worker"]
 
 log = logging.getLogger(__name__)
-
-
-class Worker(Protocol):
-    def execute(self, plan: BatchPlan) -> StepOutput: ...
 
 
 @dataclass(slots=True)
@@ -135,11 +128,12 @@ class Engine:
 
     def cell_map(self) -> CellMapSnapshot:
         with self._cond:
-            cells = self.scheduler.cells
+            pools = pool_maps(self.scheduler.memory)
             return CellMapSnapshot(
-                n_cells=cells.n_cells,
-                head=int(cells.head),
-                owner_map=np.array(cells.owner_map(), copy=True),
+                n_cells=pools[0].n_cells,
+                head=pools[0].head,
+                owner_map=pools[0].owner_map,
+                pools=pools,
                 slots=slot_infos(self.scheduler),
                 holder_seq_ids=self.scheduler.prefix.seq_ids,
                 stats=engine_stats(self.scheduler, alive=not self._dead, draining=self._draining),
@@ -215,7 +209,7 @@ class Engine:
         """-> (the plan's output, {seq_id: error} of the sequences the worker fails on). A
         failing batch is bisected so that only the culprits' requests fail (scheduler/isolate.py).
         An exception from the pending cache work itself propagates: the whole batch fails."""
-        if not plan.pending.is_empty:
+        if plan.has_pending:
             self.worker.execute(pending_only(plan))
         forward = without_pending(plan)
         try:

@@ -13,15 +13,11 @@ twice would rotate K by twice the delta.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvcache.cells import PendingOps
-from scheduler.plan import BatchPlan, SeqBatch, StepOutput
-
-if TYPE_CHECKING:
-    from scheduler.engine import Worker
+from scheduler.plan import BatchPlan, GroupBatch, SeqBatch, StepOutput, Worker
 
 
 def describe(exc: BaseException) -> str:
@@ -29,13 +25,15 @@ def describe(exc: BaseException) -> str:
 
 
 def pending_only(plan: BatchPlan) -> BatchPlan:
-    """A plan with no tokens that applies `plan.pending`."""
+    """A plan with no tokens that applies each group's pending work."""
     empty = np.zeros(0, dtype=np.int64)
-    return BatchPlan(empty, empty, empty, empty, [], [], plan.pending)
+    groups = [dataclasses.replace(g, cells=empty, seqs=[]) for g in plan.groups]
+    return BatchPlan(empty, empty, empty, [], groups, [])
 
 
 def without_pending(plan: BatchPlan) -> BatchPlan:
-    return dataclasses.replace(plan, pending=PendingOps.empty())
+    groups = [dataclasses.replace(g, pending=PendingOps.empty()) for g in plan.groups]
+    return dataclasses.replace(plan, groups=groups)
 
 
 def sub_plan(plan: BatchPlan, seq_indices: list[int]) -> tuple[BatchPlan, list[int]]:
@@ -50,21 +48,21 @@ def sub_plan(plan: BatchPlan, seq_indices: list[int]) -> tuple[BatchPlan, list[i
         n = s.end - s.start
         rows.append(np.arange(s.start, s.end))
         row_map.update({s.start + k: start + k for k in range(n)})
-        seqs.append(SeqBatch(s.seq_id, start, start + n, s.kv_cells, s.kv_pos))
+        seqs.append(SeqBatch(s.seq_id, start, start + n))
         start += n
     take = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     picked = [k for k, smp in enumerate(plan.samples) if smp.row in row_map]
     samples = [
         dataclasses.replace(plan.samples[k], row=row_map[plan.samples[k].row]) for k in picked
     ]
+    groups = [
+        GroupBatch(
+            g.key, g.window, g.cells[take], [g.seqs[i] for i in seq_indices], PendingOps.empty()
+        )
+        for g in plan.groups
+    ]
     sub = BatchPlan(
-        plan.token_ids[take],
-        plan.positions[take],
-        plan.seq_ids[take],
-        plan.cells[take],
-        seqs,
-        samples,
-        PendingOps.empty(),
+        plan.token_ids[take], plan.positions[take], plan.seq_ids[take], seqs, groups, samples
     )
     return sub, picked
 

@@ -6,10 +6,12 @@ Plain dataclasses and numpy arrays only: no tensors cross this boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from kvcache.cells import PendingOps
+from kvcache.memory import SeqCells, seq_cells_view
 
 
 @dataclass(slots=True)
@@ -40,14 +42,23 @@ class SamplingParams:
 @dataclass(slots=True)
 class SeqBatch:
     """One sequence's share of a batch: rows [start, end) of the flat token arrays are its
-    new tokens (contiguous, ascending positions); kv_cells/kv_pos are ALL the cells it owns
-    after this step's tokens are placed, sorted by position (what attention gathers)."""
+    new tokens (contiguous, ascending positions)."""
 
     seq_id: int
     start: int
     end: int
-    kv_cells: np.ndarray  # [n_kv] int64
-    kv_pos: np.ndarray  # [n_kv] int64
+
+
+@dataclass(slots=True)
+class GroupBatch:
+    """Where one layer group (MemorySpec.groups, same order) writes and reads this step.
+    Groups that share a pool of cells share `cells` and `pending`."""
+
+    key: str  # the group's memory key ("full", "swa4096", ...)
+    window: int  # 0: full attention
+    cells: np.ndarray  # [n_tokens] int64: where each row's K/V is written in the pool
+    seqs: list[SeqCells]  # aligned with BatchPlan.seqs: what each sequence's rows read
+    pending: PendingOps  # cell copies and K-shifts of this group's tensors, BEFORE the forward
 
 
 @dataclass(slots=True)
@@ -75,14 +86,17 @@ class BatchPlan:
     token_ids: np.ndarray  # [n_tokens] int64
     positions: np.ndarray  # [n_tokens] int64
     seq_ids: np.ndarray  # [n_tokens] int64
-    cells: np.ndarray  # [n_tokens] int64: where each token's K/V is written
     seqs: list[SeqBatch]
+    groups: list[GroupBatch]  # one per layer group of the model's MemorySpec
     samples: list[SampleRow]
-    pending: PendingOps  # cell copies and K-shifts to apply BEFORE the forward
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def has_pending(self) -> bool:
+        return any(not g.pending.is_empty for g in self.groups)
 
 
 @dataclass(slots=True)
@@ -92,3 +106,23 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None  # logprob of each sampled token (raw model distribution)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Worker(Protocol):
+    """What the engine drives (model/worker.py; fakes in tests)."""
+
+    def execute(self, plan: BatchPlan) -> StepOutput: ...
+
+
+def full_group(
+    cells: np.ndarray,
+    kv: list[tuple[np.ndarray, np.ndarray]],
+    q_pos: list[np.ndarray],
+    pending: PendingOps | None = None,
+    window: int = 0,
+) -> GroupBatch:
+    """A GroupBatch over one pool: `kv[i]` = (cells, positions) sequence i reads (sorted by
+    position), `q_pos[i]` its rows' positions. For workers driven without a Memory."""
+    seqs = [seq_cells_view(c, p, q, window) for (c, p), q in zip(kv, q_pos, strict=True)]
+    key = "full" if window == 0 else f"swa{window}"
+    return GroupBatch(key, window, cells, seqs, PendingOps.empty() if pending is None else pending)

@@ -2,15 +2,18 @@
 
 The index is flat: one token array per holder, matched by a vectorised compare. Holders are
 bounded by n_seq_max (tens to hundreds), so a match is a few numpy calls, and it needs no
-tree maintenance when holders come and go. The scheduler does the cache operations
+tree maintenance when holders come and go. The scheduler does the memory operations
 (`seq_cp` from the holder, `seq_rm` of dropped holders); this class only decides.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+Usable = Callable[[int, int], int]
 
 
 @dataclass(slots=True)
@@ -49,11 +52,14 @@ class PrefixCache:
     def seq_ids(self) -> list[int]:
         return sorted(self._holders)
 
-    def match(self, tokens: np.ndarray) -> PrefixMatch:
-        """Longest cached prefix of `tokens`; never mutates."""
+    def match(self, tokens: np.ndarray, usable: Usable | None = None) -> PrefixMatch:
+        """Longest cached prefix of `tokens`; never mutates. `usable(seq_id, n)`: the longest
+        m <= n of a holder's first n tokens that can be reused (Memory.usable_prefix)."""
         best = PrefixMatch(-1, 0)
         for h in self._holders.values():
             n = common_prefix_len(h.tokens, tokens)
+            if usable is not None and n > best.length:
+                n = usable(h.seq_id, n)
             if n > best.length:
                 best = PrefixMatch(h.seq_id, n)
         return best

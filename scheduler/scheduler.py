@@ -1,8 +1,10 @@
-"""Continuous batching over one KVCells: `plan = schedule()`, then `events = update(plan, out)`.
+"""Continuous batching over a Memory: `plan = schedule()`, then `events = update(plan, out)`.
 
 Each step fills a token budget (n_batch) with, in order: one decode token per running
 sequence whose context is computed, prompt chunks of sequences still reading, then new
-admissions (FCFS) while the cache has room. Not thread-safe: the engine holds a lock.
+admissions (FCFS) while the memory has room. Room, shifts and prefix reuse are questions to
+the memory (kvcache/memory.py); n > 1 choices live in scheduler/choices.py. Not thread-safe:
+the engine holds a lock.
 """
 
 from __future__ import annotations
@@ -10,53 +12,44 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache.cells import KVCells, PendingOps
+from kvcache.make import make_memory
+from kvcache.memory import Memory
+from scheduler import choices
 from scheduler.config import EngineConfig
-from scheduler.context_shift import apply_shift, clamp_n_keep, plan_shift
+from scheduler.context_shift import apply_shift, clamp_n_keep, drop_tokens, plan_shift
 from scheduler.intake import make_choices, prepare_prompt, shift_enabled
-from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput
+from scheduler.plan import BatchPlan, GroupBatch, SampleRow, SeqBatch, StepOutput
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
 from scheduler.request import Event, FinishEvent, Request, TokenEvent
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
-
-
-@dataclass(slots=True)
-class Counters:
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_context_shifts: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # tokens fed to the model that were not sampled just before
-    num_generated_tokens: int = 0
-    num_steps: int = 0
-    last_num_decode: int = 0
-    last_num_prefill: int = 0
-
+from scheduler.stats import Counters
+from scheduler.step import Step
 
 Routed = tuple[str, Event]  # (req_id, event)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cells: KVCells | None = None) -> None:
+    def __init__(self, config: EngineConfig, memory: Memory | None = None) -> None:
         config.validate()
         self.config = config
-        self.cells = cells if cells is not None else KVCells(config.n_cells, config.n_seq_max)
+        if memory is None:
+            memory = make_memory(
+                config.memory_spec, config.n_cells, config.n_seq_max, config.n_batch, config.memory
+            )
+        self.memory = memory
         self.prefix = PrefixCache()
         self.counters = Counters()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
-        self.seq_ids = SeqIds(self.cells, self.prefix, config.prefix_cache)
+        self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache)
         self._requests: dict[str, list[Sequence]] = {}
         self._aborts: list[tuple[str, int | None]] = []
         self._events: list[Routed] = []
-        self._sampled: list[Sequence] = []  # the sequence of each SampleRow of the last plan
-        self._in_plan: list[Sequence] = []
-        self._num_scheduled = 0
+        self._step = Step(0)  # the last schedule()'s
         self._admit_clock = 0
         self._rng = random.Random(config.seed)
 
@@ -92,85 +85,74 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> BatchPlan:
-        """Plans the step and applies its cache operations (placement, shifts, forks)."""
+        """Plans the step and applies its memory operations (placement, shifts, forks)."""
         self._apply_aborts()
-        budget = self.config.n_batch
-        rows: list[tuple[Sequence, int]] = []
-        self._num_scheduled = 0  # tokens in `rows`: cells this step will take
-        scheduled: set[int] = set()  # id() of sequences with rows; never preempted this step
+        step = self._step = Step(self.config.n_batch)
+        n_ctx = self.config.n_ctx_seq
 
         for seq in [s for s in self.running if s.is_decoding]:
-            if budget == 0:
+            if step.budget == 0:
                 break
             if seq.state is not SeqState.RUNNING:
                 continue  # preempted for an older sequence in this loop
-            if seq.num_computed >= self.config.n_ctx_seq and not self._shift(seq, rows, scheduled):
+            if seq.num_computed >= n_ctx and not self._shift(seq, step):
                 continue
-            if not self._make_room(1, seq, rows, scheduled):
-                continue
-            rows.append((seq, 1))
-            self._num_scheduled += 1
-            scheduled.add(id(seq))
-            budget -= 1
-        num_decode = len(rows)
+            if self._make_room(1, seq, step):
+                step.add(seq, 1)
+        step.num_decode = len(step.rows)
 
         for seq in [s for s in self.running if not s.is_decoding]:
-            if budget == 0:
+            if step.budget == 0:
                 break
             if seq.state is not SeqState.RUNNING:
                 continue
-            cap = min(seq.num_uncomputed, budget, self.config.n_ctx_seq - seq.num_computed)
+            cap = min(seq.num_uncomputed, step.budget, n_ctx - seq.num_computed)
             if cap <= 0:
                 continue
-            n = min(cap, self._free_cells(rows, evict=True))
+            n = min(cap, self._n_free(step, evict=True))
             if n == 0:
-                if not self._make_room(1, seq, rows, scheduled):
+                if not self._make_room(1, seq, step):
                     continue
                 n = 1
-            rows.append((seq, n))
-            self._num_scheduled += n
-            scheduled.add(id(seq))
-            budget -= n
+            step.add(seq, n)
 
-        while self.waiting and budget > 0 and self._admit(self.waiting[0], rows):
+        while self.waiting and step.budget > 0 and self._admit(self.waiting[0], step):
             seq = self.waiting.popleft()
-            cap = min(seq.num_uncomputed, budget, self.config.n_ctx_seq - seq.num_computed)
-            n = min(cap, self._free_cells(rows, evict=False))
+            cap = min(seq.num_uncomputed, step.budget, n_ctx - seq.num_computed)
+            n = min(cap, self._n_free(step, evict=False))
             if n > 0:
-                rows.append((seq, n))
-                self._num_scheduled += n
-                scheduled.add(id(seq))
-                budget -= n
+                step.add(seq, n)
 
-        self.counters.last_num_decode = num_decode
-        self.counters.last_num_prefill = sum(n for _, n in rows[num_decode:])
-        return self._place(rows)
+        self.counters.last_num_decode = step.num_decode
+        self.counters.last_num_prefill = step.num_prompt_rows
+        return self._place(step)
 
     def update(self, plan: BatchPlan, out: StepOutput) -> list[Routed]:
         """Appends the sampled tokens, checks stop conditions, frees finished sequences."""
         assert len(out.token_ids) == len(plan.samples), "one sampled id per SampleRow"
         self.counters.num_steps += 1
-        for i, (sample, seq) in enumerate(zip(plan.samples, self._sampled, strict=True)):
+        sampled = self._step.sampled
+        for i, (sample, seq) in enumerate(zip(plan.samples, sampled, strict=True)):
             if seq.state is not SeqState.RUNNING:
                 continue
             self._append_token(seq, sample, out, i)
-        self._sampled, self._in_plan = [], []
+        self._step = Step(0)
         events, self._events = self._events, []
         return events
 
     def fail_plan(self, message: str) -> list[Routed]:
         """The worker raised on the last plan: every request with a sequence in it fails."""
-        req_ids = {s.req_id for s in self._in_plan + self._sampled}
+        req_ids = {s.req_id for s in self._step.in_plan + self._step.sampled}
         for req_id in req_ids:
             self._finish_request(req_id, None, "error", message)
-        self._sampled, self._in_plan = [], []
+        self._step = Step(0)
         events, self._events = self._events, []
         return events
 
     def fail_seqs(self, errors: dict[int, str]) -> None:
         """The worker failed on these sequences of the last plan ({seq_id: error}): their
         requests finish with an error; update() then skips them and updates the rest."""
-        for seq in [s for s in self._in_plan if s.seq_id in errors]:
+        for seq in [s for s in self._step.in_plan if s.seq_id in errors]:
             self._finish_request(seq.req_id, None, "error", errors[seq.seq_id])
 
     def abort_all(self, reason: str = "abort", error: str | None = None) -> list[Routed]:
@@ -184,30 +166,27 @@ class Scheduler:
 
     # ---- placement ------------------------------------------------------------------------
 
-    def _place(self, rows: list[tuple[Sequence, int]]) -> BatchPlan:
-        num_tokens = sum(n for _, n in rows)
+    def _place(self, step: Step) -> BatchPlan:
+        rows = step.rows
+        num_tokens = step.num_scheduled
         token_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         seq_ids = np.empty(num_tokens, dtype=np.int64)
+        seqs: list[SeqBatch] = []
         start = 0
         for seq, n in rows:
             p0 = seq.num_computed
             token_ids[start : start + n] = seq.tokens[p0 : p0 + n]
             positions[start : start + n] = np.arange(p0, p0 + n)
             seq_ids[start : start + n] = seq.seq_id
+            seqs.append(SeqBatch(seq.seq_id, start, start + n))
             start += n
-        cells = np.zeros(0, dtype=np.int64)
-        if num_tokens:
-            slot = self.cells.find_slot(num_tokens)
-            assert slot is not None, "room was made before placement"
-            cells = slot
-            self.cells.apply_ubatch(cells, positions, seq_ids)
+        mplan = self.memory.plan(positions, seq_ids)
+        assert mplan is not None, "room was made before placement"
+        self.memory.apply(mplan)
 
-        seqs: list[SeqBatch] = []
         samples: list[SampleRow] = []
-        sampled: list[Sequence] = []
-        start = 0
-        for seq, n in rows:
+        for (seq, n), sb in zip(rows, seqs, strict=True):
             if seq.num_generated == 0 or seq.num_uncomputed > 1:
                 self.counters.num_prompt_tokens += n
             else:
@@ -215,30 +194,22 @@ class Scheduler:
             seq.num_computed += n
             if seq.num_uncomputed == 0:
                 for choice in [seq, *self._fork(seq)]:
-                    samples.append(make_sample_row(choice, start + n - 1))
-                    sampled.append(choice)
-            start += n
-        start = 0
-        for seq, n in rows:
-            kv_cells, kv_pos = self.cells.seq_cells(seq.seq_id)
-            seqs.append(SeqBatch(seq.seq_id, start, start + n, kv_cells, kv_pos))
-            start += n
-        pending = self.cells.take_pending() if num_tokens else PendingOps.empty()
-        self._sampled = sampled
-        self._in_plan = [s for s, _ in rows]
-        return BatchPlan(token_ids, positions, seq_ids, cells, seqs, samples, pending)
+                    samples.append(make_sample_row(choice, sb.end - 1))
+                    step.sampled.append(choice)
+        views = [self.memory.views(sb.seq_id, positions[sb.start : sb.end]) for sb in seqs]
+        pending = self.memory.take_pending()
+        groups = [
+            GroupBatch(g.key, _window(g.spec), mplan.cells[pool], [v[i] for v in views], pending[i])
+            for i, (g, pool) in enumerate(
+                zip(self.memory.spec.groups, self.memory.group_pools, strict=True)
+            )
+        ]
+        step.in_plan = [s for s, _ in rows]
+        return BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
-        """Choices 1..n-1 share the computed prompt of choice 0 (zero-copy seq_cp)."""
-        forks, seq.forks = seq.forks, []
+        forks = choices.fork(seq, self.memory)
         for child in forks:
-            self.cells.seq_cp(seq.seq_id, child.seq_id, -1, -1)
-            child.tokens = list(seq.tokens)
-            child.num_computed = seq.num_computed
-            child.num_cached = seq.num_cached
-            child.queue_time = seq.queue_time
-            child.parent = None
-            child.state = SeqState.RUNNING
             self._admit_clock += 1
             child.admit_order = self._admit_clock
             self.running.append(child)
@@ -267,68 +238,71 @@ class Scheduler:
 
     # ---- room: holders, preemption, context shift -----------------------------------------
 
-    def _free_cells(self, rows: list[tuple[Sequence, int]], evict: bool) -> int:
-        """Cells free for more tokens this step; with `evict`, drops every holder first if
-        that is what it takes to get any."""
-        free = self.cells.n_cells - self.cells.used - self._num_scheduled
+    def _n_free(self, step: Step, evict: bool) -> int:
+        """Tokens the memory can still take this step; with `evict`, drops every holder
+        first if that is what it takes to get any."""
+        free = self.memory.n_free() - step.num_scheduled
         while evict and free <= 0 and self.seq_ids.drop_lru_holder():
-            free = self.cells.n_cells - self.cells.used - self._num_scheduled
+            free = self.memory.n_free() - step.num_scheduled
         return max(free, 0)
 
-    def _make_room(
-        self, n: int, seq: Sequence, rows: list[tuple[Sequence, int]], scheduled: set[int]
-    ) -> bool:
-        """Makes `n` cells free: LRU holders first, then preempts the most recently admitted
-        unscheduled sequence. False when `seq` itself had to be preempted."""
-        while self._free_cells(rows, evict=False) < n:
+    def _make_room(self, n: int, seq: Sequence, step: Step) -> bool:
+        """Room for `n` more tokens: LRU holders first, then preempts the most recently
+        admitted sequence without rows this step. False when `seq` itself was preempted."""
+        while self._n_free(step, evict=False) < n:
             if self.seq_ids.drop_lru_holder():
                 continue
-            victims = [s for s in self.running if id(s) not in scheduled]
-            victim = max(victims, key=lambda s: s.admit_order)
+            victim = max((s for s in self.running if not step.has(s)), key=lambda s: s.admit_order)
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def _shift(self, seq: Sequence, rows: list[tuple[Sequence, int]], scheduled: set[int]) -> bool:
-        plan = plan_shift(self.cells, seq, self.config.n_ctx_seq)
-        if plan.num_copies and not self._make_room(plan.num_copies, seq, rows, scheduled):
-            return False
-        apply_shift(self.cells, seq, plan)
+    def _shift(self, seq: Sequence, step: Step) -> bool:
+        """Context shift of `seq` at its limit. Where the memory cannot keep what the next
+        rows need (a sliding window reaching into the discarded part), the shifted context is
+        recomputed: `seq` is requeued, and False returned."""
+        plan = plan_shift(seq, self.config.n_ctx_seq)
+        if not self.memory.can_shift(seq.seq_id, plan.n_keep, plan.n_discard):
+            drop_tokens(seq, plan)
+            self._preempt(seq, count=False)
+        else:
+            n_copies = self.memory.n_shift_copies(seq.seq_id, plan.n_keep + plan.n_discard)
+            if n_copies and not self._make_room(n_copies, seq, step):
+                return False
+            apply_shift(self.memory, seq, plan)
         self.counters.num_context_shifts += 1
-        return True
+        return seq.state is SeqState.RUNNING
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, count: bool = True) -> None:
         """Frees every cell and seq id of `seq`; it goes to the front of the queue and
         recomputes its context (prompt + generated) when readmitted."""
-        self.cells.seq_rm(seq.seq_id, -1, -1)
+        self.memory.seq_rm(seq.seq_id, -1, -1)
         self.seq_ids.release(seq.seq_id)
         seq.seq_id = -1
-        for child in seq.forks:
-            self.seq_ids.release(child.seq_id)
-            child.seq_id = -1
+        choices.release_fork_ids(seq, self.seq_ids)
         seq.num_computed = 0
         seq.state = SeqState.WAITING
-        seq.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
-        self.counters.num_preemptions += 1
+        if count:
+            seq.num_preemptions += 1
+            self.counters.num_preemptions += 1
 
-    def _admit(self, seq: Sequence, rows: list[tuple[Sequence, int]]) -> bool:
-        """Gives `seq` (and its pending forks) seq ids and any cached prefix, if the cache can
-        hold its whole uncomputed context beside what running prompts still need."""
+    def _admit(self, seq: Sequence, step: Step) -> bool:
+        """Gives `seq` (and its pending forks) seq ids and any cached prefix, if the memory
+        can hold its whole uncomputed context beside what running prompts still need."""
         match = PrefixMatch(-1, 0)
         if self.config.prefix_cache:
-            match = self.prefix.match(np.asarray(seq.tokens, dtype=np.int64))
-            match.length = min(match.length, seq.num_tokens - 1)
+            tokens = np.asarray(seq.tokens[: seq.num_tokens - 1], dtype=np.int64)
+            match = self.prefix.match(tokens, self.memory.usable_prefix)
         # a context at its limit shifts before its last token is fed: it never needs more
         need = min(seq.num_tokens, self.config.n_ctx_seq)
-        # cells that running prompts will still take after this step's rows
-        committed = sum(s.num_uncomputed for s in self.running if not s.is_decoding) - sum(
-            n for s, n in rows if not s.is_decoding
-        )
+        # tokens that running prompts will still take after this step's rows
+        running_prompts = sum(s.num_uncomputed for s in self.running if not s.is_decoding)
+        committed = running_prompts - step.num_prompt_rows
         while (
-            self._free_cells(rows, evict=False) - committed < need - match.length
+            self._n_free(step, evict=False) - committed < need - match.length
             or self.seq_ids.num_free < seq.num_seq_ids
         ):
             if self.seq_ids.drop_lru_holder(exclude=match.seq_id):
@@ -337,11 +311,9 @@ class Scheduler:
                 return False
             match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
 
-        seq.seq_id = self.seq_ids.take()
-        for child in seq.forks:
-            child.seq_id = self.seq_ids.take()
+        choices.take_seq_ids(seq, self.seq_ids)
         if match.length:
-            self.cells.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
+            self.memory.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
             self.prefix.touch(match.seq_id)
         seq.num_computed = match.length
         if self.config.prefix_cache:
@@ -380,18 +352,9 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.state is SeqState.FINISHED:
             return
-        if seq.forks and reason != "error":
-            # choice 0 leaves while its prompt is shared: the first fork takes over the
-            # reading, so swap identities (nothing was generated yet) and finish that fork
-            child = seq.forks[0]
-            seq.index, child.index = child.index, seq.index
-            seq.seed, child.seed = child.seed, seq.seed
-            seq = child
+        seq = choices.leaving(seq, reason)
         if seq.parent is not None:
-            seq.parent.forks.remove(seq)
-            seq.parent = None
-            if seq.seq_id >= 0:
-                self.seq_ids.release(seq.seq_id)
+            choices.detach(seq, self.seq_ids)
         elif seq.state is SeqState.RUNNING:
             self.running.remove(seq)
             self._release(seq, cache=reason != "error")
@@ -424,3 +387,7 @@ class Scheduler:
     @property
     def num_free_seq_ids(self) -> int:
         return self.seq_ids.num_free
+
+
+def _window(spec: object) -> int:
+    return getattr(spec, "window", 0)

@@ -6,16 +6,16 @@ import heapq
 
 import numpy as np
 
-from kvcache.cells import KVCells
+from kvcache.memory import Memory
 from scheduler.prefix_cache import PrefixCache
 
 
 class SeqIds:
-    def __init__(self, cells: KVCells, prefix: PrefixCache, prefix_enabled: bool) -> None:
-        self.cells = cells
+    def __init__(self, memory: Memory, prefix: PrefixCache, prefix_enabled: bool) -> None:
+        self.memory = memory
         self.prefix = prefix
         self.prefix_enabled = prefix_enabled
-        self._free = list(range(cells.n_seq_max))  # min-heap
+        self._free = list(range(memory.n_seq_max))  # min-heap
 
     @property
     def num_free(self) -> int:
@@ -31,20 +31,22 @@ class SeqIds:
 
     def retire(self, sid: int, tokens: np.ndarray, cache: bool) -> None:
         """A choice is done with `sid`, whose cells hold `tokens` at positions 0..n-1 (and
-        maybe more): keep them as a prefix holder, or free everything."""
+        maybe more): keep them as a prefix holder, or free everything. A holder is kept only
+        if the memory can cut it to `tokens` and some prefix of it stays usable."""
         n = tokens.shape[0]
-        if cache and self.prefix_enabled and n > 0 and not self.prefix.is_covered(tokens):
-            self.cells.seq_rm(sid, n, -1)
+        mem = self.memory
+        keep = cache and self.prefix_enabled and n > 0 and not self.prefix.is_covered(tokens)
+        if keep and mem.can_rm(sid, n, -1) and mem.seq_rm(sid, n, -1) and mem.usable_prefix(sid, n):
             for holder in self.prefix.covered_by(tokens):
                 self.drop_holder(holder)
             self.prefix.insert(sid, tokens)
             return
-        self.cells.seq_rm(sid, -1, -1)
+        mem.seq_rm(sid, -1, -1)
         self.release(sid)
 
     def drop_holder(self, sid: int) -> None:
         self.prefix.remove(sid)
-        self.cells.seq_rm(sid, -1, -1)
+        self.memory.seq_rm(sid, -1, -1)
         self.release(sid)
 
     def drop_lru_holder(self, exclude: int = -1) -> bool:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache.memory import Memory
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SeqState, Sequence
-from scheduler.stats import EngineStats, SlotInfo
+from scheduler.stats import EngineStats, PoolMap, PoolUsage, SlotInfo
+
+
+def pool_maps(memory: Memory) -> list[PoolMap]:
+    return [
+        PoolMap(p.name, p.window, p.cells.n_cells, int(p.cells.head), p.cells.owner_map())
+        for p in memory.pools
+    ]
 
 
 def engine_stats(sched: Scheduler, alive: bool, draining: bool) -> EngineStats:
-    cells = sched.cells
+    cells = sched.memory.pools[0].cells
     cstats = cells.stats()
     running_cells = [cells.seq_cells(s.seq_id)[0] for s in sched.running]
     num_running_cells = np.unique(np.concatenate(running_cells)).size if running_cells else 0
@@ -31,11 +39,15 @@ def engine_stats(sched: Scheduler, alive: bool, draining: bool) -> EngineStats:
         num_steps=c.num_steps,
         alive=alive,
         draining=draining,
+        pools=[
+            PoolUsage(p.name, p.window, p.cells.n_cells, p.cells.used, ps.stats.shared)
+            for p, ps in zip(sched.memory.pools, sched.memory.stats(), strict=True)
+        ],
     )
 
 
 def slot_infos(sched: Scheduler) -> list[SlotInfo]:
-    owner_map = sched.cells.owner_map()
+    owner_map = sched.memory.pools[0].cells.owner_map()
     slots = [_running_slot(sched, s, owner_map) for s in sched.running]
     for seq in sched.waiting:
         slots.extend(_waiting_slot(s) for s in [seq, *seq.forks])
@@ -43,7 +55,7 @@ def slot_infos(sched: Scheduler) -> list[SlotInfo]:
 
 
 def _running_slot(sched: Scheduler, seq: Sequence, owner_map: np.ndarray) -> SlotInfo:
-    kv_cells, _ = sched.cells.seq_cells(seq.seq_id)
+    kv_cells, _ = sched.memory.pools[0].cells.seq_cells(seq.seq_id)
     return SlotInfo(
         req_id=seq.req_id,
         index=seq.index,
@@ -54,8 +66,8 @@ def _running_slot(sched: Scheduler, seq: Sequence, owner_map: np.ndarray) -> Slo
         num_generated=seq.num_generated,
         cells_owned=int(kv_cells.size),
         cells_shared=int(np.count_nonzero(owner_map[kv_cells] == -2)),
-        pos_min=sched.cells.seq_pos_min(seq.seq_id),
-        pos_max=sched.cells.seq_pos_max(seq.seq_id),
+        pos_min=sched.memory.seq_pos_min(seq.seq_id),
+        pos_max=sched.memory.seq_pos_max(seq.seq_id),
     )
 
 

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Counters:
+    """The scheduler's cumulative counters (and the last step's row split)."""
+
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_context_shifts: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # tokens fed to the model that were not sampled just before
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    last_num_decode: int = 0
+    last_num_prefill: int = 0
+
+
+@dataclass(slots=True)
+class PoolUsage:
+    """One pool of the memory (kvcache.memory.Pool), labelled."""
+
+    name: str  # "full" | "swa"
+    window: int
+    n_cells: int
+    used: int
+    shared: int
 
 
 @dataclass(slots=True)
 class EngineStats:
+    """n_cells / cells_* are the full-attention pool's (the only one of the unified cache:
+    it grows with every sequence's context); `pools` has every pool."""
+
     num_waiting: int
     num_running: int
     n_cells: int
@@ -22,6 +51,7 @@ class EngineStats:
     num_steps: int
     alive: bool
     draining: bool
+    pools: list[PoolUsage] = field(default_factory=list)
 
     @property
     def cache_usage(self) -> float:
@@ -55,8 +85,18 @@ class SlotInfo:
 
 
 @dataclass(slots=True)
+class PoolMap:
+    name: str  # "full" | "swa"
+    window: int
+    n_cells: int
+    head: int
+    owner_map: object  # np.ndarray[int32] [n_cells]: -1 free, -2 shared, else owner seq id
+
+
+@dataclass(slots=True)
 class CellMapSnapshot:
-    """One consistent picture of the cache for the web page's cell map."""
+    """One consistent picture of the cache for the web page's cell map. n_cells, head and
+    owner_map are the full-attention pool's; `pools` has every pool, that one first."""
 
     n_cells: int
     head: int
@@ -64,3 +104,4 @@ class CellMapSnapshot:
     slots: list[SlotInfo]
     holder_seq_ids: list[int]  # seq ids that are prefix-cache holders
     stats: EngineStats
+    pools: list[PoolMap] = field(default_factory=list)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvcache.cells import PendingOps
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -33,6 +33,7 @@ def make_plan(chunks: list[SeqChunk], pending: PendingOps | None = None) -> Batc
     seq_ids: list[int] = []
     cells: list[int] = []
     seqs: list[SeqBatch] = []
+    kv: list[tuple[np.ndarray, np.ndarray]] = []
     samples: list[SampleRow] = []
     for c in chunks:
         start = len(token_ids)
@@ -41,20 +42,23 @@ def make_plan(chunks: list[SeqChunk], pending: PendingOps | None = None) -> Batc
         seq_ids += [c.seq_id] * len(c.tokens)
         cells += c.cells
         end = len(token_ids)
-        seqs.append(
-            SeqBatch(c.seq_id, start, end, np.array(c.kv_cells, np.int64), np.array(c.kv_pos))
-        )
+        seqs.append(SeqBatch(c.seq_id, start, end))
+        kv_pos = np.array(c.kv_pos, np.int64)
+        order = np.argsort(kv_pos, kind="stable")
+        kv.append((np.array(c.kv_cells, np.int64)[order], kv_pos[order]))
         for r in c.sample_rows:
             row = start + (r % len(c.tokens))
             samples.append(SampleRow(row, c.params, seed=0, output_index=0, num_prompt=0))
+    pos = np.array(positions, np.int64)
+    q_pos = [pos[s.start : s.end] for s in seqs]
+    group = full_group(np.array(cells, np.int64), kv, q_pos, pending)
     return BatchPlan(
         token_ids=np.array(token_ids, np.int64),
-        positions=np.array(positions, np.int64),
+        positions=pos,
         seq_ids=np.array(seq_ids, np.int64),
-        cells=np.array(cells, np.int64),
         seqs=seqs,
+        groups=[group],
         samples=samples,
-        pending=PendingOps.empty() if pending is None else pending,
     )
 
 

@@ -29,7 +29,7 @@ class LateFailingWorker(FakeWorker):
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         time.sleep(0.002)  # lets the test submit while others are mid-generation
-        self._shifts += int(plan.pending.shift_cells.size)
+        self._shifts += sum(int(g.pending.shift_cells.size) for g in plan.groups)
         out = super().execute(plan)
         if (plan.token_ids == CULPRIT).any():
             self.failed_plans.append(plan)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.cells import KVCells, PendingOps
+from kvcache.cells import KVCells
 from model import default_model_path, load_model
 from model.loader import LoadedModel
 from model.worker import make_worker
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
 
 N_CELLS = 256
 
@@ -40,18 +40,19 @@ def make_plan(cells: KVCells, chunks: list[tuple[int, list[int], int]]) -> Batch
     assert slot is not None
     cells.apply_ubatch(slot, np.array(positions), np.array(seq_ids))
     greedy = SamplingParams(temperature=0.0)
+    pos = np.array(positions, dtype=np.int64)
     for seq_id, start, end in placed:
-        kv_cells, kv_pos = cells.seq_cells(seq_id)
-        seqs.append(SeqBatch(seq_id, start, end, kv_cells, kv_pos))
+        seqs.append(SeqBatch(seq_id, start, end))
         samples.append(SampleRow(end - 1, greedy, seed=0, output_index=0, num_prompt=end))
+    kv = [cells.seq_cells(s.seq_id) for s in seqs]
+    group = full_group(slot.astype(np.int64), kv, [pos[s.start : s.end] for s in seqs])
     return BatchPlan(
         token_ids=np.array(tokens, dtype=np.int64),
-        positions=np.array(positions, dtype=np.int64),
+        positions=pos,
         seq_ids=np.array(seq_ids, dtype=np.int64),
-        cells=slot.astype(np.int64),
         seqs=seqs,
+        groups=[group],
         samples=samples,
-        pending=PendingOps.empty(),
     )
 
 

@@ -1,9 +1,11 @@
 """A fake worker whose output depends on what its cells actually hold, and test factories.
 
-The worker keeps its own copy of each cell (token id, the position its K was rotated to),
-applies the plan's pending copies and K-shifts, writes the new rows, and derives each
-sampled token from the tokens the row attends to. Wrong cell bookkeeping (a lost copy, a
-missed shift, a foreign cell) changes the output or trips an assertion.
+The worker keeps, per layer group of the plan, its own copy of each cell (token id, the
+position its K was rotated to), applies the group's pending copies and K-shifts, writes the
+new rows, and derives each sampled token from the tokens the row attends to in every group.
+It checks that each row sees exactly its window: positions (q - W, q] of its context (all of
+[0, q] for full attention). Wrong cell bookkeeping (a lost copy, a missed shift, a foreign
+cell, a pruned cell still needed) changes the output or trips an assertion.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ _P = 2_147_483_629  # prime < 2**31: token * weight stays far inside int64
 _WEIGHTS = np.array([pow(1_000_003, i, _P) for i in range(1 << 14)], dtype=np.int64)
 
 
-def next_token(context: list[int] | np.ndarray, sample: SampleRow) -> int:
-    """The fake model: a hash of the attended tokens in position order, plus a draw from
-    the (seed, output_index) stream when sampling at temperature > 0."""
-    ctx = np.asarray(context, dtype=np.int64)
-    token = int((ctx * _WEIGHTS[: ctx.size]).sum() % _P) % VOCAB
+def next_token(contexts: list[list[int] | np.ndarray], sample: SampleRow) -> int:
+    """The fake model: a hash of the tokens each layer group attends, in position order,
+    plus a draw from the (seed, output_index) stream when sampling at temperature > 0."""
+    total = 0
+    for context in contexts:
+        ctx = np.asarray(context, dtype=np.int64)
+        total += int((ctx * _WEIGHTS[: ctx.size]).sum() % _P)
+    token = total % VOCAB
     if sample.params.temperature > 0:
         draw = random.Random(sample.seed * 1_000_003 + sample.output_index).randrange(VOCAB)
         token = (token + draw) % VOCAB
@@ -40,8 +45,9 @@ def next_token(context: list[int] | np.ndarray, sample: SampleRow) -> int:
 
 class FakeWorker:
     def __init__(self, n_cells: int, fail_when: Callable[[BatchPlan], bool] | None = None) -> None:
-        self.token = np.full(n_cells, -1, dtype=np.int64)
-        self.k_pos = np.full(n_cells, -1, dtype=np.int64)  # the position K is rotated for
+        self.n_cells = n_cells  # at least the largest pool
+        self.token: list[np.ndarray] = []  # per group: the token each cell holds
+        self.k_pos: list[np.ndarray] = []  # per group: the position its K is rotated for
         self.fail_when = fail_when
         self.num_calls = 0
 
@@ -49,28 +55,40 @@ class FakeWorker:
         self.num_calls += 1
         if self.fail_when is not None and self.fail_when(plan):
             raise RuntimeError("injected worker failure")
-        p = plan.pending
-        for src, dst in zip(p.copy_src.tolist(), p.copy_dst.tolist(), strict=True):
-            self.token[dst] = self.token[src]
-            self.k_pos[dst] = self.k_pos[src]
-        np.add.at(self.k_pos, p.shift_cells, p.shift_deltas)
-        self.token[plan.cells] = plan.token_ids
-        self.k_pos[plan.cells] = plan.positions
-
+        while len(self.token) < len(plan.groups):
+            self.token.append(np.full(self.n_cells, -1, dtype=np.int64))
+            self.k_pos.append(np.full(self.n_cells, -1, dtype=np.int64))
         row_seq = np.full(plan.num_tokens, -1, dtype=np.int64)
         for i, sb in enumerate(plan.seqs):
             assert (plan.seq_ids[sb.start : sb.end] == sb.seq_id).all()
-            assert (np.diff(sb.kv_pos) > 0).all(), "kv_pos sorted, one cell per position"
-            assert np.isin(plan.cells[sb.start : sb.end], sb.kv_cells).all()
             row_seq[sb.start : sb.end] = i
+        for g, group in enumerate(plan.groups):
+            token, k_pos, p = self.token[g], self.k_pos[g], group.pending
+            for src, dst in zip(p.copy_src.tolist(), p.copy_dst.tolist(), strict=True):
+                token[dst] = token[src]
+                k_pos[dst] = k_pos[src]
+            np.add.at(k_pos, p.shift_cells, p.shift_deltas)
+            token[group.cells] = plan.token_ids
+            k_pos[group.cells] = plan.positions
+            for sb, view in zip(plan.seqs, group.seqs, strict=True):
+                assert (np.diff(view.kv_pos) > 0).all(), "kv_pos sorted, one cell per position"
+                assert np.isin(group.cells[sb.start : sb.end], view.kv_cells).all()
+                assert view.lo.shape == view.hi.shape == (sb.end - sb.start,)
         out: list[int] = []
         for sample in plan.samples:
-            sb = plan.seqs[int(row_seq[sample.row])]
-            mask = sb.kv_pos <= plan.positions[sample.row]
-            cells = sb.kv_cells[mask]
-            assert (self.k_pos[cells] == sb.kv_pos[mask]).all(), "K rotated to its position"
-            assert (sb.kv_pos[mask] == np.arange(mask.sum())).all(), "dense positions from 0"
-            out.append(next_token(self.token[cells], sample))
+            i = int(row_seq[sample.row])
+            q = int(plan.positions[sample.row])
+            contexts = []
+            for g, group in enumerate(plan.groups):
+                view = group.seqs[i]
+                r = sample.row - plan.seqs[i].start
+                cells = view.kv_cells[view.lo[r] : view.hi[r]]
+                seen = view.kv_pos[view.lo[r] : view.hi[r]]
+                first = max(0, q - group.window + 1) if group.window else 0
+                assert (seen == np.arange(first, q + 1)).all(), "the row sees exactly its window"
+                assert (self.k_pos[g][cells] == seen).all(), "K rotated to its position"
+                contexts.append(self.token[g][cells])
+            out.append(next_token(contexts, sample))
         return StepOutput(token_ids=out)
 
 
@@ -113,12 +131,12 @@ class Outcome:
 def step(sched: Scheduler, worker: FakeWorker, outcome: Outcome) -> BatchPlan:
     """One checked step: the budget holds, the cells stay consistent."""
     plan = sched.schedule()
-    sched.cells.check()
+    sched.memory.check()
     assert plan.num_tokens <= sched.config.n_batch
     assert plan.num_tokens == 0 or plan.positions.max() < sched.config.n_ctx_seq
     out = worker.execute(plan) if plan.num_tokens else StepOutput(token_ids=[])
     outcome.add(sched.update(plan, out))
-    sched.cells.check()
+    sched.memory.check()
     outcome.num_steps += 1
     return plan
 
@@ -140,10 +158,13 @@ def make_scheduler(**kw: object) -> tuple[Scheduler, FakeWorker]:
     return Scheduler(config), FakeWorker(config.n_cells)
 
 
-def reference_output(req: Request, n_ctx_seq: int, choice: int = 0) -> tuple[list[int], int]:
+def reference_output(
+    req: Request, n_ctx_seq: int, choice: int = 0, windows: tuple[int, ...] = (0,)
+) -> tuple[list[int], int]:
     """What a correct engine generates for one choice of `req` with the fake model, computed
-    without any cache: (tokens streamed, number of context shifts). Needs a seeded or greedy
-    request and a prompt shorter than n_ctx_seq."""
+    without any cache: (tokens streamed, number of context shifts). `windows`: each layer
+    group's (0: full attention). Needs a seeded or greedy request and a prompt shorter than
+    n_ctx_seq."""
     assert req.sampling.temperature == 0 or req.sampling.seed is not None
     seed = (req.sampling.seed or 0) + choice
     ctx = list(req.prompt_ids)
@@ -160,7 +181,7 @@ def reference_output(req: Request, n_ctx_seq: int, choice: int = 0) -> tuple[lis
         early = len(out) < req.min_tokens and not req.ignore_eos
         suppress = tuple(sorted(req.stop_token_ids)) if early else ()
         row = SampleRow(0, req.sampling, seed, len(out), len(req.prompt_ids), None, suppress)
-        token = next_token(ctx, row)
+        token = next_token([ctx[-w:] if w else ctx for w in windows], row)
         if token in req.stop_token_ids and not req.ignore_eos:
             break
         out.append(token)

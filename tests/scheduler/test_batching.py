@@ -65,8 +65,8 @@ def test_n_choices_fork_with_seq_cp() -> None:
     plan = sched.schedule()
     sched.update(plan, worker.execute(plan))
     assert len(plan.samples) == 3 and len({s.row for s in plan.samples}) == 1
-    assert sched.cells.stats().shared == 30
-    assert sched.cells.used == 30
+    assert sched.memory.stats()[0].stats.shared == 30
+    assert sched.memory.num_used == 30
 
 
 def test_stop_token_and_min_tokens() -> None:
@@ -94,11 +94,11 @@ def test_abort_frees_every_cell_within_one_step() -> None:
     outcome = Outcome()
     for _ in range(3):
         step(sched, worker, outcome)
-    assert sched.cells.used > 0
+    assert sched.memory.num_used > 0
     sched.abort("a")
     sched.abort("b")
     step(sched, worker, outcome)
-    assert sched.cells.used == 0
+    assert sched.memory.num_used == 0
     assert sched.num_free_seq_ids == 8
     assert {k: e.reason for k, e in outcome.finish.items()} == {
         ("a", 0): "abort",

@@ -22,15 +22,15 @@ def test_generating_three_times_the_context_shifts_and_keeps_n_keep() -> None:
     while sched.has_work:
         step(sched, worker, outcome)
         if sched.running:
-            kv_cells, kv_pos = sched.cells.seq_cells(sched.running[0].seq_id)
+            kv_cells, kv_pos = sched.memory.pools[0].cells.seq_cells(sched.running[0].seq_id)
             assert kv_pos.max() < 64
-            assert worker.token[kv_cells[:8]].tolist() == req.prompt_ids[:8]
+            assert worker.token[0][kv_cells[:8]].tolist() == req.prompt_ids[:8]
     expected, num_shifts = reference_output(req, 64)
     assert outcome.tokens[("r", 0)] == expected
     assert outcome.finish[("r", 0)].reason == "length"
     assert num_shifts >= 6
     assert sched.counters.num_context_shifts == num_shifts
-    assert sched.cells.used == 0
+    assert sched.memory.num_used == 0
 
 
 def test_context_shift_off_finishes_with_length_at_the_limit() -> None:
@@ -75,6 +75,6 @@ def test_shift_of_a_sequence_sharing_cells_with_a_prefix_holder() -> None:
     assert sched.counters.num_context_shifts > 0
     # the holder's cells were not moved by b's shifts
     holder = sched.prefix.match(np.asarray(system)).seq_id
-    kv_cells, kv_pos = sched.cells.seq_cells(holder)
+    kv_cells, kv_pos = sched.memory.pools[0].cells.seq_cells(holder)
     assert kv_pos[:40].tolist() == list(range(40))
-    assert worker.token[kv_cells[:40]].tolist() == system
+    assert worker.token[0][kv_cells[:40]].tolist() == system

@@ -32,5 +32,5 @@ def test_preemption_without_prefix_cache_ends_with_an_empty_cache() -> None:
     sched, worker = make_scheduler(n_cells=80, n_ctx_seq=64, n_seq_max=16, prefix_cache=False)
     run(sched, worker, workload())
     assert sched.counters.num_preemptions > 0
-    assert sched.cells.used == 0
+    assert sched.memory.num_used == 0
     assert sched.num_free_seq_ids == 16

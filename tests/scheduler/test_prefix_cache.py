@@ -82,9 +82,9 @@ def test_holders_are_dropped_when_cells_run_out_and_cleared_to_zero() -> None:
     sched, worker = make_scheduler(n_cells=128, n_seq_max=8, n_ctx_seq=100)
     for i in range(6):
         run(sched, worker, [make_request(f"r{i}", prompt_len=40, max_tokens=5, seed=i)])
-        sched.cells.check()
+        sched.memory.check()
     assert sched.counters.num_preemptions == 0
     assert 0 < len(sched.prefix) < 6
     sched.clear_prefix_cache()
-    assert sched.cells.used == 0
+    assert sched.memory.num_used == 0
     assert sched.num_free_seq_ids == 8

@@ -128,9 +128,9 @@ def test_random_workloads_end_cleanly(cfg: dict[str, object], work: list[Arrival
     event(f"aborted: {any(e.reason == 'abort' for e in outcome.finish.values())}")
     holders = sched.prefix.seq_ids
     assert sched.num_free_seq_ids == config.n_seq_max - len(holders)
-    owned = sum(sched.cells.seq_num_cells(h) for h in holders)
-    assert sched.cells.used <= owned
+    owned = sum(sched.memory.seq_num_cells(h) for h in holders)
+    assert sched.memory.num_used <= owned
     sched.clear_prefix_cache()
-    assert sched.cells.used == 0
+    assert sched.memory.num_used == 0
     assert sched.num_free_seq_ids == config.n_seq_max
-    sched.cells.check()
+    sched.memory.check()
