@@ -150,11 +150,15 @@ class ISWAMemory(Memory):
         return True
 
     def can_shift(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
-        new_max = self.full.seq_pos_max(seq_id) - n_discard
+        # NOTE: seq_add prunes against the pre-shift max first, so what counts is what
+        # survives that: positions the shift brings back into the window are gone
+        top = self.full.seq_pos_max(seq_id)
+        new_max = top - n_discard
         for pool in self.swa:
+            held = pool.cells.seq_cells(seq_id)[1]
             need = np.arange(max(0, new_max + 2 - pool.window), new_max + 1)
             old = np.where(need < n_keep, need, need + n_discard)
-            if not np.isin(old, pool.cells.seq_cells(seq_id)[1]).all():
+            if not np.isin(old, held[held > top - pool.window]).all():
                 return False
         return True
 

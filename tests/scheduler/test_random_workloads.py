@@ -1,5 +1,7 @@
 """Property test: any mix of arrivals, lengths, n > 1, shared prefixes, context shifts, aborts
-and preemptions ends cleanly, and every completed output is the cacheless reference."""
+and preemptions ends cleanly, and every completed output is the cacheless reference, on the
+unified cache and, for a model with sliding-window layers, on both memory variants (the fake
+worker checks that every row sees exactly its window)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvcache.spec import Attention, MemorySpec
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -80,6 +83,27 @@ def workloads() -> st.SearchStrategy[list[Arrival]]:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), work=workloads())
 def test_random_workloads_end_cleanly(cfg: dict[str, object], work: list[Arrival]) -> None:
+    run_workload(cfg, work, windows=(0,))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cfg=configs(),
+    work=workloads(),
+    window=st.one_of(st.integers(1, 12), st.integers(13, 120)),
+    kind=st.sampled_from(["iswa", "unified"]),
+)
+def test_random_workloads_with_a_sliding_window(
+    cfg: dict[str, object], work: list[Arrival], window: int, kind: str
+) -> None:
+    """Layers 0 and 2 full attention, layer 1 a window: iSWA gives it its own small pool,
+    the unified cache only narrows what it reads."""
+    spec = MemorySpec.of([Attention(1, 4), Attention(1, 4, window), Attention(1, 4)])
+    run_workload({**cfg, "memory_spec": spec, "memory": kind}, work, windows=(0, window))
+    event(f"memory: {kind}")
+
+
+def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int, ...]) -> None:
     config = make_config(**cfg)
     sched = Scheduler(config)
     worker = FakeWorker(config.n_cells)
@@ -112,7 +136,7 @@ def test_random_workloads_end_cleanly(cfg: dict[str, object], work: list[Arrival
             assert finish.num_output_tokens in (len(tokens), len(tokens) + 1)
             if len(r.prompt_ids) >= config.n_ctx_seq:
                 continue  # truncated prompt: the reference reads the whole prompt
-            expected, _ = reference_output(r, config.n_ctx_seq, choice=i)
+            expected, _ = reference_output(r, config.n_ctx_seq, choice=i, windows=windows)
             if r.sampling.seed is None and r.sampling.temperature > 0:
                 continue
             if finish.reason == "abort":
