@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from sse_starlette.sse import EventSourceResponse
 
-from scheduler.stats import CellMapSnapshot, SlotInfo
+from scheduler.stats import CellMapSnapshot, PoolMap, SlotInfo
 from server.auth import check_api_key
 from server.deps import EngineDep
 
@@ -60,8 +60,24 @@ def _slot_row(slot: SlotInfo) -> dict[str, Any]:
     }
 
 
+def _pool_row(pool: PoolMap) -> dict[str, Any]:
+    owner_map = np.asarray(pool.owner_map, dtype=np.int32)
+    return {
+        "name": pool.name,
+        "window": int(pool.window),
+        "n_cells": int(pool.n_cells),
+        "head": int(pool.head),
+        "owner_runs": encode_runs(owner_map),
+        "used": int(np.count_nonzero(owner_map != FREE)),
+        "shared": int(np.count_nonzero(owner_map == SHARED)),
+        "free": int(np.count_nonzero(owner_map == FREE)),
+    }
+
+
 def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
-    """The JSON body of /v1/cache/cells: every number the page shows, from one snapshot."""
+    """The JSON body of /v1/cache/cells: every number the page shows, from one snapshot.
+    The top-level map and totals are the full-attention pool's; `pools` lists every pool
+    (with a sliding-window model's iSWA memory: "full", then "swa")."""
     owner_map = np.asarray(snap.owner_map, dtype=np.int32)
     stats = snap.stats
     holders = sorted(int(s) for s in snap.holder_seq_ids)
@@ -87,6 +103,7 @@ def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
         "num_waiting": int(stats.num_waiting),
         "num_running": int(stats.num_running),
         "num_steps": int(stats.num_steps),
+        "pools": [_pool_row(p) for p in snap.pools],
     }
 
 

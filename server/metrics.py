@@ -52,6 +52,7 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
+        yield from _pool_gauges(s)
         counters = {
             "cellserve_prefix_cache_queried_tokens": (
                 "Prompt tokens looked up in the prefix cache",
@@ -68,6 +69,26 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
+
+
+def _pool_gauges(s: EngineStats) -> Iterator[Metric]:
+    """Per pool of cells, labelled pool="full" | "swa": the unlabelled cellserve_kv_cells_*
+    gauges above are the full pool's (every pool of the unified cache; the one that grows
+    with context under iSWA), so existing dashboards keep their meaning."""
+    per_pool = {
+        "cellserve_kv_pool_cells_total": "Cells in each pool of the KV cache",
+        "cellserve_kv_pool_cells_used": "Cells owned by a sequence, per pool",
+        "cellserve_kv_pool_cells_shared": "Cells with more than one owner, per pool",
+        "cellserve_kv_pool_usage_ratio": "used / total, per pool",
+    }
+    families = {
+        name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in per_pool.items()
+    }
+    for p in s.pools:
+        values = (p.n_cells, p.used, p.shared, p.used / p.n_cells if p.n_cells else 0.0)
+        for family, value in zip(families.values(), values, strict=True):
+            family.add_metric([p.name], float(value))
+    yield from families.values()
 
 
 class Metrics:

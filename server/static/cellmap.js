@@ -1,5 +1,7 @@
 // The live map of the KV cells: one square per cell on a <canvas>, coloured by owner.
 // Payload: GET /v1/cache/cells (owner_runs = [value, run_length, ...]; -1 free, -2 shared).
+// The main canvas is the full-attention pool; each other pool of `pools` (a sliding-window
+// model's "swa" pool) gets its own labelled canvas below it, drawn the same way.
 
 const FREE = -1;
 const SHARED = -2;
@@ -88,30 +90,31 @@ function drawHead(ctx, grid, head) {
   ctx.strokeRect(x + lw / 2, y + lw / 2, box - lw, box - lw);
 }
 
-export function createCellMap(els) {
-  const ctx = els.canvas.getContext("2d");
+// One pool's grid on `canvas`: render({n_cells, head, owner_runs}, holders, slots).
+function createGrid(canvas, tip, maxHeight) {
+  const ctx = canvas.getContext("2d");
   const pattern = sharedPattern(ctx);
   let grid = null;
   let runs = [];
   let last = null;
 
   function resize(nCells) {
-    const width = els.canvas.parentElement.clientWidth;
-    const next = layout(nCells, width, Math.max(200, Math.min(520, window.innerHeight * 0.5)));
+    const width = canvas.parentElement.clientWidth;
+    const next = layout(nCells, width, maxHeight());
     const dpr = window.devicePixelRatio || 1;
-    els.canvas.style.width = `${next.cols * next.size}px`;
-    els.canvas.style.height = `${next.rows * next.size}px`;
-    els.canvas.width = Math.round(next.cols * next.size * dpr);
-    els.canvas.height = Math.round(next.rows * next.size * dpr);
+    canvas.style.width = `${next.cols * next.size}px`;
+    canvas.style.height = `${next.rows * next.size}px`;
+    canvas.width = Math.round(next.cols * next.size * dpr);
+    canvas.height = Math.round(next.rows * next.size * dpr);
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    Object.assign(els.canvas.dataset, { cellSize: next.size, cols: next.cols, rows: next.rows });
+    Object.assign(canvas.dataset, { cellSize: next.size, cols: next.cols, rows: next.rows });
     return next;
   }
 
-  function draw(snapshot) {
-    grid = resize(snapshot.n_cells);
-    runs = decodeRuns(snapshot.owner_runs);
-    const holders = new Set(snapshot.holder_seq_ids);
+  function draw() {
+    const { pool, holders } = last;
+    grid = resize(pool.n_cells);
+    runs = decodeRuns(pool.owner_runs);
     ctx.fillStyle = "#eef1f5";
     ctx.fillRect(0, 0, grid.cols * grid.size, grid.rows * grid.size);
     const drawn = new Set();
@@ -125,8 +128,8 @@ export function createCellMap(els) {
       start += run.length;
     }
     drawGridLines(ctx, grid, "#ffffff");
-    drawHead(ctx, grid, snapshot.head);
-    els.canvas.dataset.drawnSeqs = [...drawn].sort((a, b) => a - b).join(",");
+    drawHead(ctx, grid, pool.head);
+    canvas.dataset.drawnSeqs = [...drawn].sort((a, b) => a - b).join(",");
   }
 
   function ownerAt(cell) {
@@ -140,38 +143,110 @@ export function createCellMap(els) {
 
   function describeCell(cell) {
     const owner = ownerAt(cell);
-    if (owner === FREE) return `cell ${cell}: free`;
-    if (owner === SHARED) return `cell ${cell}: shared by 2+ sequences`;
+    const where = last.pool.name ? `${last.pool.name} cell ${cell}` : `cell ${cell}`;
+    if (owner === FREE) return `${where}: free`;
+    if (owner === SHARED) return `${where}: shared by 2+ sequences`;
     const slot = last.slots.find((s) => s.seq_id === owner);
-    if (slot) return `cell ${cell}: seq ${owner} (${slot.req_id})`;
-    if (last.holder_seq_ids.includes(owner)) return `cell ${cell}: prefix cache (seq ${owner})`;
-    return `cell ${cell}: seq ${owner}`;
+    if (slot) return `${where}: seq ${owner} (${slot.req_id})`;
+    if (last.holders.has(owner)) return `${where}: prefix cache (seq ${owner})`;
+    return `${where}: seq ${owner}`;
   }
 
   function showTip(event) {
     if (!grid || !last) return;
-    const rect = els.canvas.getBoundingClientRect();
+    const rect = canvas.getBoundingClientRect();
     const col = Math.floor((event.clientX - rect.left) / grid.size);
     const row = Math.floor((event.clientY - rect.top) / grid.size);
     const cell = row * grid.cols + col;
-    if (col >= grid.cols || cell >= last.n_cells) {
-      els.tip.hidden = true;
+    if (col >= grid.cols || cell >= last.pool.n_cells) {
+      tip.hidden = true;
       return;
     }
-    els.tip.textContent = describeCell(cell);
-    els.tip.style.left = `${event.clientX - rect.left + 12}px`;
-    els.tip.style.top = `${event.clientY - rect.top + 12}px`;
-    els.tip.hidden = false;
+    tip.textContent = describeCell(cell);
+    tip.style.left = `${event.clientX - rect.left + 12}px`;
+    tip.style.top = `${event.clientY - rect.top + 12}px`;
+    tip.hidden = false;
   }
 
-  els.canvas.addEventListener("mousemove", showTip);
-  els.canvas.addEventListener("mouseleave", () => { els.tip.hidden = true; });
-  window.addEventListener("resize", () => { if (last) draw(last); });
+  canvas.addEventListener("mousemove", showTip);
+  canvas.addEventListener("mouseleave", () => { tip.hidden = true; });
+
+  return {
+    render(pool, holders, slots) {
+      last = { pool, holders, slots };
+      draw();
+    },
+    redraw() { if (last) draw(); },
+  };
+}
+
+function poolLabel(pool) {
+  const window = pool.window ? ` · window ${pool.window}` : "";
+  return `${pool.name} pool${window} · ${pool.used} / ${pool.n_cells} cells used`;
+}
+
+// A labelled canvas (and its tooltip) for one more pool, after `after`.
+function addPoolView(after, name) {
+  const wrap = document.createElement("div");
+  wrap.className = "canvas-wrap pool-wrap";
+  wrap.dataset.pool = name;
+  const label = document.createElement("div");
+  label.className = "pool-label muted";
+  label.style.margin = "8px 0 2px";
+  const canvas = document.createElement("canvas");
+  canvas.setAttribute("aria-label", `one square per cell of the ${name} pool`);
+  const tip = document.createElement("div");
+  tip.className = "cell-tip";
+  tip.hidden = true;
+  wrap.append(label, canvas, tip);
+  after.after(wrap);
+  return { wrap, label, grid: createGrid(canvas, tip, () => 160) };
+}
+
+export function createCellMap(els) {
+  const mainHeight = () => Math.max(200, Math.min(520, window.innerHeight * 0.5));
+  const main = createGrid(els.canvas, els.tip, mainHeight);
+  const mainLabel = document.createElement("div");
+  mainLabel.className = "pool-label muted";
+  mainLabel.style.margin = "2px 0";
+  mainLabel.hidden = true;
+  els.canvas.parentElement.before(mainLabel);
+  let extra = [];
+
+  function renderPools(snapshot, holders) {
+    const pools = snapshot.pools || [];
+    const others = pools.slice(1);
+    if (extra.length !== others.length || extra.some((v, i) => v.wrap.dataset.pool !== others[i].name)) {
+      extra.forEach((v) => v.wrap.remove());
+      extra = [];
+      let after = els.canvas.parentElement;
+      for (const pool of others) {
+        const view = addPoolView(after, pool.name);
+        extra.push(view);
+        after = view.wrap;
+      }
+    }
+    mainLabel.hidden = others.length === 0;
+    if (pools.length) mainLabel.textContent = poolLabel(pools[0]);
+    others.forEach((pool, i) => {
+      extra[i].label.textContent = poolLabel(pool);
+      extra[i].grid.render(pool, holders, snapshot.slots);
+    });
+  }
+
+  let last = null;
+  window.addEventListener("resize", () => {
+    if (!last) return;
+    main.redraw();
+    extra.forEach((v) => v.grid.redraw());
+  });
 
   return {
     render(snapshot) {
       last = snapshot;
-      draw(snapshot);
+      const holders = new Set(snapshot.holder_seq_ids);
+      main.render({ name: "", ...snapshot }, holders, snapshot.slots);
+      renderPools(snapshot, holders);
     },
   };
 }
