@@ -126,7 +126,10 @@ class KVStorage:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         rope: RopeConfig | None = None,
+        layer_ropes: list[RopeConfig] | None = None,
     ) -> None:
+        """`layer_ropes`: each layer's RoPE when they differ (Gemma 3's local and global bases);
+        the K-shift rotates each layer by its own."""
         shape = (n_layers, n_kv_heads, n_cells, head_dim)
         self.n_layers = n_layers
         self.n_cells = n_cells
@@ -135,6 +138,7 @@ class KVStorage:
         self.dtype = dtype
         self.device = torch.device(device)
         self.rope = rope if rope is not None else RopeConfig(theta=10000.0, dim=head_dim)
+        self.layer_ropes = layer_ropes or [self.rope] * n_layers
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -201,10 +205,13 @@ class KVStorage:
             return
         cells = torch.as_tensor(pending.shift_cells, dtype=torch.int64, device=self.device)
         deltas = torch.as_tensor(pending.shift_deltas, dtype=torch.int64, device=self.device)
-        cos, sin = self.rope.cos_sin(deltas)
-        for layer in range(self.n_layers):
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, rope in enumerate(self.layer_ropes):
+            if id(rope) not in tables:
+                tables[id(rope)] = rope.cos_sin(deltas)
+            cos, sin = tables[id(rope)]
             k = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, hd]
-            rotated = apply_rope(k, cos, sin, self.rope.layout)
+            rotated = apply_rope(k, cos, sin, rope.layout)
             self.k[layer].index_copy_(1, cells, rotated.transpose(0, 1))
 
     def clear(self) -> None:

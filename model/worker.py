@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvcache.storage import KVStorage, rope_tables
+from kvcache.storage import KVStorage, RopeConfig, rope_tables
+from model.arch import ModelArgs
+from model.batch import AttnGroups, DecodeGroup, ForwardBatch, PromptGroup
 from model.kernels import load_kernels
-from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
+from model.llama import Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
 from scheduler.plan import BatchPlan, SeqBatch, StepOutput
@@ -87,6 +89,9 @@ class ModelWorker:
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
+        self.rope_swa = model.args.rope_swa
+        self._inv_freq_swa = None if self.rope_swa is None else self.rope_swa.inv_freq()
+        self.windows = sorted({w for w in model.args.windows if w > 0})
 
     @property
     def kv_bytes_per_cell(self) -> int:
@@ -114,45 +119,70 @@ class ModelWorker:
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device
         positions = torch.from_numpy(np.ascontiguousarray(plan.positions, dtype=np.int64))
-        cos, sin = self.rope.cos_sin(positions, self._inv_freq.cpu())
-        rope_c, rope_s = rope_tables(
-            cos, sin, self.model.args.head_dim, self.rope.layout, self.model.dtype
-        )
-        read_index = self.storage.read_index
-        one_each = self.batch_invariant  # every sequence attends on its own
-        decode = [] if one_each else [s for s in plan.seqs if s.end - s.start == 1]
-        order = self.prompt_kernel is not None
-        prompts = [
-            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order)
-            for s in plan.seqs
-            if one_each or s.end - s.start != 1
-        ]
-        n = len(plan.token_ids)
+        rope_c, rope_s = self._rope_tables(positions, self.rope, self._inv_freq.cpu())
+        full = self._groups(plan, plan.seqs, window=0)
         batch = ForwardBatch(
             tokens=_tensor(plan.token_ids, dev),
             cells=_tensor(plan.cells, dev),
-            rope_c=rope_c.to(dev),
-            rope_s=rope_s.to(dev),
-            decodes=self._decode_groups(decode, plan.positions, n),
-            prompts=prompts,
+            rope_c=rope_c,
+            rope_s=rope_s,
+            decodes=full.decodes,
+            prompts=full.prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
             decode_kernel=self.decode_kernel,
             prompt_kernel=self.prompt_kernel,
             fused=self.fused,
         )
+        if self.rope_swa is not None and self._inv_freq_swa is not None:
+            batch.rope_swa = self._rope_tables(positions, self.rope_swa, self._inv_freq_swa)
+        for w in self.windows:
+            seqs = [_in_window(s, plan.positions, w) for s in plan.seqs]
+            batch.windowed[w] = self._groups(plan, seqs, window=w)
         if self.batch_invariant:
-            return _pad_rows(batch, self.scratch_cell, read_index)
+            return _pad_rows(batch, self.scratch_cell, self.storage.read_index)
         return batch
 
+    def _rope_tables(
+        self, positions: torch.Tensor, rope: RopeConfig, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope.cos_sin(positions, inv_freq)
+        c, s = rope_tables(cos, sin, self.model.args.head_dim, rope.layout, self.model.dtype)
+        return c.to(self.device), s.to(self.device)
+
+    def _groups(self, plan: BatchPlan, seqs: list[SeqBatch], window: int) -> AttnGroups:
+        """The attention groups of the layers with `window` (0: full attention).
+
+        NOTE: the C++ prompt kernel reads a prefix of the position-ordered cells per row; a
+        window's visible cells are a range, so windowed prompt chunks take the masked torch path.
+        Windowed decode rows see exactly their in-window cells (_in_window), a prefix again.
+        """
+        read_index, dev = self.storage.read_index, self.device
+        one_each = self.batch_invariant  # every sequence attends on its own
+        decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
+        order = self.prompt_kernel is not None and window == 0
+        prompts = [
+            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order, window)
+            for s in seqs
+            if one_each or s.end - s.start != 1
+        ]
+        n = len(plan.token_ids)
+        return AttnGroups(self._decode_groups(decode, plan.positions, n, window), prompts)
+
     def _decode_groups(
-        self, decode: list[SeqBatch], positions: np.ndarray, n_rows: int
+        self, decode: list[SeqBatch], positions: np.ndarray, n_rows: int, window: int = 0
     ) -> list[DecodeGroup]:
         """One group for the C++ kernel when every sequence attends a prefix of its cells (it
         reads each one's own length), else groups that bound the padding."""
 
         def group(seqs: list[SeqBatch]) -> DecodeGroup:
             return _decode_group(
-                seqs, positions, n_rows, self.model.dtype, self.storage.read_index, self.device
+                seqs,
+                positions,
+                n_rows,
+                self.model.dtype,
+                self.storage.read_index,
+                self.device,
+                window,
             )
 
         if self.decode_kernel is not None and decode:
@@ -178,6 +208,8 @@ def _pad_rows(batch: ForwardBatch, scratch_cell: int, read_index: ReadIndex) -> 
         mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
         scratch = read_index(np.array([scratch_cell], dtype=np.int64))
         batch.prompts.append(PromptGroup(n, n + pad, scratch, mask))
+        for g in batch.windowed.values():
+            g.prompts.append(PromptGroup(n, n + pad, scratch, mask))
     n_out = batch.logit_rows.shape[0]
     if 0 < n_out < MIN_ROWS:
         extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
@@ -206,6 +238,22 @@ def _by_kv_length(seqs: list[SeqBatch], max_waste: float = 0.5) -> list[list[Seq
     return groups
 
 
+def _in_window(s: SeqBatch, positions: np.ndarray, window: int) -> SeqBatch:
+    """s with only the cells some row of it can see through `window` (position > first - W)."""
+    keep = s.kv_pos > positions[s.start] - window
+    if keep.all():
+        return s
+    return SeqBatch(s.seq_id, s.start, s.end, s.kv_cells[keep], s.kv_pos[keep])
+
+
+def _visible(kv_pos: np.ndarray, q_pos: np.ndarray, window: int) -> np.ndarray:
+    """[len(q_pos), len(kv_pos)] bool: kvcache.spec.Attention.visible, vectorised."""
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= kv_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 def _decode_group(
     seqs: list[SeqBatch],
     positions: np.ndarray,
@@ -213,6 +261,7 @@ def _decode_group(
     dtype: torch.dtype,
     read_index: ReadIndex,
     dev: torch.device,
+    window: int = 0,
 ) -> DecodeGroup:
     n_seq = len(seqs)
     max_kv = max(len(s.kv_cells) for s in seqs)
@@ -221,7 +270,7 @@ def _decode_group(
     for i, s in enumerate(seqs):
         n = len(s.kv_cells)
         kv_cells[i, :n] = s.kv_cells
-        mask[i, :n] = s.kv_pos <= positions[s.start]
+        mask[i, :n] = _visible(np.asarray(s.kv_pos), positions[s.start : s.start + 1], window)[0]
     starts = [s.start for s in seqs]
     every_row = n_seq == n_rows and starts == list(range(n_rows))
     lens = np.array([len(s.kv_cells) for s in seqs], dtype=np.int64)
@@ -242,11 +291,17 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torc
 
 
 def _prompt_group(
-    s: SeqBatch, q_pos: np.ndarray, read_index: ReadIndex, dev: torch.device, order: bool = False
+    s: SeqBatch,
+    q_pos: np.ndarray,
+    read_index: ReadIndex,
+    dev: torch.device,
+    order: bool = False,
+    window: int = 0,
 ) -> PromptGroup:
-    """`order`: also the cells in position order and each row's visible count (prompt kernel)."""
+    """`order`: also the cells in position order and each row's visible count (prompt kernel;
+    full attention only)."""
     kv_pos, q_pos = np.asarray(s.kv_pos), np.asarray(q_pos)
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [L, n_kv]
+    mask = _visible(kv_pos, q_pos, window)  # [L, n_kv]
     kv_index = read_index(np.asarray(s.kv_cells))
     group = PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
     if order:
@@ -280,6 +335,7 @@ def make_worker(
         dtype=model.dtype if dtype is None else resolve_dtype(dtype),
         device=model.device,
         rope=args.rope,
+        layer_ropes=args.layer_ropes,
     )
     kernels = load_kernels() if model.device.type == "cpu" else None
     return ModelWorker(model, storage, batch_invariant, threads, kernels)
