@@ -90,7 +90,7 @@ def load_model(
         fields = {
             k: gguf_loader.field_value(reader, k) for k in reader.fields if k.startswith("tok")
         }
-        tokenizer = Tokenizer.from_gguf(fields, path)
+        tokenizer = Tokenizer.from_gguf(fields, path, args.arch)
         template_source = fields.get("tokenizer.chat_template")
         name = path.stem
     else:
