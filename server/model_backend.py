@@ -36,7 +36,9 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     device = resolve_device(settings.device)
     dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
-    loaded = load_model(path, dtype=dtype, device=device)
+    loaded = load_model(path, dtype=dtype, device=device, chat_template=settings.chat_template)
+    if loaded.chat_template is None:
+        log.warning("the model has no chat template: /v1/chat/completions answers 400")
     if settings.quant != "none":
         quantize(loaded.transformer, settings.quant)
         log.warning(
