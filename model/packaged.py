@@ -97,3 +97,7 @@ def _sha256(path: Path) -> str:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+if __name__ == "__main__":  # `python -m model.packaged`: the joined file's path, for --model
+    print(gemma3_270m_path())
