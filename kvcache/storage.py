@@ -126,7 +126,10 @@ class KVStorage:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         rope: RopeConfig | None = None,
+        layer_ropes: list[RopeConfig] | None = None,
     ) -> None:
+        """`layer_ropes`: each layer's RoPE when they differ (Gemma 3's local and global bases);
+        the K-shift rotates each layer by its own."""
         shape = (n_layers, n_kv_heads, n_cells, head_dim)
         self.n_layers = n_layers
         self.n_cells = n_cells
@@ -135,6 +138,7 @@ class KVStorage:
         self.dtype = dtype
         self.device = torch.device(device)
         self.rope = rope if rope is not None else RopeConfig(theta=10000.0, dim=head_dim)
+        self.layer_ropes = layer_ropes or [self.rope] * n_layers
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -201,12 +205,53 @@ class KVStorage:
             return
         cells = torch.as_tensor(pending.shift_cells, dtype=torch.int64, device=self.device)
         deltas = torch.as_tensor(pending.shift_deltas, dtype=torch.int64, device=self.device)
-        cos, sin = self.rope.cos_sin(deltas)
-        for layer in range(self.n_layers):
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, rope in enumerate(self.layer_ropes):
+            if id(rope) not in tables:
+                tables[id(rope)] = rope.cos_sin(deltas)
+            cos, sin = tables[id(rope)]
             k = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, hd]
-            rotated = apply_rope(k, cos, sin, self.rope.layout)
+            rotated = apply_rope(k, cos, sin, rope.layout)
             self.k[layer].index_copy_(1, cells, rotated.transpose(0, 1))
 
     def clear(self) -> None:
         self.k.zero_()
         self.v.zero_()
+
+
+class GroupedKVStorage:
+    """The K/V of a model whose layer groups (kvcache.spec.MemorySpec.groups) each have their
+    own pool of cells: one KVStorage per group, sized by its pool and K-shifted with its
+    group's RoPE. Reads and writes take the model's layer index, so attention code written
+    for one KVStorage works unchanged; `k[layer]` / `v[layer]` are that layer's
+    [n_kv_heads, n_cells of its group, head_dim] tensors."""
+
+    def __init__(self, groups: list[KVStorage], layers: list[tuple[int, ...]]) -> None:
+        assert len(groups) == len(layers) and groups
+        self.groups = groups
+        self._where = {layer: (g, i) for g, ls in enumerate(layers) for i, layer in enumerate(ls)}
+        order = sorted(self._where)
+        assert order == list(range(len(order))), "every layer in exactly one group"
+        self.dtype = groups[0].dtype
+        self.device = groups[0].device
+        self.k = [groups[g].k[i] for g, i in (self._where[layer] for layer in order)]
+        self.v = [groups[g].v[i] for g, i in (self._where[layer] for layer in order)]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.bytes_per_cell * s.n_cells for s in self.groups)
+
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        g, i = self._where[layer]
+        self.groups[g].write(i, cells, k, v)
+
+    def gather_heads(
+        self, layer: int, index: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """index: the layer's group's read_index (cell numbers are per pool)."""
+        g, i = self._where[layer]
+        return self.groups[g].gather_heads(i, index)
+
+    def clear(self) -> None:
+        for s in self.groups:
+            s.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -34,10 +35,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def read_template(value: str) -> str:
+    """--chat-template: a path to a Jinja file, or the template itself (it has {{ or {%)."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(
+            f"--chat-template {value!r} is neither a file nor a Jinja template "
+            "(a template contains {{ ... }} or {% ... %})."
+        )
+    return path.read_text()
+
+
 class ChatTemplate:
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
-        self.source = source or CHATML_TEMPLATE
-        self.is_fallback = source is None
+    """A model's chat template; models without one get no ChatTemplate at all (the server
+    then answers /v1/chat/completions with 400 and points at --chat-template)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         env = ImmutableSandboxedEnvironment(

@@ -10,10 +10,17 @@ import numpy as np
 import torch
 
 from kvcache.storage import RopeConfig
+from model.arch import (
+    ARCH_BLOCKS,
+    GEMMA3_LOCAL_ROPE_BASE,
+    ModelArgs,
+    gemma3_windows,
+    layer_weights,
+    weight_shapes,
+)
 from model.errors import ModelLoadError
-from model.llama import ModelArgs, weight_shapes
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -25,8 +32,14 @@ _LAYER_TENSORS = {
     "w1": "ffn_gate.weight",
     "w3": "ffn_up.weight",
     "w2": "ffn_down.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight",
+    "post_ffn_norm": "post_ffw_norm.weight",
 }
-_BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -67,7 +80,7 @@ def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         ff = _dequantize(_tensor_info(reader, "rope_freqs.weight", path))
         freq_factors = tuple(float(f) for f in ff.reshape(-1))
-    return ModelArgs(
+    args = ModelArgs(
         arch=str(arch),
         vocab_size=vocab_size,
         dim=dim,
@@ -85,7 +98,27 @@ def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
         ),
         n_ctx_train=int(get("context_length", 2048)),
         qkv_bias=arch == "qwen2",
+        block=ARCH_BLOCKS[arch],
     )
+    if arch == "gemma3":
+        _gemma3_layers(args, get, path)
+    return args
+
+
+def _gemma3_layers(args: ModelArgs, get: Any, path: Path) -> None:
+    """Sliding windows, local RoPE and attention scale the way llama.cpp's gemma3 reads them
+    (the GGUF stores only the window; transformers' Gemma3TextConfig defaults agree)."""
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ModelLoadError(
+            f"{path}: gemma3 RoPE scaling {scaling!r} (the 4B and larger models) is not supported."
+        )
+    args.windows = gemma3_windows(args.n_layers, int(get("attention.sliding_window")))
+    args.rope_swa = RopeConfig(GEMMA3_LOCAL_ROPE_BASE, args.rope.dim, "neox")
+    # NOTE: query_pre_attn_scalar is not in the file: head_dim, except for the 27B model
+    # (62 layers) where it is dim / n_heads (llama.cpp's f_attention_scale for gemma3).
+    scalar = args.dim // args.n_heads if args.n_layers == 62 else args.head_dim
+    args.attn_scale = scalar**-0.5
 
 
 def _tensor_info(reader: gguf.GGUFReader, name: str, path: Path) -> Any:
@@ -113,11 +146,8 @@ def read_weights(
     if "output.weight" in present:
         names["output"] = "output.weight"
     for i in range(args.n_layers):
-        for ours, theirs in _LAYER_TENSORS.items():
-            names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
-        if args.qkv_bias:
-            for ours, theirs in _BIAS_TENSORS.items():
-                names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+        for ours in layer_weights(args):
+            names[f"layers.{i}.{ours}"] = f"blk.{i}.{_LAYER_TENSORS[ours]}"
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():
@@ -137,6 +167,8 @@ def read_weights(
             )
         if args.arch == "llama" and kind in ("wq", "wk"):
             w = _unpermute(w, args.n_heads if kind == "wq" else args.n_kv_heads)
+        if kind.endswith("norm") and args.block.norm_shift:
+            w = w - args.block.norm_shift  # llama.cpp's converter stores Gemma's 1 + w
         weights[ours] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])  # tied embeddings
     return weights

@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 from kvcache.storage import RopeConfig
+from model.arch import ARCH_BLOCKS, ModelArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
-from model.llama import ModelArgs, weight_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -30,6 +30,15 @@ _BIAS_TENSORS = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
+}
+# NOTE: in Gemma, post_attention_layernorm normalizes the attention OUTPUT (Llama's name for
+# the pre-MLP norm); the pre-MLP norm is pre_feedforward_layernorm.
+_GEMMA_TENSORS = _LAYER_TENSORS | {
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
 
 
@@ -52,6 +61,11 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
     model_type = config.get("model_type")
+    if model_type == "gemma3":
+        raise ModelLoadError(
+            f"{folder}: a multimodal gemma3 checkpoint is not supported (a text-only "
+            "gemma3_text one is)."
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{folder}: model_type {model_type!r} is not supported (supported: "
@@ -59,7 +73,12 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         )
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
-    if uses_window and window is not None and window < config.get("max_position_embeddings", 0):
+    if (
+        model_type != "gemma3_text"
+        and uses_window
+        and window is not None
+        and window < config.get("max_position_embeddings", 0)
+    ):
         raise ModelLoadError(f"{folder}: sliding-window attention ({window}) is not supported.")
     try:
         dim = int(config["hidden_size"])
@@ -69,7 +88,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         theta = float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         rope_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
         scaling = config.get("rope_scaling") or rope_params
-        return ModelArgs(
+        args = ModelArgs(
             arch=str(model_type),
             vocab_size=int(config["vocab_size"]),
             dim=dim,
@@ -82,9 +101,40 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             rope=RopeConfig(theta, rope_dim, "neox", _freq_factors(scaling, theta, rope_dim)),
             n_ctx_train=int(config.get("max_position_embeddings", 2048)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            block=ARCH_BLOCKS[str(model_type).removesuffix("_text")],
         )
+        if model_type == "gemma3_text":
+            _gemma3_layers(args, config)
+        return args
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{folder}/config.json: bad or missing field ({e}).") from e
+
+
+def _gemma3_layers(args: ModelArgs, config: dict[str, Any]) -> None:
+    """Windows from layer_types (or the older sliding_window_pattern), per-layer-type RoPE from
+    rope_parameters (or rope_theta / rope_local_base_freq), query_pre_attn_scalar."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise ValueError(f"{key} is not supported")
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {config['hidden_activation']!r} is not supported")
+    window = int(config["sliding_window"])
+    types = config.get("layer_types")
+    if types is None:
+        period = int(config.get("sliding_window_pattern", 6))
+        types = ["full" if (i + 1) % period == 0 else "sliding" for i in range(args.n_layers)]
+    args.windows = tuple(window if str(t).startswith("sliding") else 0 for t in types)
+    params = config.get("rope_parameters") or {}
+    full = params.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6)}
+    local = params.get("sliding_attention") or {
+        "rope_theta": config.get("rope_local_base_freq", 10000.0)
+    }
+    for p in (full, local, config.get("rope_scaling") or {}):
+        if p.get("rope_type", p.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {p.get('rope_type', p.get('type'))!r} is not supported")
+    args.rope = RopeConfig(float(full["rope_theta"]), args.head_dim, "neox")
+    args.rope_swa = RopeConfig(float(local["rope_theta"]), args.head_dim, "neox")
+    args.attn_scale = float(config.get("query_pre_attn_scalar", args.head_dim)) ** -0.5
 
 
 def _freq_factors(scaling: dict[str, Any], theta: float, dim: int) -> tuple[float, ...] | None:
@@ -128,12 +178,13 @@ def read_weights(
         except Exception as e:  # safetensors raises its own SafetensorError on bad files
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    if "lm_head.weight" in raw or not config.get("tie_word_embeddings", False):
+    tied = config.get("tie_word_embeddings", args.arch == "gemma3_text")
+    if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
+    table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
     for i in range(args.n_layers):
-        table = _LAYER_TENSORS | (_BIAS_TENSORS if args.qkv_bias else {})
-        for ours, theirs in table.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+        for ours in layer_weights(args):
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from model import gguf_loader, hf_loader
-from model.chat_template import ChatTemplate
+from model.chat_template import ChatTemplate, read_template
 from model.dtypes import resolve_dtype
 from model.errors import ModelLoadError
 from model.llama import ModelArgs, Transformer
@@ -27,7 +27,7 @@ class LoadedModel:
     config: ModelArgs
     transformer: Transformer
     tokenizer: Tokenizer
-    chat_template: ChatTemplate
+    chat_template: ChatTemplate | None  # None: the model has none (and none was given)
 
     def make_worker(
         self, n_cells: int, dtype: str | None = None, device: str | None = None
@@ -49,9 +49,13 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    chat_template: str | None = None,
 ) -> LoadedModel:
-    """Raises ModelLoadError (one sentence naming the file) for anything it cannot serve."""
+    """Raises ModelLoadError (one sentence naming the file) for anything it cannot serve.
+    `chat_template` (a Jinja file or string) replaces the model's own."""
     path = Path(path)
     torch_dtype = resolve_dtype(dtype)
     if path.is_dir():
@@ -77,7 +81,7 @@ def load_model(
         fields = {
             k: gguf_loader.field_value(reader, k) for k in reader.fields if k.startswith("tok")
         }
-        tokenizer = Tokenizer.from_gguf(fields, path)
+        tokenizer = Tokenizer.from_gguf(fields, path, args.arch)
         template_source = fields.get("tokenizer.chat_template")
         name = path.stem
     else:
@@ -93,5 +97,7 @@ def load_model(
         raise ModelLoadError(f"{path}: cannot place the model on {device} ({e}).") from e
     bos = tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    template = ChatTemplate(template_source, bos, eos)
+    if chat_template is not None:
+        template_source = read_template(chat_template)
+    template = None if not template_source else ChatTemplate(template_source, bos, eos)
     return LoadedModel(path, name, args, transformer, tokenizer, template)

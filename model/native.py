@@ -39,6 +39,7 @@ class NativeDecoder:
             kernels is None
             or model.dtype != torch.bfloat16
             or storage.dtype != torch.bfloat16
+            or not args.plain_llama  # the C++ step implements the Llama block only
             or args.rope.layout != "neox"
             or args.rope.dim != args.head_dim
         ):

@@ -114,6 +114,72 @@ def write_tiny_llama(
     return folder
 
 
+def write_tiny_gemma3(
+    folder: str | Path,
+    layer_types: tuple[str, ...] = ("sliding", "sliding", "sliding", "full"),
+    window: int = 8,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_dim: int = 128,
+    seed: int = 0,
+) -> Path:
+    """A random text-only Gemma 3 (gemma3_text) HF folder with write_tiny_llama's tokenizer:
+    sliding layers of `window`, (1 + w) norms stored as w, q/k norms, query_pre_attn_scalar
+    different from head_dim."""
+    folder = write_tiny_llama(folder, n_layers=len(layer_types), seed=seed)
+    config = json.loads((folder / "config.json").read_text())
+    vocab = config["vocab_size"]
+    config.update(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=dim,
+        intermediate_size=hidden_dim,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        layer_types=[f"{t}_attention" for t in layer_types],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+    config.pop("rope_theta")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, dim, scale=1.0)}
+    tensors["model.norm.weight"] = rand(dim, scale=0.1)
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    for i in range(len(layer_types)):
+        p = f"model.layers.{i}."
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            tensors[f"{p}{norm}_layernorm.weight"] = rand(dim, scale=0.1)
+        tensors |= {
+            p + "self_attn.q_norm.weight": rand(head_dim, scale=0.1),
+            p + "self_attn.k_norm.weight": rand(head_dim, scale=0.1),
+            p + "self_attn.q_proj.weight": rand(q_dim, dim),
+            p + "self_attn.k_proj.weight": rand(kv_dim, dim),
+            p + "self_attn.v_proj.weight": rand(kv_dim, dim),
+            p + "self_attn.o_proj.weight": rand(dim, q_dim),
+            p + "mlp.gate_proj.weight": rand(hidden_dim, dim),
+            p + "mlp.up_proj.weight": rand(hidden_dim, dim),
+            p + "mlp.down_proj.weight": rand(dim, hidden_dim),
+        }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
 def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's LlamaModel.permute (HF rotate-half -> interleaved)."""
     return (

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
@@ -82,12 +82,15 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode()
 
     @staticmethod
-    def from_gguf(fields: dict[str, Any], path: Path) -> Tokenizer:
+    def from_gguf(fields: dict[str, Any], path: Path, arch: str = "") -> Tokenizer:
+        """`fields`: the GGUF's tokenizer.* metadata; `arch`: general.architecture (Gemma's
+        SentencePiece vocab needs its own reading, as in transformers' GGUF converter)."""
         kind = fields.get("tokenizer.ggml.model")
         tokens: list[str] = fields.get("tokenizer.ggml.tokens") or []
         if not tokens:
             raise ModelLoadError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.tokens).")
         types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        raw = tokens
         vocab = {t: i for i, t in enumerate(tokens)}
         if kind == "gpt2":
             merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
@@ -104,6 +107,17 @@ class Tokenizer:
                 tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
             tok.decoder = decoders.ByteLevel()
             byte_level_vocab = True
+        elif kind == "llama" and arch.startswith("gemma"):
+            # NOTE: Gemma stores runs of spaces as real spaces (the text side spells them "▁"),
+            # and its merge order is the vocab order, not the scores; no prefix space.
+            tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+            vocab = {t: i for i, t in enumerate(tokens)}
+            tok = HFTokenizer(_spm_bpe(tokens, [-float(i) for i in range(len(tokens))], types))
+            tok.normalizer = normalizers.Replace(" ", "\u2581")
+            tok.decoder = decoders.Sequence(
+                [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            )
+            byte_level_vocab = False
         elif kind == "llama":
             scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
             tok = HFTokenizer(_spm_bpe(tokens, scores, types))
@@ -124,9 +138,9 @@ class Tokenizer:
         special_ids = {i for i, t in enumerate(types) if t == _TOKEN_CONTROL}
         tok.add_tokens(
             [
-                AddedToken(tokens[i], special=types[i] == _TOKEN_CONTROL, normalized=False)
+                AddedToken(raw[i], special=t == _TOKEN_CONTROL, normalized=False)
                 for i, t in enumerate(types)
-                if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+                if t == _TOKEN_CONTROL or (t == _TOKEN_USER_DEFINED and raw[i] in vocab)
             ]
         )
         bos = fields.get("tokenizer.ggml.bos_token_id")

@@ -9,43 +9,36 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvcache.cells import PendingOps
-from kvcache.storage import KVStorage, rope_tables
+from kvcache.storage import GroupedKVStorage, KVStorage, RopeConfig, rope_tables
+from model.arch import ModelArgs
+from model.batch import AttnGroups, DecodeGroup, ForwardBatch, PromptGroup
 from model.dtypes import resolve_dtype
 from model.kernels import load_kernels
-from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
+from model.llama import Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
-from scheduler.plan import BatchPlan, StepOutput
+from scheduler.plan import BatchPlan, GroupBatch, StepOutput
 
 ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index
 
 
 class SeqBatch(NamedTuple):
-    """A sequence's rows [start, end) and the cells they read (the plan's first group)."""
+    """A sequence's rows [start, end) and, in one layer group's pool, the cells its rows can
+    see (sorted by position, from the first row's window on)."""
 
     seq_id: int
     start: int
     end: int
-    kv_cells: np.ndarray  # [n_kv] int64, sorted by position
+    kv_cells: np.ndarray  # [n_kv] int64
     kv_pos: np.ndarray  # [n_kv] int64
 
 
-def seq_batches(plan: BatchPlan) -> list[SeqBatch]:
-    group = plan.groups[0]
-    return [
-        SeqBatch(s.seq_id, s.start, s.end, v.kv_cells, v.kv_pos)
-        for s, v in zip(plan.seqs, group.seqs, strict=True)
-    ]
-
-
-def distinct_pending(plan: BatchPlan) -> list[PendingOps]:
-    """Each pool's pending work once (groups that share a pool share its PendingOps)."""
-    seen: dict[int, PendingOps] = {}
-    for g in plan.groups:
-        if not g.pending.is_empty:
-            seen.setdefault(id(g.pending), g.pending)
-    return list(seen.values())
+def group_seqs(plan: BatchPlan, group: GroupBatch) -> list[SeqBatch]:
+    out = []
+    for s, view in zip(plan.seqs, group.seqs, strict=True):
+        lo = int(view.lo[0])  # rows' windows only move forward
+        out.append(SeqBatch(s.seq_id, s.start, s.end, view.kv_cells[lo:], view.kv_pos[lo:]))
+    return out
 
 
 # NOTE: CPU GEMM kernels (MKL, oneDNN) take shape-dependent paths for small row counts, so a
@@ -81,7 +74,7 @@ class ModelWorker:
     def __init__(
         self,
         model: Transformer,
-        storage: KVStorage,
+        storage: KVStorage | GroupedKVStorage,
         batch_invariant: bool = False,
         threads: int | None = None,
         kernels: Any | None = None,
@@ -92,7 +85,10 @@ class ModelWorker:
         # with it every decode row goes into one group (else _by_kv_length bounds the padding)
         same_dtype = storage.dtype == model.dtype
         self.decode_kernel = kernels.decode_attention if kernels and same_dtype else None
-        self.native = NativeDecoder.build(model, storage, kernels)
+        # one KVStorage for every layer, or one per layer group (MemorySpec.groups order)
+        self.kv = storage.groups if isinstance(storage, GroupedKVStorage) else [storage]
+        single = isinstance(storage, KVStorage)
+        self.native = NativeDecoder.build(model, storage, kernels) if single else None
         args = model.args
         bf16 = model.dtype == storage.dtype == torch.bfloat16
         self.prompt_kernel = (
@@ -109,15 +105,23 @@ class ModelWorker:
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
-        # the last cell is scratch for padding rows: make_worker allocates one cell more
-        self.scratch_cell = storage.n_cells - 1 if batch_invariant else -1
+        # the last cell of each pool is scratch for padding rows: make_worker adds one cell
+        self.scratch = [s.n_cells - 1 if batch_invariant else -1 for s in self.kv]
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
+        self.rope_swa = model.args.rope_swa
+        self._inv_freq_swa = None if self.rope_swa is None else self.rope_swa.inv_freq()
+        self.windows = sorted({w for w in model.args.windows if w > 0})
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        return self.storage.bytes_per_cell
+        """K and V of one token in every layer group."""
+        return sum(s.bytes_per_cell for s in self.kv)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.bytes_per_cell * s.n_cells for s in self.kv)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepOutput:
@@ -128,9 +132,12 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
-        """Apply plan.pending, run the batch -> logits [len(plan.samples), vocab] float32."""
-        for pending in distinct_pending(plan):
-            self.storage.apply(pending)
+        """Apply each group's pending work, run the batch -> logits [len(plan.samples), vocab]
+        float32."""
+        assert len(plan.groups) == len(self.kv), "one storage per layer group of the plan"
+        for storage, group in zip(self.kv, plan.groups, strict=True):
+            if not group.pending.is_empty:
+                storage.apply(group.pending)
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
         batch = self.make_batch(plan)
@@ -141,46 +148,86 @@ class ModelWorker:
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device
         positions = torch.from_numpy(np.ascontiguousarray(plan.positions, dtype=np.int64))
-        cos, sin = self.rope.cos_sin(positions, self._inv_freq.cpu())
-        rope_c, rope_s = rope_tables(
-            cos, sin, self.model.args.head_dim, self.rope.layout, self.model.dtype
-        )
-        read_index = self.storage.read_index
-        one_each = self.batch_invariant  # every sequence attends on its own
-        seqs = seq_batches(plan)
-        decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
-        order = self.prompt_kernel is not None
-        prompts = [
-            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order)
-            for s in seqs
-            if one_each or s.end - s.start != 1
+        rope_c, rope_s = self._rope_tables(positions, self.rope, self._inv_freq.cpu())
+        by_window = {g.window: i for i, g in enumerate(plan.groups)}
+        assert set(by_window) >= set(self.windows), "a plan group for every window"
+        per_group = [
+            self._groups(plan, group, self.kv[i].read_index) for i, group in enumerate(plan.groups)
         ]
-        n = len(plan.token_ids)
+        full = per_group[by_window.get(0, 0)]
         batch = ForwardBatch(
             tokens=_tensor(plan.token_ids, dev),
-            cells=_tensor(plan.groups[0].cells, dev),
-            rope_c=rope_c.to(dev),
-            rope_s=rope_s.to(dev),
-            decodes=self._decode_groups(decode, plan.positions, n),
-            prompts=prompts,
+            cells=full.cells if full.cells is not None else _tensor(plan.groups[0].cells, dev),
+            rope_c=rope_c,
+            rope_s=rope_s,
+            decodes=full.decodes,
+            prompts=full.prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
             decode_kernel=self.decode_kernel,
             prompt_kernel=self.prompt_kernel,
             fused=self.fused,
         )
+        if self.rope_swa is not None and self._inv_freq_swa is not None:
+            batch.rope_swa = self._rope_tables(positions, self.rope_swa, self._inv_freq_swa)
+        for w in self.windows:
+            batch.windowed[w] = per_group[by_window[w]]
         if self.batch_invariant:
-            return _pad_rows(batch, self.scratch_cell, read_index)
+            pads = {
+                g.window: (self.scratch[i], self.kv[i].read_index)
+                for i, g in enumerate(plan.groups)
+            }
+            return _pad_rows(batch, pads)
         return batch
 
+    def _rope_tables(
+        self, positions: torch.Tensor, rope: RopeConfig, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope.cos_sin(positions, inv_freq)
+        c, s = rope_tables(cos, sin, self.model.args.head_dim, rope.layout, self.model.dtype)
+        return c.to(self.device), s.to(self.device)
+
+    def _groups(self, plan: BatchPlan, group: GroupBatch, read_index: ReadIndex) -> AttnGroups:
+        """The attention groups of the layers of one plan group (0: full attention), over its
+        pool's cells.
+
+        NOTE: the C++ prompt kernel reads a prefix of the position-ordered cells per row; a
+        window's visible cells are a range, so windowed prompt chunks take the masked torch path.
+        Windowed decode rows see exactly their in-window cells (group_seqs), a prefix again.
+        """
+        dev, window = self.device, group.window
+        seqs = group_seqs(plan, group)
+        one_each = self.batch_invariant  # every sequence attends on its own
+        decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
+        order = self.prompt_kernel is not None and window == 0
+        prompts = [
+            _prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order, window)
+            for s in seqs
+            if one_each or s.end - s.start != 1
+        ]
+        n = len(plan.token_ids)
+        decodes = self._decode_groups(decode, plan.positions, n, read_index, window)
+        return AttnGroups(decodes, prompts, _tensor(group.cells, dev))
+
     def _decode_groups(
-        self, decode: list[SeqBatch], positions: np.ndarray, n_rows: int
+        self,
+        decode: list[SeqBatch],
+        positions: np.ndarray,
+        n_rows: int,
+        read_index: ReadIndex,
+        window: int = 0,
     ) -> list[DecodeGroup]:
         """One group for the C++ kernel when every sequence attends a prefix of its cells (it
         reads each one's own length), else groups that bound the padding."""
 
         def group(seqs: list[SeqBatch]) -> DecodeGroup:
             return _decode_group(
-                seqs, positions, n_rows, self.model.dtype, self.storage.read_index, self.device
+                seqs,
+                positions,
+                n_rows,
+                self.model.dtype,
+                read_index,
+                self.device,
+                window,
             )
 
         if self.decode_kernel is not None and decode:
@@ -190,22 +237,36 @@ class ModelWorker:
         return [group(g) for g in _by_kv_length(decode)]
 
 
-def _pad_rows(batch: ForwardBatch, scratch_cell: int, read_index: ReadIndex) -> ForwardBatch:
+def _pad_rows(batch: ForwardBatch, pads: dict[int, tuple[int, ReadIndex]]) -> ForwardBatch:
     """At least MIN_ROWS token rows and logit rows; padding rows are token 0 at position 0,
-    attending only the scratch cell they write."""
+    attending only the scratch cell they write. pads: window -> (its pool's scratch cell, its
+    storage's read_index)."""
     n = batch.tokens.shape[0]
     pad = MIN_ROWS - n
     if pad > 0:
         dev = batch.tokens.device
         zeros = torch.zeros(pad, dtype=torch.int64, device=dev)
         batch.tokens = torch.cat([batch.tokens, zeros])
-        batch.cells = torch.cat([batch.cells, zeros + scratch_cell])
         c, s = batch.rope_c, batch.rope_s  # padding rows rotate by 0
         batch.rope_c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
         batch.rope_s = torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
+        if batch.rope_swa is not None:
+            c, s = batch.rope_swa
+            ones, nil = torch.ones_like(c[:1]), torch.zeros_like(s[:1])
+            batch.rope_swa = (
+                torch.cat([c, ones.expand(pad, -1, -1)]),
+                torch.cat([s, nil.expand(pad, -1, -1)]),
+            )
         mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
-        scratch = read_index(np.array([scratch_cell], dtype=np.int64))
-        batch.prompts.append(PromptGroup(n, n + pad, scratch, mask))
+        for window, (cell, read_index) in pads.items():
+            g = batch.windowed.get(window) if window else None
+            prompts = batch.prompts if g is None else g.prompts
+            scratch = read_index(np.array([cell], dtype=np.int64))
+            prompts.append(PromptGroup(n, n + pad, scratch, mask))
+            if g is not None and g.cells is not None:
+                g.cells = torch.cat([g.cells, zeros + cell])
+            if window == 0:
+                batch.cells = torch.cat([batch.cells, zeros + cell])
     n_out = batch.logit_rows.shape[0]
     if 0 < n_out < MIN_ROWS:
         extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
@@ -234,6 +295,14 @@ def _by_kv_length(seqs: list[SeqBatch], max_waste: float = 0.5) -> list[list[Seq
     return groups
 
 
+def _visible(kv_pos: np.ndarray, q_pos: np.ndarray, window: int) -> np.ndarray:
+    """[len(q_pos), len(kv_pos)] bool: kvcache.spec.Attention.visible, vectorised."""
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= kv_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 def _decode_group(
     seqs: list[SeqBatch],
     positions: np.ndarray,
@@ -241,6 +310,7 @@ def _decode_group(
     dtype: torch.dtype,
     read_index: ReadIndex,
     dev: torch.device,
+    window: int = 0,
 ) -> DecodeGroup:
     n_seq = len(seqs)
     max_kv = max(len(s.kv_cells) for s in seqs)
@@ -249,7 +319,7 @@ def _decode_group(
     for i, s in enumerate(seqs):
         n = len(s.kv_cells)
         kv_cells[i, :n] = s.kv_cells
-        mask[i, :n] = s.kv_pos <= positions[s.start]
+        mask[i, :n] = _visible(np.asarray(s.kv_pos), positions[s.start : s.start + 1], window)[0]
     starts = [s.start for s in seqs]
     every_row = n_seq == n_rows and starts == list(range(n_rows))
     lens = np.array([len(s.kv_cells) for s in seqs], dtype=np.int64)
@@ -270,11 +340,17 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torc
 
 
 def _prompt_group(
-    s: SeqBatch, q_pos: np.ndarray, read_index: ReadIndex, dev: torch.device, order: bool = False
+    s: SeqBatch,
+    q_pos: np.ndarray,
+    read_index: ReadIndex,
+    dev: torch.device,
+    order: bool = False,
+    window: int = 0,
 ) -> PromptGroup:
-    """`order`: also the cells in position order and each row's visible count (prompt kernel)."""
+    """`order`: also the cells in position order and each row's visible count (prompt kernel;
+    full attention only)."""
     kv_pos, q_pos = np.asarray(s.kv_pos), np.asarray(q_pos)
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [L, n_kv]
+    mask = _visible(kv_pos, q_pos, window)  # [L, n_kv]
     kv_index = read_index(np.asarray(s.kv_cells))
     group = PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
     if order:
@@ -301,21 +377,42 @@ def make_worker(
     device: str | None = None,
     batch_invariant: bool = False,
     threads: int | None = None,
+    group_cells: list[int] | None = None,
 ) -> ModelWorker:
-    """A worker with a fresh KV cache of `n_cells` cells (dtype/device default to the model's);
-    see MIN_ROWS for `batch_invariant`."""
+    """A worker with a fresh KV cache (dtype/device default to the model's); see MIN_ROWS for
+    `batch_invariant`. `group_cells`: per layer group of the model's MemorySpec, the cells of
+    its pool (the Memory's: kvcache.memory.Memory.group_pools); None: `n_cells` for every group
+    (the unified cache). A model with one group gets one KVStorage for every layer."""
     model = loaded.transformer
     if device is not None and torch.device(device) != model.device:
         model = model.to(device)
     args = loaded.config
-    storage = KVStorage(
-        n_layers=args.n_layers,
-        n_cells=n_cells + 1 if batch_invariant else n_cells,
-        n_kv_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        dtype=model.dtype if dtype is None else resolve_dtype(dtype),
-        device=model.device,
-        rope=args.rope,
-    )
+    kv_dtype = model.dtype if dtype is None else resolve_dtype(dtype)
+    extra = 1 if batch_invariant else 0
+    groups = args.memory_spec.groups
+    cells = [n_cells] * len(groups) if group_cells is None else group_cells
+    assert len(cells) == len(groups), "one cell count per layer group"
+
+    def kv(n_layers: int, n: int, rope: RopeConfig, ropes: list[RopeConfig] | None) -> KVStorage:
+        return KVStorage(
+            n_layers=n_layers,
+            n_cells=n + extra,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            dtype=kv_dtype,
+            device=model.device,
+            rope=rope,
+            layer_ropes=ropes,
+        )
+
+    storage: KVStorage | GroupedKVStorage
+    if len(groups) == 1:
+        storage = kv(args.n_layers, cells[0], args.rope, args.layer_ropes)
+    else:
+        parts = []
+        for g, n in zip(groups, cells, strict=True):
+            ropes = [args.rope_of(layer) for layer in g.layers]
+            parts.append(kv(len(g.layers), n, ropes[0], ropes))
+        storage = GroupedKVStorage(parts, [g.layers for g in groups])
     kernels = load_kernels() if model.device.type == "cpu" else None
     return ModelWorker(model, storage, batch_invariant, threads, kernels)

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kvcache.memory import Memory
 from scheduler.config import EngineConfig
 from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
 from scheduler.isolate import describe, isolate, pending_only, without_pending
@@ -40,11 +41,13 @@ class Engine:
         worker: Worker,
         config: EngineConfig,
         on_step: Callable[[StepStats], None] | None = None,
+        memory: Memory | None = None,
     ) -> None:
+        """`memory`: the one the worker's storage was built for; None: built from config."""
         self.worker = worker
         self.config = config
         self.on_step = on_step
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, memory)
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None

@@ -28,7 +28,7 @@ class ChatTemplate(Protocol):
 class Backend:
     engine: Any  # scheduler.engine.Engine (or a test double honouring its contract)
     tokenizer: Tokenizer
-    chat_template: ChatTemplate
+    chat_template: ChatTemplate | None  # None: the model has none; chat requests get 400
     model_name: str
     n_ctx_seq: int
     n_cells: int

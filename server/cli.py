@@ -15,6 +15,7 @@ from server.settings import Settings
 # flag -> Settings field; booleans use --x/--no-x
 _FLAGS: list[tuple[str, type | None, str]] = [
     ("model", str, "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)"),
+    ("chat_template", str, "Jinja chat template (file or string) replacing the model's own"),
     ("host", str, "bind address (default 127.0.0.1)"),
     ("port", int, "port (default 8000)"),
     ("n_cells", int, "KV cache size in cells (tokens), shared by all sequences"),

@@ -36,7 +36,9 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     device = resolve_device(settings.device)
     dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
-    loaded = load_model(path, dtype=dtype, device=device)
+    loaded = load_model(path, dtype=dtype, device=device, chat_template=settings.chat_template)
+    if loaded.chat_template is None:
+        log.warning("the model has no chat template: /v1/chat/completions answers 400")
     if settings.quant != "none":
         quantize(loaded.transformer, settings.quant)
         log.warning(
@@ -51,18 +53,10 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
             n_ctx,
             loaded.config.n_ctx_train,
         )
+    from kvcache.make import make_memory
     from model.worker import make_worker
     from server.faults import wrap_worker
 
-    worker = make_worker(
-        loaded,
-        settings.n_cells,
-        dtype,
-        device,
-        batch_invariant=settings.batch_invariant,
-        threads=threads if device == "cpu" else None,
-    )
-    worker = wrap_worker(worker)  # test-only fault hooks; the worker itself unless env vars say
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,
@@ -71,14 +65,33 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         context_shift=settings.context_shift,
         max_queue=settings.max_queue,
         prefix_cache=settings.prefix_cache,
+        memory_spec=loaded.config.memory_spec,
     )
     config.validate()
+    # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
+    # sliding-window layers (a small pool for them), else the unified cache
+    memory = make_memory(
+        config.memory_spec, config.n_cells, config.n_seq_max, config.n_batch, config.memory
+    )
+    for pool in memory.pools:
+        log.info("KV pool %s: %d cells (window %d)", pool.name, pool.cells.n_cells, pool.window)
+    worker = make_worker(
+        loaded,
+        settings.n_cells,
+        dtype,
+        device,
+        batch_invariant=settings.batch_invariant,
+        threads=threads if device == "cpu" else None,
+        group_cells=[memory.pools[i].cells.n_cells for i in memory.group_pools],
+    )
+    kv_bytes = worker.kv_bytes
+    worker = wrap_worker(worker)  # test-only fault hooks; the worker itself unless env vars say
     return Backend(
-        engine=Engine(worker, config, on_step=on_step),
+        engine=Engine(worker, config, on_step=on_step, memory=memory),
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         model_name=settings.served_model_name or loaded.name,
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
-        cache_bytes=worker.kv_bytes_per_cell * settings.n_cells,
+        cache_bytes=kv_bytes,
     )

@@ -25,6 +25,14 @@ def render_chat(backend: Backend, messages: list[ChatMessage], add_generation_pr
     for i, m in enumerate(messages):
         if m.role not in KNOWN_ROLES:
             raise APIError(400, f"unknown role {m.role!r}", param=f"messages.{i}.role")
+    if backend.chat_template is None:
+        raise APIError(
+            400,
+            f"the model {backend.model_name!r} has no chat template; use /v1/completions, or "
+            "restart the server with --chat-template (a Jinja file or string)",
+            param="messages",
+            code="no_chat_template",
+        )
     try:
         return backend.chat_template.render(
             dump_messages(messages), add_generation_prompt=add_generation_prompt

@@ -12,6 +12,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CELLSERVE_", extra="ignore")
 
     model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2
+    chat_template: str | None = None  # Jinja file or string; None = the model's own
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     n_cells: int = Field(8192, ge=16)

@@ -27,7 +27,11 @@ class SeqChunk:
     params: SamplingParams = field(default_factory=lambda: GREEDY)
 
 
-def make_plan(chunks: list[SeqChunk], pending: PendingOps | None = None) -> BatchPlan:
+def make_plan(
+    chunks: list[SeqChunk], pending: PendingOps | None = None, windows: tuple[int, ...] = (0,)
+) -> BatchPlan:
+    """One group per layer group's window (the model's MemorySpec.groups), every group over
+    the same cells: the unified cache."""
     token_ids: list[int] = []
     positions: list[int] = []
     seq_ids: list[int] = []
@@ -51,13 +55,15 @@ def make_plan(chunks: list[SeqChunk], pending: PendingOps | None = None) -> Batc
             samples.append(SampleRow(row, c.params, seed=0, output_index=0, num_prompt=0))
     pos = np.array(positions, np.int64)
     q_pos = [pos[s.start : s.end] for s in seqs]
-    group = full_group(np.array(cells, np.int64), kv, q_pos, pending)
+    cell_arr = np.array(cells, np.int64)
+    pending = PendingOps.empty() if pending is None else pending
+    groups = [full_group(cell_arr, kv, q_pos, pending, window=w) for w in windows]
     return BatchPlan(
         token_ids=np.array(token_ids, np.int64),
         positions=pos,
         seq_ids=np.array(seq_ids, np.int64),
         seqs=seqs,
-        groups=[group],
+        groups=groups,
         samples=samples,
     )
 
@@ -78,6 +84,7 @@ class Driver:
 
     def __init__(self, worker, n_cells: int, seed: int = 0) -> None:
         self.worker = worker
+        self.windows = tuple(g.spec.window for g in worker.model.args.memory_spec.groups)
         self.free = list(np.random.default_rng(seed).permutation(n_cells).tolist())
         self.cells: dict[int, list[int]] = {}
         self.pos: dict[int, list[int]] = {}
@@ -98,7 +105,7 @@ class Driver:
         self.pos[dst] = list(self.pos[src])
 
     def step(self, chunks: list[SeqChunk]) -> list[int]:
-        return self.worker.execute(make_plan(chunks)).token_ids
+        return self.worker.execute(make_plan(chunks, windows=self.windows)).token_ids
 
     def logits(self, chunks: list[SeqChunk]):
-        return self.worker.forward(make_plan(chunks))
+        return self.worker.forward(make_plan(chunks, windows=self.windows))

@@ -1,0 +1,151 @@
+"""An architecture is a small description over the shared blocks, not a copy of the forward.
+
+`BlockSpec` says which norms, MLP activation and extras every block uses; `ModelArgs` adds the
+sizes and the per-layer attention (sliding window, RoPE). model/llama.py builds the forward from
+them, and model/native.py's C++ fast path runs only the plain Llama description
+(`ModelArgs.plain_llama`). The loaders map file metadata onto these through `ARCH_BLOCKS` and
+the per-architecture layer patterns below; an architecture not listed is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvcache.spec import Attention as AttentionSpec
+from kvcache.spec import MemorySpec
+from kvcache.storage import RopeConfig
+
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """What each block is made of; the defaults are Llama's.
+
+    Block: h = x + post_attn_norm(attn(attn_norm(x))); out = h + post_ffn_norm(mlp(ffn_norm(h))),
+    the post norms only with `post_norms`; mlp(x) = w2(act(w1 x) * w3 x).
+    """
+
+    norm_shift: float = 0.0  # RMSNorm scales by (norm_shift + w): Gemma's (1 + w) is 1.0
+    activation: Activation = "silu"  # of the gate: SiLU (SwiGLU) or tanh-GELU (GeGLU)
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
+    post_norms: bool = False  # norms on the attention and MLP outputs (Gemma 2/3)
+    embed_scale: bool = False  # token embeddings times sqrt(dim), rounded to the model dtype
+
+
+LLAMA = BlockSpec()
+GEMMA3 = BlockSpec(
+    norm_shift=1.0, activation="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=True
+)
+ARCH_BLOCKS: dict[str, BlockSpec] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "gemma3": GEMMA3,
+}
+# Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base
+# (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_SWA_PERIOD = 6  # every 6th layer is global: llama.cpp set_swa_pattern(6), HF layer_types
+
+
+def gemma3_windows(n_layers: int, window: int, period: int = GEMMA3_SWA_PERIOD) -> tuple[int, ...]:
+    """Per layer: `window` for the sliding-window layers, 0 for every `period`-th (global)."""
+    return tuple(0 if (i + 1) % period == 0 else window for i in range(n_layers))
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    arch: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    norm_eps: float
+    rope: RopeConfig  # of the full-attention layers (all layers without rope_swa)
+    n_ctx_train: int
+    qkv_bias: bool = False
+    block: BlockSpec = field(default_factory=BlockSpec)
+    windows: tuple[int, ...] = ()  # per layer: 0 full attention, W > 0 sees (p - W, p]; () all 0
+    rope_swa: RopeConfig | None = None  # RoPE of the sliding-window layers; None: `rope`
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        if self.rope_swa is not None and self.window(layer) > 0:
+            return self.rope_swa
+        return self.rope
+
+    @property
+    def layer_ropes(self) -> list[RopeConfig]:
+        return [self.rope_of(i) for i in range(self.n_layers)]
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    @property
+    def plain_llama(self) -> bool:
+        """The Llama block with full attention everywhere: what model/native.py implements."""
+        return (
+            self.block == LLAMA
+            and not any(self.windows)
+            and self.rope_swa is None
+            and self.attn_scale is None
+        )
+
+    @property
+    def memory_spec(self) -> MemorySpec:
+        """What each layer keeps per sequence (kvcache/spec.py): K/V of every token, read
+        through the layer's window."""
+        return MemorySpec.of(
+            [
+                AttentionSpec(self.n_kv_heads, self.head_dim, self.window(i))
+                for i in range(self.n_layers)
+            ]
+        )
+
+
+def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Expected shape of each weight kind (the last part of its name)."""
+    d, f = args.dim, args.hidden_dim
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {
+        "tok_embeddings": (args.vocab_size, d),
+        "output": (args.vocab_size, d),
+        "norm": (d,),
+        "attn_norm": (d,),
+        "ffn_norm": (d,),
+        "post_attn_norm": (d,),
+        "post_ffn_norm": (d,),
+        "q_norm": (args.head_dim,),
+        "k_norm": (args.head_dim,),
+        "wq": (q_dim, d),
+        "wk": (kv_dim, d),
+        "wv": (kv_dim, d),
+        "wo": (d, q_dim),
+        "bq": (q_dim,),
+        "bk": (kv_dim,),
+        "bv": (kv_dim,),
+        "w1": (f, d),
+        "w3": (f, d),
+        "w2": (d, f),
+    }
+
+
+def layer_weights(args: ModelArgs) -> tuple[str, ...]:
+    """The weight kinds every block of `args` needs (its description decides which)."""
+    kinds = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2"]
+    if args.qkv_bias:
+        kinds += ["bq", "bk", "bv"]
+    if args.block.qk_norm:
+        kinds += ["q_norm", "k_norm"]
+    if args.block.post_norms:
+        kinds += ["post_attn_norm", "post_ffn_norm"]
+    return tuple(kinds)

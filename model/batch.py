@@ -1,0 +1,80 @@
+"""What one forward reads besides the weights: the batch's rows and each layer's attention groups.
+
+A batch is flat: row i is one token at `positions[i]` whose K/V goes into cell `cells[i]`;
+attention groups say which cells each row may read. Layers with a sliding window read through
+their own groups (`ForwardBatch.windowed`), built from the same plan with the window's mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from model.kernels import DecodeAttention, PromptAttention
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Rows with one new token each, attended together over padded kv."""
+
+    rows: torch.Tensor | None  # [n_seq] int64; None: every row of the batch, in order
+    kv_index: torch.Tensor | slice  # KVStorage.read_index of [n_seq * max_kv] cells (pad: any)
+    bias: torch.Tensor | None  # [n_seq, 1, max_kv] model dtype: 0 visible, -inf not; None: all
+    max_kv: int
+    # for the C++ kernels, set together when each seq sees exactly cells[i, :lens[i]]:
+    cells: torch.Tensor | None = None  # [n_seq, max_kv] int64
+    lens: torch.Tensor | None = None  # [n_seq] int64
+
+
+@dataclass(slots=True)
+class PromptGroup:
+    """Contiguous rows [start, end) of one sequence (a prompt chunk)."""
+
+    start: int
+    end: int
+    kv_index: torch.Tensor | slice  # KVStorage.read_index of the [n_kv] cells it reads
+    mask: torch.Tensor  # [end - start, n_kv] bool
+    # for the C++ prompt kernel: the cells in position order, and how many of them each row sees
+    cells: torch.Tensor | None = None  # [n_kv] int64
+    lens: torch.Tensor | None = None  # [end - start] int64
+
+
+@dataclass(slots=True)
+class AttnGroups:
+    """The attention groups of the layers with one window."""
+
+    decodes: list[DecodeGroup]
+    prompts: list[PromptGroup]
+    # [n] int64: where these layers write each row when their pool is their own (iSWA's
+    # window pool); None: ForwardBatch.cells
+    cells: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    tokens: torch.Tensor  # [n] int64
+    cells: torch.Tensor  # [n] int64
+    rope_c: torch.Tensor  # [n, 1, head_dim] model dtype (kvcache.storage.rope_tables)
+    rope_s: torch.Tensor  # [n, 1, head_dim]
+    decodes: list[DecodeGroup]  # full-attention layers
+    prompts: list[PromptGroup]
+    logit_rows: torch.Tensor  # [n_out] int64
+    decode_kernel: DecodeAttention | None = None  # model.kernels.load_decode_attention()
+    prompt_kernel: PromptAttention | None = None  # kernels.prompt_attention (bfloat16 only)
+    fused: Any | None = None  # the kernels module for bfloat16 RMSNorm / SiLU-mul (rms_norm_bf16)
+    # sliding-window layers: their RoPE tables (ModelArgs.rope_swa) and groups by window
+    rope_swa: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, 1, hd], [n, 1, hd])
+    windowed: dict[int, AttnGroups] = field(default_factory=dict)
+
+    def write_cells(self, window: int) -> torch.Tensor:
+        """[n] int64: the cells the layers with `window` write the batch's rows to."""
+        g = self.windowed.get(window) if window else None
+        return self.cells if g is None or g.cells is None else g.cells
+
+    def groups(self, window: int) -> tuple[list[DecodeGroup], list[PromptGroup]]:
+        if window == 0:
+            return self.decodes, self.prompts
+        g = self.windowed[window]
+        return g.decodes, g.prompts
