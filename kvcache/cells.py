@@ -2,40 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from kvcache.cell_types import CellStats, PendingOps, longest_run
 
-@dataclass(slots=True)
-class PendingOps:
-    """Storage work recorded by the cells and applied by KVStorage.apply, once, in this order:
-    1. copies: rows `copy_src[i] -> copy_dst[i]` (K and V, every layer), in order;
-    2. K-shifts: re-rotate K of `shift_cells[i]` by `shift_deltas[i]` positions (RoPE)."""
-
-    copy_src: np.ndarray  # [n_copies] int64
-    copy_dst: np.ndarray  # [n_copies] int64
-    shift_cells: np.ndarray  # [n_shift] int64
-    shift_deltas: np.ndarray  # [n_shift] int64
-
-    @staticmethod
-    def empty() -> PendingOps:
-        z = np.zeros(0, dtype=np.int64)
-        return PendingOps(z, z.copy(), z.copy(), z.copy())
-
-    @property
-    def is_empty(self) -> bool:
-        return self.copy_src.size == 0 and self.shift_cells.size == 0
-
-
-@dataclass(slots=True)
-class CellStats:
-    n_cells: int
-    used: int
-    shared: int  # cells with more than one owner
-    pending_shift: int
-    num_seqs: int  # sequences owning at least one cell
-    fragmentation: float  # 1 - largest free run / free cells (0 when no free cells)
+__all__ = ["CellStats", "KVCells", "PendingOps"]
 
 
 _NO_POS = np.iinfo(np.int64).max  # seq_min sentinel for an empty sequence
@@ -218,6 +189,38 @@ class KVCells:
         self.has_shift |= moved.size > 0
         self.seq_dirty[seq_id] |= moved.size > 0
 
+    def seq_rm_below(self, cut: np.ndarray) -> None:
+        """seq_rm(s, 0, cut[s]) for every sequence s at once (cut: [n_seq_max] int64): how a
+        sliding-window pool drops what left each sequence's window."""
+        single, shared, drop = self._below(cut)
+        owner = self.owner_xor[single]
+        self.owners[owner, single] = False
+        self.n_owners[single] = 0
+        self.owner_xor[single] = 0
+        self.seq_count -= np.bincount(owner, minlength=self.n_seq_max)
+        self.seq_dirty[owner] = True
+        if shared.size:
+            ids = np.arange(self.n_seq_max, dtype=np.int32)[:, None]
+            self.owners[:, shared] &= ~drop
+            self.n_owners[shared] -= drop.sum(axis=0).astype(np.int32)
+            self.owner_xor[shared] ^= np.bitwise_xor.reduce(np.where(drop, ids, 0), axis=0)
+            self.seq_count -= drop.sum(axis=1)
+            self.seq_dirty |= drop.any(axis=1)
+        freed = np.concatenate([single, shared[self.n_owners[shared] == 0]])
+        freed.sort()
+        self._free(freed)
+        self._reset_empty_seqs()
+        if freed.size and freed[0] < self.head:
+            self.head = int(freed[0])
+
+    def freed_below(self, cut: np.ndarray) -> np.ndarray:
+        """[n_cells] bool: the cells seq_rm_below(cut) would free; never mutates."""
+        single, shared, drop = self._below(cut)
+        mask = np.zeros(self.n_cells, dtype=bool)
+        mask[single] = True
+        mask[shared[(self.owners[:, shared] & ~drop).sum(axis=0) == 0]] = True
+        return mask
+
     # -- queries -------------------------------------------------------------------------------
 
     def seq_pos_min(self, seq_id: int) -> int:
@@ -288,7 +291,7 @@ class KVCells:
             shared=int((self.n_owners > 1).sum()),
             pending_shift=int(np.count_nonzero(self.shift)),
             num_seqs=int(np.count_nonzero(self.seq_count)),
-            fragmentation=1.0 - _longest_run(free) / n_free if n_free else 0.0,
+            fragmentation=1.0 - longest_run(free) / n_free if n_free else 0.0,
         )
 
     def check(self) -> None:
@@ -324,6 +327,15 @@ class KVCells:
             return after[:n] + self.head
         before = np.flatnonzero(self.pos[: self.head] == -1)[: n - after.size]
         return np.concatenate([after + self.head, before]).astype(np.int64)
+
+    def _below(self, cut: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> (single-owner cells below their owner's cut, shared cells, [n_seq_max, n_shared]
+        which owners drop each shared cell)."""
+        single = np.flatnonzero(self.n_owners == 1)
+        single = single[self.pos[single] < cut[self.owner_xor[single]]]
+        shared = np.flatnonzero(self.n_owners > 1)
+        drop = self.owners[:, shared] & (self.pos[shared][None, :] < cut[:, None])
+        return single.astype(np.int64), shared.astype(np.int64), drop
 
     def _copy_on_write(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
         """Give seq_id a private copy of each cell in `cells` that others also own; returns
@@ -391,10 +403,3 @@ class KVCells:
         if p0 >= 0 and p1 >= 0 and p0 > p1:
             raise ValueError(f"empty range [{p0}, {p1}) with p0 > p1")
         return max(p0, 0), (p1 if p1 >= 0 else _NO_POS)
-
-
-def _longest_run(mask: np.ndarray) -> int:
-    if not mask.any():
-        return 0
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
-    return int((edges[1::2] - edges[::2]).max())

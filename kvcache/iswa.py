@@ -87,7 +87,7 @@ class ISWAMemory(Memory):
             return None
         cells = [full]
         for pool in self.swa:
-            free = (pool.cells.pos == -1) | _pruned(pool)
+            free = (pool.cells.pos == -1) | pool.cells.freed_below(self._cuts(pool))
             slot = _first_from(free, pool.cells.head, n)
             if slot is None:
                 return None
@@ -185,27 +185,24 @@ class ISWAMemory(Memory):
             for s in range(self.n_seq_max):
                 swa_pos = pool.cells.seq_cells(s)[1]
                 assert np.isin(swa_pos, self.full.seq_cells(s)[1]).all(), "swa pos not in full"
+                if swa_pos.size:
+                    assert swa_pos[-1] == self.full.seq_pos_max(s), "swa max is the full max"
 
     # -- internals ---------------------------------------------------------------------------
 
     def _prune(self) -> None:
         """Every sequence leaves its SWA cells out of its window (see the module NOTE)."""
         for pool in self.swa:
-            cells = pool.cells
-            for s in np.flatnonzero(cells.seq_count).tolist():
-                cut = cells.seq_pos_max(s) - pool.window + 1
-                if cells.seq_pos_min(s) < cut:
-                    cells.seq_rm(s, 0, cut)
+            pool.cells.seq_rm_below(self._cuts(pool))
 
-
-def _pruned(pool: Pool) -> np.ndarray:
-    """[n_cells] bool: the cells that _prune would free (out of every owner's window)."""
-    c = pool.cells
-    seqs = np.flatnonzero(c.seq_count)
-    cut = np.array([c.seq_pos_max(s) - pool.window + 1 for s in seqs.tolist()], dtype=np.int64)
-    owners = c.owners[seqs]  # [n_live_seqs, n_cells]
-    in_window = (owners & (c.pos[None, :] >= cut[:, None])).any(axis=0)
-    return (c.pos != -1) & ~in_window
+    def _cuts(self, pool: Pool) -> np.ndarray:
+        """[n_seq_max]: per sequence, the first position still in its window (-1: none held).
+        NOTE: the full pool's max, which a SWA pool shares wherever it holds the sequence
+        (check() asserts it), and which pruning never makes stale."""
+        cut = np.full(self.n_seq_max, -1, dtype=np.int64)
+        for s in np.flatnonzero(pool.cells.seq_count).tolist():
+            cut[s] = self.full.seq_pos_max(s) - pool.window + 1
+        return cut
 
 
 def _first_from(free: np.ndarray, head: int, n: int) -> np.ndarray | None:
