@@ -9,6 +9,8 @@ import pytest
 
 from kvcache.cells import CellStats, KVCells
 from kvcache.memory import Memory
+from kvcache.spec import Attention, MemorySpec
+from kvcache.unified import UnifiedMemory
 
 
 def make_cache(n_cells: int = 16, n_seq_max: int = 4) -> KVCells:
@@ -241,6 +243,10 @@ def test_clear_resets_everything() -> None:
     assert kv.stats() == CellStats(8, 0, 0, 0, 0, 0.0)
 
 
-def test_kvcells_is_a_memory() -> None:
-    memory: Memory = make_cache()
-    assert memory.find_slot(1) is not None
+def test_the_unified_memory_keeps_its_cells_in_kvcells() -> None:
+    memory = UnifiedMemory(MemorySpec.of([Attention(2, 8)]), 16, 4)
+    assert isinstance(memory, Memory) and isinstance(memory.pools[0].cells, KVCells)
+    plan = memory.plan(np.arange(3), np.zeros(3, dtype=np.int64))
+    assert plan is not None
+    memory.apply(plan)
+    assert memory.pools[0].cells.seq_cells(0)[1].tolist() == [0, 1, 2]
