@@ -202,9 +202,9 @@ def _pad_rows(batch: ForwardBatch, scratch_cell: int, read_index: ReadIndex) -> 
         zeros = torch.zeros(pad, dtype=torch.int64, device=dev)
         batch.tokens = torch.cat([batch.tokens, zeros])
         batch.cells = torch.cat([batch.cells, zeros + scratch_cell])
-        c, s = batch.rope_c, batch.rope_s  # padding rows rotate by 0
-        batch.rope_c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
-        batch.rope_s = torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
+        batch.rope_c, batch.rope_s = _pad_rope(batch.rope_c, batch.rope_s, pad)
+        if batch.rope_swa is not None:
+            batch.rope_swa = _pad_rope(*batch.rope_swa, pad)
         mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
         scratch = read_index(np.array([scratch_cell], dtype=np.int64))
         batch.prompts.append(PromptGroup(n, n + pad, scratch, mask))
@@ -215,6 +215,12 @@ def _pad_rows(batch: ForwardBatch, scratch_cell: int, read_index: ReadIndex) -> 
         extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
         batch.logit_rows = torch.cat([batch.logit_rows, extra])
     return batch
+
+
+def _pad_rope(c: torch.Tensor, s: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padding rows rotate by 0."""
+    c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
+    return c, torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
