@@ -247,16 +247,9 @@ def _pad_rows(batch: ForwardBatch, pads: dict[int, tuple[int, ReadIndex]]) -> Fo
         dev = batch.tokens.device
         zeros = torch.zeros(pad, dtype=torch.int64, device=dev)
         batch.tokens = torch.cat([batch.tokens, zeros])
-        c, s = batch.rope_c, batch.rope_s  # padding rows rotate by 0
-        batch.rope_c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
-        batch.rope_s = torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
+        batch.rope_c, batch.rope_s = _pad_rope(batch.rope_c, batch.rope_s, pad)
         if batch.rope_swa is not None:
-            c, s = batch.rope_swa
-            ones, nil = torch.ones_like(c[:1]), torch.zeros_like(s[:1])
-            batch.rope_swa = (
-                torch.cat([c, ones.expand(pad, -1, -1)]),
-                torch.cat([s, nil.expand(pad, -1, -1)]),
-            )
+            batch.rope_swa = _pad_rope(*batch.rope_swa, pad)
         mask = torch.ones(pad, 1, dtype=torch.bool, device=dev)
         for window, (cell, read_index) in pads.items():
             g = batch.windowed.get(window) if window else None
@@ -272,6 +265,12 @@ def _pad_rows(batch: ForwardBatch, pads: dict[int, tuple[int, ReadIndex]]) -> Fo
         extra = batch.logit_rows[-1:].expand(MIN_ROWS - n_out)
         batch.logit_rows = torch.cat([batch.logit_rows, extra])
     return batch
+
+
+def _pad_rope(c: torch.Tensor, s: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padding rows rotate by 0."""
+    c = torch.cat([c, torch.ones_like(c[:1]).expand(pad, -1, -1)])
+    return c, torch.cat([s, torch.zeros_like(s[:1]).expand(pad, -1, -1)])
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:

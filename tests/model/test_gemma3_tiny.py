@@ -84,3 +84,13 @@ def test_mixed_steps_equal_each_sequence_alone(tiny):
         else:
             ref = alone.logits([alone.chunk(0, prompt(n, s))])
         assert_close(together[s : s + 1], ref)
+
+
+def test_batch_invariant_worker_pads_both_ropes_and_every_window(tiny):
+    """--batch-invariant pads each step to MIN_ROWS rows: the sliding layers' RoPE tables and
+    attention groups get the padding rows too; the logits stay those of the plain worker."""
+    ids = prompt(12, seed=5)
+    plain = Driver(make_worker(tiny, n_cells=64), 64, seed=5)
+    padded = Driver(make_worker(tiny, n_cells=64, batch_invariant=True), 64, seed=5)
+    for chunk in (ids, [17], [18]):
+        assert_close(padded.logits([padded.chunk(0, chunk)]), plain.logits([plain.chunk(0, chunk)]))
