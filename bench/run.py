@@ -34,6 +34,19 @@ from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
 MICRO_BENCHES = ("cache_bench", "model_bench", "engine_bench")
+OPTIONAL_BENCHES = {"gemma_bench": "model.packaged:gemma3_installed"}  # run when installed
+
+
+def micro_benches() -> list[str]:
+    """MICRO_BENCHES, then each optional one whose model is installed."""
+    names = list(MICRO_BENCHES)
+    for name, check in OPTIONAL_BENCHES.items():
+        module, func = check.split(":")
+        if getattr(importlib.import_module(module), func)():
+            names.append(name)
+    return names
+
+
 # the fast CPU configuration; 32 x (256 + 128) tokens fit in the cache, so nothing is preempted
 DEFAULT_SERVER_ARGS = "--quant int4 --dtype bfloat16 --n-cells 32768"
 
@@ -294,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"environment": environment(), "sizes": asdict(sizes)}
     report["micro"] = {}
     if not args.skip_micro:
-        for name in MICRO_BENCHES:
+        for name in micro_benches():
             print(f"== {name}", flush=True)
             report["micro"][name] = run_micro(name, out_dir)
             print(f"   {report['micro'][name]['status']}", flush=True)
