@@ -16,6 +16,7 @@ bench/run.py calls run() only when the Gemma packages are installed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -26,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.cells import KVCells
+from kvcache.make import make_memory
+from kvcache.memory import Memory
 from kvcache.spec import Attention, MemorySpec
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
 
 
 @dataclass(slots=True)
@@ -71,43 +73,39 @@ def full_spec(spec: MemorySpec) -> MemorySpec:
     )
 
 
-def _plan(cells: KVCells, rows: list[tuple[int, list[int], int]]) -> BatchPlan:
+def _plan(memory: Memory, rows: list[tuple[int, list[int], int]]) -> BatchPlan:
     """rows: (seq_id, tokens, first position); places them and samples each one's last row."""
-    n = sum(len(t) for _, t, _ in rows)
-    slot = cells.find_slot(n)
-    assert slot is not None, "the bench sizes its cache to fit"
     tokens, positions, seq_ids = [], [], []
+    seqs, samples = [], []
+    greedy = SamplingParams(temperature=0.0)
     for seq, toks, p0 in rows:
+        seqs.append(SeqBatch(seq, len(tokens), len(tokens) + len(toks)))
         tokens += toks
         positions += range(p0, p0 + len(toks))
         seq_ids += [seq] * len(toks)
-    cells.apply_ubatch(slot, np.array(positions), np.array(seq_ids))
-    seqs, samples, start = [], [], 0
-    greedy = SamplingParams(temperature=0.0)
-    for seq, toks, _ in rows:
-        kv_cells, kv_pos = cells.seq_cells(seq)
-        seqs.append(SeqBatch(seq, start, start + len(toks), kv_cells, kv_pos))
-        start += len(toks)
-        samples.append(SampleRow(start - 1, greedy, seed=0, output_index=0, num_prompt=0))
-    return BatchPlan(
-        token_ids=np.array(tokens, np.int64),
-        positions=np.array(positions, np.int64),
-        seq_ids=np.array(seq_ids, np.int64),
-        cells=slot.astype(np.int64),
-        seqs=seqs,
-        samples=samples,
-        pending=cells.take_pending(),
-    )
+        samples.append(SampleRow(len(tokens) - 1, greedy, seed=0, output_index=0, num_prompt=0))
+    pos = np.array(positions, np.int64)
+    mplan = memory.plan(pos, np.array(seq_ids, np.int64))
+    assert mplan is not None, "the bench sizes its cache to fit"
+    memory.apply(mplan)
+    views = [memory.views(s.seq_id, pos[s.start : s.end]) for s in seqs]
+    groups = group_batches(memory, mplan, views, memory.take_pending())
+    return BatchPlan(np.array(tokens, np.int64), pos, mplan.seq_ids, seqs, groups, samples)
 
 
-def bench_unified(loaded: Any, num_seqs: int, sizes: Sizes, dtype: str) -> Result:
-    """Today's unified cache: every layer keeps every token; windows are attention masks."""
+def bench_memory(kind: str, loaded: Any, num_seqs: int, sizes: Sizes, dtype: str) -> Result:
+    """`kind` "unified": every layer keeps every token, windows read through their ranges;
+    "iswa": the sliding layers on a pool of window x sequences + chunk cells."""
     import torch
+
+    from model.worker import make_worker
 
     ctx = sizes.context
     n_cells = num_seqs * (ctx + sizes.decode_steps) + 64
-    worker = loaded.make_worker(n_cells, dtype)
-    cells = KVCells(n_cells=n_cells, n_seq_max=num_seqs + 1)
+    spec = loaded.config.memory_spec
+    memory = make_memory(spec, n_cells, num_seqs + 1, sizes.chunk, kind)
+    group_cells = [memory.pools[i].cells.n_cells for i in memory.group_pools]
+    worker = make_worker(loaded, n_cells, dtype, group_cells=group_cells)
     rng = np.random.default_rng(0)
     vocab = loaded.config.vocab_size
     distinct = min(num_seqs, sizes.distinct)
@@ -116,31 +114,31 @@ def bench_unified(loaded: Any, num_seqs: int, sizes: Sizes, dtype: str) -> Resul
     for seq in range(distinct):
         prompt = rng.integers(1000, vocab - 1000, ctx).tolist()
         for p0 in range(0, ctx, sizes.chunk):
-            out = worker.execute(_plan(cells, [(seq, prompt[p0 : p0 + sizes.chunk], p0)]))
+            out = worker.execute(_plan(memory, [(seq, prompt[p0 : p0 + sizes.chunk], p0)]))
         last[seq] = out.token_ids[0]
     prefill_s = time.perf_counter() - t0
     for seq in range(distinct, num_seqs):
-        cells.seq_cp(seq % distinct, seq, -1, -1)
+        memory.seq_cp(seq % distinct, seq, -1, -1)
         last[seq] = last[seq % distinct]
     times = []
     for i in range(sizes.decode_steps):
-        plan = _plan(cells, [(s, [last[s]], ctx + i) for s in range(num_seqs)])
+        plan = _plan(memory, [(s, [last[s]], ctx + i) for s in range(num_seqs)])
         t = time.perf_counter()
         out = worker.execute(plan)
         times.append(time.perf_counter() - t)
         last = dict(enumerate(out.token_ids))
     step_s = float(np.median(times[1:]))  # the first step warms the kernels up
-    element = torch.empty(0, dtype=worker.storage.dtype).element_size()
-    spec = loaded.config.memory_spec
+    element = torch.empty(0, dtype=worker.kv[0].dtype).element_size()
     full = kv_bytes_per_seq(full_spec(spec), ctx, element)
+    held = full if kind == "unified" else kv_bytes_per_seq(spec, ctx, element, 1)
     prefill_tok_s = distinct * ctx / prefill_s
-    return Result(
-        "unified", num_seqs, ctx, prefill_tok_s, num_seqs / step_s, 1e3 * step_s, full, full
-    )
+    return Result(kind, num_seqs, ctx, prefill_tok_s, num_seqs / step_s, 1e3 * step_s, held, full)
 
 
-# memory layout -> bench function; the iSWA memory adds its entry here when it lands
-MEMORIES: dict[str, Callable[[Any, int, Sizes, str], Result]] = {"unified": bench_unified}
+# memory layout -> bench function
+MEMORIES: dict[str, Callable[[Any, int, Sizes, str], Result]] = {
+    kind: functools.partial(bench_memory, kind) for kind in ("unified", "iswa")
+}
 
 
 def run(

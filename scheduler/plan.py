@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from kvcache.cells import PendingOps
-from kvcache.memory import SeqCells, seq_cells_view
+from kvcache.memory import Memory, MemoryPlan, SeqCells, seq_cells_view
 
 
 @dataclass(slots=True)
@@ -126,3 +126,16 @@ def full_group(
     seqs = [seq_cells_view(c, p, q, window) for (c, p), q in zip(kv, q_pos, strict=True)]
     key = "full" if window == 0 else f"swa{window}"
     return GroupBatch(key, window, cells, seqs, PendingOps.empty() if pending is None else pending)
+
+
+def group_batches(
+    memory: Memory, plan: MemoryPlan, views: list[list[SeqCells]], pending: list[PendingOps]
+) -> list[GroupBatch]:
+    """One GroupBatch per layer group of memory.spec after `plan` is applied: views[i] is
+    memory.views() of the step's i-th sequence, pending memory.take_pending()."""
+    out = []
+    for g, (group, pool) in enumerate(zip(memory.spec.groups, memory.group_pools, strict=True)):
+        window = getattr(group.spec, "window", 0)
+        seqs = [v[g] for v in views]
+        out.append(GroupBatch(group.key, window, plan.cells[pool], seqs, pending[g]))
+    return out

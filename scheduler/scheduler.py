@@ -21,7 +21,7 @@ from scheduler import choices
 from scheduler.config import EngineConfig
 from scheduler.context_shift import apply_shift, clamp_n_keep, drop_tokens, plan_shift
 from scheduler.intake import make_choices, prepare_prompt, shift_enabled
-from scheduler.plan import BatchPlan, GroupBatch, SampleRow, SeqBatch, StepOutput
+from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput, group_batches
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
 from scheduler.request import Event, FinishEvent, Request, TokenEvent
 from scheduler.seq_ids import SeqIds
@@ -197,13 +197,7 @@ class Scheduler:
                     samples.append(make_sample_row(choice, sb.end - 1))
                     step.sampled.append(choice)
         views = [self.memory.views(sb.seq_id, positions[sb.start : sb.end]) for sb in seqs]
-        pending = self.memory.take_pending()
-        groups = [
-            GroupBatch(g.key, _window(g.spec), mplan.cells[pool], [v[i] for v in views], pending[i])
-            for i, (g, pool) in enumerate(
-                zip(self.memory.spec.groups, self.memory.group_pools, strict=True)
-            )
-        ]
+        groups = group_batches(self.memory, mplan, views, self.memory.take_pending())
         step.in_plan = [s for s, _ in rows]
         return BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples)
 
@@ -387,7 +381,3 @@ class Scheduler:
     @property
     def num_free_seq_ids(self) -> int:
         return self.seq_ids.num_free
-
-
-def _window(spec: object) -> int:
-    return getattr(spec, "window", 0)
