@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import model.worker
 from model import load_model
 from model.loader import LoadedModel
 from model.testing import write_tiny_gemma3
@@ -69,8 +70,12 @@ def test_decode_past_the_window_matches_transformers_greedy(tiny, hf_tiny):
     assert tokens == out[0, len(ids) :].tolist()
 
 
-def test_mixed_steps_equal_each_sequence_alone(tiny):
-    """Decode rows in and out of their window next to a prompt chunk, in one step."""
+@pytest.mark.parametrize("kernels", [True, False])
+def test_mixed_steps_equal_each_sequence_alone(tiny, kernels, monkeypatch):
+    """Decode rows in and out of their window next to a prompt chunk, in one step; with the
+    C++ decode kernel (windowed rows read their in-window cells) and with the torch path."""
+    if not kernels:
+        monkeypatch.setattr(model.worker, "load_kernels", lambda: None)
     lengths = [3, 9, 30, 17]
     driver = Driver(make_worker(tiny, n_cells=256), 256, seed=2)
     driver.step([driver.chunk(s, prompt(n, s)) for s, n in enumerate(lengths[:3])])
