@@ -21,6 +21,42 @@ from model.kernels import isa
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+TEXT = (  # tests/model/test_quant.py's text
+    "The history of the Roman Empire spans many centuries. It began when Augustus became the "
+    "first emperor in 27 BC and, in the West, ended in 476 AD. During this time the empire built "
+    "roads, aqueducts and cities across Europe, North Africa and the Middle East."
+)
+
+
+def text_logits(worker: Any, ids: list[int], one_row_steps: bool) -> Any:
+    """Logits at every position of `ids`: teacher-forced one row a step (the quantized
+    kernels), or the whole text in one step (the dense copy)."""
+    import dataclasses
+
+    import torch
+
+    from bench.model_bench import GREEDY, make_plan
+    from scheduler.plan import SampleRow
+
+    n = len(ids) + 1
+    if one_row_steps:
+        return torch.cat([worker.forward(make_plan([[t]], [i], n)) for i, t in enumerate(ids)])
+    plan = make_plan([ids], [0], n)
+    rows = [SampleRow(r, GREEDY, 0, 0, len(ids)) for r in range(len(ids))]
+    return worker.forward(dataclasses.replace(plan, samples=rows))
+
+
+def closeness(ours: Any, ref: Any) -> dict[str, float]:
+    """Top-1 agreement and mean KL(ref || ours), as tests/model/test_quant.py measures them."""
+    import torch
+
+    agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    kl = torch.nn.functional.kl_div(
+        ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    return {"top1": round(agree, 3), "kl": round(float(kl), 4)}
+
+
 def measure_here() -> dict[str, Any]:
     """This process's path (CELLSERVE_ISA already applied): default and reference rates."""
     level = isa.apply_forced_isa()
@@ -36,9 +72,10 @@ def measure_here() -> dict[str, Any]:
     path = default_model_path()
     auto = choose_runtime(path, "cpu")
     rows = []
+    reference = None  # the float32 reference's logits over TEXT, all rows in one step
     for name, dtype, quant in (
-        ("default", auto.dtype, auto.quant),
         ("reference", "float32", "none"),
+        ("default", auto.dtype, auto.quant),
     ):
         loaded = load_model(path, dtype=dtype)
         quantize(loaded.transformer, quant)
@@ -47,8 +84,15 @@ def measure_here() -> dict[str, Any]:
         rates = {f"decode_c{c}": round(ours_decode(worker, c, vocab), 1) for c in CONCURRENCY}
         rates["prefill"] = round(ours_prefill(worker, vocab), 1)
         native = worker.native is not None
-        rows.append({"setup": name, "dtype": dtype, "quant": quant, "native_step": native, **rates})
-        del worker, loaded
+        ids = loaded.tokenizer.encode(TEXT)
+        small = make_worker(loaded, n_cells=len(ids) + 1)
+        decode, prompt = (text_logits(small, ids, one) for one in (True, False))
+        reference = prompt if reference is None else reference
+        acc = {"decode": closeness(decode, reference), "prompt": closeness(prompt, reference)}
+        rows.append(
+            {"setup": name, "dtype": dtype, "quant": quant, "native_step": native, **rates, **acc}
+        )
+        del worker, loaded, small
     return {
         "isa": level,
         "aten": torch.backends.cpu.get_cpu_capability(),
@@ -88,14 +132,16 @@ def format_table(result: dict[str, Any]) -> str:
         f"CPU {cpu['cpu']} ({cpu['machine']}, {cpu['detected']}); flags seen: "
         + " ".join(f for f in result["cpu_flags"] if f.startswith(("avx", "amx", "fma", "f16c"))),
         f"{'ISA path':<12} {'kernels':<12} {'setup':<10} {'dtype':<9} {'quant':<5} "
-        f"{'c=1':>7} {'c=8':>7} {'c=32':>7} {'prefill':>8}  tok/s",
+        f"{'c=1':>7} {'c=8':>7} {'c=32':>7} {'prefill':>8}  tok/s; vs float32: top-1 / KL "
+        "(one row a step | whole text)",
     ]
     for p in result["paths"]:
         for r in p["rows"]:
             lines.append(
                 f"{p['isa']:<12} {p['kernels']:<12} {r['setup']:<10} {r['dtype']:<9} "
                 f"{r['quant']:<5} {r['decode_c1']:>7} {r['decode_c8']:>7} {r['decode_c32']:>7} "
-                f"{r['prefill']:>8}"
+                f"{r['prefill']:>8}  {r['decode']['top1']} / {r['decode']['kl']} | "
+                f"{r['prompt']['top1']} / {r['prompt']['kl']}"
             )
     return "\n".join(lines)
 
