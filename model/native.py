@@ -5,9 +5,10 @@ than the op itself. For int4 + bfloat16 models (the fast CPU setup) the C++ side
 ops in the same order as model/llama.py's Block (ATen ops, the packed GEMMs and the kernels the
 Python layers call too), so the logits equal the Python path's bit for bit:
 tests/model/test_native.py. Steps of up to SMALL_ROWS rows use the int4 kernel, larger ones
-the oneDNN-packed bfloat16 weights (QuantLinear's choice). Decode steps, int4 + bfloat16, 300
-cached tokens, native vs Python (before the packed weights and the fused kernels): 8.1 vs 11.8
-ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs 33.7 at 8.
+the bfloat16 weights (QuantLinear's choice: oneDNN-packed on AVX-512, plain elsewhere). Decode
+steps, int4 + bfloat16, 300 cached tokens, native vs Python (before the packed weights and the
+fused kernels): 8.1 vs 11.8 ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs
+33.7 at 8.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class NativeDecoder:
     n_heads: int
     eps: float
     scale: float
+    packed: bool  # the dense bfloat16 copies are prepacked for oneDNN (AVX-512 and up)
 
     @staticmethod
     def build(model: Transformer, storage: KVStorage, kernels: Any) -> NativeDecoder | None:
@@ -46,14 +48,9 @@ class NativeDecoder:
             return None
         weights: list[torch.Tensor] = []
         for block in model.layers:
-            a, f = block.attention, block.feed_forward
-            linears = (a.wqkv, a.wo, f.w13, f.w2)
+            linears = _linears(block)
             if not all(
-                isinstance(m, QuantLinear)
-                and m.kind == "int4"
-                and m.bias is None
-                and m.dense_packed
-                for m in linears
+                isinstance(m, QuantLinear) and m.kind == "int4" and m.bias is None for m in linears
             ):
                 return None
             norms = (block.attention_norm.weight, None, block.ffn_norm.weight, None)
@@ -61,7 +58,12 @@ class NativeDecoder:
                 if norm is not None:
                     weights.append(norm.detach())
                 weights += [lin.packed, lin.scales, lin.dense]
-        return NativeDecoder(kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5)
+        packed = {m.dense_packed for b in model.layers for m in _linears(b)}
+        if len(packed) != 1:
+            return None
+        return NativeDecoder(
+            kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5, packed.pop()
+        )
 
     def runs(self, batch: ForwardBatch) -> bool:
         """One decode group of every row, each attending a prefix of its cells."""
@@ -87,5 +89,11 @@ class NativeDecoder:
             self.scale,
             INT4_GROUP,
             SMALL_ROWS,
+            self.packed,
         )
         return out
+
+
+def _linears(block: Any) -> tuple[Any, ...]:
+    a, f = block.attention, block.feed_forward
+    return (a.wqkv, a.wo, f.w13, f.w2)

@@ -1,4 +1,5 @@
-"""Weight-only quantization of the Transformer's Linear layers (opt-in: `--quant`; CPU).
+"""Weight-only quantization of the Transformer's Linear layers (`--quant`; the server default
+for a quantized GGUF on CPU: model.loader.choose_runtime).
 
 "int4": group-wise (32) asymmetric 4-bit weights, w = (q - 8) * scale + zero, q in [0, 15],
 through `_weight_int4pack_mm_for_cpu`. Group 32 is the GGUF Q4_0/Q4_1 block, so a Q4_1 file's
@@ -7,9 +8,10 @@ weights come back onto their own grid (only the bfloat16 scales round). The outp
 dynamic int8 linear, one row at a time (its activation scale is per call, so per token).
 "int8": symmetric int8 per output channel through `_weight_int8pack_mm`.
 Both run the activations in bfloat16 or 8 bits and change the logits a little (the server
-says so). Batches of more than SMALL_ROWS rows use a bfloat16 copy of the weights instead,
+says so). Batches of more than SMALL_ROWS rows use a dense copy of the quantized weights instead,
 prepacked for oneDNN (`pack_dense`): past ~4 rows the quantized CPU kernels lose to the
-bfloat16 GEMM on AVX-512.
+bfloat16 GEMM on AVX-512. That copy is bfloat16 where the CPU computes bfloat16 natively,
+float32 elsewhere (`dense_dtype`).
 fbgemm's dynamic int8 over whole batches was tried for every layer and dropped: one activation
 scale per batch cost SmolLM2-135M half of its top-1 agreement with float32.
 """
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.kernels import isa
 from model.llama import Linear, Transformer
 
 QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
@@ -73,16 +76,32 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales_zeros.transpose(0, 1).contiguous()
 
 
+def dequantize_int4(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """quantize_int4's inverse: q [n, k], scales_zeros [k / group, n, 2] -> w [n, k] float32."""
+    n, k = q.shape
+    scale, zero = scales_zeros[..., 0].T, scales_zeros[..., 1].T  # [n, groups]
+    w = (q.view(n, k // INT4_GROUP, INT4_GROUP) - 8) * scale[..., None] + zero[..., None]
+    return w.view(n, k)
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T + b: a quantized kernel for small batches, bfloat16 for large ones."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kind: str,
+        dense_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         super().__init__()
         w = weight.detach().float()
         self.kind = kind
-        self.dense, self.dense_packed = pack_dense(w.bfloat16())
+        self.dense_dtype = dense_dtype
         self.bias = None if bias is None else bias.detach().bfloat16()
+        self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
         if kind == "fbgemm8":
+            self.reduce_range = not isa.int8_vnni()
             int8, scales = quantize_int8(w)
             with warnings.catch_warnings():  # qint8 tensors are deprecated; fbgemm still takes them
                 warnings.simplefilter("ignore", UserWarning)
@@ -91,28 +110,39 @@ class QuantLinear(nn.Module):
                 )
             b = None if bias is None else bias.detach().float()
             self.packed = torch.ops.quantized.linear_prepack(qweight, b)
+            dequantized = int8.float() * scales[:, None]
         elif kind == "int4":
             q, scales_zeros = quantize_int4(w)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales = scales_zeros.bfloat16()
+            dequantized = dequantize_int4(q, self.scales.float())
         elif kind == "int8":
             self.packed, scales = quantize_int8(w)
             self.scales = scales.bfloat16()
+            dequantized = self.packed.float() * self.scales.float()[:, None]
         else:
             raise ValueError(f"kind must be int4, int8 or fbgemm8, got {kind!r}")
+        # NOTE: the dense copy holds the quantized weights, not the original ones: both paths
+        # then multiply by the same weights, and a sequence's greedy text does not change with
+        # the row count of its step (a prompt re-read from the prefix cache computes its last
+        # token alone, on the quantized kernel; the first time it ran in a large batch).
+        self.dense, self.dense_packed = pack_dense(dequantized.to(dense_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:  # the kernels take bfloat16 activations
-            return self.forward(x.bfloat16()).to(x.dtype)
         if x.shape[0] > SMALL_ROWS:
-            return dense_linear(x, self.dense, self.bias, self.dense_packed)
+            y = dense_linear(x.to(self.dense_dtype), self.dense, self.dense_bias, self.dense_packed)
+            return y.to(x.dtype)
         if self.kind == "fbgemm8":
-            # NOTE: reduce_range=False (full 8-bit activations) measured closer to float32.
+            # NOTE: full 8-bit activations (reduce_range=False) measured closer to float32, but
+            # only VNNI sums them exactly: AVX2's vpmaddubsw saturates its int16 pair sums
+            # (a 64x96 layer 0.44 off instead of 0.02), so without VNNI 7-bit activations.
             rows = [
-                torch.ops.quantized.linear_dynamic(r, self.packed, False)
+                torch.ops.quantized.linear_dynamic(r, self.packed, self.reduce_range)
                 for r in x.float().split(1)
             ]
-            return torch.cat(rows).bfloat16()
+            return torch.cat(rows).to(x.dtype)
+        if x.dtype != torch.bfloat16:  # the int4 / int8 kernels take bfloat16 activations
+            return self.forward(x.bfloat16()).to(x.dtype)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales)
         else:
@@ -128,10 +158,20 @@ def quantize(model: Transformer, mode: str) -> Transformer:
         raise ValueError(f"quant {mode!r} is not one of {', '.join(QUANT_MODES)}")
     if model.device.type != "cpu":
         raise ValueError(f"quant {mode!r} is CPU-only (the model is on {model.device})")
+    dense = dense_dtype(model.dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 head = parent is model and name == "output"
                 kind = "fbgemm8" if head and mode == "int4" else mode
-                setattr(parent, name, QuantLinear(child.weight, child.bias, kind))
+                setattr(parent, name, QuantLinear(child.weight, child.bias, kind, dense))
     return model
+
+
+def dense_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The large-batch copy: bfloat16 where the CPU computes it (AVX-512 BF16, AMX: half the
+    bytes of float32, oneDNN-packed) or the model runs bfloat16 anyway; float32 elsewhere,
+    where bfloat16 GEMMs are emulated: on an AVX2 CPU they ran slower than float32's."""
+    if model_dtype == torch.bfloat16 or isa.native_bfloat16():
+        return torch.bfloat16
+    return torch.float32

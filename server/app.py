@@ -89,13 +89,21 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
     except Exception as exc:
         app.state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("cannot serve the model: %s", app.state.load_error)
+        if app.state.on_load_error is not None:  # `cellserve serve`: exit 1 now
+            app.state.on_load_error(exc)
         return
     metrics.bind_engine(backend.engine.stats)
+    metrics.set_runtime(backend.runtime)
     app.state.backend = backend
     mib = backend.cache_bytes / 2**20
     print(
         f"cellserve: serving {backend.model_name} | KV cache {backend.n_cells} cells "
-        f"({mib:.1f} MiB) | context {backend.n_ctx_seq} per sequence | {settings.url}",
+        f"({mib:.1f} MiB) | context {backend.n_ctx_seq} per sequence | {settings.url}"
+        + "".join(
+            f" | {k} {backend.runtime[k]}"
+            for k in ("isa", "dtype", "quant")
+            if backend.runtime.get(k)
+        ),
         flush=True,
     )
 
@@ -138,6 +146,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.state.metrics = Metrics()
     app.state.backend = None
     app.state.load_error = None
+    app.state.on_load_error = None  # called with the exception when the model cannot load
     app.state.load_task = None
     app.state.drain_task = None
     app.state.draining = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from scheduler.stats import StepStats
@@ -33,6 +33,8 @@ class Backend:
     n_ctx_seq: int
     n_cells: int
     cache_bytes: int
+    # what the model runs with (ISA path, kernels, dtype, quant): /metrics cellserve_runtime_info
+    runtime: dict[str, str] = field(default_factory=dict)
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

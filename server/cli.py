@@ -1,4 +1,4 @@
-"""The `cellserve` command: serve, chat, bench."""
+"""The `cellserve` command: serve, chat, bench, build-kernels."""
 
 from __future__ import annotations
 
@@ -24,13 +24,19 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("ctx_per_seq", int, "context length of one sequence"),
     ("context_shift", None, "shift the context instead of stopping at the limit"),
     ("prefix_cache", None, "keep finished prompts in the cache for reuse"),
-    ("dtype", str, "float32 | bfloat16 | float16 (default float32 on CPU)"),
+    (
+        "dtype",
+        str,
+        "float32 | bfloat16 | float16 (default on CPU: bfloat16 where the CPU computes it "
+        "natively (AVX-512 BF16, AMX), else float32)",
+    ),
     ("device", str, "cpu | cuda | auto"),
     (
         "quant",
         str,
-        "none | int8 | int4: weight-only quantization on CPU (default none; int8/int4 are "
-        "faster but CHANGE the outputs slightly: top-1 agreement with float32 ~95%%)",
+        "none | int8 | int4: weight-only quantization on CPU (default: a quantized GGUF is "
+        "served quantized, int4 for 4-bit types and int8 for 5-8-bit ones; this CHANGES the "
+        "outputs slightly, see the README; --quant none --dtype float32 is the reference)",
     ),
     ("threads", int, "torch CPU threads for model steps (default: every core)"),
     ("api_key", str, "require 'Authorization: Bearer <key>'"),
@@ -123,9 +129,42 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(settings.drain_timeout) + 10,
     )
     server = DrainingServer(config)
+
+    def stop_on_load_error(exc: BaseException) -> None:  # runs on the server's event loop
+        server.should_exit = True
+
+    app.state.on_load_error = stop_on_load_error
     print(f"cellserve: loading the model; will listen on {settings.url}", flush=True)
     server.run()
-    return 1 if app.state.load_error else 0
+    if app.state.load_error:
+        print(f"cellserve serve: cannot serve the model: {app.state.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_kernels(args: argparse.Namespace) -> int:
+    """Compile the C++ kernels ahead of time: every ISA level this CPU runs (or --all x86
+    levels, for an image that runs on other CPUs); `cellserve serve` never compiles them."""
+    from model import kernels
+    from model.kernels import isa
+
+    d = isa.describe()
+    forced = f", {isa.ENV}={d['forced']}" if d["forced"] else ""
+    print(f"cellserve build-kernels: CPU {d['cpu']}: {d['detected']}{forced}", flush=True)
+    levels = args.level or (kernels.all_levels() if args.all else kernels.levels_for_this_cpu())
+    print(f"  building {', '.join(levels)} into {kernels.kernel_dir()}", flush=True)
+    failed = 0
+    for r in kernels.build_kernels(levels, verbose=args.verbose, force=args.force):
+        if r.error is not None:
+            failed += 1
+            print(f"  {r.level}: FAILED: {r.error.strip().splitlines()[-1]}", file=sys.stderr)
+        else:
+            print(f"  {r.level}: {'up to date' if r.reused else 'built'} {r.path}", flush=True)
+    if args.prune:
+        for path in kernels.remove_stale():
+            print(f"  removed the stale build {path.name}")
+    print(f"  `cellserve serve` here will use: {kernels.choose().reason}")
+    return 1 if failed else 0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -140,6 +179,24 @@ def make_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
     sub.add_parser("bench", help="benchmarks (see `cellserve bench --help`)", add_help=False)
+    build = sub.add_parser(
+        "build-kernels", help="compile the C++ CPU kernels (make install runs it)"
+    )
+    build.add_argument(
+        "--all",
+        action="store_true",
+        help="every ISA level of this architecture, not only "
+        "those this CPU runs (a Docker image for other machines)",
+    )
+    build.add_argument(
+        "--level",
+        action="append",
+        choices=("generic", "avx2", "avx512", "avx512_bf16"),
+        help="only this level (repeatable)",
+    )
+    build.add_argument("--force", action="store_true", help="rebuild levels already built")
+    build.add_argument("--prune", action="store_true", help="delete stale builds")
+    build.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     return parser
 
 
@@ -153,8 +210,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return int(bench_main(argv[1:]) or 0)
     args = make_parser().parse_args(argv)
+    if args.command in ("serve", "build-kernels"):
+        from model.kernels import isa
+
+        try:
+            isa.apply_forced_isa()  # before torch's first op: CELLSERVE_ISA caps its libraries
+        except ValueError as exc:
+            print(f"cellserve {args.command}: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         return serve(args)
+    if args.command == "build-kernels":
+        return build_kernels(args)
     from server.chat_client import run_chat
 
     return run_chat(args)

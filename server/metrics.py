@@ -91,11 +91,33 @@ def _pool_gauges(s: EngineStats) -> Iterator[Metric]:
     yield from families.values()
 
 
+class _RuntimeCollector(Collector):
+    """cellserve_runtime_info 1, labelled with what the model runs with (ISA path, kernels,
+    dtype, quant): Backend.runtime."""
+
+    def __init__(self) -> None:
+        self.labels: dict[str, str] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.labels:
+            return
+        keys = sorted(self.labels)
+        info = GaugeMetricFamily(
+            "cellserve_runtime_info",
+            "What the model runs with: ISA path, C++ kernels, dtype, quantization",
+            labels=keys,
+        )
+        info.add_metric([self.labels[k] for k in keys], 1.0)
+        yield info
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._stats_source: StatsSource = lambda: None
         self.registry.register(_EngineCollector(lambda: self._stats_source()))
+        self._runtime = _RuntimeCollector()
+        self.registry.register(self._runtime)
         r = self.registry
         self.requests = Counter(
             "cellserve_requests", "Finished choices by reason", ["finish_reason"], registry=r
@@ -123,6 +145,9 @@ class Metrics:
 
     def bind_engine(self, source: StatsSource) -> None:
         self._stats_source = source
+
+    def set_runtime(self, labels: dict[str, str]) -> None:
+        self._runtime.labels = dict(labels)
 
     def on_step(self, step: StepStats) -> None:
         """Engine thread callback; prometheus_client metrics are thread-safe."""

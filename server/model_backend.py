@@ -27,6 +27,8 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     import torch
 
     from model import default_model_path, load_model
+    from model.kernels import isa, kernel_status, load_kernels
+    from model.loader import choose_runtime
     from model.quant import quantize
 
     # NOTE: load on one thread; the worker takes its threads in the engine thread (see
@@ -34,17 +36,36 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
     threads = settings.threads or os.cpu_count() or 1
     torch.set_num_threads(1)
     device = resolve_device(settings.device)
-    dtype = settings.dtype or ("float32" if device == "cpu" else "bfloat16")
     path = settings.model or default_model_path()
+    runtime = choose_runtime(path, device, settings.dtype, settings.quant)
+    dtype = runtime.dtype
     loaded = load_model(path, dtype=dtype, device=device, chat_template=settings.chat_template)
     if loaded.chat_template is None:
         log.warning("the model has no chat template: /v1/chat/completions answers 400")
-    if settings.quant != "none":
-        quantize(loaded.transformer, settings.quant)
-        log.warning(
-            "--quant %s: weights are quantized; outputs differ slightly from the unquantized model",
-            settings.quant,
+    if runtime.quant != "none":
+        quantize(loaded.transformer, runtime.quant)
+    cpu = isa.describe()
+    kernels = "none"
+    if device == "cpu":
+        load_kernels()
+        status = kernel_status()
+        kernels = status.level or "none"
+        forced = f", {isa.ENV}={cpu['forced']}" if cpu["forced"] else ""
+        log.info(
+            "CPU: %s (%s%s); ISA path %s; C++ kernels: %s",
+            cpu["cpu"],
+            cpu["detected"],
+            forced,
+            cpu["active"],
+            status.reason,
         )
+    log.info(
+        "running %s activations, %s weights: %s%s",
+        dtype,
+        "unquantized" if runtime.quant == "none" else runtime.quant,
+        runtime.reason,
+        "" if runtime.quant == "none" else " (outputs differ slightly from the unquantized model)",
+    )
     log.info("torch threads: %d (model steps)", threads)
     n_ctx = min(settings.ctx_per_seq, settings.n_cells)
     if n_ctx > loaded.config.n_ctx_train > 0:
@@ -94,4 +115,13 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=kv_bytes,
+        runtime={
+            "device": device,
+            "isa": cpu["active"] if device == "cpu" else "",
+            "cpu_isa": cpu["detected"] if device == "cpu" else "",
+            "kernels": kernels,
+            "native_step": "yes" if getattr(worker, "native", None) is not None else "no",
+            "dtype": dtype,
+            "quant": runtime.quant,
+        },
     )

@@ -21,9 +21,12 @@ class Settings(BaseSettings):
     ctx_per_seq: int = Field(2048, ge=8)
     context_shift: bool = True
     prefix_cache: bool = True
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: float32 on CPU
+    # None: the fast setup for this machine (model.loader.choose_runtime): bfloat16 where the
+    # CPU computes it natively, else float32; a quantized GGUF served int4 / int8 on CPU.
+    # --quant none --dtype float32 is the reference (the logits of the unquantized model).
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    quant: Literal["none", "int8", "int4"] = "none"  # weight-only, CPU; changes the logits
+    quant: Literal["none", "int8", "int4"] | None = None  # weight-only, CPU; changes the logits
     threads: int | None = Field(None, ge=1)  # None = every core (model.worker.set_torch_threads)
     api_key: SecretStr | None = None
     served_model_name: str | None = None

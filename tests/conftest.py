@@ -4,7 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.live_server import LiveServer, start_server
+from model.kernels import isa
+
+isa.apply_forced_isa()  # before any torch op: the libraries read their caps once
+
+from tests.live_server import LiveServer, start_server  # noqa: E402
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """CELLSERVE_ISA=avx2 (or another level) runs the suite as a CPU of that level would: our
+    kernels and torch's libraries capped there (model/kernels/isa.py)."""
+    import torch
+
+    d = isa.describe()
+    forced = f", forced by CELLSERVE_ISA={d['forced']}" if d["forced"] else ""
+    aten = torch.backends.cpu.get_cpu_capability()
+    return f"cellserve ISA: {d['active']} (CPU: {d['cpu']}, {d['detected']}{forced}; ATen {aten})"
+
 
 # small enough to start in seconds on 2 CPU cores, big enough for 16 concurrent streams
 LIVE_SETTINGS = {

@@ -1,7 +1,9 @@
 // Declarations shared by attention.cpp and layers.cpp (model/kernels).
 #pragma once
 
-#include <torch/extension.h>
+// ATen only (not torch/extension.h: pybind11 and the C++ frontend double a build's time);
+// layers.cpp adds the bindings.
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>

@@ -2,6 +2,8 @@
 // model/kernels/__init__.py, with attention.cpp, into one extension; the Python bindings).
 #include "kernels.h"
 
+#include <torch/extension.h>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -89,7 +91,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 // model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over the whole head: the same
 // ATen ops, in the same order, as model/llama.py's Block, without the Python between them.
 // Steps of up to small_rows rows use the int4 kernel, larger ones the packed bfloat16 copy
-// (QuantLinear.forward's choice). weights: per layer, in order: attn_norm, then wqkv as (int4
+// (QuantLinear.forward's choice), prepacked for oneDNN where `packed` (oneDNN has no bfloat16
+// prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
+// weights: per layer, in order: attn_norm, then wqkv as (int4
 // packed, scales, dense packed), wo (3), ffn_norm, w13 (3), w2 (3). k_cache, v_cache:
 // KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each
 // row's K/V goes; rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells,
@@ -100,16 +104,16 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                          const at::Tensor& write_cells, const at::Tensor& rope_c,
                          const at::Tensor& rope_s, const at::Tensor& kv_cells,
                          const at::Tensor& lens, int64_t n_heads, double eps, double scale,
-                         int64_t group_size, int64_t small_rows) {
+                         int64_t group_size, int64_t small_rows, bool packed) {
   constexpr int64_t kPerLayer = 14;
   const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
               "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
   const int64_t n = x.size(0), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
   const bool small = n <= small_rows;
-  auto mm = [group_size, small](const at::Tensor& a, const at::Tensor* w) {
-    return small ? at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1])
-                 : packed_linear(a, w[2]);
+  auto mm = [group_size, small, packed](const at::Tensor& a, const at::Tensor* w) {
+    if (small) return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
+    return packed ? packed_linear(a, w[2]) : at::linear(a, w[2]);
   };
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
@@ -129,10 +133,46 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
   return x;
 }
 
+// What the compiler targeted (the build's -march): checked against model/kernels/isa.py's level
+// by tests/model/test_kernels.py, so that a level's build never uses more than its CPUs have.
+std::string compiled_isa() {
+  std::string out;
+#if defined(__AVX2__)
+  out += "avx2 ";
+#endif
+#if defined(__FMA__)
+  out += "fma ";
+#endif
+#if defined(__AVX512F__)
+  out += "avx512f ";
+#endif
+#if defined(__AVX512BW__)
+  out += "avx512bw ";
+#endif
+#if defined(__AVX512VL__)
+  out += "avx512vl ";
+#endif
+#if defined(__AVX512VNNI__)
+  out += "avx512_vnni ";
+#endif
+#if defined(__AVX512BF16__)
+  out += "avx512_bf16 ";
+#endif
+#if defined(__AMX_TILE__)
+  out += "amx_tile ";
+#endif
+#if defined(__ARM_NEON)
+  out += "neon ";
+#endif
+  if (!out.empty()) out.pop_back();
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
   m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells, bf16");
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
+  m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
   m.def("decode_layers", &decode_layers, "every layer of an int4 + bfloat16 decode step");

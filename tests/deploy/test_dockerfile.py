@@ -140,6 +140,21 @@ def test_builder_installs_torch_then_cellserve_then_smollm2(stages: list[Stage])
     assert "TORCH_VERSION=2.13.0" in args and "SMOLLM2_VERSION=0.1.2" in args
 
 
+def test_builder_compiles_the_kernels_of_every_isa_and_the_final_stage_has_no_compiler(
+    stages: list[Stage],
+) -> None:
+    """The image ships model/kernels built for every x86 level (chosen by cpuid at start-up,
+    never compiled there): the builder installs g++ before and builds them after cellserve;
+    they live in the venv, the only thing the final stage copies."""
+    builder = shell_commands(stage(stages, "builder").args("RUN"))
+    compiler = next(i for i, c in enumerate(builder) if "apt-get install" in c and "g++" in c)
+    build = builder.index("cellserve build-kernels --all")
+    install = builder.index("pip install --no-cache-dir .")
+    assert compiler < install < build
+    final = " ".join(shell_commands(stages[-1].args("RUN")))
+    assert "g++" not in final and "build-kernels" not in final
+
+
 def healthcheck_code(stages: list[Stage]) -> str:
     (health,) = stages[-1].args("HEALTHCHECK")
     argv = json.loads(health.split("CMD", 1)[1].strip())
@@ -185,7 +200,9 @@ def script_commands() -> list[str]:
 
 def test_smoke_script_runs_the_builder_commands_in_order(stages: list[Stage]) -> None:
     docker = [
-        c for c in shell_commands(stage(stages, "builder").args("RUN")) if "pip" in c or "venv" in c
+        c
+        for c in shell_commands(stage(stages, "builder").args("RUN"))
+        if "pip" in c or "venv" in c or "build-kernels" in c
     ]
     script = script_commands()
     positions = [script.index(c) if c in script else -1 for c in docker]

@@ -109,3 +109,23 @@ class Driver:
 
     def logits(self, chunks: list[SeqChunk]):
         return self.worker.forward(make_plan(chunks, windows=self.windows))
+
+
+def require_kernels(level: str | None = None):
+    """The C++ kernels module (of `level`, default: the one the dispatcher picks). Not built:
+    the test skips, or fails where CELLSERVE_REQUIRE_TOOLS=1 (CI: `make test` builds every level
+    this CPU runs, so a missing one is a build failure, never an ISA it lacks)."""
+    import os
+
+    import pytest
+
+    from model.kernels import kernel_dir, load_kernels
+
+    module = load_kernels(level)
+    if module is None:
+        what = f"the {level} build of the C++ kernels" if level else "the C++ kernels"
+        reason = f"{what} is not built in {kernel_dir()} (cellserve build-kernels)"
+        if os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"{reason} (CELLSERVE_REQUIRE_TOOLS=1)")
+        pytest.skip(reason)
+    return module

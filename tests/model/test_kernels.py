@@ -1,23 +1,24 @@
-"""model/kernels: the C++ decode attention against a float64 reference over gathered cells."""
+"""model/kernels: the C++ decode attention against a float64 reference over gathered cells, on
+the build the dispatcher picks; then every ISA level's build (model/kernels/isa.py): the
+dispatcher's choice, each build's instructions within its level, and the same logits as the
+torch path from each."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from model.kernels import load_decode_attention, load_kernels
+from model import kernels as kernel_builds
+from model import load_model
+from model.kernels import isa, load_kernels
+from model.testing import write_tiny_llama
+from model.worker import make_worker
+from tests.model.factories import Driver, require_kernels
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    fn = load_decode_attention()
-    if fn is None:
-        if os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1":
-            pytest.fail("the decode attention kernel did not build (C++ compiler / ninja?)")
-        pytest.skip("no C++ toolchain: the model keeps the gather + SDPA path")
-    return fn
+    return require_kernels().decode_attention
 
 
 def reference(q, k, v, cells, lens, scale):
@@ -94,7 +95,7 @@ def test_refuses_mismatched_inputs(kernel):
 def prompt_kernel(kernel):
     module = load_kernels()
     if not module.has_bf16_kernels():
-        pytest.skip("no AVX-512 BF16 on this CPU: prompts keep SDPA")
+        pytest.skip(f"no AVX-512 BF16 at ISA level {isa.active_level()}: prompts keep SDPA")
     return module.prompt_attention
 
 
@@ -148,33 +149,111 @@ def test_fused_rms_norm_and_silu_mul_round_as_torch_does(kernel):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)
 
 
-@pytest.mark.slow
-def test_builds_and_runs_without_avx512(kernel, tmp_path):
-    """The kernels compiled for an AVX2-only x86 CPU (no AVX-512 BF16): the generic decode
-    attention and fused ops work, prompt_attention refuses and has_bf16_kernels says why."""
-    import platform
-
-    from torch.utils import cpp_extension
-
-    from model.kernels import SOURCES
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("an x86 build check")
-    module = cpp_extension.load(
-        name="cellserve_decode_avx2",
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp"],
-        build_directory=str(tmp_path),
-    )
-    assert not module.has_bf16_kernels()
+def check_module(module) -> None:
+    """A build's decode attention (float32, bfloat16) and fused ops against the references."""
     gen = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 9, 64, generator=gen).bfloat16()
-    k = torch.randn(3, 50, 64, generator=gen).bfloat16()
-    cells, lens = torch.arange(40).view(2, 20), torch.tensor([20, 7])
-    want = reference(q, k, k, cells, lens, 0.125)
-    assert (
-        float((module.decode_attention(q, k, k, cells, lens, 0.125).double() - want).abs().max())
-        < 2e-2
-    )
-    with pytest.raises(RuntimeError, match="AVX-512 BF16"):
-        module.prompt_attention(q, k, k, torch.arange(20), torch.tensor([1, 2]), 0.125)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(2, 9, 64, generator=gen).to(dtype)
+        k = torch.randn(3, 50, 64, generator=gen).to(dtype)
+        cells, lens = torch.arange(40).view(2, 20), torch.tensor([20, 7])
+        want = reference(q, k, k, cells, lens, 0.125)
+        got = module.decode_attention(q, k, k, cells, lens, 0.125)
+        assert float((got.double() - want).abs().max()) < tol, (module.LEVEL, dtype)
+    x = torch.randn(5, 576, generator=gen).bfloat16()
+    w = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    torch.testing.assert_close(module.rms_norm_bf16(x, w, 1e-5), want, atol=0, rtol=2**-7)
+    if not module.has_bf16_kernels():
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            module.prompt_attention(q, k, k, torch.arange(20), torch.tensor([1, 2]), 0.125)
+
+
+def test_dispatcher_picks_the_best_built_level_the_cpu_runs(monkeypatch):
+    require_kernels()
+    detected = isa.detected_level()
+    status = kernel_builds.choose()
+    assert status.level in kernel_builds.built_levels()
+    assert isa.LEVELS.index(status.level) <= isa.LEVELS.index(isa.active_level())
+    assert status.level == load_kernels().LEVEL
+    # every level this CPU runs is built (make install), so the choice is the active level
+    assert set(kernel_builds.levels_for_this_cpu()) <= set(kernel_builds.built_levels())
+    assert status.level == isa.active_level()
+    for forced in kernel_builds.levels_for_this_cpu():
+        monkeypatch.setenv("CELLSERVE_ISA", forced)
+        assert kernel_builds.choose().level == forced
+    if detected != "avx512_bf16":  # a level above the CPU's is capped at the CPU's
+        monkeypatch.setenv("CELLSERVE_ISA", "avx512_bf16")
+        assert isa.active_level() == detected
+    monkeypatch.setenv("CELLSERVE_ISA", "avx9")
+    with pytest.raises(ValueError, match="avx9"):
+        isa.active_level()
+
+
+def test_levels_follow_the_cpu_flags():
+    zen3 = frozenset(["sse2", "avx", "avx2", "fma", "f16c", "bmi2", "popcnt"])
+    skylake = zen3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    zen4 = skylake | {"avx512_vnni", "avx512_bf16"}
+    assert isa.detected_level(frozenset({"sse2", "avx"})) == "generic"
+    assert isa.detected_level(zen3) == "avx2"
+    assert isa.detected_level(skylake) == "avx512"
+    assert isa.detected_level(skylake | {"avx512_bf16"}) == "avx512"  # BF16 without VNNI: none
+    assert isa.detected_level(zen4) == "avx512_bf16"
+    assert isa.library_env("avx2")["ATEN_CPU_CAPABILITY"] == "avx2"
+    # a build's name depends on its level's flags: one level's build never loads as another's
+    names = {kernel_builds.module_name(level) for level in kernel_builds.arch_levels()}
+    assert len(names) == len(kernel_builds.arch_levels())
+
+
+@pytest.mark.parametrize("level", kernel_builds.levels_for_this_cpu())
+def test_each_build_uses_only_its_levels_instructions_and_matches_the_reference(level):
+    """The guard against an illegal instruction on a smaller CPU: what a level's build was
+    compiled for is within what that level requires of a CPU."""
+    module = require_kernels(level)
+    compiled = set(module.compiled_isa().split())
+    if isa.is_x86():
+        allowed = set(isa._NEEDS.get(level, frozenset()))
+        assert compiled <= allowed, (level, compiled - allowed)
+        assert ("avx512_bf16" in compiled) == (level == "avx512_bf16")
+        assert module.has_bf16_kernels() == (level == "avx512_bf16")
+    check_module(module)
+
+
+@pytest.mark.parametrize("level", kernel_builds.levels_for_this_cpu())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_build_gives_the_torch_paths_logits(tmp_path_factory, monkeypatch, level, dtype):
+    """A tiny Llama's prefill and decode logits with one level's kernels (the decode and prompt
+    attention, the fused bfloat16 ops) against the same model without any C++ kernel."""
+    import model.worker
+
+    module = require_kernels(level)
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), dim=128, n_heads=4)  # hd 32
+    loaded = load_model(folder, dtype=dtype)
+    prompts = [[(7 * i + 5 * n) % 300 + 5 for i in range(n)] for n in (30, 24, 33)]
+    runs = []
+    for kernels in (module, None):
+        monkeypatch.setattr(model.worker, "load_kernels", lambda k=kernels: k)
+        worker = make_worker(loaded, n_cells=256)
+        driver = Driver(worker, 256, seed=7)
+        a = driver.logits([driver.chunk(s, p, all_rows=True) for s, p in enumerate(prompts)])
+        b = driver.logits([driver.chunk(s, [17]) for s in range(len(prompts))])
+        runs.append(torch.cat([a, b]).float())
+    spread = float(runs[1].max() - runs[1].min())
+    # float32: summation order only; bfloat16: the kernels' float32 sums vs torch's bfloat16
+    # rounding steps, a few bfloat16 ulps of the logit range
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert float((runs[0] - runs[1]).abs().max()) < tol * spread, level
+    agree = float((runs[0].argmax(-1) == runs[1].argmax(-1)).float().mean())
+    assert agree >= (1.0 if dtype == "float32" else 0.95), (level, agree)
+
+
+@pytest.mark.slow
+def test_the_generic_build_compiles_and_runs(tmp_path, monkeypatch):
+    """The portable build (aarch64 / x86 before AVX2; here with -march=x86-64): compiles
+    without any vector extension and gives the reference values."""
+    require_kernels()  # a toolchain is here
+    monkeypatch.setenv("CELLSERVE_KERNEL_DIR", str(tmp_path))
+    (result,) = kernel_builds.build_kernels(["generic"])
+    assert result.error is None, result.error
+    module = load_kernels("generic")
+    assert "avx2" not in module.compiled_isa() and not module.has_bf16_kernels()
+    check_module(module)

@@ -114,3 +114,27 @@ def test_packed_dense_weights_give_the_plain_bfloat16_linear():
         x = torch.randn(rows, 96).bfloat16()
         want = torch.nn.functional.linear(x, w, b)
         assert torch.equal(dense_linear(x, packed, b, is_packed), want)
+
+
+def test_the_server_default_is_the_fast_setup_for_this_cpu(smollm_path, tmp_path, monkeypatch):
+    """No flags: a quantized GGUF is served quantized (4-bit types int4, 5-8-bit int8),
+    bfloat16 only where the CPU computes it natively; flags win; a GPU keeps bfloat16."""
+    from model.kernels import isa
+    from model.loader import choose_runtime
+    from model.testing import write_tiny_gguf, write_tiny_llama
+
+    native = "bfloat16" if isa.native_bfloat16() else "float32"
+    auto = choose_runtime(smollm_path, "cpu")  # SmolLM2's Q4_1
+    assert (auto.dtype, auto.quant) == (native, "int4")
+    assert "Q4_1" in auto.reason and isa.active_level() in auto.reason
+    ref = choose_runtime(smollm_path, "cpu", "float32", "none")
+    assert (ref.dtype, ref.quant) == ("float32", "none")
+    folder = write_tiny_llama(tmp_path / "hf")
+    for qtype, quant in (("Q8_0", "int8"), ("Q4_0", "int4"), ("F32", "none"), ("F16", "none")):
+        path = write_tiny_gguf(tmp_path / f"{qtype}.gguf", folder, qtype=qtype)
+        assert choose_runtime(path, "cpu").quant == quant, qtype
+    assert choose_runtime(folder, "cpu").quant == "none"  # a Hugging Face folder
+    gpu = choose_runtime(smollm_path, "cuda")
+    assert (gpu.dtype, gpu.quant) == ("bfloat16", "none")
+    monkeypatch.setenv("CELLSERVE_ISA", "avx2")  # no native bfloat16 at this level
+    assert choose_runtime(smollm_path, "cpu").dtype == "float32"
