@@ -14,6 +14,7 @@ from model.kernels import load_kernels
 from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
+from model.token_mask import MaskFiller
 from scheduler.plan import BatchPlan, SeqBatch, StepOutput
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class ModelWorker:
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
+        self.masks = MaskFiller(model.args.vocab_size)
 
     @property
     def kv_bytes_per_cell(self) -> int:
@@ -97,7 +99,9 @@ class ModelWorker:
         if self.threads is not None and self._threads_set_in != threading.get_ident():
             set_torch_threads(self.threads)
             self._threads_set_in = threading.get_ident()
-        return sample(self.forward(plan), plan.samples)
+        masks = self.masks.start(plan.samples)  # structured outputs, beside the forward
+        logits = self.forward(plan)
+        return sample(logits, plan.samples, None if masks is None else masks.result())
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:

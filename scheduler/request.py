@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.constraint import Grammar
 from scheduler.plan import SamplingParams
 
 
@@ -20,6 +21,7 @@ class Request:
     n_keep: int = 0  # tokens kept at the start on a context shift (server: system prompt)
     n_discard: int | None = None  # None = half of what follows n_keep
     context_shift: bool | None = None  # None = the engine's default
+    grammar: Grammar | None = None  # structured output: every choice's tokens follow it
 
 
 @dataclass(slots=True)
