@@ -15,12 +15,10 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from sse_starlette.sse import EventSourceResponse
 
+from kvcache.cells import FREE
 from scheduler.stats import CellMapSnapshot, SlotInfo
 from server.auth import check_api_key
 from server.deps import EngineDep
-
-FREE = -1
-SHARED = -2
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
