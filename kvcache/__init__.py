@@ -1,6 +1,6 @@
 """The shared KV cache: cell metadata (cells, numpy) apart from the K/V tensors (storage)."""
 
-from kvcache.cells import CellStats, KVCells, PendingOps
+from kvcache.cells import FREE, SHARED, CellStats, KVCells, PendingOps
 from kvcache.memory import Memory
 
-__all__ = ["CellStats", "KVCells", "Memory", "PendingOps"]
+__all__ = ["FREE", "SHARED", "CellStats", "KVCells", "Memory", "PendingOps"]

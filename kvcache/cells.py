@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+FREE = -1  # owner_map value of a cell no sequence owns
+SHARED = -2  # owner_map value of a cell two or more sequences own
+
 
 @dataclass(slots=True)
 class PendingOps:
@@ -245,9 +248,9 @@ class KVCells:
         return int(self.seq_count[seq_id])
 
     def owner_map(self) -> np.ndarray:
-        """Per cell: -1 free, -2 shared (2+ owners), else the single owner's seq id (int32)."""
+        """Per cell: FREE, SHARED (2+ owners), else the single owner's seq id (int32)."""
         n = self.n_owners
-        return np.where(n == 1, self.owner_xor, np.where(n == 0, -1, -2)).astype(np.int32)
+        return np.where(n == 1, self.owner_xor, np.where(n == 0, FREE, SHARED)).astype(np.int32)
 
     def take_pending(self) -> PendingOps:
         """Copies (in order) then K-shifts recorded since the last call; resets them."""

@@ -57,7 +57,7 @@ class Memory(Protocol):
         """Storage work (copies, then K-shifts) owed since the last call; resets it."""
 
     def owner_map(self) -> np.ndarray:
-        """Per cell: -1 free, -2 shared, else the owner seq id (int32)."""
+        """Per cell: FREE, SHARED (kvcache.cells), else the owner seq id (int32)."""
 
     def clear(self) -> None:
         """Forget everything, pending work included."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache.cells import KVCells
+from kvcache.cells import SHARED, KVCells
 from scheduler.sequence import Sequence
 
 
@@ -47,7 +47,7 @@ def plan_shift(cells: KVCells, seq: Sequence, n_ctx_seq: int) -> ShiftPlan:
     n_discard = max(1, min(n_discard, n_left))
     kv_cells, kv_pos = cells.seq_cells(seq.seq_id)
     tail = kv_cells[kv_pos >= n_keep + n_discard]
-    num_copies = int(np.count_nonzero(cells.owner_map()[tail] == -2)) if tail.size else 0
+    num_copies = int(np.count_nonzero(cells.owner_map()[tail] == SHARED)) if tail.size else 0
     return ShiftPlan(n_keep, n_discard, num_copies)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from scheduler.config import EngineConfig
 from scheduler.context_shift import clamp_n_keep, truncate_prompt
+from scheduler.errors import PromptError
 from scheduler.request import Request
 from scheduler.sequence import Sequence
 
@@ -15,7 +16,7 @@ def shift_enabled(request: Request, config: EngineConfig) -> bool:
 def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
     """The prompt the model will read; raises ValueError for a request it cannot serve."""
     if not request.prompt_ids:
-        raise ValueError("empty prompt")
+        raise PromptError("empty prompt: the prompt has no tokens")
     if request.n < 1 or request.n > config.n_seq_max:
         raise ValueError(f"n must be in [1, {config.n_seq_max}], got {request.n}")
     if request.max_tokens < 1:
@@ -25,9 +26,10 @@ def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
     if len(request.prompt_ids) < config.n_ctx_seq:
         return list(request.prompt_ids)
     if not shift_enabled(request, config):
-        raise ValueError(
-            f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
-            f"{config.n_ctx_seq} and context shift is off"
+        raise PromptError(
+            f"the prompt has {len(request.prompt_ids)} tokens; the context is "
+            f"{config.n_ctx_seq} tokens and context shift is off",
+            code="context_length_exceeded",
         )
     n_keep = clamp_n_keep(request.n_keep, len(request.prompt_ids), config.n_ctx_seq)
     return truncate_prompt(list(request.prompt_ids), n_keep, config.n_ctx_seq)

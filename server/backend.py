@@ -1,4 +1,4 @@
-"""What the routes serve from: the engine plus the model's tokenizer and chat template."""
+"""What the routes serve from: the engine client plus the model's tokenizer and chat template."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from scheduler.stats import StepStats
+from server.engine_client import EngineClient
 from server.settings import Settings
 
 
@@ -26,7 +27,7 @@ class ChatTemplate(Protocol):
 
 @dataclass(slots=True)
 class Backend:
-    engine: Any  # scheduler.engine.Engine (or a test double honouring its contract)
+    engine: EngineClient
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     model_name: str

@@ -10,6 +10,7 @@ from types import FrameType
 
 import uvicorn
 
+from server.backend import BackendFactory
 from server.settings import Settings
 
 # flag -> Settings field; booleans use --x/--no-x
@@ -97,7 +98,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, backend_factory: BackendFactory | None = None) -> int:
     from pydantic import ValidationError
 
     from server.app import create_app
@@ -112,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    app = create_app(settings, backend_factory)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -142,7 +143,8 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, backend_factory: BackendFactory | None = None) -> int:
+    """`backend_factory` replaces the model load (tests inject fakes or fault hooks here)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         try:
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(bench_main(argv[1:]) or 0)
     args = make_parser().parse_args(argv)
     if args.command == "serve":
-        return serve(args)
+        return serve(args, backend_factory)
     from server.chat_client import run_chat
 
     return run_chat(args)

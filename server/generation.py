@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from scheduler.errors import EngineDeadError, EngineDrainingError, PromptError, QueueFullError
 from scheduler.request import FinishEvent, Request, TokenEvent
 from server.backend import Backend
 from server.errors import APIError
@@ -59,7 +59,9 @@ class _JobUsage:
     seen_finish: bool = False
 
 
-def submit_error(exc: Exception) -> APIError:
+def submit_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
+    if isinstance(exc, PromptError):
+        return APIError(400, str(exc), param=prompt_param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return APIError(429, "the server is busy: queue full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDrainingError):
@@ -79,8 +81,10 @@ class Generation:
         timeout: float,
         want_logprobs: bool,
         max_buffered: int = 1024,
+        prompt_param: str = "prompt",
     ) -> None:
         self.backend = backend
+        self.prompt_param = prompt_param  # names the prompt in a 400 from the engine
         self.max_buffered = max_buffered  # unsent events before a slow reader is cut off
         self.metrics = metrics
         self.requests = requests
@@ -105,7 +109,7 @@ class Generation:
                 self._streams.append(self.backend.engine.submit(req))
             except Exception as exc:
                 self.abort()
-                raise submit_error(exc) from exc
+                raise submit_error(exc, self.prompt_param) from exc
 
     def abort(self) -> None:
         for req in self.requests[: len(self._streams)]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -23,7 +24,12 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Backend:
+def load_backend(
+    settings: Settings,
+    on_step: Callable[[StepStats], None],
+    wrap_worker: Callable[[Any], Any] | None = None,
+) -> Backend:
+    """`wrap_worker` (tests only) wraps the worker the engine drives."""
     import torch
 
     from model import default_model_path, load_model
@@ -52,7 +58,6 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
             loaded.config.n_ctx_train,
         )
     from model.worker import make_worker
-    from server.faults import wrap_worker
 
     worker = make_worker(
         loaded,
@@ -62,7 +67,8 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         batch_invariant=settings.batch_invariant,
         threads=threads if device == "cpu" else None,
     )
-    worker = wrap_worker(worker)  # test-only fault hooks; the worker itself unless env vars say
+    if wrap_worker is not None:
+        worker = wrap_worker(worker)
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,

@@ -78,25 +78,16 @@ def make_request(
     top_logprobs: int,
     prompt_param: str,
 ) -> Request:
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
     if body.n > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
     limit = settings.max_tokens_limit
     if max_tokens is not None and max_tokens > limit:
         raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens")
-    shift = settings.context_shift if body.context_shift is None else body.context_shift
     num_prompt = len(prompt_ids)
-    if not shift and num_prompt >= backend.n_ctx_seq:
-        raise APIError(
-            400,
-            f"the prompt has {num_prompt} tokens; the context is {backend.n_ctx_seq} tokens "
-            "and context shift is off",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    # NOTE: with context shift on, a prompt past the context is shifted (its middle dropped,
-    # llama.cpp style); one longer than the whole KV cache is refused rather than mostly lost.
+    # NOTE: the engine refuses an empty prompt, or one past the context with context shift
+    # off (scheduler.errors.PromptError, see Generation.submit). A prompt past the context
+    # with shift on is shifted (its middle dropped, llama.cpp style); this server policy
+    # refuses one longer than the whole KV cache rather than lose most of it.
     if num_prompt > backend.n_cells:
         raise APIError(
             400,

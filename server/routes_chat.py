@@ -21,9 +21,18 @@ from server.deps import (
 )
 from server.errors import APIError
 from server.generation import Generation
+from server.logprobs import chat_logprobs
 from server.prompts import make_request, tokenize_chat
-from server.responses import chat_logprobs, envelope, usage_dict
 from server.schemas import ChatCompletionRequest
+from server.schemas_out import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Usage,
+)
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -65,43 +74,51 @@ async def chat_completions(
         settings.request_timeout,
         body.logprobs,
         max_buffered=settings.stream_buffer,
+        prompt_param="messages",
     )
     gen.submit()
-    head = envelope(req_id, "chat.completion", int(time.time()), backend.model_name)
+    created = int(time.time())
     if body.stream:
-        return sse_response(gen, lambda g: _chunks(g, head, body))
+        return sse_response(gen, lambda g: _chunks(g, req_id, created, body))
 
     results = await collect(gen, request, [""] * body.n)
     choices = [
-        {
-            "index": r.index,
-            "message": {"role": "assistant", "content": r.text, "refusal": None},
-            "logprobs": chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None,
-            "finish_reason": r.finish_reason,
-        }
+        ChatChoice(
+            index=r.index,
+            message=AssistantMessage(content=r.text),
+            logprobs=chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None,
+            finish_reason=r.finish_reason,
+        )
         for r in results
     ]
-    return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
+    return ChatCompletion(
+        id=req_id,
+        created=created,
+        model=backend.model_name,
+        choices=choices,
+        usage=Usage.of(*gen.usage()),
+    )
 
 
 async def _chunks(
-    gen: Generation, head: dict[str, Any], body: ChatCompletionRequest
-) -> AsyncIterator[dict[str, Any]]:
-    head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if body.include_usage else {}
+    gen: Generation, req_id: str, created: int, body: ChatCompletionRequest
+) -> AsyncIterator[ChatCompletionChunk]:
+    head: dict[str, Any] = {"id": req_id, "created": created, "model": gen.backend.model_name}
+    if body.include_usage:
+        head["usage"] = None
     tok = gen.backend.tokenizer
 
-    def chunk(index: int, delta: dict, logprobs: Any = None, reason: str | None = None):
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return {**head, "choices": [choice], **extra}
+    def chunk(index: int, delta: ChatDelta, logprobs: Any = None, reason: str | None = None):
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
+        return ChatCompletionChunk(**head, choices=[choice])
 
     for i in range(body.n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunk(i, ChatDelta(role="assistant", content=""))
     async for d in gen.deltas():
         if d.text or d.logprobs:
             lp = chat_logprobs(tok, d.logprobs) if body.logprobs else None
-            yield chunk(d.index, {"content": d.text}, lp)
+            yield chunk(d.index, ChatDelta(content=d.text), lp)
         if d.finish_reason is not None:
-            yield chunk(d.index, {}, None, d.finish_reason)
+            yield chunk(d.index, ChatDelta(), None, d.finish_reason)
     if body.include_usage:
-        yield {**head, "choices": [], "usage": usage_dict(*gen.usage())}
+        yield ChatCompletionChunk(**{**head, "usage": Usage.of(*gen.usage())}, choices=[])

@@ -22,9 +22,10 @@ from server.deps import (
 )
 from server.errors import APIError
 from server.generation import Generation
+from server.logprobs import completion_logprobs
 from server.prompts import check_token_ids, encode_text, make_request
-from server.responses import completion_logprobs, envelope, usage_dict
 from server.schemas import CompletionRequest
+from server.schemas_out import CompletionChoice, TextCompletion, Usage
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -91,37 +92,45 @@ async def completions(
         max_buffered=settings.stream_buffer,
     )
     gen.submit()
-    head = envelope(base_id, "text_completion", int(time.time()), backend.model_name)
+    created = int(time.time())
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]
     if body.stream:
-        return sse_response(gen, lambda g: _chunks(g, head, body, echoes))
+        return sse_response(gen, lambda g: _chunks(g, base_id, created, body, echoes))
 
     results = await collect(gen, request, echoes)
     choices = [
-        {
-            "index": r.index,
-            "text": r.text,
-            "logprobs": completion_logprobs(backend.tokenizer, r.logprobs, len(echoes[r.index]))
+        CompletionChoice(
+            index=r.index,
+            text=r.text,
+            logprobs=completion_logprobs(backend.tokenizer, r.logprobs, len(echoes[r.index]))
             if want_logprobs
             else None,
-            "finish_reason": r.finish_reason,
-        }
+            finish_reason=r.finish_reason,
+        )
         for r in results
     ]
-    return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
+    return TextCompletion(
+        id=base_id,
+        created=created,
+        model=backend.model_name,
+        choices=choices,
+        usage=Usage.of(*gen.usage()),
+    )
 
 
 async def _chunks(
-    gen: Generation, head: dict[str, Any], body: CompletionRequest, echoes: list[str]
-) -> AsyncIterator[dict[str, Any]]:
-    extra = {"usage": None} if body.include_usage else {}
+    gen: Generation, base_id: str, created: int, body: CompletionRequest, echoes: list[str]
+) -> AsyncIterator[TextCompletion]:
+    head: dict[str, Any] = {"id": base_id, "created": created, "model": gen.backend.model_name}
+    if body.include_usage:
+        head["usage"] = None
     tok = gen.backend.tokenizer
     want_logprobs = body.logprobs is not None
     offsets = [len(e) for e in echoes]
 
     def chunk(index: int, text: str, logprobs: Any = None, reason: str | None = None):
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        return {**head, "choices": [choice], **extra}
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
+        return TextCompletion(**head, choices=[choice])
 
     for i, echo in enumerate(echoes):
         if echo:
@@ -134,4 +143,4 @@ async def _chunks(
         if d.finish_reason is not None:
             yield chunk(d.index, "", None, d.finish_reason)
     if body.include_usage:
-        yield {**head, "choices": [], "usage": usage_dict(*gen.usage())}
+        yield TextCompletion(**{**head, "usage": Usage.of(*gen.usage())}, choices=[])

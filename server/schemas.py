@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API (plus vLLM / llama.cpp extensions), validated by pydantic.
 
-Responses are built as plain dicts in server/responses.py, in OpenAI's exact shapes.
+Response bodies are in server/schemas_out.py.
 """
 
 from __future__ import annotations

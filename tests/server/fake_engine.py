@@ -13,17 +13,21 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from scheduler.errors import EngineDrainingError, QueueFullError
+import numpy as np
+
+from kvcache.cells import FREE
+from scheduler.errors import EngineDrainingError, PromptError, QueueFullError
 from scheduler.request import FinishEvent, Request, TokenEvent
-from scheduler.stats import EngineStats, SlotInfo
+from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
 from server.backend import Backend
+from server.engine_client import EngineClient
 
 BOS, EOS = 256, 257
 REPLY = "The capital of France is Paris. Ünïcødé 😀 ok."
 
 
 class FakeTokenizer:
-    bos_id = BOS
+    bos_id: int | None = BOS
     eos_ids = (EOS,)
     vocab_size = 258
 
@@ -75,8 +79,10 @@ class FakeEngine:
         asyncio.get_running_loop()
         if self.draining:
             raise EngineDrainingError("draining")
+        if not request.prompt_ids:
+            raise PromptError("empty prompt: the prompt has no tokens")
         if len(request.prompt_ids) > 4000:
-            raise ValueError("prompt too long")
+            raise PromptError("prompt too long", code="context_length_exceeded")
         with self.lock:
             running = {k[0] for k in self.live}
             if len(running) >= self.max_running:
@@ -179,6 +185,16 @@ class FakeEngine:
                 for seq, ((rid, i), v) in enumerate(self.live.items())
             ]
 
+    def cell_map(self) -> CellMapSnapshot:
+        """Each live choice's cells laid out one after another, in slot order."""
+        slots = self.slots()
+        owner_map = np.full(self.n_cells, FREE, dtype=np.int32)
+        head = 0
+        for slot in slots:
+            owner_map[head : head + slot.cells_owned] = slot.seq_id
+            head = min(self.n_cells, head + slot.cells_owned)
+        return CellMapSnapshot(self.n_cells, head, owner_map, slots, [], self.stats())
+
     def shutdown(self, drain_timeout: float) -> None:
         self.draining = True
         deadline = time.monotonic() + drain_timeout
@@ -189,7 +205,7 @@ class FakeEngine:
                 live.aborted = True
 
 
-def fake_backend_factory(engine: FakeEngine | None = None):
+def fake_backend_factory(engine: EngineClient | None = None):
     def factory(settings, on_step) -> Backend:
         return Backend(
             engine=engine or FakeEngine(),
