@@ -79,6 +79,8 @@ def load_backend(
         prefix_cache=settings.prefix_cache,
     )
     config.validate()
+    from model.grammar import GrammarCompiler
+
     return Backend(
         engine=Engine(worker, config, on_step=on_step),
         tokenizer=loaded.tokenizer,
@@ -87,4 +89,5 @@ def load_backend(
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=worker.kv_bytes_per_cell * settings.n_cells,
+        grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
     )

@@ -26,6 +26,7 @@ from server.logprobs import completion_logprobs
 from server.prompts import check_token_ids, encode_text, make_request
 from server.schemas import CompletionRequest
 from server.schemas_out import CompletionChoice, TextCompletion, Usage
+from server.structured import body_grammar_spec, compile_grammar
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -64,6 +65,8 @@ async def completions(
     prompts = _prompts(backend, body)
     base_id = f"cmpl-{uuid.uuid4().hex}"
     want_logprobs = body.logprobs is not None
+    spec = body_grammar_spec(body)  # structured outputs: every prompt shares the grammar
+    grammar = await compile_grammar(backend, spec) if spec is not None else None
     engine_requests = [
         make_request(
             f"{base_id}-{j}" if len(prompts) > 1 else base_id,
@@ -77,6 +80,7 @@ async def completions(
             logprobs=want_logprobs,
             top_logprobs=body.logprobs or 0,
             prompt_param="prompt",
+            grammar=grammar,
         )
         for j, (ids, _) in enumerate(prompts)
     ]

@@ -44,7 +44,10 @@ async def tokenize(body: TokenizeRequest, backend: BackendDep) -> TokenizeRespon
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         # the same ids /v1/chat/completions would submit, so usage.prompt_tokens == count
-        tokens, _ = tokenize_chat(backend, body.messages, body.add_generation_prompt)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        tokens, _ = tokenize_chat(backend, body.messages, body.add_generation_prompt, kwargs)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = encode_text(backend.tokenizer, body.prompt or "", add_special)
