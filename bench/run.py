@@ -33,7 +33,7 @@ from bench.server_proc import LLAMACPP_DEFAULT, REPO_ROOT, cellserve_process, ll
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
-MICRO_BENCHES = ("cache_bench", "model_bench", "engine_bench")
+MICRO_BENCHES = ("cache_bench", "model_bench", "engine_bench", "constrained_bench")
 # the fast CPU configuration; 32 x (256 + 128) tokens fit in the cache, so nothing is preempted
 DEFAULT_SERVER_ARGS = "--quant int4 --dtype bfloat16 --n-cells 32768"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model.token_mask import apply_mask
+from model.token_mask import apply_masks, masked_argmax
 from scheduler.plan import SampleRow, StepOutput
 
 GREEDY_TEMPERATURE = 1e-5
@@ -19,6 +19,7 @@ def draw_seed(seed: int, output_index: int) -> int:
 
 
 def is_plain_greedy(row: SampleRow) -> bool:
+    """Argmax of the (masked) logits is the token."""
     p = row.params
     return (
         p.temperature < GREEDY_TEMPERATURE
@@ -26,7 +27,6 @@ def is_plain_greedy(row: SampleRow) -> bool:
         and not p.needs_history
         and not row.suppress_ids
         and not p.logprobs
-        and row.constraint is None
     )
 
 
@@ -38,20 +38,33 @@ def sample(
     or None when no row is constrained. Logprobs are those of the raw distribution."""
     if not rows:
         return StepOutput(token_ids=[])
-    logits = logits.float().cpu()
-    if all(is_plain_greedy(r) for r in rows):
-        return StepOutput(token_ids=logits.argmax(dim=-1).tolist())
-    token_ids = [
-        int(logits[i].argmax())
-        if is_plain_greedy(r)
-        else sample_row(logits[i], r, None if masks is None else masks[i])
-        for i, r in enumerate(rows)
-    ]
+    raw = logits = logits.float().cpu()
+    greedy = [is_plain_greedy(r) for r in rows]
+    constrained = [i for i, r in enumerate(rows) if r.constraint is not None]
+    if not constrained or masks is None:
+        if all(greedy):
+            return StepOutput(token_ids=logits.argmax(dim=-1).tolist())
+        token_ids = [
+            int(logits[i].argmax()) if greedy[i] else sample_row(logits[i], r)
+            for i, r in enumerate(rows)
+        ]
+    else:
+        # NOTE: greedy constrained rows never build a masked vocabulary (masked_argmax); the
+        # others get their masks applied before penalties, temperature and the filters
+        sampled = [i for i in constrained if not greedy[i]]
+        logits = apply_masks(raw, masks, sampled) if sampled else raw
+        raw_np = raw.numpy()
+        token_ids = raw_np.argmax(axis=1).tolist()
+        for i, r in enumerate(rows):
+            if not greedy[i]:
+                token_ids[i] = sample_row(logits[i], r)
+            elif r.constraint is not None:
+                token_ids[i] = masked_argmax(raw_np[i], masks[i], token_ids[i])
     if not any(r.params.logprobs for r in rows):
         return StepOutput(token_ids=token_ids)
     logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] = []
-    all_lp = torch.log_softmax(logits, dim=-1)  # [n, vocab] of the raw distribution
+    all_lp = torch.log_softmax(raw, dim=-1)  # [n, vocab] of the raw distribution
     for i, r in enumerate(rows):
         logprobs.append(float(all_lp[i, token_ids[i]]))
         k = min(max(r.params.top_logprobs, 0), MAX_TOP_LOGPROBS) if r.params.logprobs else 0
@@ -63,14 +76,12 @@ def sample(
     return StepOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
-def process_logits(
-    logits: torch.Tensor, row: SampleRow, mask: np.ndarray | None = None
-) -> torch.Tensor:
-    """Grammar mask, penalties, logit_bias and suppression on one row: [vocab] -> [vocab]
-    (new tensor)."""
+def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """Penalties, logit_bias and suppression on one row (its grammar mask already applied):
+    [vocab] -> [vocab] (new tensor)."""
     p = row.params
-    constrained = row.constraint is not None and mask is not None
-    out = apply_mask(logits, mask) if constrained else logits.clone()
+    constrained = row.constraint is not None
+    out = logits.clone()
     vocab = out.shape[0]
     if p.logit_bias:
         items = [(t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab]
@@ -117,8 +128,8 @@ def filtered_probs(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def sample_row(logits: torch.Tensor, row: SampleRow, mask: np.ndarray | None = None) -> int:
-    processed = process_logits(logits, row, mask)
+def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
+    processed = process_logits(logits, row)
     if row.params.temperature < GREEDY_TEMPERATURE:
         return int(processed.argmax())
     probs = filtered_probs(processed, row)

@@ -223,3 +223,41 @@ def test_unconstrained_rows_compute_no_mask(smollm: LoadedModel, compiler: Gramm
     assert (masks[0] == -1).all()  # every token allowed
     allowed = {t for t in range(smollm.config.vocab_size) if masks[1][t // 32] >> (t % 32) & 1}
     assert allowed and all(smollm.tokenizer.decode([t]) in ("a", "ab") for t in allowed)
+
+
+def test_masked_rows_sample_only_allowed_tokens(
+    smollm: LoadedModel, compiler: GrammarCompiler
+) -> None:
+    import torch
+
+    from model.sampling import sample
+    from scheduler.plan import SampleRow
+
+    vocab = smollm.config.vocab_size
+    constraint = compiler.compile(GrammarSpec("regex", "(yes|no|maybe)!")).new_constraint()
+    greedy = SampleRow(0, SamplingParams(temperature=0.0), 0, 0, 1, constraint=constraint)
+    rows = (
+        [greedy]
+        + [
+            SampleRow(
+                i + 1,
+                SamplingParams(temperature=1.5, top_k=50),
+                seed=i,
+                output_index=0,
+                num_prompt=1,
+                constraint=constraint,
+            )
+            for i in range(16)
+        ]
+        + [SampleRow(17, SamplingParams(temperature=0.0), 0, 0, 1)]
+    )  # unconstrained
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(0))
+    future = MaskFiller(vocab).start(rows)
+    assert future is not None
+    masks = future.result()
+    allowed = {t for t in range(vocab) if masks[0][t // 32] >> (t % 32) & 1}
+    out = sample(logits, rows, masks).token_ids
+    assert all(t in allowed for t in out[:-1])
+    assert out[0] == max(allowed, key=lambda t: float(logits[0, t]))  # the best allowed one
+    assert out[-1] == int(logits[-1].argmax())  # the unconstrained row is untouched
+    assert len(set(out[1:-1])) > 1  # sampled, not forced to one token
