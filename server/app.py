@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -145,6 +146,17 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes, state=app.state)
+    if settings.cors_origins:
+        # NOTE: added last, so outermost: preflights are answered before auth and the body
+        # limit, and error responses carry the CORS headers too. No credentials (cookies):
+        # the API key travels in the Authorization header, which preflight allows.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
 
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
 from server.deps import (
@@ -33,6 +34,7 @@ from server.schemas_out import (
     ChatDelta,
     Usage,
 )
+from server.unsupported import CHAT_RULES, reject_non_text_messages, reject_unsupported
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -48,7 +50,12 @@ async def chat_completions(
     check_model(body.model, backend)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    prompt_ids, n_keep = tokenize_chat(backend, body.messages, body.add_generation_prompt)
+    reject_unsupported(body, CHAT_RULES)
+    reject_non_text_messages(body.messages)
+    # NOTE: off the event loop: a long prompt takes a while to render and tokenize
+    prompt_ids, n_keep = await run_in_threadpool(
+        tokenize_chat, backend, body.messages, body.add_generation_prompt
+    )
     max_tokens = body.max_completion_tokens or body.max_tokens
     room = backend.n_ctx_seq - len(prompt_ids)
     req_id = f"chatcmpl-{uuid.uuid4().hex}"

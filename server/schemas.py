@@ -5,7 +5,7 @@ Response bodies are in server/schemas_out.py.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -71,25 +71,32 @@ class SamplingBody(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text is read; other types (image_url, input_audio,
+    file) are kept so that the route can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(SamplingBody):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -101,6 +108,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingBody):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
+
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
