@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
+from server.chat_run import start_chat
 from server.deps import (
     BackendDep,
     MetricsDep,
     SettingsDep,
-    check_model,
     collect,
-    log_request,
     sse_response,
 )
-from server.errors import APIError
 from server.generation import Generation
 from server.logprobs import chat_logprobs
-from server.prompts import make_request, tokenize_chat
 from server.schemas import ChatCompletionRequest
 from server.schemas_out import (
     AssistantMessage,
@@ -34,7 +29,6 @@ from server.schemas_out import (
     ChatDelta,
     Usage,
 )
-from server.unsupported import CHAT_RULES, reject_non_text_messages, reject_unsupported
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -47,44 +41,8 @@ async def chat_completions(
     settings: SettingsDep,
     metrics: MetricsDep,
 ) -> Any:
-    check_model(body.model, backend)
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    reject_unsupported(body, CHAT_RULES)
-    reject_non_text_messages(body.messages)
-    # NOTE: off the event loop: a long prompt takes a while to render and tokenize
-    prompt_ids, n_keep = await run_in_threadpool(
-        tokenize_chat, backend, body.messages, body.add_generation_prompt
-    )
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    room = backend.n_ctx_seq - len(prompt_ids)
-    req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    engine_request = make_request(
-        req_id,
-        prompt_ids,
-        body,
-        backend=backend,
-        settings=settings,
-        max_tokens=max_tokens,
-        default_max_tokens=max(1, min(settings.max_tokens_limit, room)),
-        n_keep=n_keep,
-        logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
-        prompt_param="messages",
-    )
-    log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
-    gen = Generation(
-        backend,
-        metrics,
-        [engine_request],
-        body.stop_list,
-        settings.request_timeout,
-        body.logprobs,
-        max_buffered=settings.stream_buffer,
-        prompt_param="messages",
-    )
-    gen.submit()
-    created = int(time.time())
+    run = await start_chat(body, f"chatcmpl-{uuid.uuid4().hex}", backend, settings, metrics)
+    gen, req_id, created = run.gen, run.req_id, run.created
     if body.stream:
         return sse_response(gen, lambda g: _chunks(g, req_id, created, body))
 

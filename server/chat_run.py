@@ -1,0 +1,74 @@
+"""Start a chat generation from a validated ChatCompletionRequest: the part that
+/v1/chat/completions and /v1/responses share (checks, template, tokenize, submit)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
+
+from server.backend import Backend
+from server.deps import check_model, log_request
+from server.errors import APIError
+from server.generation import Generation
+from server.metrics import Metrics
+from server.prompts import make_request, tokenize_chat
+from server.schemas import ChatCompletionRequest
+from server.settings import Settings
+from server.unsupported import CHAT_RULES, reject_non_text_messages, reject_unsupported
+
+
+@dataclass(slots=True)
+class ChatRun:
+    req_id: str
+    created: int
+    gen: Generation  # submitted
+    num_prompt: int
+
+
+async def start_chat(
+    body: ChatCompletionRequest,
+    req_id: str,
+    backend: Backend,
+    settings: Settings,
+    metrics: Metrics,
+) -> ChatRun:
+    """Validate, render, tokenize (off the event loop) and submit; APIError on bad input."""
+    check_model(body.model, backend)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    reject_unsupported(body, CHAT_RULES)
+    reject_non_text_messages(body.messages)
+    # NOTE: off the event loop: a long prompt takes a while to render and tokenize
+    prompt_ids, n_keep = await run_in_threadpool(
+        tokenize_chat, backend, body.messages, body.add_generation_prompt
+    )
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    room = backend.n_ctx_seq - len(prompt_ids)
+    engine_request = make_request(
+        req_id,
+        prompt_ids,
+        body,
+        backend=backend,
+        settings=settings,
+        max_tokens=max_tokens,
+        default_max_tokens=max(1, min(settings.max_tokens_limit, room)),
+        n_keep=n_keep,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        prompt_param="messages",
+    )
+    log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
+    gen = Generation(
+        backend,
+        metrics,
+        [engine_request],
+        body.stop_list,
+        settings.request_timeout,
+        body.logprobs,
+        max_buffered=settings.stream_buffer,
+        prompt_param="messages",
+    )
+    gen.submit()
+    return ChatRun(req_id, int(time.time()), gen, len(prompt_ids))
