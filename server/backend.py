@@ -34,6 +34,7 @@ class Backend:
     n_ctx_seq: int
     n_cells: int
     cache_bytes: int
+    embedding_dim: int = 0  # length of an /v1/embeddings vector (the model's hidden size)
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

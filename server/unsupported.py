@@ -45,6 +45,10 @@ COMPLETION_RULES: dict[str, Rule] = {
     "best_of": (_best_of_above_n, "best_of other than n is not supported"),
 }
 
+EMBEDDING_RULES: dict[str, Rule] = {
+    "truncate_prompt_tokens": (_given, "truncating inputs is not supported"),
+}
+
 
 def reject_unsupported(body: BaseModel, rules: dict[str, Rule]) -> None:
     """400 on the first field of `body` (declared or extra) that `rules` refuses."""

@@ -10,6 +10,7 @@ import asyncio
 import random
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,12 +18,13 @@ import numpy as np
 
 from kvcache.cells import FREE
 from scheduler.errors import EngineDrainingError, PromptError, QueueFullError
-from scheduler.request import FinishEvent, Request, TokenEvent
+from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
 from server.backend import Backend
 from server.engine_client import EngineClient
 
 BOS, EOS = 256, 257
+EMBEDDING_DIM = 8
 REPLY = "The capital of France is Paris. Ünïcødé 😀 ok."
 
 
@@ -75,7 +77,7 @@ class FakeEngine:
     def start(self) -> None:
         pass
 
-    def submit(self, request: Request) -> AsyncIterator[TokenEvent | FinishEvent]:
+    def submit(self, request: Request) -> AsyncIterator[Event]:
         asyncio.get_running_loop()
         if self.draining:
             raise EngineDrainingError("draining")
@@ -91,9 +93,22 @@ class FakeEngine:
                 self.live[(request.req_id, i)] = _Live(request, i, len(request.prompt_ids))
             self.num_prompt_tokens += len(request.prompt_ids)
             self.submitted.append(request)
-        return self._run(request)
+        return self._embed(request) if request.embed else self._run(request)
 
-    async def _run(self, request: Request) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def _embed(self, request: Request) -> AsyncIterator[Event]:
+        """A vector that depends only on the prompt (seeded by its crc32), after one step."""
+        try:
+            await asyncio.sleep(self.token_delay)
+            ids = np.asarray(request.prompt_ids, dtype=np.int64)
+            seed = zlib.crc32(ids.tobytes())
+            vector = np.random.default_rng(seed).normal(size=EMBEDDING_DIM).astype(np.float32)
+            yield EmbeddingEvent(0, vector * 3.0)  # not normalised, as the engine's are not
+            yield FinishEvent(0, "stop", len(request.prompt_ids), 0, 0, queue_time=0.001)
+        finally:
+            with self.lock:
+                self.live.pop((request.req_id, 0), None)
+
+    async def _run(self, request: Request) -> AsyncIterator[Event]:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._choice(request, i, queue)) for i in range(request.n)]
         try:
@@ -215,6 +230,7 @@ def fake_backend_factory(engine: EngineClient | None = None):
             n_ctx_seq=settings.ctx_per_seq,
             n_cells=4096,
             cache_bytes=4096 * 1024,
+            embedding_dim=EMBEDDING_DIM,
         )
 
     return factory
