@@ -18,7 +18,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import routes_chat, routes_completions, routes_embeddings, routes_misc
+from server import (
+    routes_chat,
+    routes_completions,
+    routes_embeddings,
+    routes_misc,
+    routes_responses,
+)
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
@@ -161,6 +167,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)
     app.include_router(routes_embeddings.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_misc.open_router)
     app.include_router(routes_misc.metrics_router(settings.protect_metrics))

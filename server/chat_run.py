@@ -33,8 +33,10 @@ async def start_chat(
     backend: Backend,
     settings: Settings,
     metrics: Metrics,
+    prompt_param: str = "messages",
 ) -> ChatRun:
-    """Validate, render, tokenize (off the event loop) and submit; APIError on bad input."""
+    """Validate, render, tokenize (off the event loop) and submit; APIError on bad input
+    (`prompt_param` names the conversation in it: /v1/responses calls it `input`)."""
     check_model(body.model, backend)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -57,7 +59,7 @@ async def start_chat(
         n_keep=n_keep,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
-        prompt_param="messages",
+        prompt_param=prompt_param,
     )
     log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
     gen = Generation(
@@ -68,7 +70,7 @@ async def start_chat(
         settings.request_timeout,
         body.logprobs,
         max_buffered=settings.stream_buffer,
-        prompt_param="messages",
+        prompt_param=prompt_param,
     )
     gen.submit()
     return ChatRun(req_id, int(time.time()), gen, len(prompt_ids))

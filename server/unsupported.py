@@ -16,7 +16,7 @@ from server.schemas import ChatMessage
 Rule = tuple[Callable[[Any, BaseModel], bool], str]
 
 
-def _given(value: Any, _: BaseModel) -> bool:
+def given(value: Any, _: BaseModel) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
 
@@ -29,24 +29,24 @@ def _best_of_above_n(value: Any, body: BaseModel) -> bool:
 
 
 _COMMON: dict[str, Rule] = {
-    "logits_processors": (_given, "custom logits processors are not supported"),
-    "store": (_given, "store: true is not supported: this server keeps no completions"),
+    "logits_processors": (given, "custom logits processors are not supported"),
+    "store": (given, "store: true is not supported: this server keeps no completions"),
 }
 CHAT_RULES: dict[str, Rule] = {
     **_COMMON,
-    "audio": (_given, "audio output is not supported: this server generates text only"),
+    "audio": (given, "audio output is not supported: this server generates text only"),
     "modalities": (_not_text_only, "only the 'text' output modality is supported"),
-    "prediction": (_given, "predicted outputs are not supported"),
-    "web_search_options": (_given, "web search is not supported"),
+    "prediction": (given, "predicted outputs are not supported"),
+    "web_search_options": (given, "web search is not supported"),
 }
 COMPLETION_RULES: dict[str, Rule] = {
     **_COMMON,
-    "suffix": (_given, "suffix (insertion) is not supported"),
+    "suffix": (given, "suffix (insertion) is not supported"),
     "best_of": (_best_of_above_n, "best_of other than n is not supported"),
 }
 
 EMBEDDING_RULES: dict[str, Rule] = {
-    "truncate_prompt_tokens": (_given, "truncating inputs is not supported"),
+    "truncate_prompt_tokens": (given, "truncating inputs is not supported"),
 }
 
 
