@@ -67,6 +67,7 @@ class FakeEngine:
     max_queue: int = 64
     max_running: int = 64
     token_delay: float = 0.002
+    reply: str = REPLY  # what every choice answers (its UTF-8 bytes are the tokens)
     live: dict[tuple[str, int], _Live] = field(default_factory=dict)
     draining: bool = False
     num_prompt_tokens: int = 0
@@ -126,7 +127,7 @@ class FakeEngine:
                     self.live.pop((request.req_id, i), None)
 
     async def _choice(self, request: Request, index: int, queue: asyncio.Queue) -> None:
-        reply = list(REPLY.encode())
+        reply = list(self.reply.encode())
         if request.sampling.temperature > 0 and request.sampling.seed is not None:
             rng = random.Random(request.sampling.seed)
             rng = random.Random(rng.random() + index)
