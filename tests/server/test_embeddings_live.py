@@ -81,3 +81,22 @@ def test_an_input_past_the_context_is_a_400(live_server):
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == "input.1" and err["code"] == "context_length_exceeded"
+
+
+def test_langchain_openai_embeddings(live_server, client):
+    lc = pytest.importorskip("langchain_openai")
+    model = client.models.list().data[0].id
+    # NOTE: check_embedding_ctx_length=False: otherwise LangChain tokenizes with tiktoken,
+    # whose vocabularies are downloaded (and are not this model's)
+    emb = lc.OpenAIEmbeddings(
+        model=model,
+        base_url=f"{live_server.url}/v1",
+        api_key="x",
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    docs = np.array(emb.embed_documents(TEXTS[:2]))
+    query = np.array(emb.embed_query(TEXTS[0]))
+    assert docs.shape == (2, 576) and np.allclose(np.linalg.norm(docs, axis=1), 1.0, atol=1e-5)
+    assert np.abs(query - docs[0]).max() < ATOL
+    assert np.abs(docs - embed(client, TEXTS[:2])).max() < ATOL
