@@ -19,24 +19,32 @@ from server.engine_client import EngineClient
 from server.errors import APIError
 from server.generation import submit_error
 
-WINDOW = 32  # inputs of one HTTP request in the engine at once
+WINDOW = 32  # at most this many inputs of one HTTP request in the engine at once
 
 
 class EmbeddingJob:
     def __init__(
-        self, engine: EngineClient, requests: list[Request], params: list[str], timeout: float
+        self,
+        engine: EngineClient,
+        requests: list[Request],
+        params: list[str],
+        timeout: float,
+        max_queue: int,
     ) -> None:
         self.engine = engine
         self.requests = requests
         self.params = params  # the body field each request came from ("input", "input.3")
         self.timeout = timeout
+        # NOTE: half the engine's queue at most, so that a big batch on an idle server is
+        # served in turns instead of answering 429 (other clients keep the other half)
+        self.window = max(1, min(WINDOW, max_queue // 2))
         self.num_prompt_tokens = 0
         self._live: set[str] = set()
         self._client_gone = False
 
     async def run(self, http: HTTPRequest) -> list[np.ndarray]:
         """-> one vector per request, in order; APIError on any failure (the rest aborted)."""
-        window = asyncio.Semaphore(WINDOW)
+        window = asyncio.Semaphore(self.window)
         tasks = [asyncio.create_task(self._one(i, window)) for i in range(len(self.requests))]
         watcher = asyncio.create_task(self._watch(http, tasks))
         try:

@@ -76,8 +76,9 @@ async def embeddings(
     ]
     for req in requests:
         log_request(settings, req.req_id, req.prompt_ids, len(req.prompt_ids), embed=True)
+    params = [param for _, param in inputs]
     job = EmbeddingJob(
-        backend.engine, requests, [param for _, param in inputs], settings.request_timeout
+        backend.engine, requests, params, settings.request_timeout, settings.max_queue
     )
     vectors = await job.run(request)
     data = [

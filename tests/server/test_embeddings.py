@@ -102,3 +102,13 @@ def test_bad_input_is_a_named_error(fake, body, param):
     err = resp.json()["error"]
     assert err["param"] == param, err
     assert not fake[1].live
+
+
+def test_a_batch_larger_than_the_queue_is_served_in_turns(server_factory):
+    engine = FakeEngine(max_running=4)  # more at once would be a 429
+    server = server_factory(fake_backend_factory(engine), max_queue=8)
+    texts = [f"text {i}" for i in range(40)]
+    resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": texts}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert [d["index"] for d in resp.json()["data"]] == list(range(40))
+    assert not engine.live
