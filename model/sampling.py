@@ -1,9 +1,12 @@
-"""Per-row sampling: penalties, logit_bias, temperature, top_k / top_p / min_p, seeded draws."""
+"""Per-row sampling: grammar masks, penalties, logit_bias, temperature, top_k / top_p / min_p,
+seeded draws."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from model.token_mask import apply_mask
 from scheduler.plan import SampleRow, StepOutput
 
 GREEDY_TEMPERATURE = 1e-5
@@ -23,18 +26,25 @@ def is_plain_greedy(row: SampleRow) -> bool:
         and not p.needs_history
         and not row.suppress_ids
         and not p.logprobs
+        and row.constraint is None
     )
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> StepOutput:
-    """logits: [len(rows), vocab] float32 raw model logits, row i for rows[i]."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], masks: np.ndarray | None = None
+) -> StepOutput:
+    """logits: [len(rows), vocab] float32 raw model logits, row i for rows[i]; masks: the
+    token bitmasks of the constrained rows ([len(rows), ceil(vocab / 32)] int32, model/token_mask)
+    or None when no row is constrained. Logprobs are those of the raw distribution."""
     if not rows:
         return StepOutput(token_ids=[])
     logits = logits.float().cpu()
     if all(is_plain_greedy(r) for r in rows):
         return StepOutput(token_ids=logits.argmax(dim=-1).tolist())
     token_ids = [
-        int(logits[i].argmax()) if is_plain_greedy(r) else sample_row(logits[i], r)
+        int(logits[i].argmax())
+        if is_plain_greedy(r)
+        else sample_row(logits[i], r, None if masks is None else masks[i])
         for i, r in enumerate(rows)
     ]
     if not any(r.params.logprobs for r in rows):
@@ -53,10 +63,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> StepOutput:
     return StepOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
-def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Penalties, logit_bias and suppression on one row: [vocab] -> [vocab] (new tensor)."""
+def process_logits(
+    logits: torch.Tensor, row: SampleRow, mask: np.ndarray | None = None
+) -> torch.Tensor:
+    """Grammar mask, penalties, logit_bias and suppression on one row: [vocab] -> [vocab]
+    (new tensor)."""
     p = row.params
-    out = logits.clone()
+    constrained = row.constraint is not None and mask is not None
+    out = apply_mask(logits, mask) if constrained else logits.clone()
     vocab = out.shape[0]
     if p.logit_bias:
         items = [(t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab]
@@ -76,7 +90,9 @@ def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
             out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
     if row.suppress_ids:
         ids = torch.tensor([t for t in row.suppress_ids if 0 <= t < vocab], dtype=torch.int64)
-        out[ids] = float("-inf")
+        kept = out.index_fill(0, ids, float("-inf"))
+        # NOTE: min_tokens yields to a grammar that allows nothing but EOS
+        out = kept if not constrained or bool(torch.isfinite(kept).any()) else out
     return out
 
 
@@ -101,8 +117,8 @@ def filtered_probs(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
-    processed = process_logits(logits, row)
+def sample_row(logits: torch.Tensor, row: SampleRow, mask: np.ndarray | None = None) -> int:
+    processed = process_logits(logits, row, mask)
     if row.params.temperature < GREEDY_TEMPERATURE:
         return int(processed.argmax())
     probs = filtered_probs(processed, row)

@@ -14,6 +14,7 @@ from model.kernels import load_kernels
 from model.llama import DecodeGroup, ForwardBatch, ModelArgs, PromptGroup, Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
+from model.token_mask import MaskFiller
 from scheduler.plan import BatchPlan, SeqBatch, StepOutput
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class ModelWorker:
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
+        self.masks = MaskFiller(model.args.vocab_size)
 
     @property
     def kv_bytes_per_cell(self) -> int:
@@ -97,11 +99,13 @@ class ModelWorker:
         if self.threads is not None and self._threads_set_in != threading.get_ident():
             set_torch_threads(self.threads)
             self._threads_set_in = threading.get_ident()
+        masks = self.masks.start(plan.samples)  # structured outputs, beside the forward
         if any(row.embed for row in plan.samples):
-            return self._execute_with_embeddings(plan)
-        return sample(self.forward(plan), plan.samples)
+            return self._execute_with_embeddings(plan, masks)
+        logits = self.forward(plan)
+        return sample(logits, plan.samples, None if masks is None else masks.result())
 
-    def _execute_with_embeddings(self, plan: BatchPlan) -> StepOutput:
+    def _execute_with_embeddings(self, plan: BatchPlan, masks: Any) -> StepOutput:
         """Embed rows return their final-norm hidden state; the others are sampled as usual.
         NOTE: logits are projected for every row (as forward does), so a sampled row's logits
         do not depend on how many embed rows share its step."""
@@ -109,7 +113,8 @@ class ModelWorker:
         hidden = self.hidden(plan)  # [n_out >= n, dim]
         logits = self.model.output(hidden).float()[:n]
         sampled = [i for i, row in enumerate(plan.samples) if not row.embed]
-        out = sample(logits[sampled], [plan.samples[i] for i in sampled])
+        bits = None if masks is None else masks.result()[sampled]
+        out = sample(logits[sampled], [plan.samples[i] for i in sampled], bits)
         token_ids = [-1] * n
         embeddings: list[np.ndarray | None] = [None] * n
         for i, row in enumerate(plan.samples):

@@ -45,6 +45,8 @@ def make_choices(request: Request, prompt: list[int], seed: int, now: float) -> 
         for i in range(request.n)
     ]
     seqs[0].forks = seqs[1:]
+    if request.grammar is not None:  # the forks copy it when they fork (Scheduler._fork)
+        seqs[0].constraint = request.grammar.new_constraint()
     for s in seqs[1:]:
         s.parent = seqs[0]
     return seqs

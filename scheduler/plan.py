@@ -6,10 +6,14 @@ Plain dataclasses and numpy arrays only: no tensors cross this boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvcache.cells import PendingOps
+
+if TYPE_CHECKING:
+    from scheduler.constraint import Constraint
 
 
 @dataclass(slots=True)
@@ -67,6 +71,9 @@ class SampleRow:
     history: list[int] | None = None  # prompt + generated ids; only when params.needs_history
     suppress_ids: tuple[int, ...] = ()  # ids that must not be sampled (EOS before min_tokens)
     embed: bool = False  # return this row's hidden state (StepOutput.embeddings), sample nothing
+    # structured output: only the tokens this matcher allows may be sampled (the worker reads
+    # its bitmask; the scheduler advances it in update())
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)

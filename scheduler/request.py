@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.constraint import Grammar
 from scheduler.plan import SamplingParams
 
 
@@ -25,6 +26,7 @@ class Request:
     # prompt only: once the prompt is computed, the request finishes with an EmbeddingEvent
     # (the last prompt token's final-norm hidden state) and generates nothing; n must be 1
     embed: bool = False
+    grammar: Grammar | None = None  # structured output: every choice's tokens follow it
 
 
 @dataclass(slots=True)

@@ -241,6 +241,8 @@ class Scheduler:
             child.num_cached = seq.num_cached
             child.queue_time = seq.queue_time
             child.parent = None
+            if seq.constraint is not None:  # structured output: the grammar state forks too
+                child.constraint = seq.constraint.fork()
             child.state = SeqState.RUNNING
             self._admit_clock += 1
             child.admit_order = self._admit_clock
@@ -261,9 +263,15 @@ class Scheduler:
         if is_stop:
             self._finish(seq, "stop")
             return
+        if seq.constraint is not None and (error := seq.constraint.advance(token)) is not None:
+            self._finish(seq, "error", error)  # structured output: a mask was not applied
+            return
         logprob = out.logprobs[i] if out.logprobs is not None else None
         top = out.top_logprobs[i] if out.top_logprobs is not None else None
         self._events.append((seq.req_id, TokenEvent(seq.index, token, logprob, top)))
+        if seq.constraint is not None and seq.constraint.is_done:
+            self._finish(seq, "stop")  # structured output: the grammar is complete
+            return
         out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")

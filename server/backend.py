@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.stats import StepStats
 from server.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from model.grammar import GrammarCompiler
 from server.settings import Settings
 
 
@@ -22,7 +25,11 @@ class Tokenizer(Protocol):
 
 
 class ChatTemplate(Protocol):
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """kwargs: `tools` and chat_template_kwargs, when the request has them."""
+        ...
 
 
 @dataclass(slots=True)
@@ -35,6 +42,7 @@ class Backend:
     n_cells: int
     cache_bytes: int
     embedding_dim: int = 0  # length of an /v1/embeddings vector (the model's hidden size)
+    grammars: GrammarCompiler | None = None  # structured outputs; None: refused with a 400
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

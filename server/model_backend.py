@@ -79,6 +79,8 @@ def load_backend(
         prefix_cache=settings.prefix_cache,
     )
     config.validate()
+    from model.grammar import GrammarCompiler
+
     return Backend(
         engine=Engine(worker, config, on_step=on_step),
         tokenizer=loaded.tokenizer,
@@ -88,4 +90,5 @@ def load_backend(
         n_cells=settings.n_cells,
         cache_bytes=worker.kv_bytes_per_cell * settings.n_cells,
         embedding_dim=loaded.config.dim,
+        grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
     )

@@ -25,8 +25,8 @@ def _not_disabled(value: Any, _: Any) -> bool:
     return value not in (None, "disabled")
 
 
-def _reasoning_asked(value: Any, _: Any) -> bool:
-    return isinstance(value, dict) and any(v is not None for v in value.values())
+def _summary_asked(value: Any, _: Any) -> bool:
+    return isinstance(value, dict) and value.get("summary") is not None
 
 
 RESPONSES_RULES: dict[str, Rule] = {
@@ -36,7 +36,7 @@ RESPONSES_RULES: dict[str, Rule] = {
     "background": (given, "background responses are not supported"),
     "prompt": (given, "stored prompt templates are not supported"),
     "include": (given, "extra output data (include) is not supported"),
-    "reasoning": (_reasoning_asked, "reasoning options are not supported by this model"),
+    "reasoning": (_summary_asked, "reasoning summaries are not supported"),
     "truncation": (_not_disabled, "only truncation 'disabled' is supported"),
     "top_logprobs": (given, "logprobs are not supported on /v1/responses"),
     "max_tool_calls": (given, "max_tool_calls is not supported"),
@@ -162,6 +162,9 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "seed": body.seed,
         "stream": body.stream,
     }
+    reasoning = (body.model_extra or {}).get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     # NOTE: tools and structured output go to the chat pipeline only where it declares them;
     # otherwise they would be dropped silently, so they are a 400 instead
     extras = {

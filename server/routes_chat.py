@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from server.auth import check_api_key
+from server.chat_reply import ReplyOptions, ReplyStream, whole_reply
 from server.chat_run import start_chat
 from server.deps import (
     BackendDep,
@@ -21,7 +22,6 @@ from server.generation import Generation
 from server.logprobs import chat_logprobs
 from server.schemas import ChatCompletionRequest
 from server.schemas_out import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -44,18 +44,16 @@ async def chat_completions(
     run = await start_chat(body, f"chatcmpl-{uuid.uuid4().hex}", backend, settings, metrics)
     gen, req_id, created = run.gen, run.req_id, run.created
     if body.stream:
-        return sse_response(gen, lambda g: _chunks(g, req_id, created, body))
+        return sse_response(gen, lambda g: _chunks(g, req_id, created, body, run.opts))
 
     results = await collect(gen, request, [""] * body.n)
-    choices = [
-        ChatChoice(
-            index=r.index,
-            message=AssistantMessage(content=r.text),
-            logprobs=chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None,
-            finish_reason=r.finish_reason,
+    choices = []
+    for r in results:
+        message, reason = whole_reply(r.text, r.finish_reason or "stop", run.opts)
+        logprobs = chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None
+        choices.append(
+            ChatChoice(index=r.index, message=message, logprobs=logprobs, finish_reason=reason)
         )
-        for r in results
-    ]
     return ChatCompletion(
         id=req_id,
         created=created,
@@ -66,7 +64,11 @@ async def chat_completions(
 
 
 async def _chunks(
-    gen: Generation, req_id: str, created: int, body: ChatCompletionRequest
+    gen: Generation,
+    req_id: str,
+    created: int,
+    body: ChatCompletionRequest,
+    opts: ReplyOptions,
 ) -> AsyncIterator[ChatCompletionChunk]:
     head: dict[str, Any] = {"id": req_id, "created": created, "model": gen.backend.model_name}
     if body.include_usage:
@@ -77,13 +79,21 @@ async def _chunks(
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
         return ChatCompletionChunk(**head, choices=[choice])
 
+    replies = [ReplyStream(opts) for _ in range(body.n)]
     for i in range(body.n):
         yield chunk(i, ChatDelta(role="assistant", content=""))
     async for d in gen.deltas():
-        if d.text or d.logprobs:
-            lp = chat_logprobs(tok, d.logprobs) if body.logprobs else None
-            yield chunk(d.index, ChatDelta(content=d.text), lp)
+        reply = replies[d.index]
+        lp = chat_logprobs(tok, d.logprobs) if body.logprobs and d.logprobs else None
+        pieces = reply.feed(d.text) if d.text else []
+        if lp is not None and not pieces:
+            pieces = [ChatDelta(content="")]
+        for k, piece in enumerate(pieces):
+            yield chunk(d.index, piece, lp if k == 0 else None)
         if d.finish_reason is not None:
-            yield chunk(d.index, ChatDelta(), None, d.finish_reason)
+            last, reason = reply.finish(d.finish_reason)
+            for piece in last:
+                yield chunk(d.index, piece)
+            yield chunk(d.index, ChatDelta(), None, reason)
     if body.include_usage:
         yield ChatCompletionChunk(**{**head, "usage": Usage.of(*gen.usage())}, choices=[])

@@ -27,6 +27,7 @@ from server.logprobs import completion_logprobs
 from server.prompts import check_token_ids, encode_text, make_request
 from server.schemas import CompletionRequest
 from server.schemas_out import CompletionChoice, TextCompletion, Usage
+from server.structured import body_grammar_spec, compile_grammar
 from server.unsupported import COMPLETION_RULES, reject_unsupported
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
@@ -67,6 +68,8 @@ async def completions(
     prompts = await run_in_threadpool(_prompts, backend, body)  # NOTE: off the event loop
     base_id = f"cmpl-{uuid.uuid4().hex}"
     want_logprobs = body.logprobs is not None
+    spec = body_grammar_spec(body)  # structured outputs: every prompt shares the grammar
+    grammar = await compile_grammar(backend, spec) if spec is not None else None
     engine_requests = [
         make_request(
             f"{base_id}-{j}" if len(prompts) > 1 else base_id,
@@ -80,6 +83,7 @@ async def completions(
             logprobs=want_logprobs,
             top_logprobs=body.logprobs or 0,
             prompt_param="prompt",
+            grammar=grammar,
         )
         for j, (ids, _) in enumerate(prompts)
     ]

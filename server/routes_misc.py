@@ -47,8 +47,11 @@ async def tokenize(body: TokenizeRequest, backend: BackendDep) -> TokenizeRespon
             raise APIError(400, "messages must not be empty", param="messages")
         # the same ids /v1/chat/completions would submit, so usage.prompt_tokens == count
         reject_non_text_messages(body.messages)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
         tokens, _ = await run_in_threadpool(
-            tokenize_chat, backend, body.messages, body.add_generation_prompt
+            tokenize_chat, backend, body.messages, body.add_generation_prompt, kwargs
         )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens

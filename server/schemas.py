@@ -5,9 +5,11 @@ Response bodies are in server/schemas_out.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.schemas_tools import ResponseFormat, StructuredOutputs, Tool, ToolCallIn, ToolChoice
 
 
 class _Body(BaseModel):
@@ -41,6 +43,15 @@ class SamplingBody(_Body):
     min_tokens: int = Field(0, ge=0)
     n_keep: int | None = Field(None, ge=0)
     context_shift: bool | None = None
+    # structured outputs (server/structured.py): OpenAI's, then vLLM's and llama.cpp's names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None  # llama.cpp: GBNF
+    json_schema: dict[str, Any] | None = None  # llama.cpp
 
     @field_validator("stop")
     @classmethod
@@ -87,6 +98,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -102,6 +115,12 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted; passed to the template as `reasoning_effort` (SmolLM2's ignores it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -122,6 +141,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # with messages: rendered as /v1/chat/completions does
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -130,11 +151,16 @@ class DetokenizeRequest(_Body):
 
 
 def dump_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: role + flattened text content (+ name)."""
+    """Messages as the chat template sees them: role + flattened text content (+ name,
+    tool_calls, tool_call_id)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         item: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name:
             item["name"] = m.name
+        if m.tool_calls:
+            item["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
         out.append(item)
     return out

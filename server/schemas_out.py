@@ -77,10 +77,56 @@ class _Envelope(_Out):
     system_fingerprint: str = FINGERPRINT
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(_Out):
+    """OpenAI's streamed tool call: index, id, type and the name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class AssistantMessage(_Out):
+    """`tool_calls` and the reasoning fields are in the JSON only when set."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # DeepSeek's / vLLM's name
+    reasoning: str | None = None  # the newer name (vLLM, OpenRouter): the same text
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("tool_calls", "reasoning_content", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatChoice(_Out):
@@ -101,6 +147,9 @@ class ChatDelta(_Out):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

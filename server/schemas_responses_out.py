@@ -37,7 +37,20 @@ class FunctionCall(_Out):
     status: Status
 
 
-OutputItem = OutputMessage | FunctionCall
+class ReasoningText(_Out):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Out):
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Status
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCall
 
 
 class InputTokensDetails(_Out):
@@ -125,7 +138,7 @@ class ContentPartEvent(_Event):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(_Event):
@@ -144,6 +157,22 @@ class TextDoneEvent(_Event):
     content_index: int
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningDeltaEvent(_Event):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(_Event):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ArgumentsDeltaEvent(_Event):

@@ -44,7 +44,9 @@ class FakeTokenizer:
 
 
 class FakeTemplate:
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: object
+    ) -> str:
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("tool messages are not supported by this template")
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)

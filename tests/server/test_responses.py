@@ -114,7 +114,8 @@ def test_a_stream_cut_at_max_output_tokens_ends_incomplete(client):
         ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"reasoning": {"effort": "ultra"}}, "reasoning_effort"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0.type",
@@ -142,6 +143,6 @@ def test_fields_that_change_nothing_are_accepted(client):
         user="u",
         service_tier="auto",
         truncation="disabled",
-        reasoning=None,
+        reasoning={"effort": "low"},
     )
     assert resp.status == "incomplete" and resp.metadata == {"k": "v"}
