@@ -34,7 +34,8 @@ class SamplingBody(_Body):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # NOTE: at least 0.01: dividing a logit by less overflows float32 (inf, then NaN probs)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False

@@ -213,3 +213,9 @@ def test_tokenizing_does_not_block_the_event_loop(server_factory, path, body):
         tok.release.set()
         slow.join(60)
     assert result and result[0].status_code == 200, result
+
+
+def test_a_vanishing_repetition_penalty_is_a_400_not_a_nan(url):
+    body = {"prompt": "x", "max_tokens": 2, "repetition_penalty": 5e-324}
+    resp = httpx.post(f"{url}/v1/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "repetition_penalty"

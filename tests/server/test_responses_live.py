@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -40,3 +42,24 @@ def test_plain_and_streamed_responses_agree(client):
         temperature=0,
     )
     assert chat.choices[0].message.content == plain.output_text  # the same pipeline
+
+
+def test_text_format_json_schema_constrains_the_output(client):
+    model = client.models.list().data[0].id
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    resp = client.responses.create(
+        model=model,
+        input="Give the largest city of France and its population as JSON.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+        max_output_tokens=64,
+        temperature=0,
+    )
+    assert resp.status == "completed", resp.output_text
+    data = json.loads(resp.output_text)
+    assert set(data) == {"city", "population"} and isinstance(data["population"], int)
+    assert resp.text.format.type == "json_schema"
