@@ -21,6 +21,8 @@ def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
         raise ValueError(f"n must be in [1, {config.n_seq_max}], got {request.n}")
     if request.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if request.embed and request.n != 1:
+        raise ValueError(f"an embedding request has one choice, got n={request.n}")
     if request.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
     if len(request.prompt_ids) < config.n_ctx_seq:

@@ -70,6 +70,7 @@ class SampleRow:
     num_prompt: int  # len of the prompt part of `history`
     history: list[int] | None = None  # prompt + generated ids; only when params.needs_history
     suppress_ids: tuple[int, ...] = ()  # ids that must not be sampled (EOS before min_tokens)
+    embed: bool = False  # return this row's hidden state (StepOutput.embeddings), sample nothing
     # structured output: only the tokens this matcher allows may be sampled (the worker reads
     # its bitmask; the scheduler advances it in update())
     constraint: Constraint | None = None
@@ -94,8 +95,9 @@ class BatchPlan:
 
 @dataclass(slots=True)
 class StepOutput:
-    """One entry per SampleRow of the plan, in the same order."""
+    """One entry per SampleRow of the plan, in the same order (an embed row's token is -1)."""
 
     token_ids: list[int]
     logprobs: list[float] | None = None  # logprob of each sampled token (raw model distribution)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    embeddings: list[np.ndarray | None] | None = None  # [dim] float32 for each embed row

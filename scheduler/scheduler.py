@@ -20,7 +20,7 @@ from scheduler.context_shift import apply_shift, clamp_n_keep, plan_shift
 from scheduler.intake import make_choices, prepare_prompt, shift_enabled
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
-from scheduler.request import Event, FinishEvent, Request, TokenEvent
+from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
 
@@ -153,6 +153,9 @@ class Scheduler:
         for i, (sample, seq) in enumerate(zip(plan.samples, self._sampled, strict=True)):
             if seq.state is not SeqState.RUNNING:
                 continue
+            if sample.embed:
+                self._finish_embedding(seq, out, i)
+                continue
             self._append_token(seq, sample, out, i)
         self._sampled, self._in_plan = [], []
         events, self._events = self._events, []
@@ -272,6 +275,14 @@ class Scheduler:
         out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")
+
+    def _finish_embedding(self, seq: Sequence, out: StepOutput, i: int) -> None:
+        vector = out.embeddings[i] if out.embeddings is not None else None
+        if vector is None:
+            self._finish(seq, "error", "the worker returned no embedding")
+            return
+        self._events.append((seq.req_id, EmbeddingEvent(seq.index, vector)))
+        self._finish(seq, "stop")
 
     # ---- room: holders, preemption, context shift -----------------------------------------
 
@@ -402,7 +413,8 @@ class Scheduler:
                 self.seq_ids.release(seq.seq_id)
         elif seq.state is SeqState.RUNNING:
             self.running.remove(seq)
-            self._release(seq, cache=reason != "error")
+            # NOTE: an embedding request leaves no cells behind (its prompt is not cached)
+            self._release(seq, cache=reason != "error" and not seq.request.embed)
         elif seq.state is SeqState.WAITING:
             self.waiting.remove(seq)
         seq.state = SeqState.FINISHED

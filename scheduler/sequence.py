@@ -91,5 +91,6 @@ def make_sample_row(seq: Sequence, row: int) -> SampleRow:
         num_prompt=seq.num_prompt,
         history=history,
         suppress_ids=suppress,
+        embed=req.embed,
         constraint=seq.constraint,
     )

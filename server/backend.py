@@ -41,6 +41,7 @@ class Backend:
     n_ctx_seq: int
     n_cells: int
     cache_bytes: int
+    embedding_dim: int = 0  # length of an /v1/embeddings vector (the model's hidden size)
     grammars: GrammarCompiler | None = None  # structured outputs; None: refused with a 400
 
 

@@ -46,6 +46,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("protect_metrics", None, "require the API key on /metrics too"),
     ("log_level", str, "critical | error | warning | info | debug"),
     ("log_prompts", None, "log prompts (off: prompts are never logged)"),
+    (
+        "cors_allow_origins",
+        str,
+        "comma-separated origins allowed to call the API from a browser, or '*' "
+        "(default: none, no CORS headers)",
+    ),
 ]
 
 

@@ -16,7 +16,13 @@ from sse_starlette import EventSourceResponse
 from server.backend import Backend
 from server.engine_client import EngineClient
 from server.errors import APIError, error_body
-from server.generation import ChoiceDelta, Generation, GenerationFailed, GenerationTimeout
+from server.generation import (
+    ChoiceDelta,
+    Generation,
+    GenerationAborted,
+    GenerationFailed,
+    GenerationTimeout,
+)
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -92,6 +98,8 @@ async def collect(gen: Generation, request: Request, prefixes: list[str]) -> lis
         raise APIError(504, str(exc), code="request_timeout") from exc
     except GenerationFailed as exc:
         raise APIError(500, str(exc), code="engine_error") from exc
+    except GenerationAborted as exc:
+        raise APIError(503, str(exc), code="aborted") from exc
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -117,6 +125,8 @@ def sse_response(
             yield json.dumps(error_body(504, str(exc), code="request_timeout"))
         except GenerationFailed as exc:
             yield json.dumps(error_body(500, str(exc), code="engine_error"))
+        except GenerationAborted as exc:
+            yield json.dumps(error_body(503, str(exc), code="aborted"))
         finally:
             gen.cancel()
         yield "[DONE]"

@@ -27,6 +27,19 @@ class GenerationFailed(Exception):
     pass
 
 
+class GenerationAborted(Exception):
+    """The engine aborted a choice the client still waits for (the server shut down past its
+    drain timeout): not an OpenAI finish_reason, so the request ends with a 503 / an error chunk."""
+
+
+# NOTE: what a client sees as finish_reason is always one of OpenAI's values. The engine's
+# "stop" and "length" pass through; its internal "abort" and "error" end the request with an
+# error instead (vLLM too keeps "abort" internal). "tool_calls" is set by the tool-call parser.
+OPENAI_FINISH_REASONS = frozenset(
+    {"stop", "length", "tool_calls", "content_filter", "function_call"}
+)
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -163,10 +176,8 @@ class Generation:
                 delta = self._on_event(job, event)
                 if delta is not None:
                     yield delta
-            for index, choice in enumerate(self.choices):
-                if not choice.done:  # the engine stream ended without this choice's finish
-                    choice.done = True
-                    yield ChoiceDelta(index, choice.stream.finish(), [], "abort")
+            if not self.finished:  # an engine stream ended without this choice's finish
+                raise GenerationAborted("the engine ended the request before it finished")
             self.metrics.e2e.observe(time.monotonic() - self.arrival)
         finally:
             for pump in pumps:
@@ -245,6 +256,11 @@ class Generation:
             return None
         if ev.reason == "error":
             raise GenerationFailed(ev.error or "the engine failed on this request")
+        if ev.reason not in OPENAI_FINISH_REASONS:
+            raise GenerationAborted(
+                f"the request was aborted before it finished ({ev.reason}): the server is "
+                "shutting down"
+            )
         choice.done = True
         usage.num_output[ev.index] = ev.num_output_tokens
         text = choice.stream.finish()

@@ -89,5 +89,6 @@ def load_backend(
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=worker.kv_bytes_per_cell * settings.n_cells,
+        embedding_dim=loaded.config.dim,
         grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
     )

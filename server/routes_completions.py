@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
 from server.backend import Backend
@@ -27,6 +28,7 @@ from server.prompts import check_token_ids, encode_text, make_request
 from server.schemas import CompletionRequest
 from server.schemas_out import CompletionChoice, TextCompletion, Usage
 from server.structured import body_grammar_spec, compile_grammar
+from server.unsupported import COMPLETION_RULES, reject_unsupported
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -62,7 +64,8 @@ async def completions(
     metrics: MetricsDep,
 ) -> Any:
     check_model(body.model, backend)
-    prompts = _prompts(backend, body)
+    reject_unsupported(body, COMPLETION_RULES)
+    prompts = await run_in_threadpool(_prompts, backend, body)  # NOTE: off the event loop
     base_id = f"cmpl-{uuid.uuid4().hex}"
     want_logprobs = body.logprobs is not None
     spec = body_grammar_spec(body)  # structured outputs: every prompt shares the grammar

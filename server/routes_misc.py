@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
 from server.deps import BackendDep, EngineDep, MetricsDep, check_model
@@ -14,6 +15,7 @@ from server.errors import APIError
 from server.prompts import check_token_ids, encode_text, tokenize_chat
 from server.schemas import DetokenizeRequest, TokenizeRequest
 from server.schemas_out import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from server.unsupported import reject_non_text_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 open_router = APIRouter()
@@ -44,13 +46,18 @@ async def tokenize(body: TokenizeRequest, backend: BackendDep) -> TokenizeRespon
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         # the same ids /v1/chat/completions would submit, so usage.prompt_tokens == count
+        reject_non_text_messages(body.messages)
         kwargs = dict(body.chat_template_kwargs or {})
         if body.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-        tokens, _ = tokenize_chat(backend, body.messages, body.add_generation_prompt, kwargs)
+        tokens, _ = await run_in_threadpool(
+            tokenize_chat, backend, body.messages, body.add_generation_prompt, kwargs
+        )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = encode_text(backend.tokenizer, body.prompt or "", add_special)
+        tokens = await run_in_threadpool(
+            encode_text, backend.tokenizer, body.prompt or "", add_special
+        )
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=backend.n_ctx_seq)
 
 

@@ -34,7 +34,8 @@ class SamplingBody(_Body):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # NOTE: at least 0.01: dividing a logit by less overflows float32 (inf, then NaN probs)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
@@ -82,27 +83,34 @@ class SamplingBody(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text is read; other types (image_url, input_audio,
+    file) are kept so that the route can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(SamplingBody):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -120,6 +128,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingBody):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
+
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

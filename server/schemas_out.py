@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 FINGERPRINT = "cellserve-0.1"
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
 class _Out(BaseModel):
@@ -132,7 +133,7 @@ class ChatChoice(_Out):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletion(_Envelope):
@@ -159,7 +160,7 @@ class ChatChunkChoice(_Out):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(_OptionalUsage, _Envelope):
@@ -172,7 +173,7 @@ class CompletionChoice(_Out):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class TextCompletion(_OptionalUsage, _Envelope):
