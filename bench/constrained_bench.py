@@ -136,6 +136,8 @@ def run(
         results.append(result)
         print(format_level(result), flush=True)
 
+    overhead = _step_overhead(loaded, grammar, level_max)
+    print(json.dumps(overhead, indent=2), flush=True)
     report: dict[str, Any] = {
         "model": loaded.name,
         "dtype": dtype,
@@ -143,12 +145,59 @@ def run(
         "sizes": asdict(sizes),
         "levels": [asdict(r) for r in results],
         "compile_ms": compile_ms,
+        "step_overhead_ms": overhead,
     }
     if out_dir is not None:
         out = pathlib.Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "constrained_bench.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _step_overhead(loaded: Any, grammar: Grammar, n: int, repeats: int = 50) -> dict[str, float]:
+    """Per step of `n` rows, in the array of the bench schema: the mask fill, and sampling
+    with masks (worst case: random logits, so no row's argmax is allowed and every row
+    searches its allowed ids; best case: each row's argmax allowed) vs without."""
+    import torch
+
+    from model.sampling import sample
+    from model.token_mask import MaskFiller
+    from scheduler.plan import SampleRow
+
+    prefix = loaded.tokenizer.encode(
+        '{"name": "Al", "age": 3, "color": "red", "scores": [1, 2', False
+    )
+    rows, plain = [], []
+    for i in range(n):
+        constraint = grammar.new_constraint()
+        assert all(constraint.advance(t) is None for t in prefix)
+        params = SamplingParams(temperature=0.0)
+        rows.append(SampleRow(i, params, 0, 0, 1, constraint=constraint))
+        plain.append(SampleRow(i, params, 0, 0, 1))
+    vocab = loaded.config.vocab_size
+    random_logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    digit = loaded.tokenizer.encode("5", False)[0]
+    following = random_logits.clone()
+    following[:, digit] = 100.0
+    filler = MaskFiller(vocab)
+
+    def timed(fn: Any) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / repeats
+
+    future = filler.start(rows)
+    assert future is not None
+    masks = future.result()
+    return {
+        "rows": n,
+        "mask_fill": timed(lambda: filler.start(rows).result()),  # type: ignore[union-attr]
+        "sample_plain": timed(lambda: sample(random_logits, plain)),
+        "sample_masked_worst": timed(lambda: sample(random_logits, rows, masks)),
+        "sample_masked_best": timed(lambda: sample(following, rows, masks)),
+    }
 
 
 def _compile_times(loaded: Any, compiler_cls: Any, spec_cls: Any) -> dict[str, float]:
