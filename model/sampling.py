@@ -43,7 +43,9 @@ def sample(
     constrained = [i for i, r in enumerate(rows) if r.constraint is not None]
     if not constrained or masks is None:
         if all(greedy):
-            return StepOutput(token_ids=logits.argmax(dim=-1).tolist())
+            # NOTE: numpy's argmax: torch's took 3-10 ms for [32, 49152] on the bench machine
+            # (numpy 0.2 ms); both return the first maximum
+            return StepOutput(token_ids=logits.numpy().argmax(axis=1).tolist())
         token_ids = [
             int(logits[i].argmax()) if greedy[i] else sample_row(logits[i], r)
             for i, r in enumerate(rows)

@@ -152,6 +152,16 @@ def test_prefix_cache_hit_gives_the_cold_output(
     assert_people(smollm, warm, [("a", 0), ("b", 0)])
 
 
+def test_context_shift_leaves_the_matcher_intact(
+    smollm: LoadedModel, compiler: GrammarCompiler
+) -> None:
+    req = person_request(smollm, compiler, "s", TOPICS[3])
+    n_ctx = len(req.prompt_ids) + 12  # the JSON needs more: the context shifts under it
+    out, sched = serve(smollm, [[req]], n_ctx_seq=n_ctx, prefix_cache=False)
+    assert sched.counters.num_context_shifts > 0
+    assert_people(smollm, out, [("s", 0)])
+
+
 def test_max_tokens_ends_a_constrained_choice_with_length(
     smollm: LoadedModel, compiler: GrammarCompiler
 ) -> None:
