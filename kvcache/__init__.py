@@ -1,7 +1,17 @@
 """The KV cache: cell metadata (cells, numpy), the Memory variants over it (unified, iSWA),
 and the K/V tensors (storage, torch)."""
 
-from kvcache.cells import CellStats, KVCells, PendingOps
+from kvcache.cells import FREE, SHARED, CellStats, KVCells, PendingOps
 from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells
 
-__all__ = ["CellStats", "KVCells", "Memory", "MemoryPlan", "PendingOps", "Pool", "SeqCells"]
+__all__ = [
+    "FREE",
+    "SHARED",
+    "CellStats",
+    "KVCells",
+    "Memory",
+    "MemoryPlan",
+    "PendingOps",
+    "Pool",
+    "SeqCells",
+]

@@ -6,7 +6,10 @@ import numpy as np
 
 from kvcache.cell_types import CellStats, PendingOps, longest_run
 
-__all__ = ["CellStats", "KVCells", "PendingOps"]
+FREE = -1  # owner_map value of a cell no sequence owns
+SHARED = -2  # owner_map value of a cell two or more sequences own
+
+__all__ = ["FREE", "SHARED", "CellStats", "KVCells", "PendingOps"]
 
 
 _NO_POS = np.iinfo(np.int64).max  # seq_min sentinel for an empty sequence
@@ -248,9 +251,9 @@ class KVCells:
         return int(self.seq_count[seq_id])
 
     def owner_map(self) -> np.ndarray:
-        """Per cell: -1 free, -2 shared (2+ owners), else the single owner's seq id (int32)."""
+        """Per cell: FREE, SHARED (2+ owners), else the single owner's seq id (int32)."""
         n = self.n_owners
-        return np.where(n == 1, self.owner_xor, np.where(n == 0, -1, -2)).astype(np.int32)
+        return np.where(n == 1, self.owner_xor, np.where(n == 0, FREE, SHARED)).astype(np.int32)
 
     def take_pending(self) -> PendingOps:
         """Copies (in order) then K-shifts recorded since the last call; resets them."""

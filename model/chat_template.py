@@ -12,6 +12,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model.errors import ModelLoadError
+from model.tool_prompt import arguments_as_objects, hermes_messages, tool_format
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -19,6 +20,10 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# names the renderer sets itself; chat_template_kwargs may not override them
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def _raise_exception(message: str) -> None:
@@ -67,16 +72,40 @@ class ChatTemplate:
         except TemplateError as e:
             raise ModelLoadError(f"the model's chat template does not parse ({e}).") from e
 
+    @property
+    def supports_tools(self) -> bool:
+        """The template renders `tools` itself (else model.tool_prompt does, Hermes style)."""
+        return "tools" in self.source
+
+    @property
+    def tool_format(self) -> str:
+        """The format its model writes tool calls in (model.tool_prompt: hermes, llama3,
+        mistral)."""
+        return tool_format(self.source)
+
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Raises jinja2.TemplateError when the template rejects the conversation."""
+        """Like transformers' apply_chat_template(tokenize=False): `tools` (OpenAI's list of
+        {"type": "function", "function": {...}}) and `kwargs` (chat_template_kwargs, such as
+        enable_thinking) reach the template. Raises jinja2.TemplateError when the template
+        rejects the conversation."""
+        messages = arguments_as_objects(messages)
+        has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if not self.supports_tools and (tools or has_tool_turns):
+            messages, tools = hermes_messages(messages, tools), None
+        extra = {k: v for k, v in kwargs.items() if k not in RESERVED}
         return self._template.render(
             messages=messages,
+            tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
-            **kwargs,
+            **extra,
         )
 
     def system_prefix(self, messages: list[dict[str, Any]]) -> str:

@@ -224,6 +224,13 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """-> logits [n_out, vocab] float32 for batch.logit_rows. `layers` (model.native) runs
         all the blocks at once instead of one module call each."""
+        return self.output(self.hidden(batch, storage, layers)).float()
+
+    def hidden(
+        self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None
+    ) -> torch.Tensor:
+        """-> the final-norm hidden states [n_out, dim] of batch.logit_rows (what `output`
+        projects to logits; an embedding request's pooled vector)."""
         x = F.embedding(batch.tokens, self.tok_embeddings)  # [n, dim]
         if self.args.block.embed_scale:
             x = x * self.embed_scale
@@ -232,5 +239,4 @@ class Transformer(nn.Module):
         else:
             for block in self.layers:
                 x = block(x, batch, storage)
-        x = self.norm(x.index_select(0, batch.logit_rows), batch.fused)
-        return self.output(x).float()
+        return self.norm(x.index_select(0, batch.logit_rows), batch.fused)

@@ -1,9 +1,12 @@
-"""Per-row sampling: penalties, logit_bias, temperature, top_k / top_p / min_p, seeded draws."""
+"""Per-row sampling: grammar masks, penalties, logit_bias, temperature, top_k / top_p / min_p,
+seeded draws."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from model.token_mask import apply_masks, masked_argmax
 from scheduler.plan import SampleRow, StepOutput
 
 GREEDY_TEMPERATURE = 1e-5
@@ -16,6 +19,7 @@ def draw_seed(seed: int, output_index: int) -> int:
 
 
 def is_plain_greedy(row: SampleRow) -> bool:
+    """Argmax of the (masked) logits is the token."""
     p = row.params
     return (
         p.temperature < GREEDY_TEMPERATURE
@@ -26,22 +30,43 @@ def is_plain_greedy(row: SampleRow) -> bool:
     )
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> StepOutput:
-    """logits: [len(rows), vocab] float32 raw model logits, row i for rows[i]."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], masks: np.ndarray | None = None
+) -> StepOutput:
+    """logits: [len(rows), vocab] float32 raw model logits, row i for rows[i]; masks: the
+    token bitmasks of the constrained rows ([len(rows), ceil(vocab / 32)] int32, model/token_mask)
+    or None when no row is constrained. Logprobs are those of the raw distribution."""
     if not rows:
         return StepOutput(token_ids=[])
-    logits = logits.float().cpu()
-    if all(is_plain_greedy(r) for r in rows):
-        return StepOutput(token_ids=logits.argmax(dim=-1).tolist())
-    token_ids = [
-        int(logits[i].argmax()) if is_plain_greedy(r) else sample_row(logits[i], r)
-        for i, r in enumerate(rows)
-    ]
+    raw = logits = logits.float().cpu()
+    greedy = [is_plain_greedy(r) for r in rows]
+    constrained = [i for i, r in enumerate(rows) if r.constraint is not None]
+    if not constrained or masks is None:
+        if all(greedy):
+            # NOTE: numpy's argmax: torch's took 3-10 ms for [32, 49152] on the bench machine
+            # (numpy 0.2 ms); both return the first maximum
+            return StepOutput(token_ids=logits.numpy().argmax(axis=1).tolist())
+        token_ids = [
+            int(logits[i].argmax()) if greedy[i] else sample_row(logits[i], r)
+            for i, r in enumerate(rows)
+        ]
+    else:
+        # NOTE: greedy constrained rows never build a masked vocabulary (masked_argmax); the
+        # others get their masks applied before penalties, temperature and the filters
+        sampled = [i for i in constrained if not greedy[i]]
+        logits = apply_masks(raw, masks, sampled) if sampled else raw
+        raw_np = raw.numpy()
+        token_ids = raw_np.argmax(axis=1).tolist()
+        for i, r in enumerate(rows):
+            if not greedy[i]:
+                token_ids[i] = sample_row(logits[i], r)
+            elif r.constraint is not None:
+                token_ids[i] = masked_argmax(raw_np[i], masks[i], token_ids[i])
     if not any(r.params.logprobs for r in rows):
         return StepOutput(token_ids=token_ids)
     logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] = []
-    all_lp = torch.log_softmax(logits, dim=-1)  # [n, vocab] of the raw distribution
+    all_lp = torch.log_softmax(raw, dim=-1)  # [n, vocab] of the raw distribution
     for i, r in enumerate(rows):
         logprobs.append(float(all_lp[i, token_ids[i]]))
         k = min(max(r.params.top_logprobs, 0), MAX_TOP_LOGPROBS) if r.params.logprobs else 0
@@ -54,8 +79,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> StepOutput:
 
 
 def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Penalties, logit_bias and suppression on one row: [vocab] -> [vocab] (new tensor)."""
+    """Penalties, logit_bias and suppression on one row (its grammar mask already applied):
+    [vocab] -> [vocab] (new tensor)."""
     p = row.params
+    constrained = row.constraint is not None
     out = logits.clone()
     vocab = out.shape[0]
     if p.logit_bias:
@@ -76,7 +103,9 @@ def process_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
             out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
     if row.suppress_ids:
         ids = torch.tensor([t for t in row.suppress_ids if 0 <= t < vocab], dtype=torch.int64)
-        out[ids] = float("-inf")
+        kept = out.index_fill(0, ids, float("-inf"))
+        # NOTE: min_tokens yields to a grammar that allows nothing but EOS
+        out = kept if not constrained or bool(torch.isfinite(kept).any()) else out
     return out
 
 

@@ -59,6 +59,11 @@ class Tokenizer:
         self.added_ids = special_ids | (added_ids or set())  # matched whole, spelled verbatim
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def hf(self) -> HFTokenizer:
+        """The `tokenizers` object (llguidance builds its token trie from its JSON)."""
+        return self._tok
+
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Special tokens written in `text` become their ids; BOS is added if the model wants."""
         return self._tok.encode(text, add_special_tokens=add_special).ids

@@ -17,6 +17,7 @@ from model.kernels import load_kernels
 from model.llama import Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
+from model.token_mask import MaskFiller
 from scheduler.plan import BatchPlan, GroupBatch, StepOutput
 
 ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index
@@ -110,6 +111,7 @@ class ModelWorker:
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
+        self.masks = MaskFiller(model.args.vocab_size)
         self.rope_swa = model.args.rope_swa
         self._inv_freq_swa = None if self.rope_swa is None else self.rope_swa.inv_freq()
         self.windows = sorted({w for w in model.args.windows if w > 0})
@@ -128,7 +130,49 @@ class ModelWorker:
         if self.threads is not None and self._threads_set_in != threading.get_ident():
             set_torch_threads(self.threads)
             self._threads_set_in = threading.get_ident()
-        return sample(self.forward(plan), plan.samples)
+        masks = self.masks.start(plan.samples)  # structured outputs, beside the forward
+        if any(row.embed for row in plan.samples):
+            return self._execute_with_embeddings(plan, masks)
+        logits = self.forward(plan)
+        return sample(logits, plan.samples, None if masks is None else masks.result())
+
+    def _execute_with_embeddings(self, plan: BatchPlan, masks: Any) -> StepOutput:
+        """Embed rows return their final-norm hidden state; the others are sampled as usual.
+        NOTE: logits are projected for every row (as forward does), so a sampled row's logits
+        do not depend on how many embed rows share its step."""
+        n = len(plan.samples)
+        hidden = self.hidden(plan)  # [n_out >= n, dim]
+        logits = self.model.output(hidden).float()[:n]
+        sampled = [i for i, row in enumerate(plan.samples) if not row.embed]
+        bits = None if masks is None else masks.result()[sampled]
+        out = sample(logits[sampled], [plan.samples[i] for i in sampled], bits)
+        token_ids = [-1] * n
+        embeddings: list[np.ndarray | None] = [None] * n
+        for i, row in enumerate(plan.samples):
+            if row.embed:
+                embeddings[i] = hidden[i].float().cpu().numpy()
+        for j, i in enumerate(sampled):
+            token_ids[i] = out.token_ids[j]
+        logprobs = top = None
+        if out.logprobs is not None:
+            logprobs = [0.0] * n
+            for j, i in enumerate(sampled):
+                logprobs[i] = out.logprobs[j]
+        if out.top_logprobs is not None:
+            top = [[] for _ in range(n)]
+            for j, i in enumerate(sampled):
+                top[i] = out.top_logprobs[j]
+        return StepOutput(token_ids, logprobs, top, embeddings)
+
+    @torch.inference_mode()
+    def hidden(self, plan: BatchPlan) -> torch.Tensor:
+        """Apply plan.pending, run the batch -> final-norm hidden states [n_out, dim] of the
+        plan's sample rows (n_out >= len(plan.samples) with batch_invariant's padding)."""
+        if not plan.pending.is_empty:
+            self.storage.apply(plan.pending)
+        batch = self.make_batch(plan)
+        native = self.native if self.native is not None and self.native.runs(batch) else None
+        return self.model.hidden(batch, self.storage, None if native is None else native.layers)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:

@@ -38,6 +38,8 @@ def fork(seq: Sequence, memory: Memory) -> list[Sequence]:
         child.num_cached = seq.num_cached
         child.queue_time = seq.queue_time
         child.parent = None
+        if seq.constraint is not None:  # structured output: the grammar state forks too
+            child.constraint = seq.constraint.fork()
         child.state = SeqState.RUNNING
     return forks
 

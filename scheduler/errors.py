@@ -17,3 +17,12 @@ class EngineDrainingError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine thread died; nothing can be served (HTTP 503)."""
+
+
+class PromptError(ValueError):
+    """The prompt cannot be served: empty, or past the context with context shift off (HTTP 400
+    naming the prompt; `code` is OpenAI's error code when there is one)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from scheduler.config import EngineConfig
 from scheduler.context_shift import clamp_n_keep, truncate_prompt
+from scheduler.errors import PromptError
 from scheduler.request import Request
 from scheduler.sequence import Sequence
 
@@ -15,19 +16,22 @@ def shift_enabled(request: Request, config: EngineConfig) -> bool:
 def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
     """The prompt the model will read; raises ValueError for a request it cannot serve."""
     if not request.prompt_ids:
-        raise ValueError("empty prompt")
+        raise PromptError("empty prompt: the prompt has no tokens")
     if request.n < 1 or request.n > config.n_seq_max:
         raise ValueError(f"n must be in [1, {config.n_seq_max}], got {request.n}")
     if request.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if request.embed and request.n != 1:
+        raise ValueError(f"an embedding request has one choice, got n={request.n}")
     if request.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
     if len(request.prompt_ids) < config.n_ctx_seq:
         return list(request.prompt_ids)
     if not shift_enabled(request, config):
-        raise ValueError(
-            f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
-            f"{config.n_ctx_seq} and context shift is off"
+        raise PromptError(
+            f"the prompt has {len(request.prompt_ids)} tokens; the context is "
+            f"{config.n_ctx_seq} tokens and context shift is off",
+            code="context_length_exceeded",
         )
     n_keep = clamp_n_keep(request.n_keep, len(request.prompt_ids), config.n_ctx_seq)
     return truncate_prompt(list(request.prompt_ids), n_keep, config.n_ctx_seq)
@@ -41,6 +45,8 @@ def make_choices(request: Request, prompt: list[int], seed: int, now: float) -> 
         for i in range(request.n)
     ]
     seqs[0].forks = seqs[1:]
+    if request.grammar is not None:  # the forks copy it when they fork (Scheduler._fork)
+        seqs[0].constraint = request.grammar.new_constraint()
     for s in seqs[1:]:
         s.parent = seqs[0]
     return seqs

@@ -76,6 +76,7 @@ def isolate(worker: Worker, plan: BatchPlan, error: str) -> tuple[StepOutput, di
     token_ids = [0] * num
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
+    embeddings: list[np.ndarray | None] | None = None
     failed: dict[int, str] = {}
     todo = [(list(range(len(plan.seqs))), error)]
     while todo:
@@ -101,4 +102,8 @@ def isolate(worker: Worker, plan: BatchPlan, error: str) -> tuple[StepOutput, di
                 top = top or [[] for _ in range(num)]
                 for j, k in enumerate(picked):
                     top[k] = out.top_logprobs[j]
-    return StepOutput(token_ids, logprobs, top), failed
+            if out.embeddings is not None:
+                embeddings = embeddings or [None] * num
+                for j, k in enumerate(picked):
+                    embeddings[k] = out.embeddings[j]
+    return StepOutput(token_ids, logprobs, top, embeddings), failed

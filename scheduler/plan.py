@@ -6,12 +6,15 @@ Plain dataclasses and numpy arrays only: no tensors cross this boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvcache.cells import PendingOps
 from kvcache.memory import Memory, MemoryPlan, SeqCells, seq_cells_view
+
+if TYPE_CHECKING:
+    from scheduler.constraint import Constraint
 
 
 @dataclass(slots=True)
@@ -77,6 +80,10 @@ class SampleRow:
     num_prompt: int  # len of the prompt part of `history`
     history: list[int] | None = None  # prompt + generated ids; only when params.needs_history
     suppress_ids: tuple[int, ...] = ()  # ids that must not be sampled (EOS before min_tokens)
+    embed: bool = False  # return this row's hidden state (StepOutput.embeddings), sample nothing
+    # structured output: only the tokens this matcher allows may be sampled (the worker reads
+    # its bitmask; the scheduler advances it in update())
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)
@@ -101,11 +108,12 @@ class BatchPlan:
 
 @dataclass(slots=True)
 class StepOutput:
-    """One entry per SampleRow of the plan, in the same order."""
+    """One entry per SampleRow of the plan, in the same order (an embed row's token is -1)."""
 
     token_ids: list[int]
     logprobs: list[float] | None = None  # logprob of each sampled token (raw model distribution)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    embeddings: list[np.ndarray | None] | None = None  # [dim] float32 for each embed row
 
 
 class Worker(Protocol):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from scheduler.constraint import Grammar
 from scheduler.plan import SamplingParams
 
 
@@ -20,6 +23,10 @@ class Request:
     n_keep: int = 0  # tokens kept at the start on a context shift (server: system prompt)
     n_discard: int | None = None  # None = half of what follows n_keep
     context_shift: bool | None = None  # None = the engine's default
+    # prompt only: once the prompt is computed, the request finishes with an EmbeddingEvent
+    # (the last prompt token's final-norm hidden state) and generates nothing; n must be 1
+    embed: bool = False
+    grammar: Grammar | None = None  # structured output: every choice's tokens follow it
 
 
 @dataclass(slots=True)
@@ -41,4 +48,10 @@ class FinishEvent:
     error: str | None = None
 
 
-Event = TokenEvent | FinishEvent
+@dataclass(slots=True)
+class EmbeddingEvent:
+    index: int
+    vector: np.ndarray  # [dim] float32, not normalized
+
+
+Event = TokenEvent | EmbeddingEvent | FinishEvent

@@ -23,7 +23,7 @@ from scheduler.context_shift import apply_shift, clamp_n_keep, drop_tokens, plan
 from scheduler.intake import make_choices, prepare_prompt, shift_enabled
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput, group_batches
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
-from scheduler.request import Event, FinishEvent, Request, TokenEvent
+from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
 from scheduler.stats import Counters
@@ -135,6 +135,9 @@ class Scheduler:
         for i, (sample, seq) in enumerate(zip(plan.samples, sampled, strict=True)):
             if seq.state is not SeqState.RUNNING:
                 continue
+            if sample.embed:
+                self._finish_embedding(seq, out, i)
+                continue
             self._append_token(seq, sample, out, i)
         self._step = Step(0)
         events, self._events = self._events, []
@@ -223,12 +226,26 @@ class Scheduler:
         if is_stop:
             self._finish(seq, "stop")
             return
+        if seq.constraint is not None and (error := seq.constraint.advance(token)) is not None:
+            self._finish(seq, "error", error)  # structured output: a mask was not applied
+            return
         logprob = out.logprobs[i] if out.logprobs is not None else None
         top = out.top_logprobs[i] if out.top_logprobs is not None else None
         self._events.append((seq.req_id, TokenEvent(seq.index, token, logprob, top)))
+        if seq.constraint is not None and seq.constraint.is_done:
+            self._finish(seq, "stop")  # structured output: the grammar is complete
+            return
         out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")
+
+    def _finish_embedding(self, seq: Sequence, out: StepOutput, i: int) -> None:
+        vector = out.embeddings[i] if out.embeddings is not None else None
+        if vector is None:
+            self._finish(seq, "error", "the worker returned no embedding")
+            return
+        self._events.append((seq.req_id, EmbeddingEvent(seq.index, vector)))
+        self._finish(seq, "stop")
 
     # ---- room: holders, preemption, context shift -----------------------------------------
 
@@ -351,7 +368,8 @@ class Scheduler:
             choices.detach(seq, self.seq_ids)
         elif seq.state is SeqState.RUNNING:
             self.running.remove(seq)
-            self._release(seq, cache=reason != "error")
+            # NOTE: an embedding request leaves no cells behind (its prompt is not cached)
+            self._release(seq, cache=reason != "error" and not seq.request.embed)
         elif seq.state is SeqState.WAITING:
             self.waiting.remove(seq)
         seq.state = SeqState.FINISHED

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler.constraint import Constraint
 from scheduler.plan import SampleRow
 from scheduler.request import Request
 
@@ -43,6 +44,7 @@ class Sequence:
     # choices 1..n-1 while choice 0 reads the shared prompt; forked by seq_cp when it is done
     forks: list[Sequence] = field(default_factory=list)
     parent: Sequence | None = None  # set on a choice that waits in its parent's `forks`
+    constraint: Constraint | None = None  # the request's grammar; has consumed output_ids
 
     @property
     def req_id(self) -> str:
@@ -89,4 +91,6 @@ def make_sample_row(seq: Sequence, row: int) -> SampleRow:
         num_prompt=seq.num_prompt,
         history=history,
         suppress_ids=suppress,
+        embed=req.embed,
+        constraint=seq.constraint,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache.cells import SHARED
 from kvcache.memory import Memory
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SeqState, Sequence
@@ -65,7 +66,7 @@ def _running_slot(sched: Scheduler, seq: Sequence, owner_map: np.ndarray) -> Slo
         num_computed=seq.num_computed,
         num_generated=seq.num_generated,
         cells_owned=int(kv_cells.size),
-        cells_shared=int(np.count_nonzero(owner_map[kv_cells] == -2)),
+        cells_shared=int(np.count_nonzero(owner_map[kv_cells] == SHARED)),
         pos_min=sched.memory.seq_pos_min(seq.seq_id),
         pos_max=sched.memory.seq_pos_max(seq.seq_id),
     )

@@ -100,7 +100,7 @@ class CellMapSnapshot:
 
     n_cells: int
     head: int
-    owner_map: object  # np.ndarray[int32] [n_cells]: -1 free, -2 shared, else owner seq id
+    owner_map: object  # np.ndarray[int32] [n_cells]: kvcache.cells FREE, SHARED, or the owner
     slots: list[SlotInfo]
     holder_seq_ids: list[int]  # seq ids that are prefix-cache holders
     stats: EngineStats

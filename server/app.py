@@ -13,11 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import routes_chat, routes_completions, routes_misc
+from server import (
+    routes_chat,
+    routes_completions,
+    routes_embeddings,
+    routes_misc,
+    routes_responses,
+)
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
@@ -154,9 +161,22 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes, state=app.state)
+    if settings.cors_origins:
+        # NOTE: added last, so outermost: preflights are answered before auth and the body
+        # limit, and error responses carry the CORS headers too. No credentials (cookies):
+        # the API key travels in the Authorization header, which preflight allows.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
 
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)
+    app.include_router(routes_embeddings.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_misc.open_router)
     app.include_router(routes_misc.metrics_router(settings.protect_metrics))

@@ -1,12 +1,16 @@
-"""What the routes serve from: the engine plus the model's tokenizer and chat template."""
+"""What the routes serve from: the engine client plus the model's tokenizer and chat template."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.stats import StepStats
+from server.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from model.grammar import GrammarCompiler
 from server.settings import Settings
 
 
@@ -21,18 +25,24 @@ class Tokenizer(Protocol):
 
 
 class ChatTemplate(Protocol):
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """kwargs: `tools` and chat_template_kwargs, when the request has them."""
+        ...
 
 
 @dataclass(slots=True)
 class Backend:
-    engine: Any  # scheduler.engine.Engine (or a test double honouring its contract)
+    engine: EngineClient
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None  # None: the model has none; chat requests get 400
     model_name: str
     n_ctx_seq: int
     n_cells: int
     cache_bytes: int
+    embedding_dim: int = 0  # length of an /v1/embeddings vector (the model's hidden size)
+    grammars: GrammarCompiler | None = None  # structured outputs; None: refused with a 400
     # what the model runs with (ISA path, kernels, dtype, quant): /metrics cellserve_runtime_info
     runtime: dict[str, str] = field(default_factory=dict)
 

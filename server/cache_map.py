@@ -15,12 +15,11 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from sse_starlette.sse import EventSourceResponse
 
+from kvcache.cells import FREE, SHARED
 from scheduler.stats import CellMapSnapshot, PoolMap, SlotInfo
 from server.auth import check_api_key
 from server.deps import EngineDep
-
-FREE = -1
-SHARED = -2
+from server.engine_client import EngineClient
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -113,7 +112,7 @@ async def get_cells(engine: EngineDep) -> dict[str, Any]:
 
 
 async def _cell_events(
-    request: Request, engine: Any, interval: float
+    request: Request, engine: EngineClient, interval: float
 ) -> AsyncIterator[dict[str, str]]:
     """One event per tick while the client is connected; unchanged snapshots are skipped
     (sse-starlette's pings keep an idle connection alive)."""

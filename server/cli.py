@@ -10,6 +10,7 @@ from types import FrameType
 
 import uvicorn
 
+from server.backend import BackendFactory
 from server.settings import Settings
 
 # flag -> Settings field; booleans use --x/--no-x
@@ -52,6 +53,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("protect_metrics", None, "require the API key on /metrics too"),
     ("log_level", str, "critical | error | warning | info | debug"),
     ("log_prompts", None, "log prompts (off: prompts are never logged)"),
+    (
+        "cors_allow_origins",
+        str,
+        "comma-separated origins allowed to call the API from a browser, or '*' "
+        "(default: none, no CORS headers)",
+    ),
 ]
 
 
@@ -104,7 +111,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, backend_factory: BackendFactory | None = None) -> int:
     from pydantic import ValidationError
 
     from server.app import create_app
@@ -119,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    app = create_app(settings, backend_factory)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -200,7 +207,8 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, backend_factory: BackendFactory | None = None) -> int:
+    """`backend_factory` replaces the model load (tests inject fakes or fault hooks here)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         try:
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cellserve {args.command}: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        return serve(args)
+        return serve(args, backend_factory)
     if args.command == "build-kernels":
         return build_kernels(args)
     from server.chat_client import run_chat

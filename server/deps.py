@@ -10,11 +10,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from server.backend import Backend
+from server.engine_client import EngineClient
 from server.errors import APIError, error_body
-from server.generation import ChoiceDelta, Generation, GenerationFailed, GenerationTimeout
+from server.generation import (
+    ChoiceDelta,
+    Generation,
+    GenerationAborted,
+    GenerationFailed,
+    GenerationTimeout,
+)
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -39,14 +47,14 @@ def get_backend(request: Request) -> Backend:
     return state.backend
 
 
-def get_engine(backend: Annotated[Backend, Depends(get_backend)]) -> Any:
+def get_engine(backend: Annotated[Backend, Depends(get_backend)]) -> EngineClient:
     return backend.engine
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 BackendDep = Annotated[Backend, Depends(get_backend)]
-EngineDep = Annotated[Any, Depends(get_engine)]
+EngineDep = Annotated[EngineClient, Depends(get_engine)]
 
 
 def check_model(name: str | None, backend: Backend) -> None:
@@ -90,6 +98,8 @@ async def collect(gen: Generation, request: Request, prefixes: list[str]) -> lis
         raise APIError(504, str(exc), code="request_timeout") from exc
     except GenerationFailed as exc:
         raise APIError(500, str(exc), code="engine_error") from exc
+    except GenerationAborted as exc:
+        raise APIError(503, str(exc), code="aborted") from exc
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -97,20 +107,26 @@ async def collect(gen: Generation, request: Request, prefixes: list[str]) -> lis
     return choices
 
 
+def dump_json(model: BaseModel) -> str:
+    return json.dumps(model.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":"))
+
+
 def sse_response(
     gen: Generation,
-    chunks: Callable[[Generation], AsyncIterator[dict[str, Any]]],
+    chunks: Callable[[Generation], AsyncIterator[BaseModel]],
 ) -> EventSourceResponse:
     """SSE stream of OpenAI chunks, then `data: [DONE]`; errors become an error chunk."""
 
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks(gen):
-                yield json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+                yield dump_json(chunk)
         except GenerationTimeout as exc:
             yield json.dumps(error_body(504, str(exc), code="request_timeout"))
         except GenerationFailed as exc:
             yield json.dumps(error_body(500, str(exc), code="engine_error"))
+        except GenerationAborted as exc:
+            yield json.dumps(error_body(503, str(exc), code="aborted"))
         finally:
             gen.cancel()
         yield "[DONE]"

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from scheduler.errors import EngineDeadError, EngineDrainingError, PromptError, QueueFullError
 from scheduler.request import FinishEvent, Request, TokenEvent
 from server.backend import Backend
 from server.errors import APIError
@@ -25,6 +25,19 @@ class GenerationTimeout(Exception):
 
 class GenerationFailed(Exception):
     pass
+
+
+class GenerationAborted(Exception):
+    """The engine aborted a choice the client still waits for (the server shut down past its
+    drain timeout): not an OpenAI finish_reason, so the request ends with a 503 / an error chunk."""
+
+
+# NOTE: what a client sees as finish_reason is always one of OpenAI's values. The engine's
+# "stop" and "length" pass through; its internal "abort" and "error" end the request with an
+# error instead (vLLM too keeps "abort" internal). "tool_calls" is set by the tool-call parser.
+OPENAI_FINISH_REASONS = frozenset(
+    {"stop", "length", "tool_calls", "content_filter", "function_call"}
+)
 
 
 @dataclass(slots=True)
@@ -59,7 +72,9 @@ class _JobUsage:
     seen_finish: bool = False
 
 
-def submit_error(exc: Exception) -> APIError:
+def submit_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
+    if isinstance(exc, PromptError):
+        return APIError(400, str(exc), param=prompt_param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return APIError(429, "the server is busy: queue full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDrainingError):
@@ -79,8 +94,10 @@ class Generation:
         timeout: float,
         want_logprobs: bool,
         max_buffered: int = 1024,
+        prompt_param: str = "prompt",
     ) -> None:
         self.backend = backend
+        self.prompt_param = prompt_param  # names the prompt in a 400 from the engine
         self.max_buffered = max_buffered  # unsent events before a slow reader is cut off
         self.metrics = metrics
         self.requests = requests
@@ -105,7 +122,7 @@ class Generation:
                 self._streams.append(self.backend.engine.submit(req))
             except Exception as exc:
                 self.abort()
-                raise submit_error(exc) from exc
+                raise submit_error(exc, self.prompt_param) from exc
 
     def abort(self) -> None:
         for req in self.requests[: len(self._streams)]:
@@ -159,10 +176,8 @@ class Generation:
                 delta = self._on_event(job, event)
                 if delta is not None:
                     yield delta
-            for index, choice in enumerate(self.choices):
-                if not choice.done:  # the engine stream ended without this choice's finish
-                    choice.done = True
-                    yield ChoiceDelta(index, choice.stream.finish(), [], "abort")
+            if not self.finished:  # an engine stream ended without this choice's finish
+                raise GenerationAborted("the engine ended the request before it finished")
             self.metrics.e2e.observe(time.monotonic() - self.arrival)
         finally:
             for pump in pumps:
@@ -241,6 +256,11 @@ class Generation:
             return None
         if ev.reason == "error":
             raise GenerationFailed(ev.error or "the engine failed on this request")
+        if ev.reason not in OPENAI_FINISH_REASONS:
+            raise GenerationAborted(
+                f"the request was aborted before it finished ({ev.reason}): the server is "
+                "shutting down"
+            )
         choice.done = True
         usage.num_output[ev.index] = ev.num_output_tokens
         text = choice.stream.finish()

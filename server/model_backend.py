@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -23,7 +24,12 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Backend:
+def load_backend(
+    settings: Settings,
+    on_step: Callable[[StepStats], None],
+    wrap_worker: Callable[[Any], Any] | None = None,
+) -> Backend:
+    """`wrap_worker` (tests only) wraps the worker the engine drives."""
     import torch
 
     from model import default_model_path, load_model
@@ -76,7 +82,6 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         )
     from kvcache.make import make_memory
     from model.worker import make_worker
-    from server.faults import wrap_worker
 
     config = EngineConfig(
         n_cells=settings.n_cells,
@@ -89,6 +94,8 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         memory_spec=loaded.config.memory_spec,
     )
     config.validate()
+    from model.grammar import GrammarCompiler
+
     # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
     # sliding-window layers (a small pool for them), else the unified cache
     memory = make_memory(
@@ -106,7 +113,8 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         group_cells=[memory.pools[i].cells.n_cells for i in memory.group_pools],
     )
     kv_bytes = worker.kv_bytes
-    worker = wrap_worker(worker)  # test-only fault hooks; the worker itself unless env vars say
+    if wrap_worker is not None:
+        worker = wrap_worker(worker)
     return Backend(
         engine=Engine(worker, config, on_step=on_step, memory=memory),
         tokenizer=loaded.tokenizer,
@@ -115,6 +123,8 @@ def load_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Ba
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=kv_bytes,
+        embedding_dim=loaded.config.dim,
+        grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
         runtime={
             "device": device,
             "isa": cpu["active"] if device == "cpu" else "",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from scheduler.constraint import Grammar
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from server.backend import Backend, Tokenizer
@@ -21,7 +24,14 @@ def encode_text(tok: Tokenizer, text: str, add_special: bool = True) -> list[int
     return ids
 
 
-def render_chat(backend: Backend, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+def render_chat(
+    backend: Backend,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """`template_kwargs`: `tools` (OpenAI's list, as dicts) and chat_template_kwargs, passed
+    to the template as HF's apply_chat_template does."""
     for i, m in enumerate(messages):
         if m.role not in KNOWN_ROLES:
             raise APIError(400, f"unknown role {m.role!r}", param=f"messages.{i}.role")
@@ -35,7 +45,9 @@ def render_chat(backend: Backend, messages: list[ChatMessage], add_generation_pr
         )
     try:
         return backend.chat_template.render(
-            dump_messages(messages), add_generation_prompt=add_generation_prompt
+            dump_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # the template's own raise_exception(), or a bad structure
         raise APIError(
@@ -44,16 +56,20 @@ def render_chat(backend: Backend, messages: list[ChatMessage], add_generation_pr
 
 
 def tokenize_chat(
-    backend: Backend, messages: list[ChatMessage], add_generation_prompt: bool = True
+    backend: Backend,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], int]:
     """-> (prompt ids, length of the leading system segment: the default n_keep)."""
-    ids = encode_text(backend.tokenizer, render_chat(backend, messages, add_generation_prompt))
+    text = render_chat(backend, messages, add_generation_prompt, template_kwargs)
+    ids = encode_text(backend.tokenizer, text)
     n_system = 0
     while n_system < len(messages) and messages[n_system].role in ("system", "developer"):
         n_system += 1
     if n_system == 0:
         return ids, 0
-    sys_text = render_chat(backend, messages[:n_system], add_generation_prompt=False)
+    sys_text = render_chat(backend, messages[:n_system], False, template_kwargs)
     sys_ids = encode_text(backend.tokenizer, sys_text)
     n_keep = 0
     for a, b in zip(ids, sys_ids, strict=False):
@@ -85,26 +101,18 @@ def make_request(
     logprobs: bool,
     top_logprobs: int,
     prompt_param: str,
+    grammar: Grammar | None = None,
 ) -> Request:
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
     if body.n > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
     limit = settings.max_tokens_limit
     if max_tokens is not None and max_tokens > limit:
         raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens")
-    shift = settings.context_shift if body.context_shift is None else body.context_shift
     num_prompt = len(prompt_ids)
-    if not shift and num_prompt >= backend.n_ctx_seq:
-        raise APIError(
-            400,
-            f"the prompt has {num_prompt} tokens; the context is {backend.n_ctx_seq} tokens "
-            "and context shift is off",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    # NOTE: with context shift on, a prompt past the context is shifted (its middle dropped,
-    # llama.cpp style); one longer than the whole KV cache is refused rather than mostly lost.
+    # NOTE: the engine refuses an empty prompt, or one past the context with context shift
+    # off (scheduler.errors.PromptError, see Generation.submit). A prompt past the context
+    # with shift on is shifted (its middle dropped, llama.cpp style); this server policy
+    # refuses one longer than the whole KV cache rather than lose most of it.
     if num_prompt > backend.n_cells:
         raise APIError(
             400,
@@ -143,4 +151,5 @@ def make_request(
         n=body.n,
         n_keep=min(n_keep, len(prompt_ids)),
         context_shift=body.context_shift,
+        grammar=grammar,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,20 +9,26 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from server.auth import check_api_key
+from server.chat_reply import ReplyOptions, ReplyStream, whole_reply
+from server.chat_run import start_chat
 from server.deps import (
     BackendDep,
     MetricsDep,
     SettingsDep,
-    check_model,
     collect,
-    log_request,
     sse_response,
 )
-from server.errors import APIError
 from server.generation import Generation
-from server.prompts import make_request, tokenize_chat
-from server.responses import chat_logprobs, envelope, usage_dict
+from server.logprobs import chat_logprobs
 from server.schemas import ChatCompletionRequest
+from server.schemas_out import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Usage,
+)
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -36,72 +41,59 @@ async def chat_completions(
     settings: SettingsDep,
     metrics: MetricsDep,
 ) -> Any:
-    check_model(body.model, backend)
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    prompt_ids, n_keep = tokenize_chat(backend, body.messages, body.add_generation_prompt)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    room = backend.n_ctx_seq - len(prompt_ids)
-    req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    engine_request = make_request(
-        req_id,
-        prompt_ids,
-        body,
-        backend=backend,
-        settings=settings,
-        max_tokens=max_tokens,
-        default_max_tokens=max(1, min(settings.max_tokens_limit, room)),
-        n_keep=n_keep,
-        logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
-        prompt_param="messages",
-    )
-    log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
-    gen = Generation(
-        backend,
-        metrics,
-        [engine_request],
-        body.stop_list,
-        settings.request_timeout,
-        body.logprobs,
-        max_buffered=settings.stream_buffer,
-    )
-    gen.submit()
-    head = envelope(req_id, "chat.completion", int(time.time()), backend.model_name)
+    run = await start_chat(body, f"chatcmpl-{uuid.uuid4().hex}", backend, settings, metrics)
+    gen, req_id, created = run.gen, run.req_id, run.created
     if body.stream:
-        return sse_response(gen, lambda g: _chunks(g, head, body))
+        return sse_response(gen, lambda g: _chunks(g, req_id, created, body, run.opts))
 
     results = await collect(gen, request, [""] * body.n)
-    choices = [
-        {
-            "index": r.index,
-            "message": {"role": "assistant", "content": r.text, "refusal": None},
-            "logprobs": chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None,
-            "finish_reason": r.finish_reason,
-        }
-        for r in results
-    ]
-    return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
+    choices = []
+    for r in results:
+        message, reason = whole_reply(r.text, r.finish_reason or "stop", run.opts)
+        logprobs = chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None
+        choices.append(
+            ChatChoice(index=r.index, message=message, logprobs=logprobs, finish_reason=reason)
+        )
+    return ChatCompletion(
+        id=req_id,
+        created=created,
+        model=backend.model_name,
+        choices=choices,
+        usage=Usage.of(*gen.usage()),
+    )
 
 
 async def _chunks(
-    gen: Generation, head: dict[str, Any], body: ChatCompletionRequest
-) -> AsyncIterator[dict[str, Any]]:
-    head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if body.include_usage else {}
+    gen: Generation,
+    req_id: str,
+    created: int,
+    body: ChatCompletionRequest,
+    opts: ReplyOptions,
+) -> AsyncIterator[ChatCompletionChunk]:
+    head: dict[str, Any] = {"id": req_id, "created": created, "model": gen.backend.model_name}
+    if body.include_usage:
+        head["usage"] = None
     tok = gen.backend.tokenizer
 
-    def chunk(index: int, delta: dict, logprobs: Any = None, reason: str | None = None):
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return {**head, "choices": [choice], **extra}
+    def chunk(index: int, delta: ChatDelta, logprobs: Any = None, reason: str | None = None):
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
+        return ChatCompletionChunk(**head, choices=[choice])
 
+    replies = [ReplyStream(opts) for _ in range(body.n)]
     for i in range(body.n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunk(i, ChatDelta(role="assistant", content=""))
     async for d in gen.deltas():
-        if d.text or d.logprobs:
-            lp = chat_logprobs(tok, d.logprobs) if body.logprobs else None
-            yield chunk(d.index, {"content": d.text}, lp)
+        reply = replies[d.index]
+        lp = chat_logprobs(tok, d.logprobs) if body.logprobs and d.logprobs else None
+        pieces = reply.feed(d.text) if d.text else []
+        if lp is not None and not pieces:
+            pieces = [ChatDelta(content="")]
+        for k, piece in enumerate(pieces):
+            yield chunk(d.index, piece, lp if k == 0 else None)
         if d.finish_reason is not None:
-            yield chunk(d.index, {}, None, d.finish_reason)
+            last, reason = reply.finish(d.finish_reason)
+            for piece in last:
+                yield chunk(d.index, piece)
+            yield chunk(d.index, ChatDelta(), None, reason)
     if body.include_usage:
-        yield {**head, "choices": [], "usage": usage_dict(*gen.usage())}
+        yield ChatCompletionChunk(**{**head, "usage": Usage.of(*gen.usage())}, choices=[])

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
 from server.backend import Backend
@@ -22,9 +23,12 @@ from server.deps import (
 )
 from server.errors import APIError
 from server.generation import Generation
+from server.logprobs import completion_logprobs
 from server.prompts import check_token_ids, encode_text, make_request
-from server.responses import completion_logprobs, envelope, usage_dict
 from server.schemas import CompletionRequest
+from server.schemas_out import CompletionChoice, TextCompletion, Usage
+from server.structured import body_grammar_spec, compile_grammar
+from server.unsupported import COMPLETION_RULES, reject_unsupported
 
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
@@ -60,9 +64,12 @@ async def completions(
     metrics: MetricsDep,
 ) -> Any:
     check_model(body.model, backend)
-    prompts = _prompts(backend, body)
+    reject_unsupported(body, COMPLETION_RULES)
+    prompts = await run_in_threadpool(_prompts, backend, body)  # NOTE: off the event loop
     base_id = f"cmpl-{uuid.uuid4().hex}"
     want_logprobs = body.logprobs is not None
+    spec = body_grammar_spec(body)  # structured outputs: every prompt shares the grammar
+    grammar = await compile_grammar(backend, spec) if spec is not None else None
     engine_requests = [
         make_request(
             f"{base_id}-{j}" if len(prompts) > 1 else base_id,
@@ -76,6 +83,7 @@ async def completions(
             logprobs=want_logprobs,
             top_logprobs=body.logprobs or 0,
             prompt_param="prompt",
+            grammar=grammar,
         )
         for j, (ids, _) in enumerate(prompts)
     ]
@@ -91,37 +99,45 @@ async def completions(
         max_buffered=settings.stream_buffer,
     )
     gen.submit()
-    head = envelope(base_id, "text_completion", int(time.time()), backend.model_name)
+    created = int(time.time())
     echoes = [text if body.echo else "" for _, text in prompts for _ in range(body.n)]
     if body.stream:
-        return sse_response(gen, lambda g: _chunks(g, head, body, echoes))
+        return sse_response(gen, lambda g: _chunks(g, base_id, created, body, echoes))
 
     results = await collect(gen, request, echoes)
     choices = [
-        {
-            "index": r.index,
-            "text": r.text,
-            "logprobs": completion_logprobs(backend.tokenizer, r.logprobs, len(echoes[r.index]))
+        CompletionChoice(
+            index=r.index,
+            text=r.text,
+            logprobs=completion_logprobs(backend.tokenizer, r.logprobs, len(echoes[r.index]))
             if want_logprobs
             else None,
-            "finish_reason": r.finish_reason,
-        }
+            finish_reason=r.finish_reason,
+        )
         for r in results
     ]
-    return {**head, "choices": choices, "usage": usage_dict(*gen.usage())}
+    return TextCompletion(
+        id=base_id,
+        created=created,
+        model=backend.model_name,
+        choices=choices,
+        usage=Usage.of(*gen.usage()),
+    )
 
 
 async def _chunks(
-    gen: Generation, head: dict[str, Any], body: CompletionRequest, echoes: list[str]
-) -> AsyncIterator[dict[str, Any]]:
-    extra = {"usage": None} if body.include_usage else {}
+    gen: Generation, base_id: str, created: int, body: CompletionRequest, echoes: list[str]
+) -> AsyncIterator[TextCompletion]:
+    head: dict[str, Any] = {"id": base_id, "created": created, "model": gen.backend.model_name}
+    if body.include_usage:
+        head["usage"] = None
     tok = gen.backend.tokenizer
     want_logprobs = body.logprobs is not None
     offsets = [len(e) for e in echoes]
 
     def chunk(index: int, text: str, logprobs: Any = None, reason: str | None = None):
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        return {**head, "choices": [choice], **extra}
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)
+        return TextCompletion(**head, choices=[choice])
 
     for i, echo in enumerate(echoes):
         if echo:
@@ -134,4 +150,4 @@ async def _chunks(
         if d.finish_reason is not None:
             yield chunk(d.index, "", None, d.finish_reason)
     if body.include_usage:
-        yield {**head, "choices": [], "usage": usage_dict(*gen.usage())}
+        yield TextCompletion(**{**head, "usage": Usage.of(*gen.usage())}, choices=[])

@@ -7,37 +7,38 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
 from server.deps import BackendDep, EngineDep, MetricsDep, check_model
 from server.errors import APIError
 from server.prompts import check_token_ids, encode_text, tokenize_chat
 from server.schemas import DetokenizeRequest, TokenizeRequest
+from server.schemas_out import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from server.unsupported import reject_non_text_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 open_router = APIRouter()
 
 
 @router.get("/v1/models")
-async def list_models(backend: BackendDep, request: Request) -> dict[str, Any]:
-    card = {
-        "id": backend.model_name,
-        "object": "model",
-        "created": request.app.state.started_at,
-        "owned_by": "cellserve",
-        "max_model_len": backend.n_ctx_seq,
-    }
-    return {"object": "list", "data": [card]}
+async def list_models(backend: BackendDep, request: Request) -> ModelList:
+    card = ModelCard(
+        id=backend.model_name,
+        created=request.app.state.started_at,
+        max_model_len=backend.n_ctx_seq,
+    )
+    return ModelList(data=[card])
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, backend: BackendDep, request: Request) -> dict[str, Any]:
+async def get_model(model_id: str, backend: BackendDep, request: Request) -> ModelCard:
     check_model(model_id, backend)
-    return (await list_models(backend, request))["data"][0]
+    return (await list_models(backend, request)).data[0]
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, backend: BackendDep) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, backend: BackendDep) -> TokenizeResponse:
     check_model(body.model, backend)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
@@ -45,18 +46,26 @@ async def tokenize(body: TokenizeRequest, backend: BackendDep) -> dict[str, Any]
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         # the same ids /v1/chat/completions would submit, so usage.prompt_tokens == count
-        tokens, _ = tokenize_chat(backend, body.messages, body.add_generation_prompt)
+        reject_non_text_messages(body.messages)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        tokens, _ = await run_in_threadpool(
+            tokenize_chat, backend, body.messages, body.add_generation_prompt, kwargs
+        )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = encode_text(backend.tokenizer, body.prompt or "", add_special)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": backend.n_ctx_seq}
+        tokens = await run_in_threadpool(
+            encode_text, backend.tokenizer, body.prompt or "", add_special
+        )
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=backend.n_ctx_seq)
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, backend: BackendDep) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, backend: BackendDep) -> DetokenizeResponse:
     check_model(body.model, backend)
     check_token_ids(backend, body.tokens, "tokens")
-    return {"prompt": backend.tokenizer.decode(body.tokens)}
+    return DetokenizeResponse(prompt=backend.tokenizer.decode(body.tokens))
 
 
 @router.get("/slots")

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API (plus vLLM / llama.cpp extensions), validated by pydantic.
 
-Responses are built as plain dicts in server/responses.py, in OpenAI's exact shapes.
+Response bodies are in server/schemas_out.py.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.schemas_tools import ResponseFormat, StructuredOutputs, Tool, ToolCallIn, ToolChoice
 
 
 class _Body(BaseModel):
@@ -32,7 +34,8 @@ class SamplingBody(_Body):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # NOTE: at least 0.01: dividing a logit by less overflows float32 (inf, then NaN probs)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
@@ -41,6 +44,15 @@ class SamplingBody(_Body):
     min_tokens: int = Field(0, ge=0)
     n_keep: int | None = Field(None, ge=0)
     context_shift: bool | None = None
+    # structured outputs (server/structured.py): OpenAI's, then vLLM's and llama.cpp's names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None  # llama.cpp: GBNF
+    json_schema: dict[str, Any] | None = None  # llama.cpp
 
     @field_validator("stop")
     @classmethod
@@ -71,36 +83,53 @@ class SamplingBody(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text is read; other types (image_url, input_audio,
+    file) are kept so that the route can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(SamplingBody):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted; passed to the template as `reasoning_effort` (SmolLM2's ignores it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingBody):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
+
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -113,6 +142,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # with messages: rendered as /v1/chat/completions does
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -121,11 +152,16 @@ class DetokenizeRequest(_Body):
 
 
 def dump_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: role + flattened text content (+ name)."""
+    """Messages as the chat template sees them: role + flattened text content (+ name,
+    tool_calls, tool_call_id)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         item: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name:
             item["name"] = m.name
+        if m.tool_calls:
+            item["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
         out.append(item)
     return out

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     protect_metrics: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_prompts: bool = False  # prompts are never logged unless this is on
+    cors_allow_origins: str = ""  # comma-separated origins (or "*"); "" = no CORS headers
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
 
     @property
     def url(self) -> str:

@@ -1,23 +1,73 @@
 // The chat: multi-turn history, streamed replies from /v1/chat/completions, stop button.
+// A reply is rendered as Markdown (markdown.js: DOM nodes only, nothing from the model runs);
+// its reasoning (`reasoning_content` / `reasoning` deltas) and tool calls are shown apart.
 
 import { apiFetch, errorMessage, readEvents } from "./api.js";
+import { renderMarkdown } from "./markdown.js";
 
 export function createChat(els) {
   const history = []; // [{role, content}] without the system prompt
   let controller = null;
 
+  function div(className) {
+    const node = document.createElement("div");
+    node.className = className;
+    return node;
+  }
+
   function addBubble(role, text) {
-    const bubble = document.createElement("div");
-    bubble.className = `msg ${role}`;
-    const body = document.createElement("div");
-    body.className = "msg-body";
+    const bubble = div(`msg ${role}`);
+    const body = div(role === "assistant" ? "msg-body md" : "msg-body");
     body.textContent = text;
-    const meta = document.createElement("div");
-    meta.className = "msg-meta";
-    bubble.append(body, meta);
+    const meta = div("msg-meta");
+    const tools = div("tool-calls");
+    bubble.append(body, tools, meta);
     els.messages.append(bubble);
     els.messages.scrollTop = els.messages.scrollHeight;
-    return { bubble, body, meta };
+    return { bubble, body, meta, tools, text, reasoning: null, calls: [], pending: false };
+  }
+
+  function reasoningBox(view) {
+    if (view.reasoning) return view.reasoning;
+    const details = document.createElement("details");
+    details.className = "reasoning";
+    details.open = true;
+    const summary = document.createElement("summary");
+    summary.textContent = "Reasoning";
+    const body = div("reasoning-body");
+    details.append(summary, body);
+    view.bubble.insertBefore(details, view.body);
+    view.reasoning = { details, body };
+    return view.reasoning;
+  }
+
+  function addToolCallDelta(view, delta) {
+    const i = delta.index ?? view.calls.length;
+    if (!view.calls[i]) {
+      const box = div("tool-call");
+      const name = div("tool-call-name");
+      const args = document.createElement("pre");
+      args.className = "tool-call-args";
+      box.append(name, args);
+      view.tools.append(box);
+      view.calls[i] = { name: "", args: "", nameEl: name, argsEl: args };
+    }
+    const call = view.calls[i];
+    call.name += delta.function?.name || "";
+    call.args += delta.function?.arguments || "";
+    call.nameEl.textContent = `tool call: ${call.name}`;
+    call.argsEl.textContent = call.args;
+  }
+
+  function render(view) {
+    // NOTE: one Markdown render per animation frame, however many deltas arrive
+    if (view.pending) return;
+    view.pending = true;
+    requestAnimationFrame(() => {
+      view.pending = false;
+      renderMarkdown(view.body, view.text);
+      els.messages.scrollTop = els.messages.scrollHeight;
+    });
   }
 
   function requestBody() {
@@ -52,11 +102,17 @@ export function createChat(els) {
 
   function applyChunk(chunk, view, stats) {
     const choice = chunk.choices?.[0];
-    if (choice?.delta?.content) {
-      view.body.textContent += choice.delta.content;
+    const delta = choice?.delta || {};
+    const thought = delta.reasoning_content ?? delta.reasoning;
+    if (thought) reasoningBox(view).body.textContent += thought;
+    if (delta.content) {
+      if (view.reasoning && !view.text) view.reasoning.details.open = false;
+      view.text += delta.content;
+      view.bubble.dataset.raw = view.text; // the reply as the model wrote it (Markdown source)
       stats.chunks += 1;
-      els.messages.scrollTop = els.messages.scrollHeight;
+      render(view);
     }
+    for (const call of delta.tool_calls || []) addToolCallDelta(view, call);
     if (choice?.finish_reason) stats.finish = choice.finish_reason;
     if (chunk.usage) {
       stats.tokens = chunk.usage.completion_tokens;
@@ -93,14 +149,15 @@ export function createChat(els) {
     setBusy(true);
     try {
       await streamReply(view, controller.signal);
-      history.push({ role: "assistant", content: view.body.textContent });
+      history.push({ role: "assistant", content: view.text });
     } catch (err) {
       const stopped = err.name === "AbortError";
       view.bubble.classList.add(stopped ? "stopped" : "failed");
       view.meta.textContent = stopped ? "stopped" : `error: ${err.message}`;
-      if (view.body.textContent) history.push({ role: "assistant", content: view.body.textContent });
+      if (view.text) history.push({ role: "assistant", content: view.text });
       else history.pop(); // the question had no answer: do not send it again
     } finally {
+      renderMarkdown(view.body, view.text);
       view.bubble.classList.remove("streaming");
       view.bubble.classList.add("done");
       controller = null;

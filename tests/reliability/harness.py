@@ -40,6 +40,7 @@ class ServerProcess:
 
     flags: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    entry: str = "server.cli"  # module whose main() runs; tests.reliability.faults injects faults
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
@@ -58,7 +59,7 @@ class ServerProcess:
         fd, name = tempfile.mkstemp(prefix="cellserve-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
-        argv = [sys.executable, "-c", "from server.cli import main; main()", "serve"]
+        argv = [sys.executable, "-c", f"from {self.entry} import main; main()", "serve"]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *self.flags]
         env = {k: v for k, v in os.environ.items() if not k.startswith("CELLSERVE_")}
         env.update(self.env)

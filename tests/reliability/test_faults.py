@@ -1,9 +1,9 @@
 """Faults: clients that vanish, a worker that raises, an engine thread that dies, a client that
 stops reading, requests that run out of time. Nothing leaks and the other requests are unaffected.
 
-The worker faults use the test-only hooks of server/faults.py: CELLSERVE_FAULT_TOKEN_ID makes
-the worker raise on any batch holding that token id, CELLSERVE_FAULT_KILL_TOKEN_ID kills the
-engine thread.
+The worker faults use the test-only hooks of tests/reliability/faults.py, injected into a real
+`cellserve serve` through its backend factory: CELLSERVE_FAULT_TOKEN_ID makes the worker raise on
+any batch holding that token id, CELLSERVE_FAULT_KILL_TOKEN_ID kills the engine thread.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import asyncio
 import json
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from scheduler.request import FinishEvent, Request, TokenEvent
 from server.backend import Backend
-from server.faults import FaultyWorker, wrap_worker
 from server.generation import Generation, GenerationFailed
 from server.metrics import Metrics
 from tests.reliability.clients import (
@@ -28,6 +28,7 @@ from tests.reliability.clients import (
     stream_request,
 )
 from tests.reliability.conftest import CORPUS, slots, wait_idle
+from tests.reliability.faults import FaultyWorker, wrap_worker
 from tests.reliability.harness import ServerProcess, assert_openai_error, metric, record, scrape
 
 # NOTE: these tests compare each request's greedy text in a batch with its text alone: the
@@ -40,6 +41,7 @@ FAULT_FLAGS = [
 ]  # fmt: skip
 FAULT_WORD = " xylophone"  # its first token is the fault token: in no other prompt or output
 KILL_WORD = " zymurgy"
+FAULTS_ENTRY = "tests.reliability.faults"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def fault_ids(tokenizer) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def fault_server(fault_ids):
     env = {"CELLSERVE_FAULT_TOKEN_ID": str(fault_ids[0])}
-    with ServerProcess(FAULT_FLAGS, env=env) as srv:
+    with ServerProcess(FAULT_FLAGS, env=env, entry=FAULTS_ENTRY) as srv:
         yield srv
 
 
@@ -228,7 +230,7 @@ def fragile_server(fault_ids):
     env = {"CELLSERVE_FAULT_KILL_TOKEN_ID": str(fault_ids[1])}
     flags = ["--n-cells", "512", "--n-seq-max", "8", "--ctx-per-seq", "128"]
     flags += ["--request-timeout", "3"]
-    with ServerProcess(flags, env=env) as srv:
+    with ServerProcess(flags, env=env, entry=FAULTS_ENTRY) as srv:
         yield srv
 
 
@@ -285,3 +287,9 @@ def test_fault_hooks_are_off_unless_their_env_var_is_set():
     hooked = wrap_worker(worker, {"CELLSERVE_FAULT_TOKEN_ID": "7"})
     assert isinstance(hooked, FaultyWorker) and hooked.fault_token_id == 7
     assert hooked.kill_token_id is None
+
+
+def test_the_production_server_has_no_fault_hooks():
+    server_dir = Path(__file__).resolve().parents[2] / "server"
+    sources = [p.read_text() for p in server_dir.rglob("*.py")]
+    assert sources and not any("CELLSERVE_FAULT" in s or "faults" in s for s in sources)

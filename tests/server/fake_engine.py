@@ -10,20 +10,26 @@ import asyncio
 import random
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from scheduler.errors import EngineDrainingError, QueueFullError
-from scheduler.request import FinishEvent, Request, TokenEvent
-from scheduler.stats import EngineStats, SlotInfo
+import numpy as np
+
+from kvcache.cells import FREE
+from scheduler.errors import EngineDrainingError, PromptError, QueueFullError
+from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
+from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
 from server.backend import Backend
+from server.engine_client import EngineClient
 
 BOS, EOS = 256, 257
+EMBEDDING_DIM = 8
 REPLY = "The capital of France is Paris. Ünïcødé 😀 ok."
 
 
 class FakeTokenizer:
-    bos_id = BOS
+    bos_id: int | None = BOS
     eos_ids = (EOS,)
     vocab_size = 258
 
@@ -38,7 +44,9 @@ class FakeTokenizer:
 
 
 class FakeTemplate:
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: object
+    ) -> str:
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("tool messages are not supported by this template")
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
@@ -61,6 +69,7 @@ class FakeEngine:
     max_queue: int = 64
     max_running: int = 64
     token_delay: float = 0.002
+    reply: str = REPLY  # what every choice answers (its UTF-8 bytes are the tokens)
     live: dict[tuple[str, int], _Live] = field(default_factory=dict)
     draining: bool = False
     num_prompt_tokens: int = 0
@@ -71,12 +80,14 @@ class FakeEngine:
     def start(self) -> None:
         pass
 
-    def submit(self, request: Request) -> AsyncIterator[TokenEvent | FinishEvent]:
+    def submit(self, request: Request) -> AsyncIterator[Event]:
         asyncio.get_running_loop()
         if self.draining:
             raise EngineDrainingError("draining")
+        if not request.prompt_ids:
+            raise PromptError("empty prompt: the prompt has no tokens")
         if len(request.prompt_ids) > 4000:
-            raise ValueError("prompt too long")
+            raise PromptError("prompt too long", code="context_length_exceeded")
         with self.lock:
             running = {k[0] for k in self.live}
             if len(running) >= self.max_running:
@@ -85,9 +96,22 @@ class FakeEngine:
                 self.live[(request.req_id, i)] = _Live(request, i, len(request.prompt_ids))
             self.num_prompt_tokens += len(request.prompt_ids)
             self.submitted.append(request)
-        return self._run(request)
+        return self._embed(request) if request.embed else self._run(request)
 
-    async def _run(self, request: Request) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def _embed(self, request: Request) -> AsyncIterator[Event]:
+        """A vector that depends only on the prompt (seeded by its crc32), after one step."""
+        try:
+            await asyncio.sleep(self.token_delay)
+            ids = np.asarray(request.prompt_ids, dtype=np.int64)
+            seed = zlib.crc32(ids.tobytes())
+            vector = np.random.default_rng(seed).normal(size=EMBEDDING_DIM).astype(np.float32)
+            yield EmbeddingEvent(0, vector * 3.0)  # not normalised, as the engine's are not
+            yield FinishEvent(0, "stop", len(request.prompt_ids), 0, 0, queue_time=0.001)
+        finally:
+            with self.lock:
+                self.live.pop((request.req_id, 0), None)
+
+    async def _run(self, request: Request) -> AsyncIterator[Event]:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._choice(request, i, queue)) for i in range(request.n)]
         try:
@@ -105,7 +129,7 @@ class FakeEngine:
                     self.live.pop((request.req_id, i), None)
 
     async def _choice(self, request: Request, index: int, queue: asyncio.Queue) -> None:
-        reply = list(REPLY.encode())
+        reply = list(self.reply.encode())
         if request.sampling.temperature > 0 and request.sampling.seed is not None:
             rng = random.Random(request.sampling.seed)
             rng = random.Random(rng.random() + index)
@@ -179,6 +203,16 @@ class FakeEngine:
                 for seq, ((rid, i), v) in enumerate(self.live.items())
             ]
 
+    def cell_map(self) -> CellMapSnapshot:
+        """Each live choice's cells laid out one after another, in slot order."""
+        slots = self.slots()
+        owner_map = np.full(self.n_cells, FREE, dtype=np.int32)
+        head = 0
+        for slot in slots:
+            owner_map[head : head + slot.cells_owned] = slot.seq_id
+            head = min(self.n_cells, head + slot.cells_owned)
+        return CellMapSnapshot(self.n_cells, head, owner_map, slots, [], self.stats())
+
     def shutdown(self, drain_timeout: float) -> None:
         self.draining = True
         deadline = time.monotonic() + drain_timeout
@@ -189,7 +223,7 @@ class FakeEngine:
                 live.aborted = True
 
 
-def fake_backend_factory(engine: FakeEngine | None = None):
+def fake_backend_factory(engine: EngineClient | None = None):
     def factory(settings, on_step) -> Backend:
         return Backend(
             engine=engine or FakeEngine(),
@@ -199,6 +233,7 @@ def fake_backend_factory(engine: FakeEngine | None = None):
             n_ctx_seq=settings.ctx_per_seq,
             n_cells=4096,
             cache_bytes=4096 * 1024,
+            embedding_dim=EMBEDDING_DIM,
         )
 
     return factory

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcache.cells import FREE, SHARED
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
 from server.backend import Backend
-from server.cache_map import FREE, SHARED
 from tests.live_server import LiveServer, start_server
 
 

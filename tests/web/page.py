@@ -134,7 +134,8 @@ def last_reply(driver) -> dict[str, str]:
         const all = document.querySelectorAll('.msg.assistant');
         const last = all[all.length - 1];
         if (!last) return null;
-        return {text: last.querySelector('.msg-body').textContent, classes: last.className,
+        return {text: last.dataset.raw ?? '', shown: last.querySelector('.msg-body').textContent,
+                classes: last.className,
                 meta: last.querySelector('.msg-meta').textContent, count: all.length};
         """
     )

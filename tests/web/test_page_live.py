@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from selenium.webdriver.common.by import By
 
-from server.cache_map import FREE, SHARED, decode_runs
+from kvcache.cells import FREE, SHARED
+from server.cache_map import decode_runs
 from tests.web.page import (
     ask,
     chat_bodies,

@@ -1,22 +1,29 @@
-"""Test-only fault injection around the worker. Inactive unless an env var below is set.
+"""Test-only fault injection around the worker, and a `cellserve` entry point that injects it.
+
+    python -c "from tests.reliability.faults import main; main()" serve ...
+
+serves like `cellserve serve`, with the worker wrapped when an env var below is set:
 
 CELLSERVE_FAULT_TOKEN_ID=<id>       the worker raises on any batch that holds token <id>
                                     (after doing its work, as a forward pass failing late does)
 CELLSERVE_FAULT_KILL_TOKEN_ID=<id>  same, but with an exception that ends the engine thread
 
-The reliability tests (tests/reliability/test_faults.py) use these to check that the engine
-isolates the request that breaks a batch and that a dead engine is noticed. Never set them in
-production.
+The production app never imports this module: the hook is injected through create_app's backend
+factory (server.model_backend.load_backend's `wrap_worker`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from scheduler.plan import BatchPlan, StepOutput
+from scheduler.stats import StepStats
+from server.backend import Backend
+from server.settings import Settings
 
 log = logging.getLogger("cellserve.server")
 
@@ -61,3 +68,15 @@ def wrap_worker(worker: Any, environ: Mapping[str, str] = os.environ) -> Any:
         None if fault is None else int(fault),
         None if kill is None else int(kill),
     )
+
+
+def faulty_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> Backend:
+    from server.model_backend import load_backend
+
+    return load_backend(settings, on_step, wrap_worker=wrap_worker)
+
+
+def main() -> None:
+    from server.cli import main as cli_main
+
+    sys.exit(cli_main(sys.argv[1:], backend_factory=faulty_backend))
