@@ -280,8 +280,8 @@ def make_worker(
     group_cells: list[int] | None = None,
 ) -> ModelWorker:
     """A worker with a fresh KV cache (dtype/device default to the model's); see
-    model.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the model's MemorySpec, the cells of
-    its pool (the Memory's: kvcache.memory.Memory.group_pools); None: `n_cells` for every group
+    model.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
+    model's MemorySpec, the cells of its pool (the Memory's: kvcache.memory.Memory.group_pools); None: `n_cells` for every group
     (the unified cache). A model with one group gets one KVStorage for every layer."""
     model = loaded.transformer
     if device is not None and torch.device(device) != model.device:
