@@ -281,8 +281,9 @@ def make_worker(
 ) -> ModelWorker:
     """A worker with a fresh KV cache (dtype/device default to the model's); see
     model.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
-    model's MemorySpec, the cells of its pool (the Memory's: kvcache.memory.Memory.group_pools); None: `n_cells` for every group
-    (the unified cache). A model with one group gets one KVStorage for every layer."""
+    model's MemorySpec, the cells of its pool (kvcache.memory.Memory.group_pools); None:
+    `n_cells` for every group (the unified cache). A model with one group gets one KVStorage
+    for every layer."""
     model = loaded.transformer
     if device is not None and torch.device(device) != model.device:
         model = model.to(device)
