@@ -145,10 +145,10 @@ class ModelWorker:
 
     @torch.inference_mode()
     def hidden(self, plan: BatchPlan) -> torch.Tensor:
-        """Apply plan.pending, run the batch -> final-norm hidden states [n_out, dim] of the
-        plan's sample rows (n_out >= len(plan.samples) with batch_invariant's padding)."""
-        if not plan.pending.is_empty:
-            self.storage.apply(plan.pending)
+        """Apply each group's pending work, run the batch -> final-norm hidden states
+        [n_out, dim] of the plan's sample rows (n_out >= len(plan.samples) with
+        batch_invariant's padding)."""
+        self._apply_pending(plan)
         batch = self.make_batch(plan)
         native = self.native if self.native is not None and self.native.runs(batch) else None
         return self.model.hidden(batch, self.storage, None if native is None else native.layers)
@@ -157,16 +157,19 @@ class ModelWorker:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """Apply each group's pending work, run the batch -> logits [len(plan.samples), vocab]
         float32."""
-        assert len(plan.groups) == len(self.kv), "one storage per layer group of the plan"
-        for storage, group in zip(self.kv, plan.groups, strict=True):
-            if not group.pending.is_empty:
-                storage.apply(group.pending)
+        self._apply_pending(plan)
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
         batch = self.make_batch(plan)
         native = self.native if self.native is not None and self.native.runs(batch) else None
         logits = self.model(batch, self.storage, None if native is None else native.layers)
         return logits[: len(plan.samples)]
+
+    def _apply_pending(self, plan: BatchPlan) -> None:
+        assert len(plan.groups) == len(self.kv), "one storage per layer group of the plan"
+        for storage, group in zip(self.kv, plan.groups, strict=True):
+            if not group.pending.is_empty:
+                storage.apply(group.pending)
 
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device
