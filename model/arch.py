@@ -14,9 +14,11 @@ from typing import Literal
 
 from kvcache.spec import Attention as AttentionSpec
 from kvcache.spec import MemorySpec
+from kvcache.spec import Recurrent as RecurrentSpec
 from kvcache.storage import RopeConfig
 
 Activation = Literal["silu", "gelu_tanh"]
+Mixer = Literal["attn", "mamba2"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,43 @@ def gemma3_windows(n_layers: int, window: int, period: int = GEMMA3_SWA_PERIOD) 
     return tuple(0 if (i + 1) % period == 0 else window for i in range(n_layers))
 
 
+@dataclass(frozen=True, slots=True)
+class SSMArgs:
+    """Sizes of a Mamba2 mixer (transformers' Mamba2Mixer, llama.cpp's build_mamba2_layer).
+
+    Per token u: z, xBC, dt = split(ssm_in u, [d_inner, conv_dim, n_heads]); xBC goes through
+    the causal depthwise conv (kernel d_conv) and SiLU, then splits into x [n_heads, head_dim],
+    B, C [n_groups, d_state] (head h reads group h // (n_heads / n_groups)); dt = softplus(dt +
+    dt_bias); S = exp(dt A) S + dt x (outer) B; y = S C + D x; y = rmsnorm_groups(y * silu(z));
+    out = ssm_out y. State per sequence: conv [conv_dim, d_conv - 1], ssm [n_heads, head_dim,
+    d_state] (float32)."""
+
+    n_heads: int  # H
+    head_dim: int  # P: d_inner = H * P
+    d_state: int  # N
+    n_groups: int  # G, divides H
+    d_conv: int  # K
+    conv_bias: bool = True
+    proj_bias: bool = False  # bias on ssm_in and ssm_out (Mamba2Config.use_bias)
+    norm_eps: float = 1e-5  # of the gated group RMSNorm
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:
+        return self.d_inner + self.conv_dim + self.n_heads
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.conv_dim, self.d_conv - 1), (self.n_heads, self.head_dim, self.d_state))
+
+
 @dataclass(slots=True)
 class ModelArgs:
     arch: str
@@ -73,6 +112,20 @@ class ModelArgs:
     windows: tuple[int, ...] = ()  # per layer: 0 full attention, W > 0 sees (p - W, p]; () all 0
     rope_swa: RopeConfig | None = None  # RoPE of the sliding-window layers; None: `rope`
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # recurrent and hybrid models (Mamba2, Granite 4.0-H): per layer "attn" or "mamba2"
+    # (() every layer attention), the Mamba2 sizes, and whether blocks have an MLP at all
+    mixers: tuple[Mixer, ...] = ()
+    ssm: SSMArgs | None = None
+    ffn: bool = True  # False: Mamba2 (the block is h = x + mixer(norm(x)))
+    nope: bool = False  # attention without any position encoding (Granite 4.0-H)
+    # Granite scalars: x = embed * embed_mult; h = x + residual_mult * sublayer(..);
+    # logits = output(h) / logits_scaling
+    embed_mult: float = 1.0
+    residual_mult: float = 1.0
+    logits_scaling: float = 1.0
+
+    def mixer(self, layer: int) -> Mixer:
+        return self.mixers[layer] if self.mixers else "attn"
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -95,6 +148,10 @@ class ModelArgs:
         """The Llama block with full attention everywhere: what model/native.py implements."""
         return (
             self.block == LLAMA
+            and not self.mixers
+            and self.ffn
+            and not self.nope
+            and (self.embed_mult, self.residual_mult, self.logits_scaling) == (1.0, 1.0, 1.0)
             and not any(self.windows)
             and self.rope_swa is None
             and self.attn_scale is None
@@ -104,12 +161,14 @@ class ModelArgs:
     def memory_spec(self) -> MemorySpec:
         """What each layer keeps per sequence (kvcache/spec.py): K/V of every token, read
         through the layer's window."""
-        return MemorySpec.of(
-            [
-                AttentionSpec(self.n_kv_heads, self.head_dim, self.window(i))
-                for i in range(self.n_layers)
-            ]
-        )
+        specs: list[AttentionSpec | RecurrentSpec] = []
+        for i in range(self.n_layers):
+            if self.mixer(i) == "attn":
+                specs.append(AttentionSpec(self.n_kv_heads, self.head_dim, self.window(i)))
+            else:
+                assert self.ssm is not None, "a mamba2 layer needs ModelArgs.ssm"
+                specs.append(RecurrentSpec(self.ssm.state_shapes))
+        return MemorySpec.of(specs)
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -136,12 +195,42 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "w1": (f, d),
         "w3": (f, d),
         "w2": (d, f),
+        **_ssm_shapes(args),
     }
 
 
-def layer_weights(args: ModelArgs) -> tuple[str, ...]:
-    """The weight kinds every block of `args` needs (its description decides which)."""
-    kinds = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2"]
+def _ssm_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """A Mamba2 layer's weights (HF layout; A = -exp(A_log) as llama.cpp's ssm_a)."""
+    s = args.ssm
+    if s is None:
+        return {}
+    return {
+        "ssm_in": (s.d_in_proj, args.dim),  # rows: z, xBC, dt
+        "ssm_in_b": (s.d_in_proj,),
+        "ssm_conv": (s.conv_dim, s.d_conv),  # conv1d.weight [conv_dim, 1, K] squeezed
+        "ssm_conv_b": (s.conv_dim,),
+        "ssm_dt_b": (s.n_heads,),
+        "ssm_a": (s.n_heads,),  # A = -exp(A_log)
+        "ssm_d": (s.n_heads,),
+        "ssm_norm": (s.d_inner,),
+        "ssm_out": (args.dim, s.d_inner),
+        "ssm_out_b": (args.dim,),
+    }
+
+
+def layer_weights(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
+    """The weight kinds block `layer` of `args` needs (its description decides which)."""
+    ffn = ["ffn_norm", "w1", "w3", "w2"] if args.ffn else []
+    if args.mixer(layer) == "mamba2":
+        assert args.ssm is not None
+        kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
+        kinds += ["ssm_out", *ffn]
+        if args.ssm.conv_bias:
+            kinds.append("ssm_conv_b")
+        if args.ssm.proj_bias:
+            kinds += ["ssm_in_b", "ssm_out_b"]
+        return tuple(kinds)
+    kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn]
     if args.qkv_bias:
         kinds += ["bq", "bk", "bv"]
     if args.block.qk_norm:

@@ -146,7 +146,7 @@ def read_weights(
     if "output.weight" in present:
         names["output"] = "output.weight"
     for i in range(args.n_layers):
-        for ours in layer_weights(args):
+        for ours in layer_weights(args, i):
             names[f"layers.{i}.{ours}"] = f"blk.{i}.{_LAYER_TENSORS[ours]}"
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}

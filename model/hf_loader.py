@@ -183,7 +183,7 @@ def read_weights(
         names["output"] = "lm_head.weight"
     table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
     for i in range(args.n_layers):
-        for ours in layer_weights(args):
+        for ours in layer_weights(args, i):
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}

@@ -52,16 +52,35 @@ class SeqBatch:
     end: int
 
 
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """A recurrent state checkpoint taken during a step: once sequence `seq` (an index into
+    BatchPlan.seqs) has consumed every position < `m`, its state is also copied into `slot`.
+    first row's position < m <= last row's position + 1."""
+
+    seq: int
+    m: int
+    slot: int
+
+
 @dataclass(slots=True)
 class GroupBatch:
     """Where one layer group (MemorySpec.groups, same order) writes and reads this step.
-    Groups that share a pool of cells share `cells` and `pending`."""
+    Groups that share a pool of cells share `cells` and `pending`.
 
-    key: str  # the group's memory key ("full", "swa4096", ...)
-    window: int  # 0: full attention
-    cells: np.ndarray  # [n_tokens] int64: where each row's K/V is written in the pool
+    A recurrent group (key "recurrent": one state slot per sequence, no K/V per token):
+    `cells[i]` is the slot of row i's sequence, the same for all its rows: the sequence reads
+    its initial state there and leaves its state after its last row there. `seqs` is empty.
+    `pending` holds whole-state copies between slots, applied in order BEFORE the forward
+    (copy_src[i] == -1: zero slot copy_dst[i], a new sequence); no K-shifts. `captures`,
+    sorted by (seq, m), are the checkpoints taken during the forward."""
+
+    key: str  # the group's memory key ("full", "swa4096", "recurrent", ...)
+    window: int  # 0: full attention (and recurrent groups)
+    cells: np.ndarray  # [n_tokens] int64: where each row's K/V (or its seq's state) goes
     seqs: list[SeqCells]  # aligned with BatchPlan.seqs: what each sequence's rows read
     pending: PendingOps  # cell copies and K-shifts of this group's tensors, BEFORE the forward
+    captures: list[Capture] = field(default_factory=list)  # recurrent groups only
 
 
 @dataclass(slots=True)
