@@ -88,10 +88,14 @@ async def _drive(engine: Engine, requests: list[Request]) -> list[Timing]:
     return await asyncio.gather(*[one(r) for r in requests])
 
 
-def serve(worker: Worker, config: EngineConfig, batches: list[list[Request]]) -> tuple:
-    """Runs each batch concurrently, one batch after the other, on a fresh engine."""
+def serve(
+    worker: Worker, config: EngineConfig, batches: list[list[Request]], memory: Any = None
+) -> tuple:
+    """Runs each batch concurrently, one batch after the other, on a fresh engine (over
+    `memory`, the kvcache.memory.Memory the worker's storage was sized for; None: the
+    config's)."""
     steps: list[StepStats] = []
-    engine = Engine(worker, config, on_step=steps.append)
+    engine = Engine(worker, config, on_step=steps.append, memory=memory)
     engine.start()
     timings: list[list[Timing]] = []
     walls: list[float] = []
