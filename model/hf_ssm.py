@@ -85,7 +85,9 @@ def read_ssm_args(config: dict[str, Any], model_type: str) -> ModelArgs:
         raise ValueError(f"rope scaling {params['rope_type']!r} is not supported")
     theta = float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
     granite = model_type == "granitemoehybrid"
-    partial = 1.0 if granite else float(params.get("partial_rotary_factor", 0.5))
+    partial = float(
+        config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    )
     mixers = _mixers(config)
     args = ModelArgs(
         arch=model_type,
@@ -167,7 +169,7 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
         layer_fmt, mixer = "model.layers.{}.", "mamba."
         names = {
             "tok_embeddings": "model.embed_tokens.weight",
-            "norm": "model.norm.weight",
+            "norm": "model.final_layernorm.weight" if args.arch == "bamba" else "model.norm.weight",
             "output": "lm_head.weight",
         }
     granite = args.arch == "granitemoehybrid"

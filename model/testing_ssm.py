@@ -1,7 +1,7 @@
 """Tiny random Mamba2 and Granite 4.0-H (GraniteMoeHybrid) Hugging Face folders, written by
 transformers itself (its config and save_pretrained) with EVERY parameter redrawn: its init
 sets A_log = log(1..H), D = 1, norms = 1, which hide transpositions and group mix-ups.
-Needs transformers (the `test` extra); model.testing re-exports both writers."""
+Bamba too. Needs transformers (the `test` extra); model.testing re-exports the writers."""
 
 from __future__ import annotations
 
@@ -140,4 +140,34 @@ def write_tiny_granite_hybrid(
     _redraw(model, seed)
     if tie:
         model.tie_weights()
+    return _save(folder, model)
+
+
+def write_tiny_bamba(
+    folder: str | Path, attn_layers: tuple[int, ...] = (1, 3), n_layers: int = 4, seed: int = 0
+) -> Path:
+    """A random Bamba (Mamba2 + rope attention on half the head dims, a SwiGLU MLP in every
+    layer) with write_tiny_llama's tokenizer."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.BambaConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=list(attn_layers),
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        **ids,
+    )
+    model = transformers.BambaForCausalLM(config)
+    _redraw(model, seed)
     return _save(folder, model)
