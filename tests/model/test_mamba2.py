@@ -52,22 +52,25 @@ def test_description_read_from_the_config(tiny):
     assert worker.kv_bytes_per_cell == 0
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
-def test_chunked_scan_equals_the_token_recurrence(chunk):
+@pytest.mark.parametrize(("chunk", "groups"), [(1, 1), (3, 2), (8, 4), (64, 2)])
+def test_chunked_scan_equals_the_token_recurrence(chunk, groups):
     g = torch.Generator().manual_seed(chunk)
     L, H, P, N = 37, 4, 8, 6
-    x, b, c = (torch.randn(L, H, d, generator=g) for d in (P, N, N))
+    x = torch.randn(L, H, P, generator=g)
+    b, c = (torch.randn(L, groups, N, generator=g) for _ in range(2))
     dt = torch.rand(L, H, generator=g)
     a = -torch.rand(H, generator=g) * 2
     state = torch.randn(H, P, N, generator=g)
     y, final = ssd_scan(x, dt, a, b, c, state, chunk)
     s, ys = state, []
     for t in range(L):
+        bh = b[t].repeat_interleave(H // groups, dim=0)  # head h reads group h // (H / G)
+        ch = c[t].repeat_interleave(H // groups, dim=0)
         s = (
             s * torch.exp(dt[t] * a)[:, None, None]
-            + (dt[t][:, None] * x[t])[..., None] * b[t][:, None, :]
+            + (dt[t][:, None] * x[t])[..., None] * bh[:, None]
         )
-        ys.append(torch.einsum("hpn,hn->hp", s, c[t]))
+        ys.append(torch.einsum("hpn,hn->hp", s, ch))
     torch.testing.assert_close(y, torch.stack(ys), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(final, s, atol=1e-4, rtol=1e-4)
 
