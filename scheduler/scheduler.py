@@ -38,7 +38,13 @@ class Scheduler:
         self.config = config
         if memory is None:
             memory = make_memory(
-                config.memory_spec, config.n_cells, config.n_seq_max, config.n_batch, config.memory
+                config.memory_spec,
+                config.n_cells,
+                config.n_seq_max,
+                config.n_batch,
+                config.memory,
+                n_ckpt=config.state_checkpoints,
+                ckpt_interval=config.state_checkpoint_interval,
             )
         self.memory = memory
         self.prefix = PrefixCache()
