@@ -34,6 +34,7 @@ class Pool(Generic[C]):
     name: str  # "full" | "swa" | "swa<W>" | "recurrent"
     cells: C
     window: int  # 0: full attention; W: cells leave a sequence's window W positions behind
+    kind: str = "cells"  # "cells": K/V per token; "slots": one recurrent state per slot
 
 
 @dataclass(slots=True)

@@ -58,7 +58,7 @@ class RecurrentMemory(Memory):
         self.n_seq_max = n_seq_max
         self.ckpt_interval = ckpt_interval
         self.slots = SlotPool(n_seq_max + n_ckpt if n_slots is None else n_slots, n_seq_max)
-        self._pools: list[Pool[SlotPool]] = [Pool("recurrent", self.slots, 0)]
+        self._pools: list[Pool[SlotPool]] = [Pool("recurrent", self.slots, 0, "slots")]
         self._copies: list[tuple[int, int]] = []
 
     @property
