@@ -9,7 +9,8 @@ or a zeroed one for a new sequence. Forks (seq_cp) share a slot; nothing moves.
 Checkpoints (vLLM's and SGLang's answer for Mamba prefix caching; llama-server's
 --ctx-checkpoints): a multi-row (prompt) step of s also copies the state after [0, m) into a
 spare slot for m = its last row's position (the state before the last prompt token: the
-scheduler matches a new prompt's tokens[:n-1], so this serves an identical prompt) and every
+scheduler matches a new prompt's tokens[:n-1], so this serves an identical prompt; it
+supersedes the sequence's earlier ones, the ends of its earlier prompt chunks) and every
 multiple of `ckpt_interval` it crosses (a shared system prompt). A finished sequence's tail
 serves a conversation's next turn. usable_prefix offers only those lengths, and seq_rm rolls a
 tail back only to a checkpoint. Checkpoints use the slots no tail needs; under pressure the
@@ -109,7 +110,10 @@ class RecurrentMemory(Memory):
                     step.evict.append(x)
         captures = []
         for s, p_first, p_last in runs:
-            for m in self._capture_points(p_first, p_last):
+            points = self._capture_points(p_first, p_last)
+            if points:  # a prompt step's end supersedes the seq's earlier ones (off the grid)
+                step.drops += [(s, m) for m in sl.ckpts[s] if m % self.ckpt_interval]
+            for m in points:
                 if not spare:
                     break
                 captures.append((s, m, spare.pop(0)))
@@ -125,6 +129,8 @@ class RecurrentMemory(Memory):
         step = plan.slot_step
         assert step is not None, "a plan made by RecurrentMemory.plan"
         sl = self.slots
+        for s, m in step.drops:
+            sl.drop_ckpt(s, m)
         for x in step.evict:
             sl.evict(x)
         for x, y in step.moves:

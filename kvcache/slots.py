@@ -25,12 +25,14 @@ SHARED = -2  # owner_map value of a slot two or more sequences reference (kvcach
 @dataclass(slots=True)
 class SlotStep:
     """What RecurrentMemory.apply commits for one planned step, in this order:
+    0. `drops`: (seq, m) checkpoints a newer one of the step supersedes;
     1. `evict`: slots whose checkpoint references are all dropped;
     2. `moves`: (x, y): every checkpoint reference to x now points to y (y got x's state);
     3. `tails`: {seq: slot} the state each stepping sequence leaves, at `pos[seq]`;
     4. captures (MemoryPlan.captures) become checkpoints;
     5. `copies`: (src, dst) whole-state copies for the storage, src -1 = zero dst."""
 
+    drops: list[tuple[int, int]] = field(default_factory=list)
     evict: list[int] = field(default_factory=list)
     moves: list[tuple[int, int]] = field(default_factory=list)
     tails: dict[int, int] = field(default_factory=dict)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvcache.make import make_memory
+from kvcache.memory import Memory
 from kvcache.spec import MemorySpec
 
 MemoryKind = Literal["auto", "unified", "iswa"]
@@ -40,3 +42,15 @@ class EngineConfig:
             raise ValueError(f"state_checkpoint_interval must be >= 1: {self}")
         if self.memory not in ("auto", "unified", "iswa"):
             raise ValueError(f"memory must be auto, unified or iswa, got {self.memory!r}")
+
+    def make_memory(self) -> Memory:
+        """The memory this config describes (build the worker's storage for the same one)."""
+        return make_memory(
+            self.memory_spec,
+            self.n_cells,
+            self.n_seq_max,
+            self.n_batch,
+            self.memory,
+            n_ckpt=self.state_checkpoints,
+            ckpt_interval=self.state_checkpoint_interval,
+        )

@@ -80,7 +80,6 @@ def load_backend(
             n_ctx,
             loaded.config.n_ctx_train,
         )
-    from kvcache.make import make_memory
     from model.worker import make_worker
 
     config = EngineConfig(
@@ -101,15 +100,7 @@ def load_backend(
     # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
     # sliding-window layers (a small pool for them), else the unified cache; state slots for
     # recurrent layers (a recurrent or hybrid memory)
-    memory = make_memory(
-        config.memory_spec,
-        config.n_cells,
-        config.n_seq_max,
-        config.n_batch,
-        config.memory,
-        n_ckpt=config.state_checkpoints,
-        ckpt_interval=config.state_checkpoint_interval,
-    )
+    memory = config.make_memory()
     for pool in memory.pools:
         unit = "state slots" if pool.kind == "slots" else f"cells (window {pool.window})"
         log.info("memory pool %s: %d %s", pool.name, pool.cells.n_cells, unit)

@@ -276,6 +276,14 @@ def test_a_prompt_step_checkpoints_before_its_last_token_and_on_the_grid() -> No
     assert plan.captures == []
 
 
+def test_a_prompt_chunk_supersedes_the_previous_chunk_end_but_not_the_grid() -> None:
+    mem = make_mem(ckpt_interval=8)
+    run_step(mem, {0: range(0, 10)})
+    run_step(mem, {0: range(10, 20)})
+    assert sorted(mem.slots.ckpts[0]) == [8, 16, 19]
+    assert mem.slots.used == 4
+
+
 def test_a_fork_shares_the_slot_until_its_first_write() -> None:
     mem = make_mem(n_ckpt=0)
     run_step(mem, {0: range(0, 1)})
