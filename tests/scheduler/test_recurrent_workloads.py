@@ -5,13 +5,18 @@ state changes the text. The scheduler asks the memory only; nothing here tells i
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvcache.hybrid import HybridMemory
 from kvcache.recurrent import RecurrentMemory
 from kvcache.spec import Attention, MemorySpec, Recurrent
-from scheduler.plan import SamplingParams
+from scheduler.engine import Engine
+from scheduler.plan import BatchPlan, SamplingParams
+from scheduler.request import Event, FinishEvent, Request, TokenEvent
 from scheduler.scheduler import Scheduler
 from tests.scheduler.fakes import (
     FakeWorker,
@@ -172,3 +177,45 @@ def test_abort_leaks_no_slot() -> None:
     sched.clear_prefix_cache()
     assert sched.memory.num_used == 0
     assert sched.num_free_seq_ids == sched.config.n_seq_max
+
+
+def test_a_failing_sequence_is_isolated_and_the_others_keep_their_states() -> None:
+    """The engine bisects a failing batch (scheduler/isolate.py): the re-runs carry each
+    sequence's slot and captures, and the states of the others come out right."""
+    poison = 1000
+    shared_failures = []
+
+    def poisoned(plan: BatchPlan) -> bool:
+        bad = bool(np.any(plan.token_ids == poison))
+        if bad and len(plan.seqs) > 1:
+            shared_failures.append(len(plan.seqs))
+        return bad
+
+    config = make_config(memory_spec=HYBRID, state_checkpoint_interval=8)
+    engine = Engine(FakeWorker(config.n_cells, fail_when=poisoned), config)
+    bad = make_request("bad", prompt_len=30, max_tokens=5)
+    bad.prompt_ids = [*bad.prompt_ids, poison]
+    goods = [make_request(f"g{i}", prompt_len=20 + 3 * i, max_tokens=12, seed=i) for i in range(3)]
+    reqs = [goods[0], bad, *goods[1:]]
+
+    async def collect(req: Request) -> list[Event]:
+        return [ev async for ev in engine.submit(req)]
+
+    async def main() -> list[list[Event]]:
+        streams = [collect(r) for r in reqs]
+        engine.start()  # every request is queued before the first step
+        return await asyncio.gather(*streams)
+
+    results = dict(zip([r.req_id for r in reqs], asyncio.run(main()), strict=True))
+    engine.shutdown(drain_timeout=1)
+    assert shared_failures, "the poisoned prompt shared a batch"
+    last = results["bad"][-1]
+    assert isinstance(last, FinishEvent) and last.reason == "error"
+    for r in goods:
+        tokens = [e.token_id for e in results[r.req_id] if isinstance(e, TokenEvent)]
+        assert tokens == ref(r, 128, windows=(0, 0)), r.req_id
+    # a good prompt again: the checkpoint its re-run took holds its state
+    again = make_request("again", prompt_len=26, max_tokens=12, seed=2)
+    out = run(engine.scheduler, engine.worker, [again])  # type: ignore[arg-type]
+    assert out.finish[("again", 0)].num_cached_tokens == 25
+    assert out.tokens[("again", 0)] == ref(again, 128, windows=(0, 0))
