@@ -120,9 +120,8 @@ class RecurrentMemory(Memory):
         captures.sort()
         used = {y for _, y in step.moves} | {x for _, _, x in captures} | taken
         step.evict += [x for x in used if sl.ckpt_refs[x] and not sl.tail_refs[x]]
-        cells = np.empty(positions.size, dtype=np.int64)
-        for i, s in enumerate(seq_ids.tolist()):
-            cells[i] = step.tails[s]
+        lengths = [p_last - p_first + 1 for _, p_first, p_last in runs]
+        cells = np.repeat(np.array([step.tails[s] for s, _, _ in runs], dtype=np.int64), lengths)
         return MemoryPlan(positions, seq_ids, (cells,), captures, step)
 
     def apply(self, plan: MemoryPlan) -> None:
@@ -277,21 +276,22 @@ class RecurrentMemory(Memory):
 
     def _runs(self, positions: np.ndarray, seq_ids: np.ndarray) -> list[tuple[int, int, int]]:
         """(seq, first position, last position) per sequence, checking the rows' contract."""
-        runs: list[tuple[int, int, int]] = []
         if seq_ids.size == 0:
-            return runs
-        starts = np.flatnonzero(np.diff(seq_ids, prepend=-2) != 0)
-        for a, b in zip(starts.tolist(), [*starts[1:].tolist(), seq_ids.size], strict=True):
-            s = int(seq_ids[a])
+            return []
+        same = seq_ids[1:] == seq_ids[:-1]
+        starts = np.flatnonzero(np.concatenate(([True], ~same)))
+        ends = np.append(starts[1:], seq_ids.size) - 1
+        seqs = seq_ids[starts]
+        if np.unique(seqs).size != seqs.size or (np.diff(positions)[same] != 1).any():
+            raise ValueError("each sequence's rows must be contiguous with consecutive positions")
+        firsts, lasts = positions[starts].tolist(), positions[ends].tolist()
+        runs = list(zip(seqs.tolist(), firsts, lasts, strict=True))
+        for s, first, _ in runs:
             self.slots._check_seq(s)
-            p = positions[a:b]
-            if any(s == r[0] for r in runs) or (np.diff(p) != 1).any():
-                raise ValueError(f"seq {s}: rows must be contiguous with consecutive positions")
-            if int(p[0]) != self.slots.pos[s] + 1:
+            if first != self.slots.pos[s] + 1:
                 raise ValueError(
-                    f"seq {s}: rows start at {int(p[0])}, its state is after {self.slots.pos[s]}"
+                    f"seq {s}: rows start at {first}, its state is after {self.slots.pos[s]}"
                 )
-            runs.append((s, int(p[0]), int(p[-1])))
         return runs
 
     def _spare(self, kept: set[int]) -> list[int]:
