@@ -74,6 +74,9 @@ class StateBatch:
     decode_rows: torch.Tensor | None  # [n_dec] int64; None: every row of the batch, in order
     decode_slots: torch.Tensor  # [n_dec] int64, distinct
     prompts: list[StatePrompt]
+    # decode_slots as a range [lo, hi) when they are one (the states are then updated in
+    # place instead of gathered and scattered back)
+    decode_run: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

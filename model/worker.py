@@ -251,10 +251,12 @@ class ModelWorker:
         assert len(set(slots)) == len(slots), "decode rows of one step have distinct slots"
         n = plan.num_tokens
         every_row = rows == list(range(n))
+        run = (slots[0], slots[0] + len(slots)) if slots else None
         return StateBatch(
             decode_rows=None if every_row else int64_tensor(np.array(rows), self.device),
             decode_slots=int64_tensor(np.array(slots), self.device),
             prompts=prompts,
+            decode_run=run if run and slots == list(range(*run)) else None,
         )
 
     def _rope_tables(

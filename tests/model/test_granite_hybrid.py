@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import model.worker
 from model import load_model
 from model.errors import ModelLoadError
 from model.testing import write_tiny_bamba, write_tiny_granite_hybrid
@@ -82,9 +83,13 @@ def test_prefill_in_chunks_equals_one_prefill(variant, size):
     assert_close(parts.logits([Chunk(0, [7, 8])]), whole.logits([Chunk(0, [7, 8])]))
 
 
-def test_mixed_step_equals_each_sequence_alone(variant):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_mixed_step_equals_each_sequence_alone(variant, kernels, monkeypatch):
     """Decode rows of three sequences beside a fourth's prompt chunk, and a fork (cells
-    shared, state copied) in the same step."""
+    shared, state copied) in the same step; attention through the C++ kernels where built
+    and through torch."""
+    if not kernels:
+        monkeypatch.setattr(model.worker, "load_kernels", lambda: None)
     _, _, tiny, _ = variant
     lengths = [3, 30, 9, 50]
     d = driver(tiny)
