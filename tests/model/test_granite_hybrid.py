@@ -175,3 +175,23 @@ def test_batch_invariant_and_bfloat16(variant):
     ref = driver(tiny, n_cells=64).logits([Chunk(0, ids, all_rows=True)])
     ours = driver(b, n_cells=64).logits([Chunk(0, ids, all_rows=True)])
     assert float((ours - ref).abs().max()) < 0.05 * float(ref.max() - ref.min())
+
+
+def test_released_configs_name_the_layers_mamba_and_attention(variant, tmp_path):
+    """Granite 4.0-H's own config.json says layers_block_type: mamba / attention (transformers
+    5 writes layer_types: linear_attention / full_attention): both read the same."""
+    name, folder, tiny, _ = variant
+    config = json.loads((folder / "config.json").read_text())
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for f in folder.iterdir():
+        (legacy / f.name).write_bytes(f.read_bytes())
+    config.pop("layer_types")
+    config["layers_block_type"] = list(VARIANTS[name]["layer_types"])
+    (legacy / "config.json").write_text(json.dumps(config))
+    old = load_model(legacy)
+    assert old.config.mixers == tiny.config.mixers
+    ids = prompt(20, seed=10)
+    assert torch.equal(
+        driver(old, 64).logits([Chunk(0, ids)]), driver(tiny, 64).logits([Chunk(0, ids)])
+    )
