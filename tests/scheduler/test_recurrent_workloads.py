@@ -119,6 +119,12 @@ def test_a_shared_system_prompt_hits_a_grid_checkpoint() -> None:
     assert out.finish[("b", 0)].num_cached_tokens == 32  # the last multiple of 16 in 40
     assert sched.counters.num_prompt_tokens - before == 50 - 32
     assert out.tokens[("b", 0)] == ref(b, 256)
+    # b wrote on from the shared checkpoint's slot: the checkpoint kept a copy for c
+    c = make_request("c", max_tokens=6)
+    c.prompt_ids = system + make_prompt(10, seed=6)
+    out = run(sched, worker, [c])
+    assert out.finish[("c", 0)].num_cached_tokens == 32
+    assert out.tokens[("c", 0)] == ref(c, 256)
 
 
 def test_the_same_prompt_twice_is_served_by_the_state_before_its_last_token() -> None:
