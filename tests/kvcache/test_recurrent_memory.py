@@ -276,12 +276,17 @@ def test_a_prompt_step_checkpoints_before_its_last_token_and_on_the_grid() -> No
     assert plan.captures == []
 
 
-def test_a_prompt_chunk_supersedes_the_previous_chunk_end_but_not_the_grid() -> None:
-    mem = make_mem(ckpt_interval=8)
+def test_a_long_prompt_keeps_a_spread_of_checkpoints_not_one_per_chunk() -> None:
+    mem = make_mem(n_ckpt=12, ckpt_interval=8)
     run_step(mem, {0: range(0, 10)})
     run_step(mem, {0: range(10, 20)})
     assert sorted(mem.slots.ckpts[0]) == [8, 16, 19]
-    assert mem.slots.used == 4
+    for p0 in range(20, 100, 10):  # a 100-token prompt read in chunks of 10
+        run_step(mem, {0: range(p0, p0 + 10)})
+    # 8 x 2^j, the newest grid point (96) and the state before the last row (99)
+    assert sorted(mem.slots.ckpts[0]) == [8, 16, 32, 64, 96, 99]
+    assert mem.slots.used == 1 + 6
+    mem.check()
 
 
 def test_a_fork_shares_the_slot_until_its_first_write() -> None:
