@@ -119,6 +119,12 @@ def test_a_shared_system_prompt_hits_a_grid_checkpoint() -> None:
     assert out.finish[("b", 0)].num_cached_tokens == 32  # the last multiple of 16 in 40
     assert sched.counters.num_prompt_tokens - before == 50 - 32
     assert out.tokens[("b", 0)] == ref(b, 256)
+    # b wrote on from the shared checkpoint's slot: the checkpoint kept a copy for c
+    c = make_request("c", max_tokens=6)
+    c.prompt_ids = system + make_prompt(10, seed=6)
+    out = run(sched, worker, [c])
+    assert out.finish[("c", 0)].num_cached_tokens == 32
+    assert out.tokens[("c", 0)] == ref(c, 256)
 
 
 def test_the_same_prompt_twice_is_served_by_the_state_before_its_last_token() -> None:
@@ -146,6 +152,27 @@ def test_a_conversation_continues_from_the_finished_state() -> None:
     assert out.finish[("turn2", 0)].num_cached_tokens == 60 + 12 - 1
     assert sched.counters.num_prompt_tokens - before == 6
     assert out.tokens[("turn2", 0)] == ref(follow, 256)
+
+
+def test_an_edited_turn_reuses_the_earlier_turn_the_next_one_did_not_make_redundant() -> None:
+    """Chat UIs resend a conversation with its last user message edited: the state after
+    turn 1 must survive turn 2's holder, which has no state at that length (a KV holder
+    would serve it, so there the turn-1 holder is dropped as redundant)."""
+    for spec, kept in ((RECURRENT, True), (MemorySpec.of([Attention(1, 4)]), False)):
+        sched, worker = make_sched(spec, n_ctx_seq=256, n_cells=256, state_checkpoint_interval=1000)
+        t1 = make_request("t1", prompt_len=40, max_tokens=8, seed=1)
+        history = t1.prompt_ids + run(sched, worker, [t1]).tokens[("t1", 0)]
+        t2 = make_request("t2", max_tokens=8)
+        t2.prompt_ids = history + make_prompt(7, seed=2)
+        run(sched, worker, [t2])
+        assert len(sched.prefix) == (2 if kept else 1)
+        edited = make_request("edit", max_tokens=8)
+        edited.prompt_ids = history + make_prompt(9, seed=3)
+        out = run(sched, worker, [edited])
+        # the turn-1 holder's state (all but the last token of turn 1); KV cells serve all
+        want = len(history) - 1 if kept else len(history)
+        assert out.finish[("edit", 0)].num_cached_tokens == want
+        assert out.tokens[("edit", 0)] == ref(edited, 256)
 
 
 def test_context_shift_on_a_recurrent_model_recomputes() -> None:
