@@ -34,7 +34,14 @@ from bench.server_proc import LLAMACPP_DEFAULT, REPO_ROOT, cellserve_process, ll
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
-MICRO_BENCHES = ("cache_bench", "model_bench", "isa_bench", "engine_bench", "constrained_bench")
+MICRO_BENCHES = (
+    "cache_bench",
+    "model_bench",
+    "isa_bench",
+    "engine_bench",
+    "constrained_bench",
+    "recurrent_bench",
+)
 OPTIONAL_BENCHES = {"gemma_bench": "model.packaged:gemma3_installed"}  # run when installed
 
 

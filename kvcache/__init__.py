@@ -1,5 +1,5 @@
-"""The KV cache: cell metadata (cells, numpy), the Memory variants over it (unified, iSWA),
-and the K/V tensors (storage, torch)."""
+"""The KV cache: cell metadata (cells, numpy), state slots (slots, numpy), the Memory
+variants over them (unified, iSWA, recurrent, hybrid), and the K/V tensors (storage, torch)."""
 
 from kvcache.cells import FREE, SHARED, CellStats, KVCells, PendingOps
 from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -43,3 +44,22 @@ def longest_run(mask: np.ndarray) -> int:
         return 0
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
     return int((edges[1::2] - edges[::2]).max())
+
+
+class PoolCells(Protocol):
+    """What generic code (snapshots, /metrics, the cell map) reads of a pool: KV cells
+    (kvcache.cells.KVCells, one per token) or state slots (kvcache.slots.SlotPool, one per
+    sequence state). `seq_cells` is (cells or slots, the last position each holds) by position."""
+
+    @property
+    def n_cells(self) -> int: ...
+    @property
+    def used(self) -> int: ...
+    @property
+    def head(self) -> int: ...
+    def stats(self) -> CellStats: ...
+    def owner_map(self) -> np.ndarray: ...
+    def seq_cells(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def seq_num_cells(self, seq_id: int) -> int: ...
+    def clear(self) -> None: ...
+    def check(self) -> None: ...

@@ -49,7 +49,7 @@ class ISWAMemory(Memory):
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
         self.full = KVCells(n_cells, n_seq_max)
-        self._pools = [Pool("full", self.full, 0)]
+        self._pools: list[Pool[KVCells]] = [Pool("full", self.full, 0)]
         for w in windows:
             n_swa = min(n_cells, w * n_seq_max + n_batch)
             name = "swa" if len(windows) == 1 else f"swa{w}"
@@ -60,11 +60,11 @@ class ISWAMemory(Memory):
         )
 
     @property
-    def pools(self) -> list[Pool]:
+    def pools(self) -> list[Pool[KVCells]]:
         return self._pools
 
     @property
-    def swa(self) -> list[Pool]:
+    def swa(self) -> list[Pool[KVCells]]:
         return self._pools[1:]
 
     @property
@@ -195,7 +195,7 @@ class ISWAMemory(Memory):
         for pool in self.swa:
             pool.cells.seq_rm_below(self._cuts(pool))
 
-    def _cuts(self, pool: Pool) -> np.ndarray:
+    def _cuts(self, pool: Pool[KVCells]) -> np.ndarray:
         """[n_seq_max]: per sequence, the first position still in its window (-1: none held).
         NOTE: the full pool's max, which a SWA pool shares wherever it holds the sequence
         (check() asserts it), and which pruning never makes stale."""

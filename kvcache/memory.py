@@ -4,28 +4,37 @@ A Memory is built from the model's MemorySpec (kvcache/spec.py) and keeps the me
 or more pools of cells; the worker's storage is built from the same spec. The scheduler only
 asks it questions (does this step fit, how many tokens are free, can this sequence shift) and
 programs it with llama.cpp's sequence operations; it never counts cells itself. Two variants
-exist: the unified cache (kvcache/unified.py) and iSWA (kvcache/iswa.py). Ranges are half-open
-[p0, p1); p0 < 0 means 0, p1 < 0 means infinity.
+exist for attention: the unified cache (kvcache/unified.py) and iSWA (kvcache/iswa.py); the
+recurrent memory (kvcache/recurrent.py) keeps one state slot per sequence instead, and the
+hybrid memory (kvcache/hybrid.py) composes one of each. Ranges are half-open [p0, p1); p0 < 0
+means 0, p1 < 0 means infinity.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from kvcache.cells import CellStats, KVCells, PendingOps
+from kvcache.cell_types import CellStats, PendingOps, PoolCells
+from kvcache.slots import SlotStep
 from kvcache.spec import MemorySpec
+
+C = TypeVar("C", bound=PoolCells, covariant=True)
 
 
 @dataclass(slots=True)
-class Pool:
-    """One pool of cells: `name` labels it in /metrics and on the cell map."""
+class Pool(Generic[C]):
+    """One pool of cells (KVCells) or state slots (SlotPool): `name` labels it in /metrics
+    and on the cell map."""
 
-    name: str  # "full" | "swa"
-    cells: KVCells
+    name: str  # "full" | "swa" | "swa<W>" | "recurrent"
+    cells: C
     window: int  # 0: full attention; W: cells leave a sequence's window W positions behind
+    kind: str = "cells"  # "cells": K/V per token; "slots": one recurrent state per slot
 
 
 @dataclass(slots=True)
@@ -36,7 +45,10 @@ class MemoryPlan:
 
     positions: np.ndarray  # [n_tokens] int64
     seq_ids: np.ndarray  # [n_tokens] int64
-    cells: tuple[np.ndarray, ...]  # per pool: [n_tokens] int64, the cell each row writes
+    cells: tuple[np.ndarray, ...]  # per pool: [n_tokens] int64, each row's cell (or state slot)
+    # state checkpoints taken during the step: (seq_id, m, slot), sorted (kvcache/recurrent.py)
+    captures: list[tuple[int, int, int]] = field(default_factory=list)
+    slot_step: SlotStep | None = None  # what apply commits in a slot pool
 
 
 @dataclass(slots=True)
@@ -81,8 +93,8 @@ class Memory(ABC):
 
     @property
     @abstractmethod
-    def pools(self) -> list[Pool]:
-        """Every pool of cells, the full-attention one first."""
+    def pools(self) -> Sequence[Pool[PoolCells]]:
+        """Every pool of cells (the full-attention one first), then any pool of state slots."""
 
     @property
     @abstractmethod

@@ -20,11 +20,11 @@ class UnifiedMemory(Memory):
         self.spec = spec
         self.n_seq_max = n_seq_max
         self.cells = KVCells(n_cells, n_seq_max)
-        self._pools = [Pool("full", self.cells, 0)]
+        self._pools: list[Pool[KVCells]] = [Pool("full", self.cells, 0)]
         self._windows = tuple(_window(g.spec) for g in spec.groups)
 
     @property
-    def pools(self) -> list[Pool]:
+    def pools(self) -> list[Pool[KVCells]]:
         return self._pools
 
     @property

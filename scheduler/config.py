@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvcache.make import make_memory
+from kvcache.memory import Memory
 from kvcache.spec import MemorySpec
 
 MemoryKind = Literal["auto", "unified", "iswa"]
@@ -24,11 +26,31 @@ class EngineConfig:
     # "auto": iSWA when the spec has sliding-window layers, else unified; "unified" keeps one
     # cell per token for every layer (sliding windows applied as masks)
     memory: MemoryKind = "auto"
+    # recurrent and hybrid models: state slots for prefix-cache checkpoints beside one slot
+    # per seq id (None: n_seq_max), and the positions between the checkpoints a prompt takes
+    state_checkpoints: int | None = None
+    state_checkpoint_interval: int = 256
 
     def validate(self) -> None:
         if self.n_cells < 1 or self.n_seq_max < 1 or self.n_batch < 1 or self.max_queue < 0:
             raise ValueError(f"bad engine config: {self}")
         if not 8 <= self.n_ctx_seq <= self.n_cells:
             raise ValueError(f"n_ctx_seq must be in [8, n_cells={self.n_cells}]: {self}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ValueError(f"state_checkpoints must be >= 0: {self}")
+        if self.state_checkpoint_interval < 1:
+            raise ValueError(f"state_checkpoint_interval must be >= 1: {self}")
         if self.memory not in ("auto", "unified", "iswa"):
             raise ValueError(f"memory must be auto, unified or iswa, got {self.memory!r}")
+
+    def make_memory(self) -> Memory:
+        """The memory this config describes (build the worker's storage for the same one)."""
+        return make_memory(
+            self.memory_spec,
+            self.n_cells,
+            self.n_seq_max,
+            self.n_batch,
+            self.memory,
+            n_ckpt=self.state_checkpoints,
+            ckpt_interval=self.state_checkpoint_interval,
+        )

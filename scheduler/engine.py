@@ -48,6 +48,8 @@ class Engine:
         self.config = config
         self.on_step = on_step
         self.scheduler = Scheduler(config, memory)
+        # a recurrent model's worker says what one state slot costs (/metrics, the cell map)
+        self.state_bytes_per_slot = int(getattr(worker, "state_bytes_per_slot", 0) or 0)
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -123,7 +125,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            return engine_stats(self.scheduler, alive=not self._dead, draining=self._draining)
+            return engine_stats(
+                self.scheduler, not self._dead, self._draining, self.state_bytes_per_slot
+            )
 
     def slots(self) -> list[SlotInfo]:
         with self._cond:
@@ -131,7 +135,7 @@ class Engine:
 
     def cell_map(self) -> CellMapSnapshot:
         with self._cond:
-            pools = pool_maps(self.scheduler.memory)
+            pools = pool_maps(self.scheduler.memory, self.state_bytes_per_slot)
             return CellMapSnapshot(
                 n_cells=pools[0].n_cells,
                 head=pools[0].head,
@@ -139,7 +143,9 @@ class Engine:
                 pools=pools,
                 slots=slot_infos(self.scheduler),
                 holder_seq_ids=self.scheduler.prefix.seq_ids,
-                stats=engine_stats(self.scheduler, alive=not self._dead, draining=self._draining),
+                stats=engine_stats(
+                    self.scheduler, not self._dead, self._draining, self.state_bytes_per_slot
+                ),
             )
 
     # ---- the loop -------------------------------------------------------------------------

@@ -7,7 +7,9 @@ batch: every row depends only on its own sequence's cells.
 
 NOTE: a batch's pending cache work (copies, K-shifts) is applied by a call of its own before
 the forward (`pending_only`), and the forward and its re-runs carry none: a K-shift applied
-twice would rotate K by twice the delta.
+twice would rotate K by twice the delta. A recurrent group's state is read and written in
+place, so a worker whose forward raises must leave every state slot as it was (write the
+new states only once the forward succeeded); a re-run then reads the same states.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def describe(exc: BaseException) -> str:
 def pending_only(plan: BatchPlan) -> BatchPlan:
     """A plan with no tokens that applies each group's pending work."""
     empty = np.zeros(0, dtype=np.int64)
-    groups = [dataclasses.replace(g, cells=empty, seqs=[]) for g in plan.groups]
+    groups = [dataclasses.replace(g, cells=empty, seqs=[], captures=[]) for g in plan.groups]
     return BatchPlan(empty, empty, empty, [], groups, [])
 
 
@@ -55,9 +57,19 @@ def sub_plan(plan: BatchPlan, seq_indices: list[int]) -> tuple[BatchPlan, list[i
     samples = [
         dataclasses.replace(plan.samples[k], row=row_map[plan.samples[k].row]) for k in picked
     ]
+    new_index = {i: j for j, i in enumerate(seq_indices)}
     groups = [
         GroupBatch(
-            g.key, g.window, g.cells[take], [g.seqs[i] for i in seq_indices], PendingOps.empty()
+            g.key,
+            g.window,
+            g.cells[take],
+            [g.seqs[i] for i in seq_indices] if g.seqs else [],  # recurrent groups have none
+            PendingOps.empty(),
+            [
+                dataclasses.replace(c, seq=new_index[c.seq])
+                for c in g.captures
+                if c.seq in new_index
+            ],
         )
         for g in plan.groups
     ]

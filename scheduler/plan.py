@@ -12,6 +12,7 @@ import numpy as np
 
 from kvcache.cells import PendingOps
 from kvcache.memory import Memory, MemoryPlan, SeqCells, seq_cells_view
+from kvcache.spec import Recurrent
 
 if TYPE_CHECKING:
     from scheduler.constraint import Constraint
@@ -159,9 +160,17 @@ def group_batches(
     memory: Memory, plan: MemoryPlan, views: list[list[SeqCells]], pending: list[PendingOps]
 ) -> list[GroupBatch]:
     """One GroupBatch per layer group of memory.spec after `plan` is applied: views[i] is
-    memory.views() of the step's i-th sequence, pending memory.take_pending()."""
+    memory.views() of the step's i-th sequence, pending memory.take_pending(). A recurrent
+    group gets the plan's captures, sorted by (seq, m) with seq an index into the step's
+    sequences (in row order)."""
     out = []
     for g, (group, pool) in enumerate(zip(memory.spec.groups, memory.group_pools, strict=True)):
+        if isinstance(group.spec, Recurrent):
+            index = {s: i for i, s in enumerate(dict.fromkeys(plan.seq_ids.tolist()))}
+            order = sorted((index[s], m, slot) for s, m, slot in plan.captures)
+            captures = [Capture(i, m, slot) for i, m, slot in order]
+            out.append(GroupBatch(group.key, 0, plan.cells[pool], [], pending[g], captures))
+            continue
         window = getattr(group.spec, "window", 0)
         seqs = [v[g] for v in views]
         out.append(GroupBatch(group.key, window, plan.cells[pool], seqs, pending[g]))

@@ -64,21 +64,28 @@ class PrefixCache:
                 best = PrefixMatch(h.seq_id, n)
         return best
 
-    def is_covered(self, tokens: np.ndarray) -> bool:
-        """Some holder already holds all of `tokens` as its prefix."""
+    def is_covered(self, tokens: np.ndarray, usable: Usable | None = None) -> bool:
+        """Some holder already holds all of `tokens` as its prefix (and, with `usable`, can
+        serve that whole prefix: a recurrent state only serves the lengths it kept)."""
         n = tokens.shape[0]
         return any(
-            h.tokens.shape[0] >= n and common_prefix_len(h.tokens, tokens) == n
+            h.tokens.shape[0] >= n
+            and common_prefix_len(h.tokens, tokens) == n
+            and (usable is None or usable(h.seq_id, n) == n)
             for h in self._holders.values()
         )
 
-    def covered_by(self, tokens: np.ndarray) -> list[int]:
-        """Holders whose whole content is a prefix of `tokens` (made redundant by it)."""
+    def covered_by(
+        self, tokens: np.ndarray, usable: Callable[[int], int] | None = None
+    ) -> list[int]:
+        """Holders whose whole content is a prefix of `tokens` (made redundant by it; with
+        `usable(n)`, the longest m <= n the new holder serves, only those it fully serves)."""
         return [
             h.seq_id
             for h in self._holders.values()
             if h.tokens.shape[0] <= tokens.shape[0]
             and common_prefix_len(h.tokens, tokens) == h.tokens.shape[0]
+            and (usable is None or usable(h.tokens.shape[0]) == h.tokens.shape[0])
         ]
 
     def insert(self, seq_id: int, tokens: np.ndarray) -> None:

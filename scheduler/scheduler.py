@@ -15,7 +15,6 @@ from collections import deque
 
 import numpy as np
 
-from kvcache.make import make_memory
 from kvcache.memory import Memory
 from scheduler import choices
 from scheduler.config import EngineConfig
@@ -37,9 +36,7 @@ class Scheduler:
         config.validate()
         self.config = config
         if memory is None:
-            memory = make_memory(
-                config.memory_spec, config.n_cells, config.n_seq_max, config.n_batch, config.memory
-            )
+            memory = config.make_memory()
         self.memory = memory
         self.prefix = PrefixCache()
         self.counters = Counters()

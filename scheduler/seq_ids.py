@@ -35,9 +35,12 @@ class SeqIds:
         if the memory can cut it to `tokens` and some prefix of it stays usable."""
         n = tokens.shape[0]
         mem = self.memory
-        keep = cache and self.prefix_enabled and n > 0 and not self.prefix.is_covered(tokens)
+        keep = cache and self.prefix_enabled and n > 0
+        keep = keep and not self.prefix.is_covered(tokens, mem.usable_prefix)
         if keep and mem.can_rm(sid, n, -1) and mem.seq_rm(sid, n, -1) and mem.usable_prefix(sid, n):
-            for holder in self.prefix.covered_by(tokens):
+            # NOTE: a holder is redundant only where the new one serves its whole length (a
+            # recurrent state serves only the lengths it kept a state for)
+            for holder in self.prefix.covered_by(tokens, lambda m: mem.usable_prefix(sid, m)):
                 self.drop_holder(holder)
             self.prefix.insert(sid, tokens)
             return

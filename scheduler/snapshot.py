@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache.cell_types import PoolCells
 from kvcache.cells import SHARED
 from kvcache.memory import Memory
 from scheduler.scheduler import Scheduler
@@ -11,15 +12,32 @@ from scheduler.sequence import SeqState, Sequence
 from scheduler.stats import EngineStats, PoolMap, PoolUsage, SlotInfo
 
 
-def pool_maps(memory: Memory) -> list[PoolMap]:
+def pool_maps(memory: Memory, state_bytes_per_slot: int = 0) -> list[PoolMap]:
+    """Per pool; `state_bytes_per_slot`: the worker's, for pools of state slots."""
     return [
-        PoolMap(p.name, p.window, p.cells.n_cells, int(p.cells.head), p.cells.owner_map())
+        PoolMap(
+            p.name,
+            p.window,
+            p.cells.n_cells,
+            int(p.cells.head),
+            p.cells.owner_map(),
+            p.kind,
+            state_bytes_per_slot if p.kind == "slots" else 0,
+        )
         for p in memory.pools
     ]
 
 
-def engine_stats(sched: Scheduler, alive: bool, draining: bool) -> EngineStats:
-    cells = sched.memory.pools[0].cells
+def main_pool(memory: Memory) -> PoolCells:
+    """What the unlabelled cell numbers describe: the first pool of K/V cells, or the state
+    slots of a memory without any."""
+    return next((p.cells for p in memory.pools if p.kind == "cells"), memory.pools[0].cells)
+
+
+def engine_stats(
+    sched: Scheduler, alive: bool, draining: bool, state_bytes_per_slot: int = 0
+) -> EngineStats:
+    cells = main_pool(sched.memory)
     cstats = cells.stats()
     running_cells = [cells.seq_cells(s.seq_id)[0] for s in sched.running]
     num_running_cells = np.unique(np.concatenate(running_cells)).size if running_cells else 0
@@ -41,14 +59,22 @@ def engine_stats(sched: Scheduler, alive: bool, draining: bool) -> EngineStats:
         alive=alive,
         draining=draining,
         pools=[
-            PoolUsage(p.name, p.window, p.cells.n_cells, p.cells.used, ps.stats.shared)
+            PoolUsage(
+                p.name,
+                p.window,
+                p.cells.n_cells,
+                p.cells.used,
+                ps.stats.shared,
+                p.kind,
+                state_bytes_per_slot if p.kind == "slots" else 0,
+            )
             for p, ps in zip(sched.memory.pools, sched.memory.stats(), strict=True)
         ],
     )
 
 
 def slot_infos(sched: Scheduler) -> list[SlotInfo]:
-    owner_map = sched.memory.pools[0].cells.owner_map()
+    owner_map = main_pool(sched.memory).owner_map()
     slots = [_running_slot(sched, s, owner_map) for s in sched.running]
     for seq in sched.waiting:
         slots.extend(_waiting_slot(s) for s in [seq, *seq.forks])
@@ -56,7 +82,7 @@ def slot_infos(sched: Scheduler) -> list[SlotInfo]:
 
 
 def _running_slot(sched: Scheduler, seq: Sequence, owner_map: np.ndarray) -> SlotInfo:
-    kv_cells, _ = sched.memory.pools[0].cells.seq_cells(seq.seq_id)
+    kv_cells, _ = main_pool(sched.memory).seq_cells(seq.seq_id)
     return SlotInfo(
         req_id=seq.req_id,
         index=seq.index,

@@ -22,19 +22,23 @@ class Counters:
 
 @dataclass(slots=True)
 class PoolUsage:
-    """One pool of the memory (kvcache.memory.Pool), labelled."""
+    """One pool of the memory (kvcache.memory.Pool), labelled. A pool of kind "slots" holds
+    recurrent states: its cells are state slots of `bytes_per_cell` bytes each."""
 
-    name: str  # "full" | "swa"
+    name: str  # "full" | "swa" | "recurrent"
     window: int
     n_cells: int
     used: int
     shared: int
+    kind: str = "cells"  # "cells" | "slots"
+    bytes_per_cell: int = 0  # slots: the worker's state_bytes_per_slot (0: not known)
 
 
 @dataclass(slots=True)
 class EngineStats:
     """n_cells / cells_* are the full-attention pool's (the only one of the unified cache:
-    it grows with every sequence's context); `pools` has every pool."""
+    it grows with every sequence's context), or the state slots' for a model without
+    attention layers; `pools` has every pool."""
 
     num_waiting: int
     num_running: int
@@ -86,11 +90,13 @@ class SlotInfo:
 
 @dataclass(slots=True)
 class PoolMap:
-    name: str  # "full" | "swa"
+    name: str  # "full" | "swa" | "recurrent"
     window: int
     n_cells: int
     head: int
     owner_map: object  # np.ndarray[int32] [n_cells]: -1 free, -2 shared, else owner seq id
+    kind: str = "cells"  # "cells" | "slots" (PoolUsage)
+    bytes_per_cell: int = 0
 
 
 @dataclass(slots=True)

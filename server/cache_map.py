@@ -61,22 +61,27 @@ def _slot_row(slot: SlotInfo) -> dict[str, Any]:
 
 def _pool_row(pool: PoolMap) -> dict[str, Any]:
     owner_map = np.asarray(pool.owner_map, dtype=np.int32)
+    used = np.count_nonzero(owner_map != FREE)
     return {
         "name": pool.name,
+        "kind": pool.kind,  # "cells": K/V per token; "slots": one recurrent state each
         "window": int(pool.window),
         "n_cells": int(pool.n_cells),
         "head": int(pool.head),
         "owner_runs": encode_runs(owner_map),
-        "used": int(np.count_nonzero(owner_map != FREE)),
+        "used": int(used),
         "shared": int(np.count_nonzero(owner_map == SHARED)),
         "free": int(np.count_nonzero(owner_map == FREE)),
+        "bytes_per_cell": int(pool.bytes_per_cell),  # slots: one state's bytes (0: unknown)
+        "bytes_used": int(used * pool.bytes_per_cell),
     }
 
 
 def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
     """The JSON body of /v1/cache/cells: every number the page shows, from one snapshot.
     The top-level map and totals are the full-attention pool's; `pools` lists every pool
-    (with a sliding-window model's iSWA memory: "full", then "swa")."""
+    (with a sliding-window model's iSWA memory: "full", then "swa"; a recurrent or hybrid
+    model's state slots come last, as pool "recurrent" of kind "slots")."""
     owner_map = np.asarray(snap.owner_map, dtype=np.int32)
     stats = snap.stats
     holders = sorted(int(s) for s in snap.holder_seq_ids)

@@ -26,6 +26,19 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("context_shift", None, "shift the context instead of stopping at the limit"),
     ("prefix_cache", None, "keep finished prompts in the cache for reuse"),
     (
+        "state_checkpoints",
+        int,
+        "recurrent and hybrid models (Mamba2, Granite 4.0-H): state slots kept as prefix-cache "
+        "checkpoints beside one slot per sequence id; each costs one whole state "
+        "(default: n_seq_max; 0: only finished sequences' final states are reused)",
+    ),
+    (
+        "state_checkpoint_interval",
+        int,
+        "recurrent and hybrid models: a prompt also keeps its state every this many tokens, "
+        "so that prompts sharing a system prompt reuse it (default 256)",
+    ),
+    (
         "dtype",
         str,
         "float32 | bfloat16 | float16 (default on CPU: bfloat16 where the CPU computes it "

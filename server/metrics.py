@@ -74,7 +74,8 @@ class _EngineCollector(Collector):
 def _pool_gauges(s: EngineStats) -> Iterator[Metric]:
     """Per pool of cells, labelled pool="full" | "swa": the unlabelled cellserve_kv_cells_*
     gauges above are the full pool's (every pool of the unified cache; the one that grows
-    with context under iSWA), so existing dashboards keep their meaning."""
+    with context under iSWA), so existing dashboards keep their meaning. Pools of recurrent
+    state slots get cellserve_state_* gauges instead."""
     per_pool = {
         "cellserve_kv_pool_cells_total": "Cells in each pool of the KV cache",
         "cellserve_kv_pool_cells_used": "Cells owned by a sequence, per pool",
@@ -85,7 +86,33 @@ def _pool_gauges(s: EngineStats) -> Iterator[Metric]:
         name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in per_pool.items()
     }
     for p in s.pools:
+        if p.kind != "cells":
+            continue
         values = (p.n_cells, p.used, p.shared, p.used / p.n_cells if p.n_cells else 0.0)
+        for family, value in zip(families.values(), values, strict=True):
+            family.add_metric([p.name], float(value))
+    yield from families.values()
+    yield from _slot_gauges(s)
+
+
+def _slot_gauges(s: EngineStats) -> Iterator[Metric]:
+    """Recurrent (Mamba-style) state slots, labelled by pool: one per sequence id plus the
+    prefix-cache checkpoints; a slot holds one whole state of `bytes` bytes."""
+    per_pool = {
+        "cellserve_state_slots_total": "Recurrent state slots (one state each)",
+        "cellserve_state_slots_used": "State slots holding a sequence's state or a checkpoint",
+        "cellserve_state_slots_shared": "State slots more than one sequence references",
+        "cellserve_state_slot_bytes": "Bytes of one state slot (every recurrent layer)",
+        "cellserve_state_bytes_used": "Bytes of the used state slots",
+    }
+    slots = [p for p in s.pools if p.kind == "slots"]
+    if not slots:
+        return
+    families = {
+        name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in per_pool.items()
+    }
+    for p in slots:
+        values = (p.n_cells, p.used, p.shared, p.bytes_per_cell, p.used * p.bytes_per_cell)
         for family, value in zip(families.values(), values, strict=True):
             family.add_metric([p.name], float(value))
     yield from families.values()

@@ -80,7 +80,6 @@ def load_backend(
             n_ctx,
             loaded.config.n_ctx_train,
         )
-    from kvcache.make import make_memory
     from model.worker import make_worker
 
     config = EngineConfig(
@@ -92,17 +91,19 @@ def load_backend(
         max_queue=settings.max_queue,
         prefix_cache=settings.prefix_cache,
         memory_spec=loaded.config.memory_spec,
+        state_checkpoints=settings.state_checkpoints,
+        state_checkpoint_interval=settings.state_checkpoint_interval,
     )
     config.validate()
     from model.grammar import GrammarCompiler
 
     # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
-    # sliding-window layers (a small pool for them), else the unified cache
-    memory = make_memory(
-        config.memory_spec, config.n_cells, config.n_seq_max, config.n_batch, config.memory
-    )
+    # sliding-window layers (a small pool for them), else the unified cache; state slots for
+    # recurrent layers (a recurrent or hybrid memory)
+    memory = config.make_memory()
     for pool in memory.pools:
-        log.info("KV pool %s: %d cells (window %d)", pool.name, pool.cells.n_cells, pool.window)
+        unit = "state slots" if pool.kind == "slots" else f"cells (window {pool.window})"
+        log.info("memory pool %s: %d %s", pool.name, pool.cells.n_cells, unit)
     worker = make_worker(
         loaded,
         settings.n_cells,

@@ -21,6 +21,10 @@ class Settings(BaseSettings):
     ctx_per_seq: int = Field(2048, ge=8)
     context_shift: bool = True
     prefix_cache: bool = True
+    # recurrent / hybrid models: state slots kept for prefix-cache checkpoints beside one per
+    # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
+    state_checkpoints: int | None = Field(None, ge=0)
+    state_checkpoint_interval: int = Field(256, ge=1)
     # None: the fast setup for this machine (model.loader.choose_runtime): bfloat16 where the
     # CPU computes it natively, else float32; a quantized GGUF served int4 / int8 on CPU.
     # --quant none --dtype float32 is the reference (the logits of the unquantized model).

@@ -1,7 +1,8 @@
 // The live map of the KV cells: one square per cell on a <canvas>, coloured by owner.
 // Payload: GET /v1/cache/cells (owner_runs = [value, run_length, ...]; -1 free, -2 shared).
 // The main canvas is the full-attention pool; each other pool of `pools` (a sliding-window
-// model's "swa" pool) gets its own labelled canvas below it, drawn the same way.
+// model's "swa" pool, a recurrent or hybrid model's state slots) gets its own labelled canvas
+// below it, drawn the same way. A model without attention layers has only its state slots.
 
 const FREE = -1;
 const SHARED = -2;
@@ -143,7 +144,8 @@ function createGrid(canvas, tip, maxHeight) {
 
   function describeCell(cell) {
     const owner = ownerAt(cell);
-    const where = last.pool.name ? `${last.pool.name} cell ${cell}` : `cell ${cell}`;
+    const unit = last.pool.kind === "slots" ? "slot" : "cell";
+    const where = last.pool.name ? `${last.pool.name} ${unit} ${cell}` : `${unit} ${cell}`;
     if (owner === FREE) return `${where}: free`;
     if (owner === SHARED) return `${where}: shared by 2+ sequences`;
     const slot = last.slots.find((s) => s.seq_id === owner);
@@ -180,7 +182,22 @@ function createGrid(canvas, tip, maxHeight) {
   };
 }
 
+function formatBytes(n) {
+  if (n >= 2 ** 30) return `${(n / 2 ** 30).toFixed(2)} GiB`;
+  if (n >= 2 ** 20) return `${(n / 2 ** 20).toFixed(1)} MiB`;
+  if (n >= 2 ** 10) return `${(n / 2 ** 10).toFixed(1)} KiB`;
+  return `${n} B`;
+}
+
+// A pool of kind "slots" holds recurrent states (one per sequence, plus prefix-cache
+// checkpoints), not K/V per token.
 function poolLabel(pool) {
+  if (pool.kind === "slots") {
+    const bytes = pool.bytes_per_cell
+      ? ` · states ${formatBytes(pool.bytes_used)} (${formatBytes(pool.bytes_per_cell)} each)`
+      : "";
+    return `${pool.name} state slots · ${pool.used} / ${pool.n_cells} slots used${bytes}`;
+  }
   const window = pool.window ? ` · window ${pool.window}` : "";
   return `${pool.name} pool${window} · ${pool.used} / ${pool.n_cells} cells used`;
 }
@@ -226,7 +243,7 @@ export function createCellMap(els) {
         after = view.wrap;
       }
     }
-    mainLabel.hidden = others.length === 0;
+    mainLabel.hidden = others.length === 0 && pools[0]?.kind !== "slots";
     if (pools.length) mainLabel.textContent = poolLabel(pools[0]);
     others.forEach((pool, i) => {
       extra[i].label.textContent = poolLabel(pool);

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.config import EngineConfig
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, StepOutput
+from scheduler.plan import BatchPlan, GroupBatch, SampleRow, SamplingParams, StepOutput
 from scheduler.request import FinishEvent, Request, TokenEvent
 from scheduler.scheduler import Routed, Scheduler
 
@@ -27,10 +27,13 @@ _P = 2_147_483_629  # prime < 2**31: token * weight stays far inside int64
 _WEIGHTS = np.array([pow(1_000_003, i, _P) for i in range(1 << 14)], dtype=np.int64)
 
 
-def next_token(contexts: list[list[int] | np.ndarray], sample: SampleRow) -> int:
-    """The fake model: a hash of the tokens each layer group attends, in position order,
-    plus a draw from the (seed, output_index) stream when sampling at temperature > 0."""
-    total = 0
+def next_token(
+    contexts: list[list[int] | np.ndarray], sample: SampleRow, hashes: tuple[int, ...] = ()
+) -> int:
+    """The fake model: a hash of the tokens each layer group attends, in position order (or
+    a recurrent group's state: the same hash, accumulated token by token), plus a draw from
+    the (seed, output_index) stream when sampling at temperature > 0."""
+    total = sum(hashes)
     for context in contexts:
         ctx = np.asarray(context, dtype=np.int64)
         total += int((ctx * _WEIGHTS[: ctx.size]).sum() % _P)
@@ -43,11 +46,47 @@ def next_token(contexts: list[list[int] | np.ndarray], sample: SampleRow) -> int
     return token
 
 
+class FakeStates:
+    """A recurrent group's slots: each holds (hash of the tokens consumed, how many). The
+    pending copies (src -1: zero) run first; each sequence then reads its slot, consumes its
+    rows, fills its captures and leaves its state in the slot (scheduler/plan.py's contract).
+    A wrong slot or a missed copy changes the hash; the count must equal the first row's
+    position."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple[int, int]] = {}
+
+    def run(self, plan: BatchPlan, group: GroupBatch) -> np.ndarray:
+        """-> [n_tokens]: each row's state hash after it is consumed."""
+        p = group.pending
+        assert p.shift_cells.size == 0 and group.seqs == []
+        for src, dst in zip(p.copy_src.tolist(), p.copy_dst.tolist(), strict=True):
+            self.slots[dst] = (0, 0) if src < 0 else self.slots[src]
+        captures = {(c.seq, c.m): c.slot for c in group.captures}
+        assert [(c.seq, c.m) for c in group.captures] == sorted(captures), "sorted captures"
+        hashes = np.zeros(plan.num_tokens, dtype=np.int64)
+        for i, sb in enumerate(plan.seqs):
+            slot = int(group.cells[sb.start])
+            assert (group.cells[sb.start : sb.end] == slot).all(), "one slot per sequence"
+            h, n = self.slots[slot]
+            assert n == plan.positions[sb.start], "the slot holds the state before the rows"
+            for r in range(sb.start, sb.end):
+                h = (h + int(plan.token_ids[r]) * int(_WEIGHTS[n])) % _P
+                n += 1
+                hashes[r] = h
+                if (i, n) in captures:
+                    self.slots[captures.pop((i, n))] = (h, n)
+            self.slots[slot] = (h, n)
+        assert not captures, f"captures outside their sequence's rows: {captures}"
+        return hashes
+
+
 class FakeWorker:
     def __init__(self, n_cells: int, fail_when: Callable[[BatchPlan], bool] | None = None) -> None:
         self.n_cells = n_cells  # at least the largest pool
         self.token: list[np.ndarray] = []  # per group: the token each cell holds
         self.k_pos: list[np.ndarray] = []  # per group: the position its K is rotated for
+        self.states = FakeStates()  # the recurrent group's, if any
         self.fail_when = fail_when
         self.num_calls = 0
 
@@ -62,7 +101,11 @@ class FakeWorker:
         for i, sb in enumerate(plan.seqs):
             assert (plan.seq_ids[sb.start : sb.end] == sb.seq_id).all()
             row_seq[sb.start : sb.end] = i
+        state_hashes = None
         for g, group in enumerate(plan.groups):
+            if group.key == "recurrent":
+                state_hashes = self.states.run(plan, group)
+                continue
             token, k_pos, p = self.token[g], self.k_pos[g], group.pending
             for src, dst in zip(p.copy_src.tolist(), p.copy_dst.tolist(), strict=True):
                 token[dst] = token[src]
@@ -80,6 +123,8 @@ class FakeWorker:
             q = int(plan.positions[sample.row])
             contexts = []
             for g, group in enumerate(plan.groups):
+                if group.key == "recurrent":
+                    continue
                 view = group.seqs[i]
                 r = sample.row - plan.seqs[i].start
                 cells = view.kv_cells[view.lo[r] : view.hi[r]]
@@ -88,7 +133,8 @@ class FakeWorker:
                 assert (seen == np.arange(first, q + 1)).all(), "the row sees exactly its window"
                 assert (self.k_pos[g][cells] == seen).all(), "K rotated to its position"
                 contexts.append(self.token[g][cells])
-            out.append(next_token(contexts, sample))
+            hashes = () if state_hashes is None else (int(state_hashes[sample.row]),)
+            out.append(next_token(contexts, sample, hashes))
         return StepOutput(token_ids=out)
 
 

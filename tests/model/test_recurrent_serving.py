@@ -1,0 +1,130 @@
+"""The real scheduler and memory (recurrent / hybrid) driving the real worker on a random Mamba2
+and a random Granite 4.0-H: batching, forks, the prefix cache through state checkpoints and
+preemption give what each request gives alone; and `python -m server.cli` serves a Mamba2
+folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from model.loader import LoadedModel, load_model
+from model.testing import write_tiny_granite_hybrid, write_tiny_mamba2
+from model.worker import ModelWorker, make_worker
+from scheduler.plan import SamplingParams
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from tests.live_server import start_server_process
+from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+
+CFG = dict(n_cells=1024, n_seq_max=10, n_batch=64, n_ctx_seq=512)
+
+
+@pytest.fixture(scope="module", params=["mamba2", "granite"])
+def tiny(request, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    folder = Path(tmp_path_factory.mktemp(request.param)) / "tiny"
+    if request.param == "mamba2":
+        return load_model(write_tiny_mamba2(folder))
+    return load_model(write_tiny_granite_hybrid(folder))
+
+
+def request(req_id: str, prompt: list[int], max_tokens: int, **kw: object) -> Request:
+    kw.setdefault("sampling", SamplingParams(temperature=0.0))
+    return Request(req_id, prompt, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def serve(
+    tiny: LoadedModel, batches: list[list[Request]], invariant: bool = False, **cfg: object
+) -> tuple[Outcome, Scheduler, ModelWorker]:
+    """Each batch of requests to completion, one after the other, on one memory (the
+    worker's storage sized from it). `invariant`: the --batch-invariant worker."""
+    config = make_config(**{**CFG, **cfg}, memory_spec=tiny.config.memory_spec)
+    memory = config.make_memory()
+    group_cells = [memory.pools[i].cells.n_cells for i in memory.group_pools]
+    worker = make_worker(tiny, config.n_cells, group_cells=group_cells, batch_invariant=invariant)
+    sched, outcome = Scheduler(config, memory), Outcome()
+    for batch in batches:
+        for r in batch:
+            sched.add_request(r)
+        while sched.has_work:
+            step(sched, worker, outcome)  # type: ignore[arg-type]
+    return outcome, sched, worker
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_eight_concurrent_sequences_each_equal_alone(tiny, invariant) -> None:
+    lengths = [3, 17, 40, 90, 130, 8, 61, 300]
+    reqs = [request(f"r{i}", make_prompt(n, seed=i), 12 + i) for i, n in enumerate(lengths)]
+    together, _, worker = serve(tiny, [reqs], invariant)
+    assert worker.state_bytes_per_slot > 0
+    for r in reqs:
+        alone, _, _ = serve(tiny, [[request(r.req_id, r.prompt_ids, r.max_tokens)]], invariant)
+        assert together.tokens[(r.req_id, 0)] == alone.tokens[(r.req_id, 0)], r.req_id
+
+
+def test_n2_forks_copy_the_state(tiny) -> None:
+    """Greedy choices of one request are the single greedy run; seeded ones are the same
+    whether the prompt's state was forked or the choices ran with the prefix cache off."""
+    prompt = make_prompt(70, seed=11)
+    forked, _, _ = serve(tiny, [[request("g", prompt, 16, n=2)]])
+    single, _, _ = serve(tiny, [[request("g", prompt, 16)]])
+    assert forked.tokens[("g", 0)] == forked.tokens[("g", 1)] == single.tokens[("g", 0)]
+    seeded = SamplingParams(temperature=0.9, seed=3)
+    a, _, _ = serve(tiny, [[request("s", prompt, 16, n=2, sampling=seeded)]])
+    b, _, _ = serve(tiny, [[request("s", prompt, 16, n=2, sampling=seeded)]], prefix_cache=False)
+    assert a.tokens[("s", 0)] != a.tokens[("s", 1)]
+    assert a.tokens == b.tokens
+
+
+def test_prefix_cache_hit_gives_the_cold_output(tiny) -> None:
+    system = make_prompt(300, seed=1)  # past a checkpoint interval (256)
+    first = request("a", system + make_prompt(8, seed=2), 10)
+    second = request("b", system + make_prompt(8, seed=3), 16)
+    warm, _, _ = serve(tiny, [[first], [second]])
+    assert warm.finish[("b", 0)].num_cached_tokens >= 256
+    cold, _, _ = serve(tiny, [[second]], prefix_cache=False)
+    assert warm.tokens[("b", 0)] == cold.tokens[("b", 0)]
+    again = request("c", first.prompt_ids, 10)  # the same prompt twice
+    repeat, _, _ = serve(tiny, [[first], [again]])
+    assert repeat.finish[("c", 0)].num_cached_tokens > 0
+    assert repeat.tokens[("c", 0)] == warm.tokens[("a", 0)]
+
+
+def test_tiny_memory_with_preemptions_equals_a_large_one(tiny) -> None:
+    def workload() -> list[Request]:
+        reqs = [request(f"g{i}", make_prompt(20 + 7 * i, seed=i), 24) for i in range(5)]
+        seeded = SamplingParams(temperature=0.9, seed=7)
+        reqs.append(request("s", make_prompt(15, seed=9), 20, n=2, sampling=seeded))
+        return reqs
+
+    tiny_cfg: dict[str, object] = dict(n_cells=96, n_ctx_seq=64, prefix_cache=False)
+    if not tiny.config.memory_spec.has_full_attention:
+        tiny_cfg |= dict(n_seq_max=3)  # Mamba2: the slots are what runs out
+    tight, t_sched, _ = serve(tiny, [workload()], **tiny_cfg)
+    roomy, r_sched, _ = serve(tiny, [workload()], n_ctx_seq=64, prefix_cache=False)
+    assert r_sched.counters.num_preemptions == 0
+    if tiny.config.memory_spec.has_full_attention:
+        assert t_sched.counters.num_preemptions > 0
+    assert tight.tokens == roomy.tokens
+
+
+def test_cli_serves_a_mamba2_folder(tmp_path) -> None:
+    folder = write_tiny_mamba2(tmp_path / "mamba2")
+    server = start_server_process(
+        "--model", str(folder), "--n-cells", "256", "--dtype", "float32", "--quant", "none"
+    )
+    try:
+        body = {"model": "mamba2", "prompt": "Hello world", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        per_slot = 3 * (192 * 3 + 8 * 16 * 16) * 4  # 3 layers: conv + ssm, float32
+        assert f'cellserve_state_slot_bytes{{pool="recurrent"}} {per_slot}.0' in metrics
+    finally:
+        server.stop()
+        server.log.close()
