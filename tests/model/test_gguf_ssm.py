@@ -3,7 +3,9 @@ model/gguf_loader.py reads it back into exactly the HF model's sizes and weights
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +390,24 @@ def test_granite_q_and_k_are_stored_llama_permuted(granite_case, tmp_path):
     np.testing.assert_array_equal(stored[1:16:2], hf[8:16])
 
 
+def test_published_granite_layer_names_convert_alike(granite_case, tmp_path):
+    """Released Granite 4.0-H configs say "mamba"/"attention" (transformers 5 saves
+    "linear_attention"/"full_attention")."""
+    folder, layer_types, _ = granite_case
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"] != layer_types
+    config["layer_types"] = layer_types
+    legacy = tmp_path / "legacy"
+    shutil.copytree(folder, legacy)
+    (legacy / "config.json").write_text(json.dumps(config))
+    a = open_gguf(convert(folder, tmp_path / "a.gguf"))
+    b = open_gguf(convert(legacy, tmp_path / "b.gguf"))
+    assert kv(a) == kv(b)
+    assert a.fields["granitehybrid.attention.head_count_kv"].contents() == [
+        2 if t == "attention" else 0 for t in layer_types
+    ]
+
+
 def test_tied_granite_has_no_output_tensor(tmp_path):
     folder = make_granite(
         tmp_path / "hf",
@@ -413,8 +433,10 @@ def rewrite(
     set_kv: dict[str, Any] | None = None,
     drop: tuple[str, ...] = (),
     add: dict[str, np.ndarray] | None = None,
+    qtype: str = "",
 ) -> Path:
-    """A copy of a GGUF with keys replaced or added, tensors dropped or added."""
+    """A copy of a GGUF with keys replaced or added, tensors dropped or added, and with
+    `qtype` the 2-D weights but the conv quantized (as llama-quantize leaves it)."""
     reader = open_gguf(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -428,8 +450,14 @@ def rewrite(
     for key, value in set_kv.items():
         writer.add_key_value(key, value, gguf.GGUFValueType.UINT32)
     for t in reader.tensors:
-        if t.name not in drop:
-            writer.add_tensor(t.name, np.array(t.data))
+        w = np.array(t.data)
+        if t.name in drop:
+            continue
+        if qtype and w.ndim == 2 and t.name.endswith(".weight") and "conv1d" not in t.name:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(t.name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, w)
     for name, w in (add or {}).items():
         writer.add_tensor(name, w)
     writer.write_header_to_file()
@@ -449,6 +477,25 @@ def granite_gguf(tmp_path_factory) -> Path:
 def test_the_rewrite_helper_keeps_a_loadable_file(granite_gguf, tmp_path):
     args, _ = load_gguf(granite_gguf)
     assert load_gguf(rewrite(granite_gguf, tmp_path / "copy.gguf"))[0] == args
+
+
+def test_quantized_gguf_loads_dequantized(granite_gguf, tmp_path):
+    _, want = load_gguf(granite_gguf)
+    path = rewrite(granite_gguf, tmp_path / "q8.gguf", qtype="Q8_0")
+    types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+    assert types["blk.0.ssm_in.weight"] == types["blk.1.attn_q.weight"] == "Q8_0"
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == "F32"
+    _, got = load_gguf(path)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name in ("layers.0.ssm_in", "layers.0.ssm_norm", "layers.1.wv", "layers.3.w2"):
+        w = want[name].numpy()
+        if name.endswith("ssm_norm"):
+            w = w.reshape(2, -1)  # quantized in llama.cpp's [G, d_inner / G]
+        deq = gguf.quants.dequantize(gguf.quants.quantize(w, q8), q8).reshape(-1, w.shape[-1])
+        assert torch.equal(got[name], torch.from_numpy(deq).reshape(want[name].shape)), name
+    assert not torch.equal(got["layers.0.ssm_in"], want["layers.0.ssm_in"])
+    for name in ("layers.0.ssm_conv", "layers.0.ssm_a", "layers.2.ssm_d", "layers.1.attn_norm"):
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize(
