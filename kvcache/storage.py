@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvcache.cells import PendingOps
+from kvcache.state_storage import RecurrentStorage
 
 RopeLayout = Literal["interleaved", "neox"]
 
@@ -222,35 +223,55 @@ class KVStorage:
 class GroupedKVStorage:
     """The K/V of a model whose layer groups (kvcache.spec.MemorySpec.groups) each have their
     own pool of cells: one KVStorage per group, sized by its pool and K-shifted with its
-    group's RoPE. Reads and writes take the model's layer index, so attention code written
-    for one KVStorage works unchanged; `k[layer]` / `v[layer]` are that layer's
-    [n_kv_heads, n_cells of its group, head_dim] tensors."""
+    group's RoPE, or a RecurrentStorage for the recurrent group (its slots' states). Reads and
+    writes take the model's layer index, so attention code written for one KVStorage works
+    unchanged; `k[layer]` / `v[layer]` are an attention layer's [n_kv_heads, n_cells of its
+    group, head_dim] tensors; `state` is the recurrent layers' storage (None without)."""
 
-    def __init__(self, groups: list[KVStorage], layers: list[tuple[int, ...]]) -> None:
+    def __init__(
+        self, groups: list[KVStorage | RecurrentStorage], layers: list[tuple[int, ...]]
+    ) -> None:
         assert len(groups) == len(layers) and groups
         self.groups = groups
         self._where = {layer: (g, i) for g, ls in enumerate(layers) for i, layer in enumerate(ls)}
         order = sorted(self._where)
         assert order == list(range(len(order))), "every layer in exactly one group"
+        states = [s for s in groups if isinstance(s, RecurrentStorage)]
+        assert len(states) <= 1, "one recurrent group"
+        self.state = states[0] if states else None
         self.dtype = groups[0].dtype
         self.device = groups[0].device
-        self.k = [groups[g].k[i] for g, i in (self._where[layer] for layer in order)]
-        self.v = [groups[g].v[i] for g, i in (self._where[layer] for layer in order)]
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for layer in order:
+            g, i = self._where[layer]
+            part = groups[g]
+            if isinstance(part, KVStorage):
+                self.k[layer], self.v[layer] = part.k[i], part.v[i]
 
     @property
     def num_bytes(self) -> int:
-        return sum(s.bytes_per_cell * s.n_cells for s in self.groups)
+        return sum(
+            s.bytes_per_cell * s.n_cells if isinstance(s, KVStorage) else s.num_bytes
+            for s in self.groups
+        )
+
+    def _kv(self, layer: int) -> tuple[KVStorage, int]:
+        g, i = self._where[layer]
+        part = self.groups[g]
+        assert isinstance(part, KVStorage), f"layer {layer} has no K/V (a recurrent layer)"
+        return part, i
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        g, i = self._where[layer]
-        self.groups[g].write(i, cells, k, v)
+        part, i = self._kv(layer)
+        part.write(i, cells, k, v)
 
     def gather_heads(
         self, layer: int, index: torch.Tensor | slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """index: the layer's group's read_index (cell numbers are per pool)."""
-        g, i = self._where[layer]
-        return self.groups[g].gather_heads(i, index)
+        part, i = self._kv(layer)
+        return part.gather_heads(i, index)
 
     def clear(self) -> None:
         for s in self.groups:

@@ -3,6 +3,7 @@
 A batch is flat: row i is one token at `positions[i]` whose K/V goes into cell `cells[i]`;
 attention groups say which cells each row may read. Layers with a sliding window read through
 their own groups (`ForwardBatch.windowed`), built from the same plan with the window's mask.
+Recurrent layers read `ForwardBatch.state`: each sequence's state slot.
 """
 
 from __future__ import annotations
@@ -53,6 +54,29 @@ class AttnGroups:
 
 
 @dataclass(slots=True)
+class StatePrompt:
+    """Contiguous rows [start, end) of one sequence run through a recurrent mixer as a scan
+    from `slot`'s state (a prompt chunk, or any row whose state is also captured)."""
+
+    start: int
+    end: int
+    slot: int
+    # (r, slot): once the first r rows are consumed (0 < r <= end - start), copy the state
+    # into `slot` too (scheduler.plan.Capture, relative to the chunk), ascending r
+    captures: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StateBatch:
+    """What the recurrent layers read: one-step updates of the decode rows, batched over their
+    slots, and a scan per prompt chunk. Rows in neither (batch-invariant padding) get 0."""
+
+    decode_rows: torch.Tensor | None  # [n_dec] int64; None: every row of the batch, in order
+    decode_slots: torch.Tensor  # [n_dec] int64, distinct
+    prompts: list[StatePrompt]
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     tokens: torch.Tensor  # [n] int64
     cells: torch.Tensor  # [n] int64
@@ -67,6 +91,7 @@ class ForwardBatch:
     # sliding-window layers: their RoPE tables (ModelArgs.rope_swa) and groups by window
     rope_swa: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, 1, hd], [n, 1, hd])
     windowed: dict[int, AttnGroups] = field(default_factory=dict)
+    state: StateBatch | None = None  # models with recurrent layers
 
     def write_cells(self, window: int) -> torch.Tensor:
         """[n] int64: the cells the layers with `window` write the batch's rows to."""

@@ -12,8 +12,9 @@ from safetensors import safe_open
 from kvcache.storage import RopeConfig
 from model.arch import ARCH_BLOCKS, ModelArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
+from model.hf_ssm import SSM_MODEL_TYPES, read_ssm_args, read_ssm_weights
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text", *SSM_MODEL_TYPES)
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -71,6 +72,11 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             f"{folder}: model_type {model_type!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)})."
         )
+    if model_type in SSM_MODEL_TYPES:
+        try:
+            return read_ssm_args(config, str(model_type))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{folder}/config.json: bad or unsupported field ({e}).") from e
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
     if (
@@ -177,6 +183,8 @@ def read_weights(
                     raw[key] = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own SafetensorError on bad files
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
+    if args.ssm is not None:
+        return read_ssm_weights(raw, args, config, dtype, folder)
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     tied = config.get("tie_word_embeddings", args.arch == "gemma3_text")
     if "lm_head.weight" in raw or not tied:

@@ -1,5 +1,6 @@
-"""The decoder-only transformer forward over the cell cache, built from an architecture's
-description (model/arch.py): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Gemma 3.
+"""The decoder-only forward over the cell cache, built from an architecture's description
+(model/arch.py): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Gemma 3, and with Mamba2
+mixers (model/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
 
 Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE, Gemma norms as
 w of (1 + w)); the GGUF loader converts llama.cpp's layouts to it. The batch and its attention
@@ -19,6 +20,7 @@ from model.arch import ModelArgs, weight_shapes
 from model.batch import DecodeGroup, ForwardBatch, PromptGroup
 from model.blocks import FeedForward, Linear, RMSNorm
 from model.kernels import DecodeAttention, PromptAttention
+from model.mamba2 import Mamba2Mixer
 
 __all__ = [
     "Attention",
@@ -55,7 +57,7 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         rope = args.rope_of(layer)
         self.layout = rope.layout
-        self.rot = rope.dim
+        self.rot = 0 if args.nope else rope.dim  # NoPE (Granite 4.0-H): no rotation at all
         self.swa_rope = rope is not args.rope  # reads ForwardBatch.rope_swa
         self.window = args.window(layer)
         self.scale = args.scale
@@ -85,8 +87,9 @@ class Attention(nn.Module):
         if self.swa_rope:
             assert batch.rope_swa is not None, "the worker builds rope_swa for rope_swa models"
             rope_c, rope_s = batch.rope_swa
-        partner = rope_partner(qk, self.rot, self.layout)
-        qk = torch.addcmul(qk * rope_c, partner, rope_s)
+        if self.rot:
+            partner = rope_partner(qk, self.rot, self.layout)
+            qk = torch.addcmul(qk * rope_c, partner, rope_s)
         q, k = qk.split((h, h_kv), dim=1)  # [n, h, hd], [n, h_kv, hd]
         v = qkv[:, (h + h_kv) * hd :].view(n, h_kv, hd)
         storage.write(layer, batch.write_cells(self.window), k, v)
@@ -167,15 +170,26 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """h = x + m * [post_attn_norm](mixer(attn_norm(x))); out = h + m * [post_ffn_norm](mlp(
+    ffn_norm(h))), m = args.residual_mult; the mixer is Attention, or Mamba2Mixer on a
+    "mamba2" layer; no MLP half without args.ffn (Mamba2)."""
+
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
         super().__init__()
         prefix = f"layers.{layer}."
         spec, eps = args.block, args.norm_eps
         self.layer = layer
+        self.residual_mult = args.residual_mult
         self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, spec.norm_shift)
-        self.attention = Attention(args, weights, prefix, layer)
-        self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, spec.norm_shift)
-        self.feed_forward = FeedForward(weights, prefix, spec.activation)
+        self.attention: Attention | Mamba2Mixer = (
+            Mamba2Mixer(args, weights, prefix)
+            if args.mixer(layer) == "mamba2"
+            else Attention(args, weights, prefix, layer)
+        )
+        self.ffn_norm = self.feed_forward = None
+        if args.ffn:
+            self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, spec.norm_shift)
+            self.feed_forward = FeedForward(weights, prefix, spec.activation)
         self.post_attention_norm = self.post_ffn_norm = None
         if spec.post_norms:
             self.post_attention_norm = RMSNorm(
@@ -184,20 +198,24 @@ class Block(nn.Module):
             self.post_ffn_norm = RMSNorm(weights[prefix + "post_ffn_norm"], eps, spec.norm_shift)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        fused = batch.fused
-        if self.post_attention_norm is None or self.post_ffn_norm is None:
-            h = x + self.attention(self.attention_norm(x, fused), batch, storage, self.layer)
-            return h + self.feed_forward(self.ffn_norm(h, fused), fused)
+        fused, m = batch.fused, self.residual_mult
         a = self.attention(self.attention_norm(x, fused), batch, storage, self.layer)
-        h = x + self.post_attention_norm(a, fused)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a, fused)
+        h = x + a if m == 1.0 else x + a * m
+        if self.feed_forward is None or self.ffn_norm is None:
+            return h
         f = self.feed_forward(self.ffn_norm(h, fused), fused)
-        return h + self.post_ffn_norm(f, fused)
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f, fused)
+        return h + f if m == 1.0 else h + f * m
 
 
 class Transformer(nn.Module):
     """`weights` (HF layout, serving dtype): tok_embeddings, output, norm, and per layer
     layers.{i}.{...} of model.arch.layer_weights(args): attn_norm, wq, wk, wv, [bq, bk, bv],
-    [q_norm, k_norm], wo, [post_attn_norm], ffn_norm, w1 (gate), w3 (up), w2, [post_ffn_norm]."""
+    [q_norm, k_norm], wo, [post_attn_norm], ffn_norm, w1 (gate), w3 (up), w2, [post_ffn_norm];
+    a mamba2 layer has the ssm_* weights instead of the attention ones."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -224,7 +242,14 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """-> logits [n_out, vocab] float32 for batch.logit_rows. `layers` (model.native) runs
         all the blocks at once instead of one module call each."""
-        return self.output(self.hidden(batch, storage, layers)).float()
+        return self.logits(self.hidden(batch, storage, layers))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """final-norm hidden states [n, dim] -> logits [n, vocab] float32 (Granite divides
+        them by logits_scaling)."""
+        out = self.output(hidden).float()
+        scaling = self.args.logits_scaling
+        return out if scaling == 1.0 else out / scaling
 
     def hidden(
         self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None
@@ -234,6 +259,8 @@ class Transformer(nn.Module):
         x = F.embedding(batch.tokens, self.tok_embeddings)  # [n, dim]
         if self.args.block.embed_scale:
             x = x * self.embed_scale
+        if self.args.embed_mult != 1.0:
+            x = x * self.args.embed_mult
         if layers is not None:
             x = layers(x, batch, storage)
         else:

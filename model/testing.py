@@ -12,6 +12,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.chat_template import CHATML_TEMPLATE
+from model.testing_ssm import write_tiny_granite_hybrid as write_tiny_granite_hybrid
+from model.testing_ssm import write_tiny_mamba2 as write_tiny_mamba2
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _CORPUS = (

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvcache.state_storage import RecurrentStorage
 from kvcache.storage import GroupedKVStorage, KVStorage, RopeConfig, rope_tables
 from model.arch import ModelArgs
 from model.attn_groups import (
@@ -20,7 +21,7 @@ from model.attn_groups import (
     pad_rows,
     prompt_group,
 )
-from model.batch import AttnGroups, DecodeGroup, ForwardBatch
+from model.batch import AttnGroups, DecodeGroup, ForwardBatch, StateBatch, StatePrompt
 from model.dtypes import resolve_dtype
 from model.kernels import load_kernels
 from model.llama import Transformer
@@ -65,8 +66,10 @@ class ModelWorker:
         # with it every decode row goes into one group (else by_kv_length bounds the padding)
         same_dtype = storage.dtype == model.dtype
         self.decode_kernel = kernels.decode_attention if kernels and same_dtype else None
-        # one KVStorage for every layer, or one per layer group (MemorySpec.groups order)
+        # one KVStorage for every layer, or one per layer group (MemorySpec.groups order): a
+        # RecurrentStorage for the recurrent group
         self.kv = storage.groups if isinstance(storage, GroupedKVStorage) else [storage]
+        self.state = storage.state if isinstance(storage, GroupedKVStorage) else None
         single = isinstance(storage, KVStorage)
         self.native = NativeDecoder.build(model, storage, kernels) if single else None
         args = model.args
@@ -76,6 +79,7 @@ class ModelWorker:
             if kernels is not None
             and kernels.has_bf16_kernels()
             and bf16
+            and args.n_kv_heads > 0
             and args.head_dim % 32 == 0
             and args.head_dim <= 256
             and args.n_heads // args.n_kv_heads <= 16
@@ -86,7 +90,9 @@ class ModelWorker:
         self.storage = storage
         self.batch_invariant = batch_invariant
         # the last cell of each pool is scratch for padding rows: make_worker adds one cell
-        self.scratch = [s.n_cells - 1 if batch_invariant else -1 for s in self.kv]
+        self.scratch = [
+            s.n_cells - 1 if batch_invariant and isinstance(s, KVStorage) else -1 for s in self.kv
+        ]
         self.device = model.device
         self.rope = model.args.rope
         self._inv_freq = self.rope.inv_freq(self.device)
@@ -94,15 +100,21 @@ class ModelWorker:
         self.rope_swa = model.args.rope_swa
         self._inv_freq_swa = None if self.rope_swa is None else self.rope_swa.inv_freq()
         self.windows = sorted({w for w in model.args.windows if w > 0})
+        self.has_attention = any(m == "attn" for m in map(args.mixer, range(args.n_layers)))
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        """K and V of one token in every layer group."""
-        return sum(s.bytes_per_cell for s in self.kv)
+        """K and V of one token in every attention layer group."""
+        return sum(s.bytes_per_cell for s in self.kv if isinstance(s, KVStorage))
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.bytes_per_cell * s.n_cells for s in self.kv)
+        return sum(s.bytes_per_cell * s.n_cells for s in self.kv if isinstance(s, KVStorage))
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """One sequence's recurrent state over every recurrent layer; 0 without any."""
+        return 0 if self.state is None else self.state.bytes_per_slot
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepOutput:
@@ -121,7 +133,7 @@ class ModelWorker:
         do not depend on how many embed rows share its step."""
         n = len(plan.samples)
         hidden = self.hidden(plan)  # [n_out >= n, dim]
-        logits = self.model.output(hidden).float()[:n]
+        logits = self.model.logits(hidden)[:n]
         sampled = [i for i, row in enumerate(plan.samples) if not row.embed]
         bits = None if masks is None else masks.result()[sampled]
         out = sample(logits[sampled], [plan.samples[i] for i in sampled], bits)
@@ -174,13 +186,19 @@ class ModelWorker:
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device
         positions = torch.from_numpy(np.ascontiguousarray(plan.positions, dtype=np.int64))
-        rope_c, rope_s = self._rope_tables(positions, self.rope, self._inv_freq.cpu())
-        by_window = {g.window: i for i, g in enumerate(plan.groups)}
+        if self.has_attention:
+            rope_c, rope_s = self._rope_tables(positions, self.rope, self._inv_freq.cpu())
+        else:  # no attention layer reads them
+            rope_c = rope_s = torch.empty(len(positions), 1, 0, device=dev)
+        attn = [i for i, s in enumerate(self.kv) if isinstance(s, KVStorage)]
+        by_window = {plan.groups[i].window: i for i in attn}
         assert set(by_window) >= set(self.windows), "a plan group for every window"
-        per_group = [
-            self._groups(plan, group, self.kv[i].read_index) for i, group in enumerate(plan.groups)
-        ]
-        full = per_group[by_window.get(0, 0)]
+        per_group: dict[int, AttnGroups] = {}
+        for i in attn:
+            storage = self.kv[i]
+            assert isinstance(storage, KVStorage)
+            per_group[i] = self._groups(plan, plan.groups[i], storage.read_index)
+        full = per_group.get(by_window.get(0, -1), AttnGroups([], []))
         batch = ForwardBatch(
             tokens=int64_tensor(plan.token_ids, dev),
             cells=full.cells if full.cells is not None else int64_tensor(plan.groups[0].cells, dev),
@@ -197,13 +215,47 @@ class ModelWorker:
             batch.rope_swa = self._rope_tables(positions, self.rope_swa, self._inv_freq_swa)
         for w in self.windows:
             batch.windowed[w] = per_group[by_window[w]]
+        if self.state is not None:
+            g = next(i for i, s in enumerate(self.kv) if isinstance(s, RecurrentStorage))
+            batch.state = self._state_batch(plan, plan.groups[g])
         if self.batch_invariant:
-            pads = {
-                g.window: (self.scratch[i], self.kv[i].read_index)
-                for i, g in enumerate(plan.groups)
-            }
+            pads = {}
+            for i in attn:
+                storage = self.kv[i]
+                assert isinstance(storage, KVStorage)
+                pads[plan.groups[i].window] = (self.scratch[i], storage.read_index)
             return pad_rows(batch, pads)
         return batch
+
+    def _state_batch(self, plan: BatchPlan, group: GroupBatch) -> StateBatch:
+        """The recurrent layers' view of the plan (scheduler.plan.GroupBatch, recurrent): a
+        lone row without captures is a one-step decode; any other chunk a scan. With
+        batch_invariant every sequence scans on its own."""
+        captures: dict[int, list[tuple[int, int]]] = {}
+        for c in group.captures:
+            first = int(plan.positions[plan.seqs[c.seq].start])
+            captures.setdefault(c.seq, []).append((c.m - first, c.slot))
+        rows: list[int] = []
+        slots: list[int] = []
+        prompts: list[StatePrompt] = []
+        for i, s in enumerate(plan.seqs):
+            slot = int(group.cells[s.start])
+            assert bool(np.all(group.cells[s.start : s.end] == slot)), "one slot per sequence"
+            caps = sorted(captures.get(i, []))
+            assert all(0 < r <= s.end - s.start for r, _ in caps), "a capture inside the rows"
+            if s.end - s.start == 1 and not caps and not self.batch_invariant:
+                rows.append(s.start)
+                slots.append(slot)
+            else:
+                prompts.append(StatePrompt(s.start, s.end, slot, caps))
+        assert len(set(slots)) == len(slots), "decode rows of one step have distinct slots"
+        n = plan.num_tokens
+        every_row = rows == list(range(n))
+        return StateBatch(
+            decode_rows=None if every_row else int64_tensor(np.array(rows), self.device),
+            decode_slots=int64_tensor(np.array(slots), self.device),
+            prompts=prompts,
+        )
 
     def _rope_tables(
         self, positions: torch.Tensor, rope: RopeConfig, inv_freq: torch.Tensor
@@ -285,8 +337,8 @@ def make_worker(
     """A worker with a fresh KV cache (dtype/device default to the model's); see
     model.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
     model's MemorySpec, the cells of its pool (kvcache.memory.Memory.group_pools); None:
-    `n_cells` for every group (the unified cache). A model with one group gets one KVStorage
-    for every layer."""
+    `n_cells` for every group (the unified cache); the recurrent group's count is its state
+    slots. A model with one attention group gets one KVStorage for every layer."""
     model = loaded.transformer
     if device is not None and torch.device(device) != model.device:
         model = model.to(device)
@@ -310,11 +362,17 @@ def make_worker(
         )
 
     storage: KVStorage | GroupedKVStorage
-    if len(groups) == 1:
+    if len(groups) == 1 and not args.memory_spec.has_recurrent:
         storage = kv(args.n_layers, cells[0], args.rope, args.layer_ropes)
     else:
-        parts = []
+        parts: list[KVStorage | RecurrentStorage] = []
         for g, n in zip(groups, cells, strict=True):
+            if g.key == "recurrent":
+                assert args.ssm is not None
+                conv_shape, ssm_shape = args.ssm.state_shapes
+                dt, dev = model.dtype, model.device
+                parts.append(RecurrentStorage(g.layers, n, conv_shape, ssm_shape, dt, dev))
+                continue
             ropes = [args.rope_of(layer) for layer in g.layers]
             parts.append(kv(len(g.layers), n, ropes[0], ropes))
         storage = GroupedKVStorage(parts, [g.layers for g in groups])

@@ -1,0 +1,83 @@
+"""RecurrentStorage: the per-sequence states behind a recurrent memory's slots (torch).
+
+A slot holds one sequence's whole state in every recurrent layer (llama.cpp's
+`llama_memory_recurrent` cell: r = conv rows, s = ssm rows). There is nothing per token:
+a sequence reads its slot's state before its first row of a step and leaves the state after
+its last row there (scheduler.plan.GroupBatch of the "recurrent" group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.cells import PendingOps
+
+
+class RecurrentStorage:
+    """Per recurrent layer (`layers`, the model's layer indices): conv [n_slots, *conv_shape]
+    in `dtype` and ssm [n_slots, *ssm_shape] float32 (the state accumulates over thousands of
+    steps: SGLang's default state dtype, llama.cpp's F32 s rows).
+
+    Mamba2: conv_shape (conv_dim, d_conv - 1), oldest column first (F.conv1d's time axis);
+    ssm_shape (n_heads, head_dim, d_state)."""
+
+    def __init__(
+        self,
+        layers: tuple[int, ...],
+        n_slots: int,
+        conv_shape: tuple[int, ...],
+        ssm_shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layers = layers
+        self.n_slots = n_slots
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._index = {layer: i for i, layer in enumerate(layers)}
+        n = len(layers)
+        self._conv = torch.zeros((n, n_slots, *conv_shape), dtype=dtype, device=self.device)
+        self._ssm = torch.zeros((n, n_slots, *ssm_shape), dtype=torch.float32, device=self.device)
+
+    @property
+    def n_cells(self) -> int:
+        """The slots (a worker treats a group's pool size uniformly)."""
+        return self.n_slots
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One sequence's state over every recurrent layer."""
+        per_layer = self._conv[0, 0].numel() * self._conv.element_size()
+        per_layer += self._ssm[0, 0].numel() * self._ssm.element_size()
+        return len(self.layers) * per_layer
+
+    @property
+    def num_bytes(self) -> int:
+        return self.bytes_per_slot * self.n_slots
+
+    def conv(self, layer: int) -> torch.Tensor:
+        """[n_slots, *conv_shape] of model layer `layer` (a view: writes go to the storage)."""
+        return self._conv[self._index[layer]]
+
+    def ssm(self, layer: int) -> torch.Tensor:
+        """[n_slots, *ssm_shape] float32 of model layer `layer` (a view)."""
+        return self._ssm[self._index[layer]]
+
+    def apply(self, pending: PendingOps) -> None:
+        """Whole-state copies `copy_src[i] -> copy_dst[i]` in every layer, in order;
+        copy_src -1 zeroes copy_dst (a new sequence starts from the zero state).
+        NOTE: a recurrent state has no positions to re-rotate: K-shifts must be absent."""
+        assert pending.shift_cells.size == 0, "a recurrent state has nothing to re-rotate"
+        src_list, dst_list = pending.copy_src.tolist(), pending.copy_dst.tolist()
+        for s, d in zip(src_list, dst_list, strict=True):
+            assert 0 <= d < self.n_slots and -1 <= s < self.n_slots, f"bad slot copy {s} -> {d}"
+            if s < 0:
+                self._conv[:, d].zero_()
+                self._ssm[:, d].zero_()
+            elif s != d:
+                self._conv[:, d] = self._conv[:, s]
+                self._ssm[:, d] = self._ssm[:, s]
+
+    def clear(self) -> None:
+        self._conv.zero_()
+        self._ssm.zero_()

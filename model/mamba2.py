@@ -1,0 +1,178 @@
+"""The Mamba2 mixer over state slots (transformers' Mamba2Mixer torch path, llama.cpp's
+build_mamba2_layer; model.arch.SSMArgs has the per-token math).
+
+Decode rows take one batched recurrence step over their slots; a prompt chunk runs the
+chunked SSD scan (Mamba2 paper, section 6: quadratic inside a chunk, the state carried
+between chunks) from its slot's state, split at its captures. Any split of a prompt gives the
+same state up to float rounding: it is one linear recurrence. The SSM runs in float32 whatever
+the model dtype; the conv state is kept in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.state_storage import RecurrentStorage
+from model.arch import ModelArgs, SSMArgs
+from model.batch import ForwardBatch, StatePrompt
+from model.blocks import Linear
+
+# Rows per SSD chunk: the intra-chunk part costs H * T^2 * (N + P), the state part
+# H * T * P * N per chunk; 64 balances them for P = 64, N = 128 (Granite 4.0-H, Mamba2-2.7B).
+SCAN_CHUNK = 64
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = SCAN_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence S_t = exp(dt_t a) S_{t-1} + dt_t x_t (outer) B_t, y_t = S_t C_t, in chunks.
+
+    x [L, H, P], dt [L, H], a [H], b, c [L, H, N], state [H, P, N] (all float32)
+    -> y [L, H, P] (without the D skip), the state after the L rows."""
+    ys = []
+    for lo in range(0, x.shape[0], chunk):
+        xc, dtc = x[lo : lo + chunk], dt[lo : lo + chunk]
+        bc, cc = b[lo : lo + chunk], c[lo : lo + chunk]
+        t = xc.shape[0]
+        acum = torch.cumsum(dtc * a, dim=0)  # [T, H]: log of the decay from the chunk start
+        seg = acum[:, None, :] - acum[None, :, :]  # [T(t), T(s), H]: log decay from s to t
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril_()
+        decay = torch.exp(seg.masked_fill(~causal[..., None], float("-inf")))
+        xdt = xc * dtc[..., None]  # [T, H, P]
+        scores = torch.einsum("thn,shn->tsh", cc, bc) * decay  # [T, T, H]
+        y = torch.einsum("tsh,shp->thp", scores, xdt)
+        y = y + torch.einsum("thn,hpn->thp", cc, state) * torch.exp(acum)[..., None]
+        to_end = torch.exp(acum[-1][None, :] - acum)  # [T, H]
+        state = state * torch.exp(acum[-1])[:, None, None] + torch.einsum(
+            "th,thp,thn->hpn", to_end, xdt, bc
+        )
+        ys.append(y)
+    return torch.cat(ys), state
+
+
+class Mamba2Mixer(nn.Module):
+    """`weights` prefix + ssm_in [d_in_proj, dim] (rows z, xBC, dt), ssm_conv [conv_dim, K],
+    ssm_dt_b, ssm_a (= -exp(A_log)), ssm_d [H], ssm_norm [d_inner], ssm_out [dim, d_inner],
+    and the optional biases ssm_in_b, ssm_conv_b, ssm_out_b (model.arch.layer_weights)."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        assert args.ssm is not None
+        self.ssm: SSMArgs = args.ssm
+        s = self.ssm
+        assert s.n_heads % s.n_groups == 0, "n_groups divides n_heads"
+
+        def param(name: str) -> nn.Parameter:
+            return nn.Parameter(weights[prefix + name], requires_grad=False)
+
+        self.in_proj = Linear(weights[prefix + "ssm_in"], weights.get(prefix + "ssm_in_b"))
+        self.conv_w = param("ssm_conv")  # [conv_dim, K]: column K-1 multiplies the newest row
+        self.conv_b = param("ssm_conv_b") if s.conv_bias else None
+        self.dt_bias = param("ssm_dt_b")
+        self.a = param("ssm_a")
+        self.d = param("ssm_d")
+        self.norm_w = param("ssm_norm")
+        self.out_proj = Linear(weights[prefix + "ssm_out"], weights.get(prefix + "ssm_out_b"))
+
+    def forward(
+        self, u: torch.Tensor, batch: ForwardBatch, storage: object, layer: int
+    ) -> torch.Tensor:
+        """u [n, dim] (the normed block input) -> [n, dim]; reads and writes the slots of
+        `storage.state` (a kvcache.storage.GroupedKVStorage with a RecurrentStorage)."""
+        state = getattr(storage, "state", None)
+        assert isinstance(state, RecurrentStorage), "a recurrent layer needs the state storage"
+        assert batch.state is not None, "the worker builds ForwardBatch.state for mamba2 layers"
+        s, n = self.ssm, u.shape[0]
+        z, xbc, dt = self.in_proj(u).split((s.d_inner, s.conv_dim, s.n_heads), dim=-1)
+        conv, ssm = state.conv(layer), state.ssm(layer)
+        y = torch.zeros(n, s.n_heads, s.head_dim, dtype=torch.float32, device=u.device)
+        sb = batch.state
+        if sb.decode_slots.numel():
+            rows = sb.decode_rows
+            if rows is None:
+                y = self._step(xbc, dt, conv, ssm, sb.decode_slots)
+            else:
+                part = self._step(xbc[rows], dt[rows], conv, ssm, sb.decode_slots)
+                y.index_copy_(0, rows, part)
+        for p in sb.prompts:
+            y[p.start : p.end] = self._scan(xbc[p.start : p.end], dt[p.start : p.end], conv, ssm, p)
+        return self.out_proj(self._gated_norm(y.view(n, s.d_inner), z).to(u.dtype))
+
+    def _conv_out(self, window: torch.Tensor) -> torch.Tensor:
+        """window [.., conv_dim, K] (oldest first) -> silu(depthwise conv) [.., conv_dim]."""
+        out = (window * self.conv_w).sum(-1)
+        return F.silu(out if self.conv_b is None else out + self.conv_b)
+
+    def _ssm_inputs(
+        self, xbc: torch.Tensor, dt: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """xbc [L, conv_dim] (after the conv), dt [L, H] raw -> x [L, H, P], B, C [L, H, N]
+        (head h reads group h // (H / G)), dt [L, H], all float32."""
+        s = self.ssm
+        gn = s.n_groups * s.d_state
+        x, b, c = xbc.float().split((s.d_inner, gn, gn), dim=-1)
+        per_group = s.n_heads // s.n_groups
+        b = b.unflatten(-1, (s.n_groups, s.d_state)).repeat_interleave(per_group, dim=-2)
+        c = c.unflatten(-1, (s.n_groups, s.d_state)).repeat_interleave(per_group, dim=-2)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return x.unflatten(-1, (s.n_heads, s.head_dim)), b, c, dt
+
+    def _step(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per sequence: xbc [B, conv_dim], dt [B, H] -> y [B, H, P] float32;
+        the states of `slots` [B] move one step."""
+        window = torch.cat((conv.index_select(0, slots), xbc.to(conv.dtype)[:, :, None]), dim=2)
+        conv.index_copy_(0, slots, window[:, :, 1:])
+        x, b, c, dt = self._ssm_inputs(self._conv_out(window), dt)
+        decay = torch.exp(dt * self.a.float())  # [B, H]
+        st = ssm.index_select(0, slots) * decay[:, :, None, None]
+        st = st + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]  # [B, H, P, N]
+        ssm.index_copy_(0, slots, st)
+        y = torch.matmul(st, c[..., None]).squeeze(-1)  # [B, H, P]
+        return y + self.d.float()[:, None] * x
+
+    def _scan(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        p: StatePrompt,
+    ) -> torch.Tensor:
+        """A chunk of one sequence: xbc [L, conv_dim], dt [L, H] -> y [L, H, P] float32;
+        p.slot's state moves L steps, each capture's slot gets the state at its row."""
+        k1, n = self.ssm.d_conv - 1, xbc.shape[0]
+        raw = torch.cat((conv[p.slot], xbc.to(conv.dtype).T), dim=1)  # [conv_dim, K-1 + L]
+        out = F.conv1d(raw[None], self.conv_w[:, None, :], self.conv_b, groups=raw.shape[0])
+        x, b, c, dt = self._ssm_inputs(F.silu(out[0]).T, dt)
+        a = self.a.float()
+        st, ys, lo = ssm[p.slot], [], 0
+        for r, slot in [*p.captures, (n, p.slot)]:
+            if r > lo:
+                y, st = ssd_scan(x[lo:r], dt[lo:r], a, b[lo:r], c[lo:r], st)
+                ys.append(y)
+            conv[slot] = raw[:, r : r + k1]  # the last K-1 raw rows consumed at r
+            ssm[slot] = st
+            lo = r
+        return torch.cat(ys) + self.d.float()[:, None] * x
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each of the G groups of y * silu(z) (norm_before_gate=False), float32."""
+        s = self.ssm
+        g = (y * F.silu(z.float())).unflatten(-1, (s.n_groups, s.d_inner // s.n_groups))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)
+        return g.flatten(-2) * self.norm_w.float()

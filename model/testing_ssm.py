@@ -1,0 +1,143 @@
+"""Tiny random Mamba2 and Granite 4.0-H (GraniteMoeHybrid) Hugging Face folders, written by
+transformers itself (its config and save_pretrained) with EVERY parameter redrawn: its init
+sets A_log = log(1..H), D = 1, norms = 1, which hide transpositions and group mix-ups.
+Needs transformers (the `test` extra); model.testing re-exports both writers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _redraw(model: Any, seed: int) -> None:
+    """Every parameter ~ its own scale: norms 1 + N(0, 0.1), embeddings N(0, 1), A_log, dt_bias
+    and D N(0, 0.5), everything else N(0, 0.15)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith(("norm.weight", "norm_f.weight", "layernorm.weight")):
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            elif name.endswith(("A_log", "dt_bias", ".D")):
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _save(folder: Path, model: Any) -> Path:
+    """save_pretrained over write_tiny_llama's folder (keeping its tokenizer files)."""
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    model.save_pretrained(folder)
+    return folder
+
+
+def _tokenizer_folder(folder: str | Path) -> tuple[Path, dict[str, Any]]:
+    from model.testing import write_tiny_llama
+
+    folder = write_tiny_llama(folder)
+    config = json.loads((folder / "config.json").read_text())
+    ids = {k: config[k] for k in ("bos_token_id", "eos_token_id")}
+    return folder, ids | {"pad_token_id": config["eos_token_id"]}
+
+
+def write_tiny_mamba2(
+    folder: str | Path,
+    n_layers: int = 3,
+    dim: int = 64,
+    n_heads: int = 8,
+    head_dim: int = 16,
+    d_state: int = 16,
+    n_groups: int = 2,
+    d_conv: int = 4,
+    vocab: int = 2048,
+    seed: int = 0,
+    conv_bias: bool = True,
+    proj_bias: bool = False,
+) -> Path:
+    """A random Mamba2 (expand 2, untied head) with write_tiny_llama's tokenizer."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.Mamba2Config(
+        vocab_size=vocab,
+        hidden_size=dim,
+        expand=2,
+        num_heads=n_heads,
+        head_dim=head_dim,
+        n_groups=n_groups,
+        state_size=d_state,
+        conv_kernel=d_conv,
+        num_hidden_layers=n_layers,
+        chunk_size=8,
+        use_conv_bias=conv_bias,
+        use_bias=proj_bias,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    model = transformers.Mamba2ForCausalLM(config)
+    _redraw(model, seed)
+    return _save(folder, model)
+
+
+def write_tiny_granite_hybrid(
+    folder: str | Path,
+    layer_types: tuple[str, ...] = ("mamba", "attention", "mamba", "mamba", "attention"),
+    rope: bool = False,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    hidden_dim: int = 96,
+    mamba_heads: int = 8,
+    mamba_head_dim: int = 16,
+    d_state: int = 16,
+    n_groups: int = 2,
+    d_conv: int = 4,
+    vocab: int = 2048,
+    seed: int = 0,
+    tie: bool = True,
+) -> Path:
+    """A random dense GraniteMoeHybrid (Granite 4.0-H; `rope` True: Bamba-like rope attention)
+    with multipliers != 1 and write_tiny_llama's tokenizer. layer_types: "mamba" /
+    "attention"."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=hidden_dim,
+        shared_intermediate_size=hidden_dim,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        num_local_experts=0,
+        layer_types=list(layer_types),
+        mamba_n_heads=mamba_heads,
+        mamba_d_head=mamba_head_dim,
+        mamba_n_groups=n_groups,
+        mamba_d_state=d_state,
+        mamba_d_conv=d_conv,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        position_embedding_type="rope" if rope else "nope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=8192,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=4.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        **ids,
+    )
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    _redraw(model, seed)
+    if tie:
+        model.tie_weights()
+    return _save(folder, model)

@@ -1,0 +1,105 @@
+"""Drive a worker of a model with recurrent layers without the scheduler: a toy allocator of
+attention cells and state slots that emits BatchPlans following scheduler.plan's contract
+(slot per row in the recurrent group's cells, slot copies / zeroing in its pending, captures)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcache.cells import PendingOps
+from scheduler.plan import BatchPlan, Capture, GroupBatch, SampleRow, SeqBatch, full_group
+from tests.model.factories import GREEDY
+
+
+@dataclass(slots=True)
+class Chunk:
+    seq_id: int
+    tokens: list[int]
+    all_rows: bool = False
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (m, slot)
+
+
+class StateDriver:
+    """Attention cells are handed out in a shuffled order; each sequence owns one state slot
+    (the highest free one first, so slots are not in sequence order)."""
+
+    def __init__(self, worker, n_cells: int = 512, n_slots: int = 8, seed: int = 0) -> None:
+        self.worker = worker
+        self.groups = worker.model.args.memory_spec.groups
+        self.free = list(np.random.default_rng(seed).permutation(n_cells).tolist())
+        self.free_slots = list(range(n_slots))
+        self.cells: dict[int, list[int]] = {}
+        self.pos: dict[int, int] = {}
+        self.slot: dict[int, int] = {}
+        self.copies: list[tuple[int, int]] = []  # pending (src, dst), src -1: zero
+
+    def new_slot(self) -> int:
+        return self.free_slots.pop()
+
+    def fork(self, src: int, dst: int) -> None:
+        """seq_cp(src, dst): the cells are shared, the state is copied into a slot of dst's."""
+        self.cells[dst] = list(self.cells[src])
+        self.pos[dst] = self.pos[src]
+        self.slot[dst] = self.new_slot()
+        self.copies.append((self.slot[src], self.slot[dst]))
+
+    def resume(self, seq: int, slot: int, n_past: int, cells: list[int]) -> None:
+        """Start `seq` from a captured state in `slot` after n_past tokens (its cells)."""
+        self.slot[seq], self.pos[seq], self.cells[seq] = slot, n_past, list(cells)
+
+    def plan(self, chunks: list[Chunk]) -> BatchPlan:
+        tokens: list[int] = []
+        positions: list[int] = []
+        seq_ids: list[int] = []
+        cells: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqBatch] = []
+        kv: list[tuple[np.ndarray, np.ndarray]] = []
+        captures: list[Capture] = []
+        samples: list[SampleRow] = []
+        for i, c in enumerate(chunks):
+            if c.seq_id not in self.slot:
+                self.slot[c.seq_id] = self.new_slot()
+                self.copies.append((-1, self.slot[c.seq_id]))
+                self.pos[c.seq_id] = 0
+            start, p0 = len(tokens), self.pos[c.seq_id]
+            new_cells = [self.free.pop() for _ in c.tokens]
+            self.cells.setdefault(c.seq_id, []).extend(new_cells)
+            self.pos[c.seq_id] = p0 + len(c.tokens)
+            tokens += c.tokens
+            positions += range(p0, p0 + len(c.tokens))
+            seq_ids += [c.seq_id] * len(c.tokens)
+            cells += new_cells
+            slots += [self.slot[c.seq_id]] * len(c.tokens)
+            seqs.append(SeqBatch(c.seq_id, start, len(tokens)))
+            all_cells = self.cells[c.seq_id]
+            kv.append((np.array(all_cells, np.int64), np.arange(len(all_cells), dtype=np.int64)))
+            captures += [Capture(i, m, slot) for m, slot in c.captures]
+            rows = range(start, len(tokens)) if c.all_rows else [len(tokens) - 1]
+            samples += [SampleRow(r, GREEDY, 0, 0, 0) for r in rows]
+        pos = np.array(positions, np.int64)
+        q_pos = [pos[s.start : s.end] for s in seqs]
+        groups = []
+        for g in self.groups:
+            if g.key == "recurrent":
+                src, dst = zip(*self.copies, strict=True) if self.copies else ((), ())
+                z = np.zeros(0, np.int64)
+                pending = PendingOps(np.array(src, np.int64), np.array(dst, np.int64), z, z)
+                slot_arr = np.array(slots, np.int64)
+                groups.append(GroupBatch("recurrent", 0, slot_arr, [], pending, captures))
+            else:
+                groups.append(
+                    full_group(np.array(cells, np.int64), kv, q_pos, window=g.spec.window)
+                )
+        self.copies = []
+        return BatchPlan(
+            np.array(tokens, np.int64), pos, np.array(seq_ids, np.int64), seqs, groups, samples
+        )
+
+    def logits(self, chunks: list[Chunk]):
+        return self.worker.forward(self.plan(chunks))
+
+    def step(self, chunks: list[Chunk]) -> list[int]:
+        return self.worker.execute(self.plan(chunks)).token_ids
