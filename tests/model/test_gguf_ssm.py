@@ -567,3 +567,44 @@ def test_converter_command_line(mamba2_dir, tmp_path, capsys):
     assert load_gguf(tmp_path / "cli.gguf")[0].arch == "mamba2"
     with pytest.raises(SystemExit, match="model_type 'llama' cannot be converted"):
         main([str(write_tiny_llama(tmp_path / "llama")), str(tmp_path / "x.gguf")])
+
+
+# ---- the GGUF model runs like the HF folder's ----
+
+
+def run_greedy(path: Path, prompt: list[int], n_decode: int) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's logits (every row) and the logits of `n_decode` greedy decode steps,
+    one per forward, on a fresh worker."""
+    from model.loader import load_model
+    from model.worker import make_worker
+    from tests.model.state_driver import Chunk, StateDriver
+
+    driver = StateDriver(make_worker(load_model(path), n_cells=64), n_cells=64, n_slots=2)
+    rows = [driver.logits([Chunk(0, prompt, all_rows=True)])]
+    tokens = []
+    for _ in range(n_decode):
+        tokens.append(int(rows[-1][-1].argmax()))
+        rows.append(driver.logits([Chunk(0, tokens[-1:])]))
+    return torch.cat(rows), tokens
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "granite-nope-tied", "granite-rope"])
+def test_gguf_model_computes_the_hf_folders_logits(kind, tmp_path):
+    from model.loader import load_model
+    from model.testing_ssm import write_tiny_granite_hybrid, write_tiny_mamba2
+
+    if kind == "mamba2":
+        folder = write_tiny_mamba2(tmp_path / "hf")
+    else:
+        folder = write_tiny_granite_hybrid(
+            tmp_path / "hf", rope=kind.endswith("rope"), tie=kind.endswith("tied")
+        )
+    path = convert(folder, tmp_path / "m.gguf")
+    hf_tok, gguf_tok = load_model(folder).tokenizer, load_model(path).tokenizer
+    prompt = hf_tok.encode("Hello world! How are you today? I am a tiny language model.")
+    assert gguf_tok.encode(gguf_tok.decode(prompt)) == prompt
+    want, want_tokens = run_greedy(folder, prompt, 4)
+    got, got_tokens = run_greedy(path, prompt, 4)
+    assert got.shape == (len(prompt) + 4, 2048)
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+    assert got_tokens == want_tokens
