@@ -311,9 +311,10 @@ def _write_tokenizer(
     if spec.get("model", {}).get("type") != "BPE":
         raise ModelLoadError(f"{folder}: the tokenizer is not BPE; it cannot be converted.")
     vocab = HFTokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
-    if len(vocab) > n_vocab:
+    if max(vocab.values(), default=0) >= n_vocab:
         raise ModelLoadError(
-            f"{folder}: the tokenizer has {len(vocab)} tokens, the embedding {n_vocab} rows."
+            f"{folder}: the tokenizer has ids up to {max(vocab.values())}, the embedding "
+            f"{n_vocab} rows."
         )
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
     tokens = [f"[PAD{i}]" for i in range(n_vocab)]

@@ -556,7 +556,10 @@ def test_converter_refuses_what_llama_cpp_cannot_hold(tmp_path):
     biased = make_mamba2(tmp_path / "bias", use_bias=True, num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match="projection biases"):
         convert(biased, tmp_path / "bias.gguf")
-    assert not (tmp_path / "moe.gguf").exists() and not (tmp_path / "bias.gguf").exists()
+    small = make_mamba2(tmp_path / "small", vocab_size=256, num_hidden_layers=1)
+    with pytest.raises(ModelLoadError, match="tokenizer has ids up to 319, the embedding 256"):
+        convert(small, tmp_path / "small.gguf")
+    assert not any(tmp_path.glob("*.gguf"))
 
 
 def test_converter_command_line(mamba2_dir, tmp_path, capsys):
