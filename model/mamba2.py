@@ -22,6 +22,9 @@ from model.blocks import Linear
 # Rows per SSD chunk: the intra-chunk part costs H * T^2 * (N + P), the state part
 # H * T * P * N per chunk; 64 balances them for P = 64, N = 128 (Granite 4.0-H, Mamba2-2.7B).
 SCAN_CHUNK = 64
+# NOTE: ssm_in has 2 d_inner + 2 G N + H rows, and H need not be a multiple of 16, which
+# model/quant.py's int4 packing needs: the projection gets zero rows up to a multiple of it.
+PROJ_ROWS = 16
 
 
 def ssd_scan(
@@ -58,6 +61,17 @@ def ssd_scan(
     return torch.cat(ys), state
 
 
+def _pad_rows(
+    w: torch.Tensor, b: torch.Tensor | None, multiple: int = PROJ_ROWS
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zero rows up to a multiple of `multiple` output features (forward drops them)."""
+    pad = -w.shape[0] % multiple
+    if pad == 0:
+        return w, b
+    w = torch.cat((w, w.new_zeros(pad, w.shape[1])))
+    return w, None if b is None else torch.cat((b, b.new_zeros(pad)))
+
+
 class Mamba2Mixer(nn.Module):
     """`weights` prefix + ssm_in [d_in_proj, dim] (rows z, xBC, dt), ssm_conv [conv_dim, K],
     ssm_dt_b, ssm_a (= -exp(A_log)), ssm_d [H], ssm_norm [d_inner], ssm_out [dim, d_inner],
@@ -73,7 +87,9 @@ class Mamba2Mixer(nn.Module):
         def param(name: str) -> nn.Parameter:
             return nn.Parameter(weights[prefix + name], requires_grad=False)
 
-        self.in_proj = Linear(weights[prefix + "ssm_in"], weights.get(prefix + "ssm_in_b"))
+        self.in_proj = Linear(
+            *_pad_rows(weights[prefix + "ssm_in"], weights.get(prefix + "ssm_in_b"))
+        )
         self.conv_w = param("ssm_conv")  # [conv_dim, K]: column K-1 multiplies the newest row
         self.conv_b = param("ssm_conv_b") if s.conv_bias else None
         self.dt_bias = param("ssm_dt_b")
@@ -91,7 +107,8 @@ class Mamba2Mixer(nn.Module):
         assert isinstance(state, RecurrentStorage), "a recurrent layer needs the state storage"
         assert batch.state is not None, "the worker builds ForwardBatch.state for mamba2 layers"
         s, n = self.ssm, u.shape[0]
-        z, xbc, dt = self.in_proj(u).split((s.d_inner, s.conv_dim, s.n_heads), dim=-1)
+        zxbcdt = self.in_proj(u)[:, : s.d_in_proj]
+        z, xbc, dt = zxbcdt.split((s.d_inner, s.conv_dim, s.n_heads), dim=-1)
         conv, ssm = state.conv(layer), state.ssm(layer)
         y = torch.zeros(n, s.n_heads, s.head_dim, dtype=torch.float32, device=u.device)
         sb = batch.state

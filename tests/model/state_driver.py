@@ -28,6 +28,7 @@ class StateDriver:
     def __init__(self, worker, n_cells: int = 512, n_slots: int = 8, seed: int = 0) -> None:
         self.worker = worker
         self.groups = worker.model.args.memory_spec.groups
+        self.has_attn = any(g.key != "recurrent" for g in self.groups)
         self.free = list(np.random.default_rng(seed).permutation(n_cells).tolist())
         self.free_slots = list(range(n_slots))
         self.cells: dict[int, list[int]] = {}
@@ -65,7 +66,7 @@ class StateDriver:
                 self.copies.append((-1, self.slot[c.seq_id]))
                 self.pos[c.seq_id] = 0
             start, p0 = len(tokens), self.pos[c.seq_id]
-            new_cells = [self.free.pop() for _ in c.tokens]
+            new_cells = [self.free.pop() if self.has_attn else -1 for _ in c.tokens]
             self.cells.setdefault(c.seq_id, []).extend(new_cells)
             self.pos[c.seq_id] = p0 + len(c.tokens)
             tokens += c.tokens
@@ -103,3 +104,48 @@ class StateDriver:
 
     def step(self, chunks: list[Chunk]) -> list[int]:
         return self.worker.execute(self.plan(chunks)).token_ids
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 2048) -> list[int]:
+    """Token ids spread over the whole vocabulary (the model's, not just the tokenizer's)."""
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+def assert_close(ours, ref, rel: float = 1e-4) -> None:
+    """Within rel of the logits' spread; equal argmax wherever the top-2 margin is larger
+    than the tolerance."""
+    import torch
+
+    tol = rel * float(ref.max() - ref.min())
+    assert float((ours - ref).abs().max()) < tol
+    top2 = torch.topk(ref, 2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * tol
+    assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def hf_greedy(hf, ids: list[int], n_new: int):
+    """transformers' reference: the prompt in one call, then one token per call through its
+    cache -> (greedy tokens, logits of each step [n_new, vocab])."""
+    import torch
+
+    with torch.inference_mode():
+        out = hf(torch.tensor([ids]), use_cache=True)
+        steps = [out.logits[0, -1]]
+        tokens = [int(steps[-1].argmax())]
+        while len(tokens) < n_new:
+            out = hf(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+            steps.append(out.logits[0, -1])
+            tokens.append(int(steps[-1].argmax()))
+    return tokens, torch.stack(steps)
+
+
+def greedy(driver: StateDriver, seq: int, ids: list[int], n_new: int):
+    """Ours, the same way: -> (tokens, logits [n_new, vocab])."""
+    import torch
+
+    steps = [driver.logits([Chunk(seq, ids)])[0]]
+    tokens = [int(steps[-1].argmax())]
+    while len(tokens) < n_new:
+        steps.append(driver.logits([Chunk(seq, [tokens[-1]])])[0])
+        tokens.append(int(steps[-1].argmax()))
+    return tokens, torch.stack(steps)

@@ -1,0 +1,136 @@
+"""Granite 4.0-H (GraniteMoeHybrid, dense) over attention cells + state slots against
+transformers: NoPE and a rope (Bamba-like) variant, multipliers != 1, layer patterns starting
+with mamba and with attention; a random model with every weight redrawn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model import load_model
+from model.errors import ModelLoadError
+from model.testing import write_tiny_granite_hybrid
+from model.worker import make_worker
+from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
+
+VARIANTS = {
+    "nope": dict(layer_types=("mamba", "attention", "mamba", "mamba", "attention")),
+    "rope": dict(layer_types=("attention", "mamba", "mamba", "attention", "mamba"), rope=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("granite") / request.param
+    write_tiny_granite_hybrid(folder, seed=len(request.param), **VARIANTS[request.param])
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return request.param, folder, load_model(folder), hf
+
+
+def driver(tiny, n_cells: int = 4200, n_slots: int = 8) -> StateDriver:
+    worker = make_worker(tiny, n_cells=n_cells, group_cells=[n_cells, n_slots])
+    return StateDriver(worker, n_cells, n_slots)
+
+
+def test_description_read_from_the_config(variant):
+    name, _, tiny, _ = variant
+    args = tiny.config
+    assert args.nope == (name == "nope") and args.ffn and not args.plain_llama
+    assert (args.embed_mult, args.residual_mult, args.logits_scaling) == (2.0, 0.5, 4.0)
+    assert args.attn_scale == pytest.approx(0.3)
+    mixers = VARIANTS[name]["layer_types"]
+    assert args.mixers == tuple("attn" if t == "attention" else "mamba2" for t in mixers)
+    assert [g.key for g in args.memory_spec.groups] == ["full", "recurrent"]
+    worker = make_worker(tiny, n_cells=32, group_cells=[32, 4])
+    assert worker.kv_bytes_per_cell == 2 * 2 * 2 * 16 * 4  # 2 attention layers, K and V
+    assert worker.state_bytes_per_slot == 3 * (192 * 3 + 8 * 16 * 16) * 4
+
+
+@pytest.mark.parametrize("n", [4, 60, 2500])
+def test_prompt_logits_match_transformers(variant, n):
+    _, _, tiny, hf = variant
+    ids = prompt(n, seed=n)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert_close(driver(tiny).logits([Chunk(0, ids, all_rows=True)]), ref)
+
+
+@pytest.mark.parametrize("n", [6, 700])
+def test_greedy_decode_matches_transformers(variant, n):
+    _, _, tiny, hf = variant
+    ids = prompt(n, seed=n + 1)
+    ref_tokens, ref = hf_greedy(hf, ids, 20)
+    tokens, ours = greedy(driver(tiny), 0, ids, 20)
+    assert_close(ours, ref)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("size", [1, 7, 512])
+def test_prefill_in_chunks_equals_one_prefill(variant, size):
+    _, _, tiny, _ = variant
+    n = 60 if size == 1 else 1100
+    ids = prompt(n, seed=2)
+    whole = driver(tiny)
+    ref = whole.logits([Chunk(0, ids)])
+    parts = driver(tiny)
+    for lo in range(0, n, size):
+        ours = parts.logits([Chunk(0, ids[lo : lo + size])])
+    assert_close(ours, ref)
+    assert_close(parts.logits([Chunk(0, [7, 8])]), whole.logits([Chunk(0, [7, 8])]))
+
+
+def test_mixed_step_equals_each_sequence_alone(variant):
+    """Decode rows of three sequences beside a fourth's prompt chunk, and a fork (cells
+    shared, state copied) in the same step."""
+    _, _, tiny, _ = variant
+    lengths = [3, 30, 9, 50]
+    d = driver(tiny)
+    d.logits([Chunk(s, prompt(n, s)) for s, n in enumerate(lengths[:3])])
+    d.fork(1, 4)
+    chunks = [Chunk(s, [40 + s]) for s in range(3)] + [Chunk(3, prompt(50, 3)), Chunk(4, [99])]
+    together = d.logits(chunks)
+    for s, n in enumerate(lengths + [30]):
+        alone = driver(tiny, n_cells=64)
+        if s == 4:
+            alone.logits([Chunk(0, prompt(30, 1))])
+            ref = alone.logits([Chunk(0, [99])])
+        elif s < 3:
+            alone.logits([Chunk(0, prompt(n, s))])
+            ref = alone.logits([Chunk(0, [40 + s])])
+        else:
+            ref = alone.logits([Chunk(0, prompt(n, s))])
+        assert_close(together[s : s + 1], ref)
+
+
+def test_capture_resumes_like_a_prefix_prefill(variant):
+    _, _, tiny, _ = variant
+    ids = prompt(80, seed=3)
+    d = driver(tiny)
+    d.free_slots = [0, 1]  # the sequence takes slot 1; the capture goes to slot 0
+    d.logits([Chunk(0, ids, captures=[(33, 0)])])
+    ref = driver(tiny)
+    ref.logits([Chunk(0, ids[:33])])
+    # a new sequence resumes from the capture over the first 33 cells of sequence 0
+    d.resume(1, 0, 33, d.cells[0][:33])
+    nxt = ids[33:40]
+    assert_close(d.logits([Chunk(1, nxt, all_rows=True)]), ref.logits([Chunk(0, nxt, True)]))
+
+
+def test_mixture_of_experts_is_refused(variant, tmp_path):
+    _, folder, _, _ = variant
+    config = json.loads((folder / "config.json").read_text())
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    for f in folder.iterdir():
+        (moe / f.name).write_bytes(f.read_bytes())
+    (moe / "config.json").write_text(json.dumps(config | {"num_local_experts": 4}))
+    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+        load_model(moe)
+    (moe / "config.json").write_text(
+        json.dumps(config | {"layer_types": ["mamba", "moe", "mamba", "mamba", "attention"]})
+    )
+    with pytest.raises(ModelLoadError, match="layer types"):
+        load_model(moe)
