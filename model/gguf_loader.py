@@ -78,7 +78,10 @@ def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     embd = _tensor_info(reader, "token_embd.weight", path)
     vocab_size = int(embd.shape[-1])
     if arch in SSM_ARCHS:
-        return read_ssm_args(reader, arch, get, vocab_size, path)
+        try:
+            return read_ssm_args(reader, arch, get, vocab_size, path)
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{path}: bad {arch} metadata ({e}).") from e
     dim = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
     n_kv_heads = int(get("attention.head_count_kv", n_heads))

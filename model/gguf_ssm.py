@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 from kvcache.storage import RopeConfig
-from model.arch import ModelArgs, SSMArgs
+from model.arch import Mixer, ModelArgs, SSMArgs
 from model.errors import ModelLoadError
 
 SSM_ARCHS = ("mamba2", "granitehybrid")
@@ -83,6 +83,7 @@ def read_args(
     n_layers = int(get("block_count"))
     dim = int(get("embedding_length"))
     eps = float(get("attention.layer_norm_rms_epsilon"))
+    mixers: list[Mixer]
     if arch == "mamba2":
         mixers = ["mamba2"] * n_layers
         n_heads = n_kv_heads = head_dim = hidden_dim = 0
@@ -90,7 +91,7 @@ def read_args(
         kv_per_layer = _int_list(
             get("attention.head_count_kv"), n_layers, "attention.head_count_kv", path
         )
-        mixers = ["attn" if kv else "mamba2" for kv in kv_per_layer]
+        mixers = ["attn" if kv else "mamba2" for kv in kv_per_layer]  # llama.cpp: 0 = recurrent
         n_kv_heads = _uniform(kv_per_layer, "attention.head_count_kv", path)
         heads = _int_list(get("attention.head_count"), n_layers, "attention.head_count", path)
         attn_heads = [h for h, m in zip(heads, mixers, strict=True) if m == "attn"]
@@ -100,7 +101,7 @@ def read_args(
             raise ModelLoadError(f"{path}: attention key and value lengths differ; not supported.")
         ff = _int_list(get("feed_forward_length"), n_layers, "feed_forward_length", path)
         hidden_dim = _uniform(ff, "feed_forward_length", path)
-    ssm = _ssm_args(get, dim, eps, path) if "mamba2" in mixers else None
+    ssm = _ssm_args(get, eps, path) if "mamba2" in mixers else None
     rope_on = arch == "granitehybrid" and bool(get("rope.scaling.finetuned", True))
     attn_scale = float(get("attention.scale", 0.0))
     args = ModelArgs(
@@ -120,7 +121,7 @@ def read_args(
         ),
         n_ctx_train=int(get("context_length", 2048)),
         attn_scale=attn_scale or None,  # llama.cpp: 0 (absent) means 1/sqrt(head_dim)
-        mixers=tuple(mixers),  # type: ignore[arg-type]
+        mixers=tuple(mixers),
         ssm=ssm,
         ffn=arch != "mamba2",
         nope=arch == "granitehybrid" and not rope_on,
@@ -133,7 +134,7 @@ def read_args(
     return args
 
 
-def _ssm_args(get: Any, dim: int, eps: float, path: Path) -> SSMArgs:
+def _ssm_args(get: Any, eps: float, path: Path) -> SSMArgs:
     d_inner = int(get("ssm.inner_size"))
     n_heads = int(get("ssm.time_step_rank"))
     n_groups = int(get("ssm.group_count", 1))
