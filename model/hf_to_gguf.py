@@ -127,8 +127,10 @@ def _granite_layers(config: dict[str, Any], folder: Path) -> list[str]:
 
 
 def _check_mixer(config: dict[str, Any], granite: bool, folder: Path) -> None:
-    """Refuse the Mamba2 variants llama.cpp's layout cannot hold."""
+    """Refuse the Mamba2 variants llama.cpp's layout cannot hold, and the biases we do not run."""
     p = "mamba_" if granite else ""
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ModelLoadError(f"{folder}: attention or MLP biases are not supported.")
     dim = int(config["hidden_size"])
     d_inner = int(config[f"{p}n_heads" if granite else "num_heads"])
     d_inner *= int(config[f"{p}d_head" if granite else "head_dim"])
@@ -248,8 +250,11 @@ def _gguf_tensors(
         if kind == "mamba":
             mixer = hf + ("mamba." if granite else "mixer.")
             for name, gguf_name in _MAMBA_TENSORS.items():
-                if name == "conv1d.bias" and mixer + name not in tensors:
-                    continue  # use_conv_bias false
+                if name == "conv1d.bias" and mixer + name not in tensors:  # use_conv_bias false
+                    if not granite:  # NOTE: llama.cpp's mamba2 requires it; zeros change nothing
+                        conv_dim = tensors[mixer + "conv1d.weight"].shape[0]
+                        yield blk + gguf_name, np.zeros(conv_dim, np.float32)
+                    continue
                 yield blk + gguf_name, _to_gguf_layout(name, take(mixer + name), n_groups)
         else:
             for name, gguf_name in _ATTN_TENSORS.items():

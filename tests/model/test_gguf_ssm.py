@@ -424,6 +424,23 @@ def test_tied_granite_has_no_output_tensor(tmp_path):
     assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
 
 
+def test_conv_without_bias(tmp_path):
+    """llama.cpp's mamba2 requires ssm_conv1d.bias (the converter writes zeros), its
+    granitehybrid makes it optional (left out, and conv_bias is False)."""
+    mamba2 = make_mamba2(tmp_path / "m", use_conv_bias=False, num_hidden_layers=1)
+    args, weights = load_gguf(convert(mamba2, tmp_path / "m.gguf"))
+    assert args.ssm is not None and args.ssm.conv_bias
+    assert torch.equal(weights["layers.0.ssm_conv_b"], torch.zeros(192))
+    granite = make_granite(
+        tmp_path / "g", ["mamba", "attention"], False, num_hidden_layers=2, mamba_conv_bias=False
+    )
+    path = convert(granite, tmp_path / "g.gguf")
+    assert "blk.0.ssm_conv1d.bias" not in ggml_shapes(open_gguf(path))
+    args, weights = load_gguf(path)
+    assert args.ssm is not None and not args.ssm.conv_bias
+    assert "layers.0.ssm_conv_b" not in weights
+
+
 # ---- what cannot load, said clearly ----
 
 
@@ -556,6 +573,11 @@ def test_converter_refuses_what_llama_cpp_cannot_hold(tmp_path):
     biased = make_mamba2(tmp_path / "bias", use_bias=True, num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match="projection biases"):
         convert(biased, tmp_path / "bias.gguf")
+    biased = make_granite(
+        tmp_path / "attn_bias", ["attention"], True, attention_bias=True, num_hidden_layers=1
+    )
+    with pytest.raises(ModelLoadError, match="attention or MLP biases are not supported"):
+        convert(biased, tmp_path / "attn_bias.gguf")
     small = make_mamba2(tmp_path / "small", vocab_size=256, num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match="tokenizer has ids up to 319, the embedding 256"):
         convert(small, tmp_path / "small.gguf")
@@ -591,13 +613,15 @@ def run_greedy(path: Path, prompt: list[int], n_decode: int) -> tuple[torch.Tens
     return torch.cat(rows), tokens
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "granite-nope-tied", "granite-rope"])
+@pytest.mark.parametrize(
+    "kind", ["mamba2", "mamba2-no-conv-bias", "granite-nope-tied", "granite-rope"]
+)
 def test_gguf_model_computes_the_hf_folders_logits(kind, tmp_path):
     from model.loader import load_model
     from model.testing_ssm import write_tiny_granite_hybrid, write_tiny_mamba2
 
-    if kind == "mamba2":
-        folder = write_tiny_mamba2(tmp_path / "hf")
+    if kind.startswith("mamba2"):
+        folder = write_tiny_mamba2(tmp_path / "hf", conv_bias=not kind.endswith("conv-bias"))
     else:
         folder = write_tiny_granite_hybrid(
             tmp_path / "hf", rope=kind.endswith("rope"), tie=kind.endswith("tied")
