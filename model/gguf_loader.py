@@ -19,8 +19,12 @@ from model.arch import (
     weight_shapes,
 )
 from model.errors import ModelLoadError
+from model.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
+from model.gguf_ssm import read_args as read_ssm_args
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", *SSM_ARCHS)
+# the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
+_PERMUTED_QK = ("llama", "granitehybrid")
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -39,6 +43,7 @@ _LAYER_TENSORS = {
     "k_norm": "attn_k_norm.weight",
     "post_attn_norm": "post_attention_norm.weight",
     "post_ffn_norm": "post_ffw_norm.weight",
+    **SSM_TENSORS,
 }
 
 
@@ -70,12 +75,17 @@ def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
             raise ModelLoadError(f"{path}: metadata key {arch}.{key} is missing.")
         return value
 
+    embd = _tensor_info(reader, "token_embd.weight", path)
+    vocab_size = int(embd.shape[-1])
+    if arch in SSM_ARCHS:
+        try:
+            return read_ssm_args(reader, arch, get, vocab_size, path)
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{path}: bad {arch} metadata ({e}).") from e
     dim = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
     n_kv_heads = int(get("attention.head_count_kv", n_heads))
     head_dim = int(get("attention.key_length", dim // n_heads))
-    embd = _tensor_info(reader, "token_embd.weight", path)
-    vocab_size = int(embd.shape[-1])
     freq_factors = None
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         ff = _dequantize(_tensor_info(reader, "rope_freqs.weight", path))
@@ -148,6 +158,14 @@ def read_weights(
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
             names[f"layers.{i}.{ours}"] = f"blk.{i}.{_LAYER_TENSORS[ours]}"
+    if args.arch in SSM_ARCHS:
+        unused = present - set(names.values()) - {"rope_freqs.weight"}
+        if unused:
+            raise ModelLoadError(
+                f"{path}: tensors this {args.arch} model does not use: "
+                f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''} "
+                "(inconsistent file or an unsupported variant)."
+            )
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():
@@ -160,12 +178,13 @@ def read_weights(
                 f"dequantized ({type(e).__name__}: {e})."
             ) from e
         kind = ours.rsplit(".", 1)[-1]
+        w = to_hf_layout(kind, w, args, theirs, path)
         want = expected[kind]
         if tuple(w.shape) != want:
             raise ModelLoadError(
                 f"{path}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."
             )
-        if args.arch == "llama" and kind in ("wq", "wk"):
+        if args.arch in _PERMUTED_QK and kind in ("wq", "wk"):
             w = _unpermute(w, args.n_heads if kind == "wq" else args.n_kv_heads)
         if kind.endswith("norm") and args.block.norm_shift:
             w = w - args.block.norm_shift  # llama.cpp's converter stores Gemma's 1 + w
