@@ -38,6 +38,7 @@ class RecurrentStorage:
         n = len(layers)
         self._conv = torch.zeros((n, n_slots, *conv_shape), dtype=dtype, device=self.device)
         self._ssm = torch.zeros((n, n_slots, *ssm_shape), dtype=torch.float32, device=self.device)
+        self._saved = (self._conv.new_empty(0), self._ssm.new_empty(0))  # save()'s buffers
 
     @property
     def n_cells(self) -> int:
@@ -77,6 +78,27 @@ class RecurrentStorage:
             elif s != d:
                 self._conv[:, d] = self._conv[:, s]
                 self._ssm[:, d] = self._ssm[:, s]
+
+    def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of `slots`' states in every layer, for restore(). The copy lives in a buffer
+        kept from step to step (the largest step's size): a fresh allocation of this size per
+        step cost more than the copy itself (page faults), and the next save overwrites it."""
+        k = int(slots.shape[0])
+        conv_n = self._conv[:, 0].numel() * k
+        ssm_n = self._ssm[:, 0].numel() * k
+        if self._saved[0].numel() < conv_n:
+            self._saved = (self._conv.new_empty(conv_n), self._ssm.new_empty(ssm_n))
+        n = len(self.layers)
+        conv = self._saved[0][:conv_n].view(n, k, *self._conv.shape[2:])
+        ssm = self._saved[1][:ssm_n].view(n, k, *self._ssm.shape[2:])
+        torch.index_select(self._conv, 1, slots, out=conv)
+        torch.index_select(self._ssm, 1, slots, out=ssm)
+        return conv, ssm
+
+    def restore(self, slots: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put back the states the last save(slots) copied."""
+        self._conv.index_copy_(1, slots, saved[0])
+        self._ssm.index_copy_(1, slots, saved[1])
 
     def clear(self) -> None:
         self._conv.zero_()

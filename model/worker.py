@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from kvcache.cell_types import PendingOps
 from kvcache.state_storage import RecurrentStorage
 from kvcache.storage import GroupedKVStorage, KVStorage, RopeConfig, rope_tables
 from model.arch import ModelArgs
@@ -21,14 +23,17 @@ from model.attn_groups import (
     pad_rows,
     prompt_group,
 )
-from model.batch import AttnGroups, DecodeGroup, ForwardBatch, StateBatch, StatePrompt
+from model.batch import AttnGroups, DecodeGroup, ForwardBatch
 from model.dtypes import resolve_dtype
 from model.kernels import load_kernels
 from model.llama import Transformer
 from model.native import NativeDecoder
 from model.sampling import sample
+from model.state_batch import state_batch
 from model.token_mask import MaskFiller
 from scheduler.plan import BatchPlan, GroupBatch, StepOutput
+
+SavedStates = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]  # slots, (conv, ssm)
 
 
 def set_torch_threads(n: int) -> None:
@@ -121,11 +126,34 @@ class ModelWorker:
         if self.threads is not None and self._threads_set_in != threading.get_ident():
             set_torch_threads(self.threads)
             self._threads_set_in = threading.get_ident()
-        masks = self.masks.start(plan.samples)  # structured outputs, beside the forward
-        if any(row.embed for row in plan.samples):
-            return self._execute_with_embeddings(plan, masks)
-        logits = self.forward(plan)
-        return sample(logits, plan.samples, None if masks is None else masks.result())
+        plan, saved = self._save_states(plan)
+        try:
+            masks = self.masks.start(plan.samples)  # structured outputs, beside the forward
+            if any(row.embed for row in plan.samples):
+                return self._execute_with_embeddings(plan, masks)
+            logits = self.forward(plan)
+            return sample(logits, plan.samples, None if masks is None else masks.result())
+        except BaseException:
+            if saved is not None and self.state is not None:
+                self.state.restore(*saved)
+            raise
+
+    def _save_states(self, plan: BatchPlan) -> tuple[BatchPlan, SavedStates | None]:
+        """A copy of the states the step's sequences start from (after the recurrent group's
+        pending copies, applied here: the plan returned has none left), so that a step that
+        raises leaves every slot as it was. The layers update states as they go, and the
+        engine re-runs the sequences of a failing batch (scheduler/isolate.py)."""
+        if self.state is None or plan.num_tokens == 0:
+            return plan, None
+        g = next(i for i, s in enumerate(self.kv) if isinstance(s, RecurrentStorage))
+        group = plan.groups[g]
+        if not group.pending.is_empty:
+            self.state.apply(group.pending)
+            groups = list(plan.groups)
+            groups[g] = dataclasses.replace(group, pending=PendingOps.empty())
+            plan = dataclasses.replace(plan, groups=groups)
+        slots = torch.from_numpy(np.unique(group.cells)).to(self.device)
+        return plan, (slots, self.state.save(slots))
 
     def _execute_with_embeddings(self, plan: BatchPlan, masks: Any) -> StepOutput:
         """Embed rows return their final-norm hidden state; the others are sampled as usual.
@@ -217,7 +245,7 @@ class ModelWorker:
             batch.windowed[w] = per_group[by_window[w]]
         if self.state is not None:
             g = next(i for i, s in enumerate(self.kv) if isinstance(s, RecurrentStorage))
-            batch.state = self._state_batch(plan, plan.groups[g])
+            batch.state = state_batch(plan, plan.groups[g], self.batch_invariant, self.device)
         if self.batch_invariant:
             pads = {}
             for i in attn:
@@ -226,40 +254,6 @@ class ModelWorker:
                 pads[plan.groups[i].window] = (self.scratch[i], storage.read_index)
             return pad_rows(batch, pads)
         return batch
-
-    def _state_batch(self, plan: BatchPlan, group: GroupBatch) -> StateBatch:
-        """The recurrent layers' view of the plan (scheduler.plan.GroupBatch, recurrent): a
-        lone row without captures is a one-step decode; any other chunk a scan. With
-        batch_invariant every sequence scans on its own."""
-        captures: dict[int, list[tuple[int, int]]] = {}
-        for c in group.captures:
-            first = int(plan.positions[plan.seqs[c.seq].start])
-            captures.setdefault(c.seq, []).append((c.m - first, c.slot))
-        rows: list[int] = []
-        slots: list[int] = []
-        prompts: list[StatePrompt] = []
-        for i, s in enumerate(plan.seqs):
-            slot = int(group.cells[s.start])
-            assert bool(np.all(group.cells[s.start : s.end] == slot)), "one slot per sequence"
-            caps = sorted(captures.get(i, []))
-            assert all(0 < r <= s.end - s.start for r, _ in caps), "a capture inside the rows"
-            if s.end - s.start == 1 and not caps and not self.batch_invariant:
-                rows.append(s.start)
-                slots.append(slot)
-            else:
-                prompts.append(StatePrompt(s.start, s.end, slot, caps))
-        assert len(set(slots)) == len(slots), "decode rows of one step have distinct slots"
-        if slots:  # in slot order: consecutive slots are then one range, updated in place
-            slots, rows = map(list, zip(*sorted(zip(slots, rows, strict=True)), strict=True))
-        n = plan.num_tokens
-        every_row = rows == list(range(n))
-        run = (slots[0], slots[0] + len(slots)) if slots else None
-        return StateBatch(
-            decode_rows=None if every_row else int64_tensor(np.array(rows), self.device),
-            decode_slots=int64_tensor(np.array(slots), self.device),
-            prompts=prompts,
-            decode_run=run if run and slots == list(range(*run)) else None,
-        )
 
     def _rope_tables(
         self, positions: torch.Tensor, rope: RopeConfig, inv_freq: torch.Tensor

@@ -194,3 +194,33 @@ def test_bfloat16_stays_close(folder, tiny):
     ours = driver(b).logits([Chunk(0, ids)])
     assert b.transformer.dtype == torch.bfloat16
     assert float((ours - ref).abs().max()) < 0.05 * float(ref.max() - ref.min())
+
+
+def test_a_step_that_raises_leaves_every_state_as_it_was(tiny, monkeypatch):
+    """The layers update states as they go; the engine re-runs the sequences of a failing
+    batch (scheduler/isolate.py), so a step that raises past the first layer must put the
+    states back, or the re-run would start from half-updated ones."""
+    ids = prompt(30, seed=6)
+    d = driver(tiny)
+    d.step([Chunk(0, ids[:20]), Chunk(1, ids[:7])])
+    before = [[t.clone() for t in state_of(d, s)] for s in (0, 1)]
+    last = d.worker.model.layers[-1]
+    calls = {"n": 0}
+
+    def boom(*args, **kwargs):
+        calls["n"] += 1
+        raise RuntimeError("injected fault in the last layer")
+
+    monkeypatch.setattr(last, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        d.step([Chunk(0, ids[20:]), Chunk(1, [9])])
+    assert calls["n"] == 1
+    for s in (0, 1):
+        for a, b in zip(state_of(d, s), before[s], strict=True):
+            assert torch.equal(a, b)
+    monkeypatch.undo()
+    d.pos[0], d.pos[1] = 20, 7  # the failed rows were never placed
+    retried = d.logits([Chunk(0, ids[20:]), Chunk(1, [9])])
+    ref = driver(tiny)
+    ref.logits([Chunk(0, ids[:20]), Chunk(1, ids[:7])])
+    assert_close(retried, ref.logits([Chunk(0, ids[20:]), Chunk(1, [9])]))
