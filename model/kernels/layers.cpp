@@ -87,18 +87,46 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
-// decode_layers: every layer of a Llama decode step in one call, bfloat16, weights of
-// model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over the whole head: the same
-// ATen ops, in the same order, as model/llama.py's Block, without the Python between them.
-// Steps of up to small_rows rows use the int4 kernel, larger ones the packed bfloat16 copy
-// (QuantLinear.forward's choice), prepacked for oneDNN where `packed` (oneDNN has no bfloat16
+// The layer pieces decode_layers runs, each the op (or fused kernel) model/llama.py's Block and
+// model/blocks.py run for that activation dtype, so that both paths compute the same values.
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps) {
+  if (x.scalar_type() == at::kBFloat16) return rms_norm_bf16(x, w, eps);
+  return at::rms_norm(x, {x.size(-1)}, w, eps);  // F.rms_norm
+}
+
+at::Tensor silu_mul_of(const at::Tensor& gate_up) {
+  if (gate_up.scalar_type() == at::kBFloat16) return silu_mul_bf16(gate_up);
+  auto halves = gate_up.chunk(2, -1);
+  return at::silu(halves[0]) * halves[1];
+}
+
+// model/quant.py QuantLinear.forward (int4, no bias) on a weight triple (quantized, scales,
+// dense): up to small_rows rows the int4 kernel (torch's for bfloat16 activations, int4_mm on
+// cellserve's own layout for float32 ones), more rows the dense copy in its own dtype.
+at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_size,
+                        int64_t small_rows, bool packed) {
+  if (a.size(0) <= small_rows) {
+    if (a.scalar_type() == at::kFloat) return int4_mm(a, w[0], w[1]);
+    return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
+  }
+  const auto dense = w[2].scalar_type();
+  const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
+  auto y = packed ? packed_linear(in, w[2]) : at::linear(in, w[2]);
+  return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
+}
+
+// decode_layers: every layer of a Llama decode step in one call, bfloat16 or float32
+// activations, weights of model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over
+// the whole head: the same ops, in the same order, as model/llama.py's Block, without the
+// Python between them. weights: per layer, in order: attn_norm, then wqkv as a triple for
+// quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
+// scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, dense) for
+// float32 ones. The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
 // prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
-// weights: per layer, in order: attn_norm, then wqkv as (int4
-// packed, scales, dense packed), wo (3), ffn_norm, w13 (3), w2 (3). k_cache, v_cache:
-// KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each
-// row's K/V goes; rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells,
-// lens: as for decode_attention, row i being sequence i. Returns the hidden state after the
-// last layer.
+// k_cache, v_cache: KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim], x's dtype);
+// write_cells [n]: where each row's K/V goes; rope_c, rope_s: [n, 1, head_dim]
+// (kvcache.storage.rope_tables); kv_cells, lens: as for decode_attention, row i being
+// sequence i. Returns the hidden state after the last layer.
 at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& write_cells, const at::Tensor& rope_c,
@@ -109,15 +137,16 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
   const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
               "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
+  TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "decode_layers: x and the cache must both be bfloat16 or float32");
   const int64_t n = x.size(0), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
-  const bool small = n <= small_rows;
-  auto mm = [group_size, small, packed](const at::Tensor& a, const at::Tensor* w) {
-    if (small) return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
-    return packed ? packed_linear(a, w[2]) : at::linear(a, w[2]);
+  auto mm = [group_size, small_rows, packed](const at::Tensor& a, const at::Tensor* w) {
+    return quant_linear(a, w, group_size, small_rows, packed);
   };
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
-    auto qkv = mm(rms_norm_bf16(x, w[0], eps), w + 1);
+    auto qkv = mm(rms_norm_of(x, w[0], eps), w + 1);
     auto qk = qkv.narrow(1, 0, qk_width).view({n, n_heads + n_kv, hd});
     auto partner = at::cat({qk.narrow(2, half, hd - half), qk.narrow(2, 0, half)}, 2);
     qk = at::addcmul(qk * rope_c, partner, rope_s);
@@ -128,7 +157,7 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
     v_layer.index_copy_(1, write_cells, v.transpose(0, 1));
     auto attn = decode_attention(qk.narrow(1, 0, n_heads), k_layer, v_layer, kv_cells, lens, scale);
     x = x + mm(attn.view({n, n_heads * hd}), w + 4);
-    x = x + mm(silu_mul_bf16(mm(rms_norm_bf16(x, w[7], eps), w + 8)), w + 11);
+    x = x + mm(silu_mul_of(mm(rms_norm_of(x, w[7], eps), w + 8)), w + 11);
   }
   return x;
 }
@@ -175,5 +204,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
-  m.def("decode_layers", &decode_layers, "every layer of an int4 + bfloat16 decode step");
+  m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights");
+  m.def("decode_layers", &decode_layers, "every layer of an int4 decode step, bf16 or f32");
 }
