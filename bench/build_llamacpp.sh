@@ -3,11 +3,13 @@
 # llama.cpp source vendored in the llama-cpp-python sdist, so cellserve's benchmark
 # can be run against a pinned reference server.
 #
-# Usage: [LLAMA_ISA=native|avx2|avx512] bench/build_llamacpp.sh [PREFIX]
-#   LLAMA_ISA (default native) picks the instruction set ggml is compiled for:
-#     native  -DGGML_NATIVE=ON (whatever this CPU has)
-#     avx2    AVX2+FMA+F16C, no AVX-512: compare against cellserve's CELLSERVE_ISA=avx2
-#     avx512  AVX-512 F/BW/VL/VNNI + BF16, no AMX
+# Usage: [LLAMA_ISA=native|avx2|avx512|avx512_bf16] bench/build_llamacpp.sh [PREFIX]
+#   LLAMA_ISA (default native) picks the instruction set ggml is compiled for, named as
+#   cellserve's CELLSERVE_ISA levels (model/kernels/isa.py) so that both run the same one:
+#     native       -DGGML_NATIVE=ON (whatever this CPU has)
+#     avx2         AVX2+FMA+F16C+BMI2, no AVX-512 (x86-64-v3)
+#     avx512       + AVX-512 F/BW/VL/DQ/CD, no VNNI/BF16 (x86-64-v4)
+#     avx512_bf16  + AVX-512 VNNI and BF16, no AMX
 #   PREFIX defaults to $HOME/.cache/cellserve/llama.cpp (native) or
 #   $HOME/.cache/cellserve/llama.cpp-$LLAMA_ISA, so each ISA keeps its own binary.
 # Prints the path of PREFIX/bin/llama-server on stdout (and nothing else); all build
@@ -25,12 +27,17 @@ case "${ISA}" in
             -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
             -DGGML_AMX_BF16=OFF)
         default_prefix="${HOME}/.cache/cellserve/llama.cpp-avx2" ;;
-    avx512)
+    avx512 | avx512_bf16)
         isa_args=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-            -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
-            -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-        default_prefix="${HOME}/.cache/cellserve/llama.cpp-avx512" ;;
-    *) printf '[build_llamacpp] LLAMA_ISA must be native, avx2 or avx512, not %s\n' "${ISA}" >&2
+            -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF
+            -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+        if [[ "${ISA}" == avx512_bf16 ]]; then
+            isa_args+=(-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+        else
+            isa_args+=(-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+        fi
+        default_prefix="${HOME}/.cache/cellserve/llama.cpp-${ISA}" ;;
+    *) printf '[build_llamacpp] LLAMA_ISA must be native, avx2, avx512 or avx512_bf16, not %s\n' "${ISA}" >&2
        exit 2 ;;
 esac
 readonly PREFIX="${1:-${default_prefix}}"
