@@ -100,12 +100,17 @@ at::Tensor silu_mul_of(const at::Tensor& gate_up) {
   return at::silu(halves[0]) * halves[1];
 }
 
-// model/quant.py QuantLinear.forward (int4, no bias) on a weight triple (quantized, scales,
-// dense): up to small_rows rows the int4 kernel (torch's for bfloat16 activations, int4_mm on
-// cellserve's own layout for float32 ones), more rows the dense copy in its own dtype.
+// model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple (quantized,
+// scales, dense): up to small_rows rows the quantized kernel (int4: torch's for bfloat16
+// activations, int4_mm on cellserve's own layout for float32 ones; int8: torch's, which takes
+// bfloat16 rows only), more rows the dense copy in its own dtype.
 at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_size,
-                        int64_t small_rows, bool packed) {
+                        int64_t small_rows, bool packed, bool int8) {
   if (a.size(0) <= small_rows) {
+    if (int8) {
+      if (a.scalar_type() == at::kBFloat16) return at::_weight_int8pack_mm(a, w[0], w[1]);
+      return at::_weight_int8pack_mm(a.to(at::kBFloat16), w[0], w[1]).to(a.scalar_type());
+    }
     if (a.scalar_type() == at::kFloat) return int4_mm(a, w[0], w[1]);
     return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
   }
@@ -116,12 +121,12 @@ at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_
 }
 
 // decode_layers: every layer of a Llama decode step in one call, bfloat16 or float32
-// activations, weights of model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over
+// activations, weights of model/quant.py QuantLinear "int4" or "int8" (no bias), rotate-half RoPE over
 // the whole head: the same ops, in the same order, as model/llama.py's Block, without the
 // Python between them. weights: per layer, in order: attn_norm, then wqkv as a triple for
 // quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
 // scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, dense) for
-// float32 ones. The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
+// float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
 // prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
 // k_cache, v_cache: KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim], x's dtype);
 // write_cells [n]: where each row's K/V goes; rope_c, rope_s: [n, 1, head_dim]
@@ -132,7 +137,7 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                          const at::Tensor& write_cells, const at::Tensor& rope_c,
                          const at::Tensor& rope_s, const at::Tensor& kv_cells,
                          const at::Tensor& lens, int64_t n_heads, double eps, double scale,
-                         int64_t group_size, int64_t small_rows, bool packed) {
+                         int64_t group_size, int64_t small_rows, bool packed, bool int8) {
   constexpr int64_t kPerLayer = 14;
   const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
@@ -141,8 +146,8 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "decode_layers: x and the cache must both be bfloat16 or float32");
   const int64_t n = x.size(0), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
-  auto mm = [group_size, small_rows, packed](const at::Tensor& a, const at::Tensor* w) {
-    return quant_linear(a, w, group_size, small_rows, packed);
+  auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const at::Tensor* w) {
+    return quant_linear(a, w, group_size, small_rows, packed, int8);
   };
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
@@ -205,5 +210,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights");
-  m.def("decode_layers", &decode_layers, "every layer of an int4 decode step, bf16 or f32");
+  m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
 }
