@@ -87,17 +87,59 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
-// The layer pieces decode_layers runs, each the op (or fused kernel) model/llama.py's Block and
-// model/blocks.py run for that activation dtype, so that both paths compute the same values.
+// rms_norm_f32 / silu_mul_f32: the float32 twins (no rounding; -ffast-math sums, so a value
+// can differ from F.rms_norm's in the last bits). RMSNorm of [1, 576] as ~6 ATen ops cost ~24 us.
+at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
+              "rms_norm_f32 takes float32");
+  const int64_t d = x_in.size(-1);
+  TORCH_CHECK(w_in.numel() == d, "rms_norm_f32: weight size differs from the last dim");
+  auto x = x_in.contiguous();
+  auto w = w_in.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel() / d;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * d;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + feps);
+      for (int64_t i = 0; i < d; ++i) op[r * d + i] = xr[i] * inv * wp[i];
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul_f32(const at::Tensor& gate_up_in) {
+  TORCH_CHECK(gate_up_in.scalar_type() == at::kFloat && gate_up_in.dim() == 2 &&
+                  gate_up_in.size(1) % 2 == 0,
+              "silu_mul_f32 takes [n, 2f] float32");
+  auto gu = gate_up_in.contiguous();
+  const int64_t n = gu.size(0), f = gu.size(1) / 2;
+  auto out = at::empty({n, f}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / f), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = gp + r * 2 * f;
+      for (int64_t i = 0; i < f; ++i) op[r * f + i] = gr[i] / (1.0f + std::exp(-gr[i])) * gr[f + i];
+    }
+  });
+  return out;
+}
+
+// The fused RMSNorm and SiLU-mul for the activation dtype: what model/blocks.py calls through
+// ForwardBatch.fused, and decode_layers, so that both paths compute the same values.
 at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps) {
-  if (x.scalar_type() == at::kBFloat16) return rms_norm_bf16(x, w, eps);
-  return at::rms_norm(x, {x.size(-1)}, w, eps);  // F.rms_norm
+  return x.scalar_type() == at::kBFloat16 ? rms_norm_bf16(x, w, eps) : rms_norm_f32(x, w, eps);
 }
 
 at::Tensor silu_mul_of(const at::Tensor& gate_up) {
-  if (gate_up.scalar_type() == at::kBFloat16) return silu_mul_bf16(gate_up);
-  auto halves = gate_up.chunk(2, -1);
-  return at::silu(halves[0]) * halves[1];
+  return gate_up.scalar_type() == at::kBFloat16 ? silu_mul_bf16(gate_up) : silu_mul_f32(gate_up);
 }
 
 // model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple (quantized,
@@ -209,6 +251,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
+  m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm of float32 rows in one pass");
+  m.def("silu_mul_f32", &silu_mul_f32, "silu(gate) * up of float32 rows");
+  m.def("rms_norm", &rms_norm_of, "RMSNorm of bfloat16 or float32 rows, in one pass");
+  m.def("silu_mul", &silu_mul_of, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights");
   m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
 }

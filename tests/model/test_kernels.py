@@ -149,6 +149,26 @@ def test_fused_rms_norm_and_silu_mul_round_as_torch_does(kernel):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)
 
 
+def test_fused_float32_rms_norm_and_silu_mul_match_torch(kernel):
+    """The float32 twins (the quantized float32 models' fused ops, both paths): torch's values
+    up to float32 summation order; `rms_norm` / `silu_mul` pick the kernel by dtype."""
+    module = load_kernels()
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(33, 576, generator=gen) * 3, torch.rand(576, generator=gen) + 0.5
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    for got in (module.rms_norm_f32(x, w, 1e-5), module.rms_norm(x, w, 1e-5)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(33, 2 * 96, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    for got in (module.silu_mul_f32(gate_up), module.silu_mul(gate_up)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert module.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="float32"):
+        module.rms_norm_f32(x.bfloat16(), w, 1e-5)
+
+
 def check_module(module) -> None:
     """A build's decode attention (float32, bfloat16) and fused ops against the references."""
     gen = torch.Generator().manual_seed(5)
