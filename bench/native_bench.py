@@ -4,9 +4,10 @@ C++ decode path, interleaved round by round in one process so that a shared mach
 hits both alike.
 
 "python": the Python layers (model/llama.py), and for float32 activations QuantLinear rounding
-small batches to bfloat16 for torch's int4 kernel (no int4_mm): what ran before the one-call
-step covered float32. "native": model/native.py's one-call step with int4_mm. Same weights,
-same worker, same prompts (bench.model_bench's decode measurement).
+small batches to bfloat16 for torch's int4 kernel (no int4_mm) and torch's RMSNorm / SiLU (no
+fused float32 ops): what ran before the one-call step covered float32. "native":
+model/native.py's one-call step with int4_mm and the fused ops. Same weights, same worker,
+same prompts (bench.model_bench's decode measurement).
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def run(rounds: int = 3, concurrency: tuple[int, ...] = (1, 32)) -> dict[str, An
     quantize(loaded.transformer, auto.quant)
     per_seq = PROMPT_LEN + DECODE_STEPS + 1
     worker = make_worker(loaded, n_cells=max(concurrency) * per_seq + 1)
-    native = worker.native
+    native, fused = worker.native, worker.fused
     linears = [m for m in loaded.transformer.modules() if isinstance(m, QuantLinear)]
     kernels = [m.kernels for m in linears]
 
     def use(fast: bool) -> None:
         worker.native = native if fast else None
+        worker.fused = fused if fast or auto.dtype == "bfloat16" else None
         for m, k in zip(linears, kernels, strict=True):
             m.kernels = k if fast else None
 
