@@ -3,15 +3,44 @@
 # llama.cpp source vendored in the llama-cpp-python sdist, so cellserve's benchmark
 # can be run against a pinned reference server.
 #
-# Usage: bench/build_llamacpp.sh [PREFIX]
-#   PREFIX defaults to $HOME/.cache/cellserve/llama.cpp
+# Usage: [LLAMA_ISA=native|avx2|avx512|avx512_bf16] bench/build_llamacpp.sh [PREFIX]
+#   LLAMA_ISA (default native) picks the instruction set ggml is compiled for, named as
+#   cellserve's CELLSERVE_ISA levels (model/kernels/isa.py) so that both run the same one:
+#     native       -DGGML_NATIVE=ON (whatever this CPU has)
+#     avx2         AVX2+FMA+F16C+BMI2, no AVX-512 (x86-64-v3)
+#     avx512       + AVX-512 F/BW/VL/DQ/CD, no VNNI/BF16 (x86-64-v4)
+#     avx512_bf16  + AVX-512 VNNI and BF16, no AMX
+#   PREFIX defaults to $HOME/.cache/cellserve/llama.cpp (native) or
+#   $HOME/.cache/cellserve/llama.cpp-$LLAMA_ISA, so each ISA keeps its own binary.
 # Prints the path of PREFIX/bin/llama-server on stdout (and nothing else); all build
 # output goes to stderr. Idempotent: an existing binary is reused.
 # Environment: PYTHON (default python3) runs pip; JOBS (default nproc) sets parallelism.
 set -euo pipefail
 
 readonly LLAMA_CPP_PYTHON_VERSION="0.3.36"
-readonly PREFIX="${1:-${HOME}/.cache/cellserve/llama.cpp}"
+readonly ISA="${LLAMA_ISA:-native}"
+case "${ISA}" in
+    native) isa_args=(-DGGML_NATIVE=ON) ; default_prefix="${HOME}/.cache/cellserve/llama.cpp" ;;
+    avx2)
+        isa_args=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+            -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+            -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+            -DGGML_AMX_BF16=OFF)
+        default_prefix="${HOME}/.cache/cellserve/llama.cpp-avx2" ;;
+    avx512 | avx512_bf16)
+        isa_args=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+            -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF
+            -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+        if [[ "${ISA}" == avx512_bf16 ]]; then
+            isa_args+=(-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+        else
+            isa_args+=(-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+        fi
+        default_prefix="${HOME}/.cache/cellserve/llama.cpp-${ISA}" ;;
+    *) printf '[build_llamacpp] LLAMA_ISA must be native, avx2, avx512 or avx512_bf16, not %s\n' "${ISA}" >&2
+       exit 2 ;;
+esac
+readonly PREFIX="${1:-${default_prefix}}"
 readonly PY="${PYTHON:-python3}"
 readonly BIN="${PREFIX}/bin/llama-server"
 
@@ -68,7 +97,9 @@ cmake_args=(
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF
     -DGGML_CUDA=OFF
-    -DGGML_NATIVE=ON
+    "${isa_args[@]}"
+    -DGGML_CPU_ALL_VARIANTS=OFF
+    -DGGML_BACKEND_DL=OFF
     -DLLAMA_BUILD_TESTS=OFF
     -DLLAMA_BUILD_EXAMPLES=OFF
     -DLLAMA_BUILD_TOOLS=ON
@@ -107,6 +138,7 @@ install -m 0755 "${built}" "${BIN}.tmp.$$"
 mv -f "${BIN}.tmp.$$" "${BIN}"
 {
     printf 'llama-cpp-python %s\n' "${LLAMA_CPP_PYTHON_VERSION}"
+    printf 'isa %s\n' "${ISA}"
     printf 'sdist_sha256 %s\n' "${SDIST_SHA256}"
     printf 'cmake_args %s\n' "${cmake_args[*]:4}"
     printf 'built_at %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"

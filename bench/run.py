@@ -6,6 +6,8 @@
 2. A cellserve started here on a free port: a random-prompt sweep over concurrency levels.
 3. With a llama.cpp `llama-server` binary (--llamacpp, found by default where
    bench/build_llamacpp.sh puts it): the same sweep, same prompts, against it on the same GGUF.
+   `--isa avx2` runs cellserve with CELLSERVE_ISA=avx2 and, by default, the llama-server that
+   `LLAMA_ISA=avx2 bench/build_llamacpp.sh` builds: both on the same instruction set.
 4. A shared-prefix workload against a fresh cellserve, then again against one started with
    --no-prefix-cache, for the TTFT ratio.
 Everything goes under the out dir: results.json, summary.md, one folder per part.
@@ -24,13 +26,13 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bench.cli import run_benchmark
 from bench.loadgen import LoadConfig
 from bench.report import format_table, plot_levels, write_json
-from bench.server_proc import LLAMACPP_DEFAULT, REPO_ROOT, cellserve_process, llama_server
+from bench.server_proc import REPO_ROOT, cellserve_process, llama_server, llamacpp_default
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
 
@@ -263,11 +265,13 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cellserve_isa": os.environ.get("CELLSERVE_ISA") or None,
     }
 
 
-def default_llamacpp() -> pathlib.Path | None:
-    return LLAMACPP_DEFAULT if LLAMACPP_DEFAULT.is_file() else None
+def default_llamacpp(isa: str | None = None) -> pathlib.Path | None:
+    path = llamacpp_default(isa)
+    return path if path.is_file() else None
 
 
 def default_budget_s(quick: bool, with_llamacpp: bool) -> float:
@@ -297,9 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--llamacpp",
         type=pathlib.Path,
-        default=default_llamacpp(),
+        default=None,
         help="llama-server binary to compare with (default: the one bench/build_llamacpp.sh "
-        "builds, when it exists)",
+        "builds for --isa, or natively, when it exists)",
+    )
+    p.add_argument(
+        "--isa",
+        choices=("generic", "avx2", "avx512", "avx512_bf16"),
+        default=None,
+        help="serve cellserve with CELLSERVE_ISA set to this level (compare with the llama.cpp "
+        "built for it); for the micro-benchmarks set CELLSERVE_ISA in the environment",
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="the sweep's concurrency levels, comma-separated (default 1,8,32; quick 1,4)",
     )
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparison")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -309,7 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    llamacpp: pathlib.Path | None = None if args.no_llamacpp else args.llamacpp
+    if args.concurrency:
+        levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+        if not levels or min(levels) < 1:
+            raise SystemExit(f"--concurrency {args.concurrency!r}: positive integers, e.g. 1,32")
+        sizes = replace(sizes, concurrencies=levels)
+    if args.isa:  # inherited by the cellserve subprocesses (model/kernels/isa.py)
+        os.environ["CELLSERVE_ISA"] = args.isa
+    llamacpp = args.llamacpp or default_llamacpp(args.isa)
+    if args.no_llamacpp:
+        llamacpp = None
     clock = Clock(args.budget_s or default_budget_s(args.quick, llamacpp is not None))
     out_dir: pathlib.Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)

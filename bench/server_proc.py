@@ -25,6 +25,14 @@ LLAMACPP_DEFAULT = (
 )
 
 
+def llamacpp_default(isa: str | None = None) -> pathlib.Path:
+    """Where bench/build_llamacpp.sh installs llama-server: native, or built for one ISA level
+    (LLAMA_ISA=<level>, the same names as CELLSERVE_ISA)."""
+    if isa is None:
+        return LLAMACPP_DEFAULT
+    return LLAMACPP_DEFAULT.parents[2] / f"llama.cpp-{isa}" / "bin" / "llama-server"
+
+
 class ServerStartError(RuntimeError):
     pass
 

@@ -22,8 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
-        if fused is not None:  # one C++ pass, torch's rounding (model/kernels/layers.cpp)
-            return fused.rms_norm_bf16(x, self.weight, self.eps)
+        if fused is not None:  # one C++ pass (model/kernels/layers.cpp; bfloat16: torch's rounding)
+            return fused.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -54,7 +54,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
         if self.activation == "silu":
             if fused is not None:
-                return self.w2(fused.silu_mul_bf16(self.w13(x)))
+                return self.w2(fused.silu_mul(self.w13(x)))
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
         gate, up = self.w13(x).chunk(2, dim=-1)

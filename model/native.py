@@ -1,14 +1,15 @@
 """The layers of an all-decode step in one C++ call (model/kernels decode_layers).
 
 A decode step is ~1,000 small torch calls; from Python each costs a few microseconds more
-than the op itself. For int4 + bfloat16 models (the fast CPU setup) the C++ side runs the same
-ops in the same order as model/llama.py's Block (ATen ops, the packed GEMMs and the kernels the
-Python layers call too), so the logits equal the Python path's bit for bit:
-tests/model/test_native.py. Steps of up to SMALL_ROWS rows use the int4 kernel, larger ones
-the bfloat16 weights (QuantLinear's choice: oneDNN-packed on AVX-512, plain elsewhere). Decode
-steps, int4 + bfloat16, 300 cached tokens, native vs Python (before the packed weights and the
-fused kernels): 8.1 vs 11.8 ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs
-33.7 at 8.
+than the op itself. For int4 or int8 models with bfloat16 activations (the AVX-512 BF16
+default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs the same ops in
+the same order as model/llama.py's Block (ATen ops, the packed GEMMs and the kernels the Python
+layers call too), so the logits equal the Python path's bit for bit: tests/model/test_native.py.
+Steps of up to SMALL_ROWS rows use the quantized kernel (int4: torch's for bfloat16,
+model/kernels/int4.cpp for float32; int8: torch's, on bfloat16 rows), larger ones the dense
+copy (QuantLinear's choice: oneDNN-packed where it can). Decode steps, int4 + bfloat16, 300
+cached tokens, native vs Python (before the packed weights and the fused kernels): 8.1 vs 11.8
+ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs 33.7 at 8.
 """
 
 from __future__ import annotations
@@ -32,37 +33,46 @@ class NativeDecoder:
     n_heads: int
     eps: float
     scale: float
-    packed: bool  # the dense bfloat16 copies are prepacked for oneDNN (AVX-512 and up)
+    packed: bool  # the dense copies are prepacked for oneDNN
+    int8: bool  # QuantLinear "int8" weights (else "int4")
 
     @staticmethod
     def build(model: Transformer, storage: KVStorage, kernels: Any) -> NativeDecoder | None:
         args = model.args
+        f32 = model.dtype == torch.float32
         if (
             kernels is None
-            or model.dtype != torch.bfloat16
-            or storage.dtype != torch.bfloat16
+            or model.dtype not in (torch.bfloat16, torch.float32)
+            or storage.dtype != model.dtype
             or not args.plain_llama  # the C++ step implements the Llama block only
             or args.rope.layout != "neox"
             or args.rope.dim != args.head_dim
         ):
             return None
+        linears = [m for block in model.layers for m in _linears(block)]
+        kinds = {m.kind if isinstance(m, QuantLinear) else None for m in linears}
+        if len(kinds) != 1 or kinds & {None, "fbgemm8"}:
+            return None
+        int8 = kinds == {"int8"}
+        if any(m.bias is not None for m in linears):
+            return None
+        if f32 and not int8 and any(m.kernels is None for m in linears):
+            return None  # int4 with float32 rows needs int4_mm's copy (model/quant.py)
         weights: list[torch.Tensor] = []
         for block in model.layers:
-            linears = _linears(block)
-            if not all(
-                isinstance(m, QuantLinear) and m.kind == "int4" and m.bias is None for m in linears
-            ):
-                return None
             norms = (block.attention_norm.weight, None, block.ffn_norm.weight, None)
-            for norm, lin in zip(norms, linears, strict=True):
+            for norm, lin in zip(norms, _linears(block), strict=True):
                 if norm is not None:
                     weights.append(norm.detach())
-                weights += [lin.packed, lin.scales, lin.dense]
+                if f32 and not int8:
+                    weights += [lin.q4, lin.q4_scale_min, lin.dense]
+                else:
+                    weights += [lin.packed, lin.scales, lin.dense]
         packed = {m.dense_packed for b in model.layers for m in _linears(b)}
         if len(packed) != 1:
             return None
         return NativeDecoder(
-            kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5, packed.pop()
+            kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5, packed.pop(), int8
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
@@ -90,6 +100,7 @@ class NativeDecoder:
             INT4_GROUP,
             SMALL_ROWS,
             self.packed,
+            self.int8,
         )
         return out
 

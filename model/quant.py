@@ -6,6 +6,10 @@ through `_weight_int4pack_mm_for_cpu`. Group 32 is the GGUF Q4_0/Q4_1 block, so 
 weights come back onto their own grid (only the bfloat16 scales round). The output head keeps
 8 bits (GGUF heads are usually Q8_0/Q6_K; 4 bits would move the logits) through fbgemm's
 dynamic int8 linear, one row at a time (its activation scale is per call, so per token).
+Float32 activations (the default where the CPU has no native bfloat16, e.g. AVX2) go through
+the C++ `int4_mm` (model/kernels/int4.cpp) on a copy of the int4 weights in its own layout
+(`pack_int4`), where the kernels are built: torch's int4 kernel takes bfloat16 only, which is
+emulated there. Without the kernels they are rounded to bfloat16 for torch's.
 "int8": symmetric int8 per output channel through `_weight_int8pack_mm`.
 Both run the activations in bfloat16 or 8 bits and change the logits a little (the server
 says so). Batches of more than SMALL_ROWS rows use a dense copy of the quantized weights instead,
@@ -19,12 +23,13 @@ scale per batch cost SmolLM2-135M half of its top-1 agreement with float32.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.kernels import isa
+from model.kernels import isa, load_kernels
 from model.llama import Linear, Transformer
 
 QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
@@ -61,6 +66,18 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
+def pack_int4(q: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int4's q [n, k], scales_zeros [k / group, n, 2] -> int4_mm's operands: [n, k / 2]
+    uint8, per group of 32 byte j = q[j] | q[16 + j] << 4, and [n, k / group, 2] float32
+    (scale, zero - 8 * scale): w = q * scale + min (model/kernels/int4.cpp)."""
+    n, k = q.shape
+    qg = q.view(n, k // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
+    packed = (qg[:, :, 0] | (qg[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    sz = scales_zeros.float().transpose(0, 1)  # [n, groups, 2]
+    scale_min = torch.stack((sz[..., 0], sz[..., 1] - 8.0 * sz[..., 0]), dim=-1)
+    return packed, scale_min.contiguous()
+
+
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [n, k] -> q [n, k] int32 in [0, 15], scales_zeros [k / group, n, 2] float32 with
     w ~= (q - 8) * scale + zero per group of INT4_GROUP along k."""
@@ -93,10 +110,13 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         kind: str,
         dense_dtype: torch.dtype = torch.bfloat16,
+        kernels: Any | None = None,
     ) -> None:
+        """`kernels`: the model.kernels module, for int4 with float32 activations (int4_mm)."""
         super().__init__()
         w = weight.detach().float()
         self.kind = kind
+        self.kernels: Any | None = None  # set with q4 / q4_scale_min: int4_mm for float32 rows
         self.dense_dtype = dense_dtype
         self.bias = None if bias is None else bias.detach().bfloat16()
         self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
@@ -116,6 +136,11 @@ class QuantLinear(nn.Module):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales = scales_zeros.bfloat16()
             dequantized = dequantize_int4(q, self.scales.float())
+            if kernels is not None and hasattr(kernels, "int4_mm"):
+                # the bfloat16-rounded scales: the same weights as the dense copy's
+                self.q4, self.q4_scale_min = pack_int4(q, self.scales)
+                self.q4_bias = None if bias is None else bias.detach().float()
+                self.kernels = kernels
         elif kind == "int8":
             self.packed, scales = quantize_int8(w)
             self.scales = scales.bfloat16()
@@ -141,7 +166,10 @@ class QuantLinear(nn.Module):
                 for r in x.float().split(1)
             ]
             return torch.cat(rows).to(x.dtype)
-        if x.dtype != torch.bfloat16:  # the int4 / int8 kernels take bfloat16 activations
+        if self.kernels is not None and x.dtype == torch.float32:
+            y = self.kernels.int4_mm(x, self.q4, self.q4_scale_min)
+            return y if self.q4_bias is None else y + self.q4_bias
+        if x.dtype != torch.bfloat16:  # torch's int4 / int8 kernels take bfloat16 activations
             return self.forward(x.bfloat16()).to(x.dtype)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales)
@@ -159,12 +187,16 @@ def quantize(model: Transformer, mode: str) -> Transformer:
     if model.device.type != "cpu":
         raise ValueError(f"quant {mode!r} is CPU-only (the model is on {model.device})")
     dense = dense_dtype(model.dtype)
+    kernels = None
+    if mode == "int4" and model.dtype == torch.float32:
+        kernels = load_kernels()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 head = parent is model and name == "output"
                 kind = "fbgemm8" if head and mode == "int4" else mode
-                setattr(parent, name, QuantLinear(child.weight, child.bias, kind, dense))
+                linear = QuantLinear(child.weight, child.bias, kind, dense, kernels)
+                setattr(parent, name, linear)
     return model
 
 

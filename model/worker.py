@@ -90,7 +90,10 @@ class ModelWorker:
             and args.n_heads // args.n_kv_heads <= 16
             else None
         )
-        self.fused = kernels if kernels is not None and model.dtype == torch.bfloat16 else None
+        # the fused RMSNorm / SiLU-mul: bfloat16 models, and the quantized float32 ones that the
+        # one-call step runs (both paths then compute the same); the float32 reference keeps torch's
+        fused = model.dtype == torch.bfloat16 or self.native is not None
+        self.fused = kernels if kernels is not None and fused else None
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant

@@ -87,37 +87,113 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
-// decode_layers: every layer of a Llama decode step in one call, bfloat16, weights of
-// model/quant.py QuantLinear "int4" (no bias), rotate-half RoPE over the whole head: the same
-// ATen ops, in the same order, as model/llama.py's Block, without the Python between them.
-// Steps of up to small_rows rows use the int4 kernel, larger ones the packed bfloat16 copy
-// (QuantLinear.forward's choice), prepacked for oneDNN where `packed` (oneDNN has no bfloat16
+// rms_norm_f32 / silu_mul_f32: the float32 twins (no rounding; -ffast-math sums, so a value
+// can differ from F.rms_norm's in the last bits). RMSNorm of [1, 576] as ~6 ATen ops cost ~24 us.
+at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
+              "rms_norm_f32 takes float32");
+  const int64_t d = x_in.size(-1);
+  TORCH_CHECK(w_in.numel() == d, "rms_norm_f32: weight size differs from the last dim");
+  auto x = x_in.contiguous();
+  auto w = w_in.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel() / d;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * d;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + feps);
+      for (int64_t i = 0; i < d; ++i) op[r * d + i] = xr[i] * inv * wp[i];
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul_f32(const at::Tensor& gate_up_in) {
+  TORCH_CHECK(gate_up_in.scalar_type() == at::kFloat && gate_up_in.dim() == 2 &&
+                  gate_up_in.size(1) % 2 == 0,
+              "silu_mul_f32 takes [n, 2f] float32");
+  auto gu = gate_up_in.contiguous();
+  const int64_t n = gu.size(0), f = gu.size(1) / 2;
+  auto out = at::empty({n, f}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / f), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = gp + r * 2 * f;
+      for (int64_t i = 0; i < f; ++i) op[r * f + i] = gr[i] / (1.0f + std::exp(-gr[i])) * gr[f + i];
+    }
+  });
+  return out;
+}
+
+// The fused RMSNorm and SiLU-mul for the activation dtype: what model/blocks.py calls through
+// ForwardBatch.fused, and decode_layers, so that both paths compute the same values.
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return x.scalar_type() == at::kBFloat16 ? rms_norm_bf16(x, w, eps) : rms_norm_f32(x, w, eps);
+}
+
+at::Tensor silu_mul_of(const at::Tensor& gate_up) {
+  return gate_up.scalar_type() == at::kBFloat16 ? silu_mul_bf16(gate_up) : silu_mul_f32(gate_up);
+}
+
+// model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple (quantized,
+// scales, dense): up to small_rows rows the quantized kernel (int4: torch's for bfloat16
+// activations, int4_mm on cellserve's own layout for float32 ones; int8: torch's, which takes
+// bfloat16 rows only), more rows the dense copy in its own dtype.
+at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_size,
+                        int64_t small_rows, bool packed, bool int8) {
+  if (a.size(0) <= small_rows) {
+    if (int8) {
+      if (a.scalar_type() == at::kBFloat16) return at::_weight_int8pack_mm(a, w[0], w[1]);
+      return at::_weight_int8pack_mm(a.to(at::kBFloat16), w[0], w[1]).to(a.scalar_type());
+    }
+    if (a.scalar_type() == at::kFloat) return int4_mm(a, w[0], w[1]);
+    return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
+  }
+  const auto dense = w[2].scalar_type();
+  const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
+  auto y = packed ? packed_linear(in, w[2]) : at::linear(in, w[2]);
+  return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
+}
+
+// decode_layers: every layer of a Llama decode step in one call, bfloat16 or float32
+// activations, weights of model/quant.py QuantLinear "int4" or "int8" (no bias), rotate-half RoPE over
+// the whole head: the same ops, in the same order, as model/llama.py's Block, without the
+// Python between them. weights: per layer, in order: attn_norm, then wqkv as a triple for
+// quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
+// scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, dense) for
+// float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
 // prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
-// weights: per layer, in order: attn_norm, then wqkv as (int4
-// packed, scales, dense packed), wo (3), ffn_norm, w13 (3), w2 (3). k_cache, v_cache:
-// KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim]); write_cells [n]: where each
-// row's K/V goes; rope_c, rope_s: [n, 1, head_dim] (kvcache.storage.rope_tables); kv_cells,
-// lens: as for decode_attention, row i being sequence i. Returns the hidden state after the
-// last layer.
+// k_cache, v_cache: KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim], x's dtype);
+// write_cells [n]: where each row's K/V goes; rope_c, rope_s: [n, 1, head_dim]
+// (kvcache.storage.rope_tables); kv_cells, lens: as for decode_attention, row i being
+// sequence i. Returns the hidden state after the last layer.
 at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& write_cells, const at::Tensor& rope_c,
                          const at::Tensor& rope_s, const at::Tensor& kv_cells,
                          const at::Tensor& lens, int64_t n_heads, double eps, double scale,
-                         int64_t group_size, int64_t small_rows, bool packed) {
+                         int64_t group_size, int64_t small_rows, bool packed, bool int8) {
   constexpr int64_t kPerLayer = 14;
   const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
               "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
+  TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "decode_layers: x and the cache must both be bfloat16 or float32");
   const int64_t n = x.size(0), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
-  const bool small = n <= small_rows;
-  auto mm = [group_size, small, packed](const at::Tensor& a, const at::Tensor* w) {
-    if (small) return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
-    return packed ? packed_linear(a, w[2]) : at::linear(a, w[2]);
+  auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const at::Tensor* w) {
+    return quant_linear(a, w, group_size, small_rows, packed, int8);
   };
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
-    auto qkv = mm(rms_norm_bf16(x, w[0], eps), w + 1);
+    auto qkv = mm(rms_norm_of(x, w[0], eps), w + 1);
     auto qk = qkv.narrow(1, 0, qk_width).view({n, n_heads + n_kv, hd});
     auto partner = at::cat({qk.narrow(2, half, hd - half), qk.narrow(2, 0, half)}, 2);
     qk = at::addcmul(qk * rope_c, partner, rope_s);
@@ -128,7 +204,7 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
     v_layer.index_copy_(1, write_cells, v.transpose(0, 1));
     auto attn = decode_attention(qk.narrow(1, 0, n_heads), k_layer, v_layer, kv_cells, lens, scale);
     x = x + mm(attn.view({n, n_heads * hd}), w + 4);
-    x = x + mm(silu_mul_bf16(mm(rms_norm_bf16(x, w[7], eps), w + 8)), w + 11);
+    x = x + mm(silu_mul_of(mm(rms_norm_of(x, w[7], eps), w + 8)), w + 11);
   }
   return x;
 }
@@ -175,5 +251,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
-  m.def("decode_layers", &decode_layers, "every layer of an int4 + bfloat16 decode step");
+  m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm of float32 rows in one pass");
+  m.def("silu_mul_f32", &silu_mul_f32, "silu(gate) * up of float32 rows");
+  m.def("rms_norm", &rms_norm_of, "RMSNorm of bfloat16 or float32 rows, in one pass");
+  m.def("silu_mul", &silu_mul_of, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
+  m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights");
+  m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
 }

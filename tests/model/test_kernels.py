@@ -149,6 +149,26 @@ def test_fused_rms_norm_and_silu_mul_round_as_torch_does(kernel):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=2**-7)
 
 
+def test_fused_float32_rms_norm_and_silu_mul_match_torch(kernel):
+    """The float32 twins (the quantized float32 models' fused ops, both paths): torch's values
+    up to float32 summation order; `rms_norm` / `silu_mul` pick the kernel by dtype."""
+    module = load_kernels()
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(33, 576, generator=gen) * 3, torch.rand(576, generator=gen) + 0.5
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    for got in (module.rms_norm_f32(x, w, 1e-5), module.rms_norm(x, w, 1e-5)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(33, 2 * 96, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    for got in (module.silu_mul_f32(gate_up), module.silu_mul(gate_up)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert module.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="float32"):
+        module.rms_norm_f32(x.bfloat16(), w, 1e-5)
+
+
 def check_module(module) -> None:
     """A build's decode attention (float32, bfloat16) and fused ops against the references."""
     gen = torch.Generator().manual_seed(5)
@@ -257,3 +277,29 @@ def test_the_generic_build_compiles_and_runs(tmp_path, monkeypatch):
     module = load_kernels("generic")
     assert "avx2" not in module.compiled_isa() and not module.has_bf16_kernels()
     check_module(module)
+
+
+@pytest.mark.parametrize("level", kernel_builds.levels_for_this_cpu())
+def test_int4_mm_matches_the_dequantized_weights(level):
+    """float32 rows times the int4 weights in int4_mm's layout (model/kernels/int4.cpp) on each
+    build (AVX-512, AVX2+FMA, portable): the float64 product with the dequantized weights, for
+    row counts over and under its 4-row tiles and output counts off its 2/4-row blocks."""
+    from model.quant import dequantize_int4, pack_int4, quantize_int4
+
+    module = require_kernels(level)
+    gen = torch.Generator().manual_seed(3)
+    for n, k, m in ((7, 64, 1), (130, 576, 2), (61, 96, 3), (96, 1536, 9)):
+        q, scales_zeros = quantize_int4(torch.randn(n, k, generator=gen))
+        scales_zeros = scales_zeros.bfloat16()
+        w = dequantize_int4(q, scales_zeros.float())
+        x = torch.randn(m, k, generator=gen)
+        y = module.int4_mm(x, *pack_int4(q, scales_zeros))
+        want = x.double() @ w.double().T
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        err = float((y.double() - want).abs().max())
+        assert err < 1e-5 * float(want.abs().max()) * k**0.5, (level, n, k, m, err)
+    packed, scale_min = pack_int4(q, scales_zeros)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.int4_mm(x.bfloat16(), packed, scale_min)
+    with pytest.raises(RuntimeError, match="columns"):
+        module.int4_mm(x[:, :64], packed, scale_min)

@@ -1,5 +1,6 @@
 """model/native: the one-call C++ decode step gives the Python layers' logits, bit for bit, on
-every ISA level (oneDNN-packed bfloat16 weights on AVX-512, plain ones below)."""
+every ISA level, for int4 weights with bfloat16 activations (oneDNN-packed bfloat16 weights on
+AVX-512, plain ones below) and with float32 ones (model/kernels/int4.cpp, the AVX2 default)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def int4_bf16(smollm_path):
-    loaded = load_model(smollm_path, dtype="bfloat16")
-    quantize(loaded.transformer, "int4")
-    return loaded
+def quantized(smollm_path):
+    """(dtype, quant) -> SmolLM2 loaded so, once per module."""
+    models = {}
+
+    def get(dtype: str, quant: str):
+        if (dtype, quant) not in models:
+            require_kernels()  # quantize() keeps int4_mm's copy only where the kernels load
+            loaded = load_model(smollm_path, dtype=dtype)
+            quantize(loaded.transformer, quant)
+            models[dtype, quant] = loaded
+        return models[dtype, quant]
+
+    return get
 
 
 def native_worker(loaded, n_cells: int = 1024):
     require_kernels()
     worker = make_worker(loaded, n_cells=n_cells)
-    assert worker.native is not None  # int4 + bfloat16 qualifies wherever the kernels load
+    assert worker.native is not None  # int4 and int8 qualify wherever the kernels load
     return worker
 
 
@@ -41,13 +51,17 @@ def decode(worker, prompts: list[list[int]], steps: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("n_seq", [1, 3, 6])  # 6: past SMALL_ROWS, the packed bfloat16 GEMMs
-def test_native_layers_equal_the_python_layers(int4_bf16, n_seq, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, quant, n_seq",  # 6: past SMALL_ROWS, the dense GEMMs
+    [(d, "int4", n) for d in ("bfloat16", "float32") for n in (1, 3, 6)]
+    + [(d, "int8", n) for d in ("bfloat16", "float32") for n in (1, 6)],
+)
+def test_native_layers_equal_the_python_layers(quantized, dtype, quant, n_seq, monkeypatch):
+    loaded = quantized(dtype, quant)
     prompts = [
-        int4_bf16.tokenizer.encode(f"Fact {i}: the sky is blue. " * (2 + 3 * i))
-        for i in range(n_seq)
+        loaded.tokenizer.encode(f"Fact {i}: the sky is blue. " * (2 + 3 * i)) for i in range(n_seq)
     ]
-    worker = native_worker(int4_bf16)
+    worker = native_worker(loaded)
     calls = []
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
@@ -58,11 +72,10 @@ def test_native_layers_equal_the_python_layers(int4_bf16, n_seq, monkeypatch):
     assert torch.equal(native, python)
 
 
-def test_only_int4_bfloat16_models_qualify(smollm_path, int4_bf16):
-    assert native_worker(int4_bf16).native is not None
-    fp32 = load_model(smollm_path, dtype="float32")
-    quantize(fp32.transformer, "int4")
-    assert make_worker(fp32, n_cells=64).native is None  # float32 activations
-    bf16 = load_model(smollm_path, dtype="bfloat16")
-    quantize(bf16.transformer, "int8")
-    assert make_worker(bf16, n_cells=64).native is None  # int8 weights
+def test_quantized_models_qualify_and_the_reference_mode_does_not(smollm_path, quantized):
+    for dtype in ("bfloat16", "float32"):
+        for quant in ("int4", "int8"):
+            native = native_worker(quantized(dtype, quant)).native
+            assert native is not None and native.int8 == (quant == "int8")
+    dense = load_model(smollm_path, dtype="float32")
+    assert make_worker(dense, n_cells=64).native is None  # the float32 reference mode

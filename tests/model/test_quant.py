@@ -138,3 +138,22 @@ def test_the_server_default_is_the_fast_setup_for_this_cpu(smollm_path, tmp_path
     assert (gpu.dtype, gpu.quant) == ("bfloat16", "none")
     monkeypatch.setenv("CELLSERVE_ISA", "avx2")  # no native bfloat16 at this level
     assert choose_runtime(smollm_path, "cpu").dtype == "float32"
+
+
+def test_float32_rows_take_int4_mm_with_the_dense_copys_weights():
+    """With the kernels, a float32 int4 QuantLinear multiplies small batches by int4_mm on
+    the same (quantized) weights as its dense copy, bias included, without bfloat16."""
+    from tests.model.factories import require_kernels
+
+    kernels = require_kernels()
+    torch.manual_seed(4)
+    w, b = torch.randn(64, 96) * 0.1, torch.randn(64)
+    lin = QuantLinear(w, b, "int4", torch.float32, kernels)
+    assert lin.kernels is kernels and lin.dense.dtype == torch.float32
+    x = torch.randn(SMALL_ROWS + 4, 96)
+    dense = lin(x)  # past SMALL_ROWS: the dense float32 copy
+    for rows in range(1, SMALL_ROWS + 1):
+        y = lin(x[:rows])
+        assert y.dtype == torch.float32
+        assert torch.equal(y, kernels.int4_mm(x[:rows], lin.q4, lin.q4_scale_min) + b)
+        torch.testing.assert_close(y, dense[:rows], atol=1e-5, rtol=1e-5)
