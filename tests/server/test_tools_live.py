@@ -41,6 +41,9 @@ TOOLS = [
                 "type": "object",
                 "properties": {"zone": {"type": "string", "maxLength": 20}},
                 "required": ["zone"],
+                # NOTE: closed, as OpenAI's strict tools are: with extra keys allowed, SmolLM2
+                # on the AVX2 path wandered into invented properties past max_tokens
+                "additionalProperties": False,
             },
         },
     },
