@@ -27,10 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.placement import place_rows
 from kvcache.make import make_memory
-from kvcache.memory import Memory
 from kvcache.spec import Attention, MemorySpec
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
 
 
 @dataclass(slots=True)
@@ -73,26 +72,6 @@ def full_spec(spec: MemorySpec) -> MemorySpec:
     )
 
 
-def _plan(memory: Memory, rows: list[tuple[int, list[int], int]]) -> BatchPlan:
-    """rows: (seq_id, tokens, first position); places them and samples each one's last row."""
-    tokens, positions, seq_ids = [], [], []
-    seqs, samples = [], []
-    greedy = SamplingParams(temperature=0.0)
-    for seq, toks, p0 in rows:
-        seqs.append(SeqBatch(seq, len(tokens), len(tokens) + len(toks)))
-        tokens += toks
-        positions += range(p0, p0 + len(toks))
-        seq_ids += [seq] * len(toks)
-        samples.append(SampleRow(len(tokens) - 1, greedy, seed=0, output_index=0, num_prompt=0))
-    pos = np.array(positions, np.int64)
-    mplan = memory.plan(pos, np.array(seq_ids, np.int64))
-    assert mplan is not None, "the bench sizes its cache to fit"
-    memory.apply(mplan)
-    views = [memory.views(s.seq_id, pos[s.start : s.end]) for s in seqs]
-    groups = group_batches(memory, mplan, views, memory.take_pending())
-    return BatchPlan(np.array(tokens, np.int64), pos, mplan.seq_ids, seqs, groups, samples)
-
-
 def bench_memory(kind: str, loaded: Any, num_seqs: int, sizes: Sizes, dtype: str) -> Result:
     """`kind` "unified": every layer keeps every token, windows read through their ranges;
     "iswa": the sliding layers on a pool of window x sequences + chunk cells."""
@@ -114,7 +93,7 @@ def bench_memory(kind: str, loaded: Any, num_seqs: int, sizes: Sizes, dtype: str
     for seq in range(distinct):
         prompt = rng.integers(1000, vocab - 1000, ctx).tolist()
         for p0 in range(0, ctx, sizes.chunk):
-            out = worker.execute(_plan(memory, [(seq, prompt[p0 : p0 + sizes.chunk], p0)]))
+            out = worker.execute(place_rows(memory, [(seq, prompt[p0 : p0 + sizes.chunk], p0)]))
         last[seq] = out.token_ids[0]
     prefill_s = time.perf_counter() - t0
     for seq in range(distinct, num_seqs):
@@ -122,7 +101,7 @@ def bench_memory(kind: str, loaded: Any, num_seqs: int, sizes: Sizes, dtype: str
         last[seq] = last[seq % distinct]
     times = []
     for i in range(sizes.decode_steps):
-        plan = _plan(memory, [(s, [last[s]], ctx + i) for s in range(num_seqs)])
+        plan = place_rows(memory, [(s, [last[s]], ctx + i) for s in range(num_seqs)])
         t = time.perf_counter()
         out = worker.execute(plan)
         times.append(time.perf_counter() - t)

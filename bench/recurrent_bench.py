@@ -28,14 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.memory import Memory
+from bench.placement import place_rows
 from scheduler.plan import (
-    BatchPlan,
-    SampleRow,
     SamplingParams,
-    SeqBatch,
     StepOutput,
-    group_batches,
 )
 
 
@@ -114,25 +110,6 @@ def hybrid_args(sizes: Sizes) -> Any:
     )  # fmt: skip
 
 
-def _plan(memory: Memory, rows: list[tuple[int, list[int], int]]) -> BatchPlan:
-    """rows: (seq_id, tokens, first position); places them, samples each one's last row."""
-    tokens, positions, seq_ids, seqs, samples = [], [], [], [], []
-    greedy = SamplingParams(temperature=0.0)
-    for seq, toks, p0 in rows:
-        seqs.append(SeqBatch(seq, len(tokens), len(tokens) + len(toks)))
-        tokens += toks
-        positions += range(p0, p0 + len(toks))
-        seq_ids += [seq] * len(toks)
-        samples.append(SampleRow(len(tokens) - 1, greedy, seed=0, output_index=0, num_prompt=0))
-    pos = np.array(positions, np.int64)
-    mplan = memory.plan(pos, np.array(seq_ids, np.int64))
-    assert mplan is not None, "the bench sizes its memory to fit"
-    memory.apply(mplan)
-    views = [memory.views(s.seq_id, pos[s.start : s.end]) for s in seqs]
-    groups = group_batches(memory, mplan, views, memory.take_pending())
-    return BatchPlan(np.array(tokens, np.int64), pos, mplan.seq_ids, seqs, groups, samples)
-
-
 @dataclass(slots=True)
 class DecodeResult:
     model: str
@@ -156,10 +133,10 @@ def bench_decode(name: str, loaded: Any, sizes: Sizes, dtype: str) -> list[Decod
             worker = make_worker(loaded, n_cells, dtype, group_cells=group_cells)
             for seq in range(n_seqs):  # placed, not computed (see the module docstring)
                 for p0 in range(0, ctx, 512):
-                    _plan(memory, [(seq, [5] * min(512, ctx - p0), p0)])
+                    place_rows(memory, [(seq, [5] * min(512, ctx - p0), p0)])
             times = []
             for i in range(sizes.decode_steps):
-                plan = _plan(memory, [(s, [7], ctx + i) for s in range(n_seqs)])
+                plan = place_rows(memory, [(s, [7], ctx + i) for s in range(n_seqs)])
                 t = time.perf_counter()
                 worker.execute(plan)
                 times.append(time.perf_counter() - t)
