@@ -5,7 +5,7 @@ than the op itself. For int4 or int8 models with bfloat16 activations (the AVX-5
 default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs the same ops in
 the same order as model/llama.py's Block (ATen ops, the packed GEMMs and the kernels the Python
 layers call too), so the logits equal the Python path's bit for bit: tests/model/test_native.py.
-Steps of up to SMALL_ROWS rows use the quantized kernel (int4: torch's for bfloat16,
+Steps of up to QuantLinear.small_rows rows use the quantized kernel (int4: torch's for bfloat16,
 model/kernels/int4.cpp for float32; int8: torch's, on bfloat16 rows), larger ones the dense
 copy (QuantLinear's choice: oneDNN-packed where it can). Decode steps, int4 + bfloat16, 300
 cached tokens, native vs Python (before the packed weights and the fused kernels): 8.1 vs 11.8
@@ -21,7 +21,7 @@ import torch
 
 from kvcache.storage import KVStorage
 from model.llama import ForwardBatch, Transformer
-from model.quant import INT4_GROUP, SMALL_ROWS, QuantLinear
+from model.quant import INT4_GROUP, QuantLinear
 
 
 @dataclass(slots=True)
@@ -34,6 +34,7 @@ class NativeDecoder:
     eps: float
     scale: float
     packed: bool  # the dense copies are prepacked for oneDNN
+    small_rows: int  # up to this many rows the quantized kernel, past it the dense copy
     int8: bool  # QuantLinear "int8" weights (else "int4")
 
     @staticmethod
@@ -69,10 +70,18 @@ class NativeDecoder:
                 else:
                     weights += [lin.packed, lin.scales, lin.dense]
         packed = {m.dense_packed for b in model.layers for m in _linears(b)}
-        if len(packed) != 1:
+        small = {m.small_rows for m in linears}
+        if len(packed) != 1 or len(small) != 1:
             return None
         return NativeDecoder(
-            kernels, weights, args.n_heads, args.norm_eps, args.head_dim**-0.5, packed.pop(), int8
+            kernels,
+            weights,
+            args.n_heads,
+            args.norm_eps,
+            args.head_dim**-0.5,
+            packed.pop(),
+            small.pop(),
+            int8,
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
@@ -98,7 +107,7 @@ class NativeDecoder:
             self.eps,
             self.scale,
             INT4_GROUP,
-            SMALL_ROWS,
+            self.small_rows,
             self.packed,
             self.int8,
         )

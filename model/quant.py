@@ -38,6 +38,10 @@ INT4_GROUP = 32
 # SmolLM2's 30 layers, cold weights, 2 threads (ms): rows 4: int4 6.5, packed bf16 9.7;
 # rows 6: 11.4 vs 9.8; rows 8: 11.7 vs 11.7; rows 16: 21.7 vs 15.0.
 SMALL_ROWS = 4
+# Float32 rows on int4_mm / int8_mm (model/kernels: integer dot products, AVX2 / AVX-512 /
+# portable) up to this many rows, the dense float32 copy past it. Measured on the forced AVX2
+# path (bench/int4_bench.py): see the README's Performance section. Below MIN_ROWS too.
+SMALL_ROWS_F32 = 8
 
 
 def pack_dense(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -68,14 +72,41 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack_int4(q: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int4's q [n, k], scales_zeros [k / group, n, 2] -> int4_mm's operands: [n, k / 2]
-    uint8, per group of 32 byte j = q[j] | q[16 + j] << 4, and [n, k / group, 2] float32
-    (scale, zero - 8 * scale): w = q * scale + min (model/kernels/int4.cpp)."""
+    uint8, per group of 32 byte j = q[j] | q[16 + j] << 4, and [n, 2, k / group] float32 (each
+    row's scales, then its minimums zero - 8 * scale): w = q * scale + min
+    (model/kernels/int4.cpp)."""
     n, k = q.shape
     qg = q.view(n, k // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
     packed = (qg[:, :, 0] | (qg[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    sz = scales_zeros.float().transpose(0, 1)  # [n, groups, 2]
-    scale_min = torch.stack((sz[..., 0], sz[..., 1] - 8.0 * sz[..., 0]), dim=-1)
+    sz = scales_zeros.float().permute(1, 2, 0)  # [n, 2, groups]
+    scale_min = torch.stack((sz[:, 0], sz[:, 1] - 8.0 * sz[:, 0]), dim=1)
     return packed, scale_min.contiguous()
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What int4_mm does to its float32 rows first: x [m, k] -> int8 [m, k], per group of 32 the
+    scale d = max|x| / 127 [m, k / 32] and d * the sum of the group's int8 values [m, k / 32]
+    (the reference for tests)."""
+    m, k = x.shape
+    g = x.float().view(m, k // INT4_GROUP, INT4_GROUP)
+    amax = g.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv[..., None]).to(torch.int8).view(m, k)
+    d = amax / 127.0
+    return q, d, d * q.view(m, k // INT4_GROUP, INT4_GROUP).sum(-1).float()
+
+
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, k] -> int8 [n, k] in [-127, 127], scales [n, k / 32] float32, w ~= int8 * scale per
+    group of 32 along k (GGUF's Q8_0): int8_mm's operands (model/kernels/int8.cpp)."""
+    n, k = w.shape
+    if k % INT4_GROUP != 0:
+        raise ValueError(f"q8 needs in_features divisible by {INT4_GROUP}, got {k}")
+    g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    scale = g.abs().amax(-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return q, scale.contiguous()
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +147,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         w = weight.detach().float()
         self.kind = kind
-        self.kernels: Any | None = None  # set with q4 / q4_scale_min: int4_mm for float32 rows
+        self.kernels: Any | None = None  # set with q4 / q4_scale_min (q8 / q8_scale): float32 rows
         self.dense_dtype = dense_dtype
         self.bias = None if bias is None else bias.detach().bfloat16()
         self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
@@ -141,12 +172,24 @@ class QuantLinear(nn.Module):
                 self.q4, self.q4_scale_min = pack_int4(q, self.scales)
                 self.q4_bias = None if bias is None else bias.detach().float()
                 self.kernels = kernels
+        elif kind == "q8":
+            if kernels is None or not hasattr(kernels, "int8_mm"):
+                raise ValueError("q8 takes the C++ kernels' int8_mm")
+            self.q8, self.q8_scale = quantize_q8(w)
+            self.q4_bias = None if bias is None else bias.detach().float()
+            self.kernels = kernels
+            k = w.shape[1]
+            dequantized = (
+                self.q8.float().view(-1, k // INT4_GROUP, INT4_GROUP) * self.q8_scale[..., None]
+            ).view(-1, k)
         elif kind == "int8":
             self.packed, scales = quantize_int8(w)
             self.scales = scales.bfloat16()
             dequantized = self.packed.float() * self.scales.float()[:, None]
         else:
-            raise ValueError(f"kind must be int4, int8 or fbgemm8, got {kind!r}")
+            raise ValueError(f"kind must be int4, int8, q8 or fbgemm8, got {kind!r}")
+        # float32 rows on the integer kernels: more of them before the dense copy wins
+        self.small_rows = SMALL_ROWS_F32 if self.kernels is not None else SMALL_ROWS
         # NOTE: the dense copy holds the quantized weights, not the original ones: both paths
         # then multiply by the same weights, and a sequence's greedy text does not change with
         # the row count of its step (a prompt re-read from the prefix cache computes its last
@@ -154,7 +197,7 @@ class QuantLinear(nn.Module):
         self.dense, self.dense_packed = pack_dense(dequantized.to(dense_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SMALL_ROWS:
+        if x.shape[0] > self.small_rows:
             y = dense_linear(x.to(self.dense_dtype), self.dense, self.dense_bias, self.dense_packed)
             return y.to(x.dtype)
         if self.kind == "fbgemm8":
@@ -167,8 +210,13 @@ class QuantLinear(nn.Module):
             ]
             return torch.cat(rows).to(x.dtype)
         if self.kernels is not None and x.dtype == torch.float32:
-            y = self.kernels.int4_mm(x, self.q4, self.q4_scale_min)
+            if self.kind == "q8":
+                y = self.kernels.int8_mm(x, self.q8, self.q8_scale)
+            else:
+                y = self.kernels.int4_mm(x, self.q4, self.q4_scale_min)
             return y if self.q4_bias is None else y + self.q4_bias
+        if self.kind == "q8":
+            return self.forward(x.float()).to(x.dtype)
         if x.dtype != torch.bfloat16:  # torch's int4 / int8 kernels take bfloat16 activations
             return self.forward(x.bfloat16()).to(x.dtype)
         if self.kind == "int4":
@@ -194,7 +242,11 @@ def quantize(model: Transformer, mode: str) -> Transformer:
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 head = parent is model and name == "output"
-                kind = "fbgemm8" if head and mode == "int4" else mode
+                kind = mode
+                if head and mode == "int4":  # 8-bit head: ours with float32 rows, else fbgemm
+                    kind = (
+                        "q8" if kernels is not None and hasattr(kernels, "int8_mm") else "fbgemm8"
+                    )
                 linear = QuantLinear(child.weight, child.bias, kind, dense, kernels)
                 setattr(parent, name, linear)
     return model

@@ -42,7 +42,7 @@ DecodeAttention = Callable[
 ]
 PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale), bfloat16
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / name for name in ("attention.cpp", "int4.cpp", "layers.cpp")]
+SOURCES = [HERE / name for name in ("attention.cpp", "int4.cpp", "int8.cpp", "layers.cpp")]
 HEADERS = [HERE / "kernels.h"]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-mtune=generic"]
 

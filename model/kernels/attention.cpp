@@ -52,6 +52,114 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) 
   for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define CELLSERVE_F32_AVX2 1
+// e^x for x <= 0 (softmax's shifted scores), 8 lanes: 2^n * p(r), r = x - n ln 2 in
+// [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7); below -87 it returns 0.
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.38888889e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// softmax over s[0, m) in place, 8 lanes at a time
+inline void softmax_f32(float* s, int64_t m) {
+  float mx = s[0];
+  for (int64_t i = 1; i < m; ++i) mx = std::max(mx, s[i]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8) {
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum8(vsum);
+  for (; i < m; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (i = 0; i + 8 <= m; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+  for (; i < m; ++i) s[i] *= 1.0f / sum;
+}
+
+// One (sequence, kv head) task in float32, head_dim % 8 == 0: the `group` query heads (q, scaled,
+// [group, hd]) over n K/V rows read in place at cells; out[g] <- attention output of head g.
+// Scores 4 rows at a time per head (the 4 dot products reduced together), softmax with a vector
+// exp, then the V rows weighted into hd / 8 accumulators per head. SmolLM2 (hd 64, 3 query heads
+// per kv head), 32 sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
+void attend_f32(const float* q, int64_t group, int64_t hd, const float* kbase, const float* vbase,
+                int64_t ks1, int64_t vs1, const int64_t* cells, int64_t n, float* scores,
+                float* const* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* kr[4];
+    for (int i = 0; i < 4; ++i) kr[i] = kbase + cells[j + i] * ks1;
+    if (j + 4 + kAhead <= n)
+      for (int i = 0; i < 4; ++i) __builtin_prefetch(kbase + cells[j + kAhead + i] * ks1);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * hd;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[3] + d), a3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(scores + g * n + j, four);
+    }
+  }
+  for (; j < n; ++j) {
+    const float* kr = kbase + cells[j] * ks1;
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), _mm256_loadu_ps(kr + d), a);
+      scores[g * n + j] = hsum8(a);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_f32(scores + g * n, n);
+  constexpr int64_t kMaxVec = 32;  // hd <= 256
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = scores + g * n;
+    __m256 acc[kMaxVec];
+    const int64_t nv = hd / 8;
+    for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; ++r) {
+      const float* vr = vbase + cells[r] * vs1;
+      if (g == 0 && r + kAhead < n) __builtin_prefetch(vbase + cells[r + kAhead] * vs1);
+      const __m256 pr = _mm256_set1_ps(p[r]);
+      for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+    }
+    for (int64_t d = 0; d < nv; ++d) _mm256_storeu_ps(out[g] + 8 * d, acc[d]);
+  }
+}
+#endif
+
 constexpr int kMaxQueries = 16;  // query vectors per task: a kv head's query heads x rows
 constexpr int kMaxChunks = 8;    // head_dim / 32 (head_dim <= 256)
 
@@ -216,6 +324,22 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           scores.resize(group * (n + 1));
           attend_bf16(qrows, group, nullptr, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc, n, fscale,
                       scores.data(), dst);
+          continue;
+        }
+      }
+#endif
+#ifdef CELLSERVE_F32_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        if (hd % 8 == 0 && hd <= 256 && group <= kMaxQueries) {
+          float* dst[kMaxQueries];
+          for (int64_t g = 0; g < group; ++g) {
+            const float* src = qp + s * qs0 + (kvh * group + g) * qs1;
+            for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = src[d] * fscale;
+            dst[g] = op + s * os0 + (kvh * group + g) * os1;
+          }
+          scores.resize(group * n);
+          attend_f32(qf.data(), group, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc, n,
+                     scores.data(), dst);
           continue;
         }
       }

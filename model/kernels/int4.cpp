@@ -1,149 +1,170 @@
 // int4_mm: float32 activations times cellserve's int4 weights (model/quant.py QuantLinear
-// "int4"), without converting the activations to bfloat16: the small-row (decode) matmul of
-// the float32 default on CPUs without native bfloat16 (AVX2), where torch's int4 kernel
-// takes bfloat16 only and bfloat16 is emulated. One source, compiled per ISA level by
-// model/kernels/__init__.py: AVX-512 (16 lanes), AVX2+FMA (8 lanes), or portable C++.
+// "int4"), in integers: each activation row is quantized to int8 per group of 32 (one float32
+// scale a group, as GGUF's Q8_0 / Q8_1), and each group's dot product with the 4-bit weights is
+// exact in int32 (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with AVX-512 VNNI), then scaled in
+// float32. This is how llama.cpp multiplies Q4_1 by its activations; against the float32
+// activations it costs SmolLM2-135M little (README: accuracy) and it runs ~2x the float
+// dequantize-and-FMA it replaces. The float32 rows of the avx2 / avx512 paths (no native
+// bfloat16) take it, for every batch size. One source, compiled per ISA level by
+// model/kernels/__init__.py: AVX-512 VNNI, AVX2, or portable C++ (aarch64, older x86).
 //
-// Layout (model/quant.py pack_int4): q [n, k] in [0, 15], k % 32 == 0 -> [n, k / 2] uint8, per row and
-// group of 32 along k: 16 bytes, byte j = q[j] | q[16 + j] << 4 (so the low nibbles are the
-// group's first 16 values in order, the high ones its last 16). scale_min [n, k / 32, 2]
-// float32: w = q * scale + min (min = zero - 8 * scale of QuantLinear's (q - 8) * scale + zero).
-// y[r, o] = sum_g scale[o, g] * dot(q[o, g], x[r, g]) + min[o, g] * sum(x[r, g]).
+// Layout (model/quant.py pack_int4): q [n, k] in [0, 15], k % 32 == 0 -> [n, k / 2] uint8, per
+// row and group of 32 along k: 16 bytes, byte j = q[j] | q[16 + j] << 4 (the low nibbles are the
+// group's first 16 values in order, the high ones its last 16). scale_min [n, 2, k / 32]
+// float32: row o's group scales, then its group minimums: w = q * scale + min.
+// Activations (quantize_rows_q8): per row r and group g, d = max|x| / 127, xq = round(x / d) in
+// [-127, 127], and s = d * sum(xq): the minimum's term takes the quantized rows' sum, not the
+// exact one, so that the result is exactly the quantized rows times the weights (with the exact
+// sum, q * scale = w - min is all of one sign and the rounding errors add up: ~2x the error).
+// y[r, o] = sum_g scale[o, g] * d[r, g] * dot(q[o, g], xq[r, g]) + min[o, g] * s[r, g].
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define CELLSERVE_INT4_AVX2 1
 #endif
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRowTile = 4;  // activation rows sharing one pass over the weights
+constexpr int64_t kRowTile = 4;  // activation rows sharing one pass over a block of weights
+constexpr int64_t kOutBlock = 64;  // outputs whose weights stay in L1 while the rows stream
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kParts = 2;  // vectors per group of 32
-inline void dequant(const uint8_t* b, Vec* w) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
-  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+// min[o, :] . s[r, :] over the groups: the minimums' term
+inline float min_term(const float* mn, const float* s, int64_t groups) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < groups; ++g) acc += mn[g] * s[g];
+  return acc;
 }
-inline Vec dot(const Vec* w, const float* x) {
-  return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(x)));
+
+#if defined(CELLSERVE_INT4_AVX2)
+// the 32 nibbles of a group, in order, as unsigned bytes
+inline __m256i nibbles(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
-inline Vec splat(float v) { return _mm512_set1_ps(v); }
-inline Vec zeros() { return _mm512_setzero_ps(); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+
+// 8 int32 partial sums of dot(w, x): w unsigned [0, 15], x signed (pairs stay far from int16's
+// saturation: 2 * 15 * 127 < 32767)
+inline __m256 dot(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
 #else
-using Vec = __m256;
-constexpr int kParts = 4;
-inline void dequant(const uint8_t* b, Vec* w) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
-inline Vec dot(const Vec* w, const float* x) {  // two chains, not one of four
-  const __m256 a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(x)));
-  const __m256 b =
-      _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(w[2], _mm256_loadu_ps(x + 16)));
-  return _mm256_add_ps(a, b);
-}
-inline Vec splat(float v) { return _mm256_set1_ps(v); }
-inline Vec zeros() { return _mm256_setzero_ps(); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float hsum(Vec v) {
+
+inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-#endif
 
-// y[r, o + j] for r < M, j < NO: NO output rows at once, so that M * NO accumulator chains
-// (in registers: M * NO <= 8) hide the FMA latency.
+// y[r, o + j] for r < M, j < NO (M * NO accumulators in registers hide the latencies)
 template <int M, int NO>
-void tile(const float* x, const float* xs, int64_t k, const uint8_t* wq, const float* sm,
-          int64_t o, float* y, int64_t n) {
+void tile(const Q8Rows& x, int64_t k, const uint8_t* wq, const float* sm, int64_t o, float* y,
+          int64_t n) {
   const int64_t groups = k / kGroup;
-  Vec acc[NO][M];
-  float z[NO][M];
+  __m256 acc[NO][M];
   for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < M; ++r) acc[j][r] = zeros(), z[j][r] = 0.f;
+    for (int r = 0; r < M; ++r) acc[j][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    __m256i w[NO];
+    __m256 ws[NO];
     for (int j = 0; j < NO; ++j) {
-      Vec w[kParts];
-      dequant(wq + (o + j) * (k / 2) + g * 16, w);
-      const float* s = sm + ((o + j) * groups + g) * 2;
-      const Vec scale = splat(s[0]);
-      for (int r = 0; r < M; ++r) {
-        acc[j][r] = fmadd(scale, dot(w, x + r * k + g * kGroup), acc[j][r]);
-        z[j][r] += s[1] * xs[r * groups + g];
-      }
+      w[j] = nibbles(wq + (o + j) * (k / 2) + g * 16);
+      ws[j] = _mm256_broadcast_ss(sm + (o + j) * 2 * groups + g);
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * k + g * kGroup));
+      const __m256 xd = _mm256_broadcast_ss(x.d + r * groups + g);
+      for (int j = 0; j < NO; ++j)
+        acc[j][r] = _mm256_fmadd_ps(dot(w[j], xv), _mm256_mul_ps(ws[j], xd), acc[j][r]);
     }
   }
-  for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < M; ++r) y[r * n + o + j] = hsum(acc[j][r]) + z[j][r];
+  for (int j = 0; j < NO; ++j) {
+    const float* mn = sm + (o + j) * 2 * groups + groups;
+    for (int r = 0; r < M; ++r)
+      y[r * n + o + j] = hsum(acc[j][r]) + min_term(mn, x.s + r * groups, groups);
+  }
 }
 
 template <int M, int NO>
-void rows(const float* x, const float* xs, int64_t k, const uint8_t* wq, const float* sm,
-          int64_t o0, int64_t o1, float* y, int64_t n) {
+void outputs(const Q8Rows& x, int64_t k, const uint8_t* wq, const float* sm, int64_t o0,
+             int64_t o1, float* y, int64_t n) {
   int64_t o = o0;
-  for (; o + NO <= o1; o += NO) tile<M, NO>(x, xs, k, wq, sm, o, y, n);
-  for (; o < o1; ++o) tile<M, 1>(x, xs, k, wq, sm, o, y, n);
+  for (; o + NO <= o1; o += NO) tile<M, NO>(x, k, wq, sm, o, y, n);
+  for (; o < o1; ++o) tile<M, 1>(x, k, wq, sm, o, y, n);
 }
 
-// out rows [o0, o1) of `m` <= kRowTile activation rows x (row stride k), xs [m, groups].
-void int4_rows(const float* x, const float* xs, int64_t m, int64_t k, const uint8_t* wq,
-               const float* sm, int64_t o0, int64_t o1, float* y, int64_t n) {
+// out [o0, o1) of m <= kRowTile rows
+void int4_rows(const Q8Rows& x, int64_t m, int64_t k, const uint8_t* wq, const float* sm,
+               int64_t o0, int64_t o1, float* y, int64_t n) {
   switch (m) {
-    case 1: return rows<1, 4>(x, xs, k, wq, sm, o0, o1, y, n);
-    case 2: return rows<2, 4>(x, xs, k, wq, sm, o0, o1, y, n);
-    case 3: return rows<3, 2>(x, xs, k, wq, sm, o0, o1, y, n);
-    default: return rows<4, 2>(x, xs, k, wq, sm, o0, o1, y, n);
+    case 1: return outputs<1, 4>(x, k, wq, sm, o0, o1, y, n);
+    case 2: return outputs<2, 4>(x, k, wq, sm, o0, o1, y, n);
+    case 3: return outputs<3, 2>(x, k, wq, sm, o0, o1, y, n);
+    default: return outputs<4, 2>(x, k, wq, sm, o0, o1, y, n);
   }
 }
 #else
-// portable C++ (aarch64, x86 before AVX2): the compiler's own vectorisation
-void int4_rows(const float* x, const float* xs, int64_t m, int64_t k, const uint8_t* wq,
-               const float* sm, int64_t o0, int64_t o1, float* y, int64_t n) {
+// portable C++: the same integers, the same float32 scaling per group
+void int4_rows(const Q8Rows& x, int64_t m, int64_t k, const uint8_t* wq, const float* sm,
+               int64_t o0, int64_t o1, float* y, int64_t n) {
   const int64_t groups = k / kGroup;
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* wrow = wq + o * (k / 2);
-    const float* srow = sm + o * groups * 2;
-    float acc[kRowTile] = {0.f, 0.f, 0.f, 0.f};
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* b = wrow + g * 16;
-      float w[kGroup];
-      for (int64_t j = 0; j < 16; ++j) {
-        w[j] = static_cast<float>(b[j] & 0x0F);
-        w[16 + j] = static_cast<float>(b[j] >> 4);
+    const float* scale = sm + o * 2 * groups;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* xr = x.q + r * k;
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = wrow + g * 16;
+        const int8_t* xg = xr + g * kGroup;
+        int32_t d = 0;
+        for (int64_t j = 0; j < 16; ++j) d += (b[j] & 0x0F) * xg[j] + (b[j] >> 4) * xg[16 + j];
+        acc += scale[g] * x.d[r * groups + g] * static_cast<float>(d);
       }
-      for (int64_t r = 0; r < m; ++r) {
-        const float* xg = x + r * k + g * kGroup;
-        float d = 0.f;
-        for (int64_t j = 0; j < kGroup; ++j) d += w[j] * xg[j];
-        acc[r] += srow[2 * g] * d + srow[2 * g + 1] * xs[r * groups + g];
-      }
+      y[r * n + o] = acc + min_term(scale + groups, x.s + r * groups, groups);
     }
-    for (int64_t r = 0; r < m; ++r) y[r * n + o] = acc[r];
   }
 }
 #endif
 
 }  // namespace
+
+// x [m, k] float32 -> int8 per group of 32, its scale, and the scaled sum of its int8 values
+void quantize_rows_q8(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
+  const int64_t groups = k / kGroup;
+  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xg = x + i * kGroup;  // row r = i / groups, group g = i % groups
+      float amax = 0.f;
+      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const auto v = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+        q[i * kGroup + j] = v;
+        sum += v;
+      }
+      d[i] = scale;
+      s[i] = scale * static_cast<float>(sum);
+    }
+  });
+}
+
 
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_min) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "int4_mm takes x [m, k] float32");
@@ -152,26 +173,33 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::T
   const int64_t m = x_in.size(0), k = x_in.size(1), n = packed.size(0);
   TORCH_CHECK(k % kGroup == 0 && packed.size(1) * 2 == k, "int4_mm: x has ", k,
               " columns, the weight ", packed.size(1) * 2);
+  const int64_t groups = k / kGroup;
   TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
-                  scale_min.dim() == 3 && scale_min.size(0) == n &&
-                  scale_min.size(1) == k / kGroup && scale_min.size(2) == 2,
-              "int4_mm: scale_min must be [n, k / 32, 2] float32");
+                  scale_min.dim() == 3 && scale_min.size(0) == n && scale_min.size(1) == 2 &&
+                  scale_min.size(2) == groups,
+              "int4_mm: scale_min must be [n, 2, k / 32] float32");
   auto x = x_in.contiguous();
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const int64_t groups = k / kGroup;
-  auto xs = x.view({m, groups, kGroup}).sum(-1).contiguous();  // [m, groups]
-  const float* xp = x.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xds;
+  xq.resize(m * k);
+  xds.resize(2 * m * groups);
+  quantize_rows_q8(x.data_ptr<float>(), m, k, xq.data(), xds.data(), xds.data() + m * groups);
+  const Q8Rows rows{xq.data(), xds.data(), xds.data() + m * groups};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scale_min.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // grain: ~64K weights a task, so that a 576-wide layer splits over the threads
+  // Tasks are blocks of outputs: a block's weights stay in L1 while every row tile passes over
+  // them. Grain: ~64K weights a task, so that a 576-wide layer splits over the threads.
   const int64_t grain = std::max<int64_t>(8, 65536 / k);
-  at::parallel_for(0, n, grain, [&](int64_t o0, int64_t o1) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-      const int64_t mr = std::min(kRowTile, m - r0);
-      int4_rows(xp + r0 * k, xsp + r0 * groups, mr, k, wp, sp, o0, o1, yp + r0 * n, n);
+  at::parallel_for(0, n, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t o0 = b0; o0 < b1; o0 += kOutBlock) {
+      const int64_t o1 = std::min(b1, o0 + kOutBlock);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+        const Q8Rows at_r{rows.q + r0 * k, rows.d + r0 * groups, rows.s + r0 * groups};
+        int4_rows(at_r, std::min(kRowTile, m - r0), k, wp, sp, o0, o1, yp + r0 * n, n);
+      }
     }
   });
   return y;

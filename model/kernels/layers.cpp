@@ -255,6 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_f32", &silu_mul_f32, "silu(gate) * up of float32 rows");
   m.def("rms_norm", &rms_norm_of, "RMSNorm of bfloat16 or float32 rows, in one pass");
   m.def("silu_mul", &silu_mul_of, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
-  m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights");
+  m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights, in int8");
+  m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
   m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
 }

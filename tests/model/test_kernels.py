@@ -282,22 +282,30 @@ def test_the_generic_build_compiles_and_runs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("level", kernel_builds.levels_for_this_cpu())
 def test_int4_mm_matches_the_dequantized_weights(level):
     """float32 rows times the int4 weights in int4_mm's layout (model/kernels/int4.cpp) on each
-    build (AVX-512, AVX2+FMA, portable): the float64 product with the dequantized weights, for
-    row counts over and under its 4-row tiles and output counts off its 2/4-row blocks."""
-    from model.quant import dequantize_int4, pack_int4, quantize_int4
+    build (AVX-512 VNNI, AVX2, portable): the rows quantized to int8 per group of 32
+    (quantize_rows_q8) times the dequantized weights in float64, to float32's rounding, for row
+    counts over and under its 4-row tiles and output counts off its 2/4-output blocks; and
+    within the int8 rounding of the float32 product."""
+    from model.quant import dequantize_int4, pack_int4, quantize_int4, quantize_rows_q8
 
     module = require_kernels(level)
     gen = torch.Generator().manual_seed(3)
-    for n, k, m in ((7, 64, 1), (130, 576, 2), (61, 96, 3), (96, 1536, 9)):
+    for n, k, m in ((7, 64, 1), (130, 576, 2), (61, 96, 3), (96, 1536, 9), (70, 128, 37)):
         q, scales_zeros = quantize_int4(torch.randn(n, k, generator=gen))
         scales_zeros = scales_zeros.bfloat16()
-        w = dequantize_int4(q, scales_zeros.float())
+        w = dequantize_int4(q, scales_zeros.float()).double()
         x = torch.randn(m, k, generator=gen)
+        x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
         y = module.int4_mm(x, *pack_int4(q, scales_zeros))
-        want = x.double() @ w.double().T
+        xq, d, _ = quantize_rows_q8(x)
+        xq8 = (xq.view(m, k // 32, 32).double() * d.double()[..., None]).view(m, k)
+        want = xq8 @ w.T
         assert y.shape == (m, n) and y.dtype == torch.float32
         err = float((y.double() - want).abs().max())
         assert err < 1e-5 * float(want.abs().max()) * k**0.5, (level, n, k, m, err)
+        # each activation moves by at most half a step d / 2 of its group
+        bound = (d.double().repeat_interleave(32, 1) / 2) @ w.abs().T
+        assert bool(((y.double() - x.double() @ w.T).abs() <= bound + 1e-4).all()), level
     packed, scale_min = pack_int4(q, scales_zeros)
     with pytest.raises(RuntimeError, match="float32"):
         module.int4_mm(x.bfloat16(), packed, scale_min)

@@ -141,19 +141,31 @@ def test_the_server_default_is_the_fast_setup_for_this_cpu(smollm_path, tmp_path
 
 
 def test_float32_rows_take_int4_mm_with_the_dense_copys_weights():
-    """With the kernels, a float32 int4 QuantLinear multiplies small batches by int4_mm on
-    the same (quantized) weights as its dense copy, bias included, without bfloat16."""
+    """With the kernels, a float32 int4 QuantLinear multiplies up to small_rows rows by int4_mm
+    (int8 activations per group of 32) on the same (quantized) weights as its dense copy, bias
+    included, and more rows by the dense float32 copy; the int8 output head ("q8") likewise
+    with int8_mm. Both stay within the activations' int8 rounding of the dense result."""
+    from model.quant import SMALL_ROWS_F32
     from tests.model.factories import require_kernels
 
     kernels = require_kernels()
     torch.manual_seed(4)
     w, b = torch.randn(64, 96) * 0.1, torch.randn(64)
-    lin = QuantLinear(w, b, "int4", torch.float32, kernels)
-    assert lin.kernels is kernels and lin.dense.dtype == torch.float32
-    x = torch.randn(SMALL_ROWS + 4, 96)
-    dense = lin(x)  # past SMALL_ROWS: the dense float32 copy
-    for rows in range(1, SMALL_ROWS + 1):
-        y = lin(x[:rows])
-        assert y.dtype == torch.float32
-        assert torch.equal(y, kernels.int4_mm(x[:rows], lin.q4, lin.q4_scale_min) + b)
-        torch.testing.assert_close(y, dense[:rows], atol=1e-5, rtol=1e-5)
+    for kind in ("int4", "q8"):
+        lin = QuantLinear(w, b, kind, torch.float32, kernels)
+        assert lin.kernels is kernels and lin.dense.dtype == torch.float32
+        assert lin.small_rows == SMALL_ROWS_F32 > SMALL_ROWS
+        x = torch.randn(lin.small_rows + 4, 96)
+        dense = lin(x)  # past small_rows: the dense float32 copy
+        assert torch.equal(dense, dense_linear(x, lin.dense, lin.dense_bias, lin.dense_packed))
+        for rows in range(1, lin.small_rows + 1):
+            y = lin(x[:rows])
+            assert y.dtype == torch.float32
+            want = (
+                kernels.int4_mm(x[:rows], lin.q4, lin.q4_scale_min)
+                if kind == "int4"
+                else kernels.int8_mm(x[:rows], lin.q8, lin.q8_scale)
+            )
+            assert torch.equal(y, want + b)
+            err = float((y - dense[:rows]).abs().max())
+            assert 0 < err < 0.02 * float(dense.abs().max()), (kind, rows, err)
