@@ -79,11 +79,11 @@ class ModelWorker:
         self.native = NativeDecoder.build(model, storage, kernels) if single else None
         args = model.args
         bf16 = model.dtype == storage.dtype == torch.bfloat16
+        f32 = model.dtype == storage.dtype == torch.float32
         self.prompt_kernel = (
             kernels.prompt_attention
             if kernels is not None
-            and kernels.has_bf16_kernels()
-            and bf16
+            and ((bf16 and kernels.has_bf16_kernels()) or (f32 and kernels.has_f32_kernels()))
             and args.n_kv_heads > 0
             and args.head_dim % 32 == 0
             and args.head_dim <= 256

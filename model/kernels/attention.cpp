@@ -104,20 +104,24 @@ inline void softmax_f32(float* s, int64_t m) {
   for (; i < m; ++i) s[i] *= 1.0f / sum;
 }
 
-// One (sequence, kv head) task in float32, head_dim % 8 == 0: the `group` query heads (q, scaled,
-// [group, hd]) over n K/V rows read in place at cells; out[g] <- attention output of head g.
+// One task in float32, head_dim % 8 == 0: `group` query vectors (q, scaled, [group, hd]: a kv
+// head's query heads, of one decode row or of a block of prompt rows) over the first n K/V rows
+// read in place at cells (query g over its first qlens[g] <= n, where qlens is given);
+// out[g] <- attention output of query g.
 // Scores 4 rows at a time per head (the 4 dot products reduced together), softmax with a vector
 // exp, then the V rows weighted into hd / 8 accumulators per head. SmolLM2 (hd 64, 3 query heads
 // per kv head), 32 sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
-void attend_f32(const float* q, int64_t group, int64_t hd, const float* kbase, const float* vbase,
-                int64_t ks1, int64_t vs1, const int64_t* cells, int64_t n, float* scores,
-                float* const* out) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
+                const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
+                const int64_t* cells, int64_t n, float* scores, float* const* out) {
+  // a partial last block repeats its last row (the same operations for every score, so a
+  // query's values do not depend on n)
+  for (int64_t j = 0; j < n; j += 4) {
     const float* kr[4];
-    for (int i = 0; i < 4; ++i) kr[i] = kbase + cells[j + i] * ks1;
+    for (int i = 0; i < 4; ++i) kr[i] = kbase + cells[std::min(j + i, n - 1)] * ks1;
     if (j + 4 + kAhead <= n)
       for (int i = 0; i < 4; ++i) __builtin_prefetch(kbase + cells[j + kAhead + i] * ks1);
+    const int64_t valid = std::min<int64_t>(4, n - j);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * hd;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -129,29 +133,21 @@ void attend_f32(const float* q, int64_t group, int64_t hd, const float* kbase, c
         a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[3] + d), a3);
       }
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(scores + g * n + j, four);
+      alignas(16) float four[4];
+      _mm_store_ps(four, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      for (int64_t i = 0; i < valid; ++i) scores[g * n + j + i] = four[i];
     }
   }
-  for (; j < n; ++j) {
-    const float* kr = kbase + cells[j] * ks1;
-    for (int64_t g = 0; g < group; ++g) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; d += 8)
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), _mm256_loadu_ps(kr + d), a);
-      scores[g * n + j] = hsum8(a);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) softmax_f32(scores + g * n, n);
+  for (int64_t g = 0; g < group; ++g) softmax_f32(scores + g * n, qlens ? qlens[g] : n);
   constexpr int64_t kMaxVec = 32;  // hd <= 256
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * n;
     __m256 acc[kMaxVec];
-    const int64_t nv = hd / 8;
+    const int64_t nv = hd / 8, m = qlens ? qlens[g] : n;
     for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_setzero_ps();
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < m; ++r) {
       const float* vr = vbase + cells[r] * vs1;
-      if (g == 0 && r + kAhead < n) __builtin_prefetch(vbase + cells[r + kAhead] * vs1);
+      if (g == 0 && r + kAhead < m) __builtin_prefetch(vbase + cells[r + kAhead] * vs1);
       const __m256 pr = _mm256_set1_ps(p[r]);
       for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * d), acc[d]);
     }
@@ -338,8 +334,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
           scores.resize(group * n);
-          attend_f32(qf.data(), group, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc, n,
-                     scores.data(), dst);
+          attend_f32(qf.data(), group, nullptr, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc,
+                     n, scores.data(), dst);
           continue;
         }
       }
@@ -407,13 +403,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// prompt_attention: one prompt chunk's attention, bfloat16, K/V read from the cells in place.
+// prompt_attention: one prompt chunk's attention, K/V read from the cells in place.
 // q: [L, n_heads, head_dim]; k, v: as for decode_attention; cells: [n_kv] int64, the cells the
 // chunk reads in position order; lens: [L] int64, how many of them row i sees (>= 1: a causal
-// mask is a prefix of the position-ordered cells). head_dim % 32 == 0 and a CPU with AVX-512
-// BF16 (has_bf16_kernels()). A task is one kv head and a block of rows (its query heads x rows
-// <= kMaxQueries share every K/V row read), scheduled dynamically: later rows see more.
-// SmolLM2's 256-token prompt: 0.78 vs ~1.3 ms a layer for SDPA's flash kernel with the mask.
+// mask is a prefix of the position-ordered cells). head_dim % 32 == 0; bfloat16 on a CPU with
+// AVX-512 BF16 (has_bf16_kernels()), float32 with AVX2 (has_f32_kernels()). A task is one kv
+// head and a block of rows (its query heads x rows <= kMaxQueries share every K/V row read),
+// scheduled dynamically: later rows see more. SmolLM2's 256-token prompt, bfloat16: 0.78 vs
+// ~1.3 ms a layer for SDPA's flash kernel with the mask.
 bool has_bf16_kernels() {
 #ifdef CELLSERVE_AVX512_BF16
   return true;
@@ -424,11 +421,14 @@ bool has_bf16_kernels() {
 
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale) {
-  TORCH_CHECK(has_bf16_kernels(), "prompt_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16,
-              "prompt_attention takes bfloat16 q, k, v");
+  const bool f32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  (f32 || q.scalar_type() == at::kBFloat16),
+              "prompt_attention takes bfloat16 or float32 q, k, v of one dtype");
+  TORCH_CHECK(f32 ? has_f32_kernels() : has_bf16_kernels(),
+              f32 ? "prompt_attention on float32 needs AVX2 (the avx2 build or above)"
+                  : "prompt_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "the last dim must be contiguous");
   const int64_t L = q.size(0), n_heads = q.size(1), hd = q.size(2), n_kv = k.size(0);
@@ -446,18 +446,52 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto l = lens.contiguous();
   check_lens(l, c.size(0));
   auto out = at::empty({L, n_heads, hd}, q.options());
-#ifdef CELLSERVE_AVX512_BF16
   const int64_t rows = std::max<int64_t>(1, kMaxQueries / group);
   const int64_t n_blocks = (L + rows - 1) / rows, n_tasks = n_kv * n_blocks;
-  const auto* qp = q.data_ptr<at::BFloat16>();
-  const auto* kp = k.data_ptr<at::BFloat16>();
-  const auto* vp = v.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
   const int64_t* cp = c.data_ptr<int64_t>();
   const int64_t* lp = l.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const float fscale = static_cast<float>(scale);
+  // A task is one kv head and a block of rows: its query heads x rows (<= kMaxQueries) share
+  // every K/V row read. Scheduled dynamically, the longest rows first.
+#ifdef CELLSERVE_F32_AVX2
+  if (f32) {
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+#pragma omp parallel  // torch.set_num_threads set this thread's team size
+    {
+      std::vector<float> scores, qf(kMaxQueries * hd);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = n_tasks - 1; task >= 0; --task) {
+        const int64_t kvh = task % n_kv, r0 = (task / n_kv) * rows;
+        const int64_t r1 = std::min(L, r0 + rows);
+        float* dst[kMaxQueries];
+        int64_t qlens[kMaxQueries];
+        int64_t nq = 0, n = 0;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t g = 0; g < group; ++g, ++nq) {
+            const float* src = qp + r * qs0 + (kvh * group + g) * qs1;
+            for (int64_t d = 0; d < hd; ++d) qf[nq * hd + d] = src[d] * fscale;
+            dst[nq] = op + r * os0 + (kvh * group + g) * os1;
+            qlens[nq] = lp[r];
+            n = std::max(n, qlens[nq]);
+          }
+        scores.resize(nq * n);
+        attend_f32(qf.data(), nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n,
+                   scores.data(), dst);
+      }
+    }
+    return out;
+  }
+#endif
+#ifdef CELLSERVE_AVX512_BF16
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  const auto* kp = k.data_ptr<at::BFloat16>();
+  const auto* vp = v.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
 #pragma omp parallel  // torch.set_num_threads set this thread's team size
   {
     std::vector<float> scores;
@@ -483,4 +517,13 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
 #endif
   return out;
+}
+
+// whether prompt_attention takes float32 (the AVX2 kernel: the avx2 build and above)
+bool has_f32_kernels() {
+#ifdef CELLSERVE_F32_AVX2
+  return true;
+#else
+  return false;
+#endif
 }

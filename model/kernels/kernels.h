@@ -22,6 +22,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale);
 bool has_bf16_kernels();
+bool has_f32_kernels();
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min);
 
 // int4.cpp: x [m, k] float32 (k % 32 == 0) -> int8 per group of 32 in [-127, 127], the group's

@@ -248,6 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
   m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells, bf16");
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
+  m.def("has_f32_kernels", &has_f32_kernels, "whether prompt_attention takes float32 (AVX2)");
   m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");

@@ -91,12 +91,17 @@ def test_refuses_mismatched_inputs(kernel):
             kernel(q, k, k, cells, torch.tensor([1, bad]), 1.0)
 
 
-@pytest.fixture(scope="module")
-def prompt_kernel(kernel):
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32])
+def prompt_kernel(kernel, request):
     module = load_kernels()
-    if not module.has_bf16_kernels():
-        pytest.skip(f"no AVX-512 BF16 at ISA level {isa.active_level()}: prompts keep SDPA")
-    return module.prompt_attention
+    dtype = request.param
+    if dtype == torch.bfloat16 and not module.has_bf16_kernels():
+        pytest.skip(
+            f"no AVX-512 BF16 at ISA level {isa.active_level()}: bfloat16 prompts keep SDPA"
+        )
+    if dtype == torch.float32 and not module.has_f32_kernels():
+        pytest.skip(f"no AVX2 at ISA level {isa.active_level()}: float32 prompts keep SDPA")
+    return module.prompt_attention, dtype
 
 
 @pytest.mark.parametrize("n_heads, n_kv, hd", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
@@ -105,27 +110,30 @@ def test_prompt_attention_is_causal_over_position_ordered_cells(
     prompt_kernel, n_heads, n_kv, hd, past
 ):
     """Row i of a prompt chunk sees the first lens[i] of the position-ordered cells: the float64
-    reference per row, rows in blocks of several per task (37 rows: a partial last block)."""
+    reference per row, rows in blocks of several per task (37 rows: a partial last block), in
+    bfloat16 (AVX-512 BF16) and float32 (AVX2 and up)."""
+    kernel, dtype = prompt_kernel
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     gen = torch.Generator().manual_seed(3)
     n_cells, L = 300, 37
-    k = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
-    v = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    k = torch.randn(n_kv, n_cells, hd, generator=gen).to(dtype)
+    v = torch.randn(n_kv, n_cells, hd, generator=gen).to(dtype)
     cells = torch.randperm(n_cells, generator=gen)[: past + L]
     lens = torch.arange(past + 1, past + L + 1)
-    q = torch.randn(L, n_heads, hd, generator=gen).bfloat16()
+    q = torch.randn(L, n_heads, hd, generator=gen).to(dtype)
     scale = hd**-0.5
-    got = prompt_kernel(q, k, v, cells, lens, scale)
+    got = kernel(q, k, v, cells, lens, scale)
     want = reference(q, k, v, cells.expand(L, -1), lens, scale)
-    assert got.shape == q.shape and got.dtype == torch.bfloat16
-    assert float((got.double() - want).abs().max()) < 2e-2
+    assert got.shape == q.shape and got.dtype == dtype
+    assert float((got.double() - want).abs().max()) < tol
     # a row's output does not depend on the rows it shares a task with: every row alone
     for r in range(L):
-        alone = prompt_kernel(q[r : r + 1], k, v, cells, lens[r : r + 1], scale)
+        alone = kernel(q[r : r + 1], k, v, cells, lens[r : r + 1], scale)
         assert torch.equal(alone[0], got[r]), r
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        prompt_kernel(q.float(), k.float(), v.float(), cells, lens, scale)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel(q.double(), k.double(), v.double(), cells, lens, scale)
     with pytest.raises(RuntimeError, match="is not in"):
-        prompt_kernel(q[:1], k, v, cells[:3], torch.tensor([4]), scale)
+        kernel(q[:1], k, v, cells[:3], torch.tensor([4]), scale)
 
 
 def test_fused_rms_norm_and_silu_mul_round_as_torch_does(kernel):
@@ -185,6 +193,11 @@ def check_module(module) -> None:
     torch.testing.assert_close(module.rms_norm_bf16(x, w, 1e-5), want, atol=0, rtol=2**-7)
     if not module.has_bf16_kernels():
         with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            module.prompt_attention(q, k, k, torch.arange(20), torch.tensor([1, 2]), 0.125)
+    assert module.has_f32_kernels() == ("avx2" in module.compiled_isa())
+    if not module.has_f32_kernels():
+        q, k = q.float(), k.float()
+        with pytest.raises(RuntimeError, match="AVX2"):
             module.prompt_attention(q, k, k, torch.arange(20), torch.tensor([1, 2]), 0.125)
 
 
