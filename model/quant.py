@@ -34,14 +34,17 @@ from model.llama import Linear, Transformer
 
 QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
 INT4_GROUP = 32
-# NOTE: below model.worker.MIN_ROWS, so batch_invariant batches always take the bfloat16 path.
 # SmolLM2's 30 layers, cold weights, 2 threads (ms): rows 4: int4 6.5, packed bf16 9.7;
 # rows 6: 11.4 vs 9.8; rows 8: 11.7 vs 11.7; rows 16: 21.7 vs 15.0.
 SMALL_ROWS = 4
-# Float32 rows on int4_mm / int8_mm (model/kernels: integer dot products, AVX2 / AVX-512 /
-# portable) up to this many rows, the dense float32 copy past it. Measured on the forced AVX2
-# path (bench/int4_bench.py): see the README's Performance section. Below MIN_ROWS too.
-SMALL_ROWS_F32 = 8
+# Float32 rows take int4_mm / int8_mm (model/kernels: integer dot products) up to this many
+# rows, the dense float32 copy (oneDNN) past it. `python -m bench.int4_bench` on the forced AVX2
+# path, 1 thread (ms, int4_mm vs dense): SmolLM2's 30 layers at 16 rows 43.7 vs 59.1, 32: 92.4
+# vs 96.3, 48: 143.5 vs 133.5; its 49152 x 576 head (int8_mm vs dense) 16: 14.8 vs 15.1, 24:
+# 20.9 vs 19.1. Both kernels give a row the same values at any row count; a batch_invariant
+# worker sets small_rows to 0 (model/worker.py): one kernel at every row count.
+SMALL_ROWS_F32 = 32
+SMALL_ROWS_Q8 = 16
 
 
 def pack_dense(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -189,7 +192,9 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"kind must be int4, int8, q8 or fbgemm8, got {kind!r}")
         # float32 rows on the integer kernels: more of them before the dense copy wins
-        self.small_rows = SMALL_ROWS_F32 if self.kernels is not None else SMALL_ROWS
+        self.small_rows = SMALL_ROWS
+        if self.kernels is not None:
+            self.small_rows = SMALL_ROWS_Q8 if kind == "q8" else SMALL_ROWS_F32
         # NOTE: the dense copy holds the quantized weights, not the original ones: both paths
         # then multiply by the same weights, and a sequence's greedy text does not change with
         # the row count of its step (a prompt re-read from the prefix cache computes its last

@@ -28,6 +28,7 @@ from model.dtypes import resolve_dtype
 from model.kernels import load_kernels
 from model.llama import Transformer
 from model.native import NativeDecoder
+from model.quant import QuantLinear
 from model.sampling import sample
 from model.state_batch import state_batch
 from model.token_mask import MaskFiller
@@ -76,6 +77,10 @@ class ModelWorker:
         self.kv = storage.groups if isinstance(storage, GroupedKVStorage) else [storage]
         self.state = storage.state if isinstance(storage, GroupedKVStorage) else None
         single = isinstance(storage, KVStorage)
+        if batch_invariant:  # one GEMM at every row count: the quantized layers' dense copies
+            for m in model.modules():
+                if isinstance(m, QuantLinear):
+                    m.small_rows = 0
         self.native = NativeDecoder.build(model, storage, kernels) if single else None
         args = model.args
         bf16 = model.dtype == storage.dtype == torch.bfloat16
