@@ -1,23 +1,29 @@
 """Weight-only quantization of the Transformer's Linear layers (`--quant`; the server default
 for a quantized GGUF on CPU: model.loader.choose_runtime).
 
-"int4": group-wise (32) asymmetric 4-bit weights, w = (q - 8) * scale + zero, q in [0, 15],
-through `_weight_int4pack_mm_for_cpu`. Group 32 is the GGUF Q4_0/Q4_1 block, so a Q4_1 file's
-weights come back onto their own grid (only the bfloat16 scales round). The output head keeps
-8 bits (GGUF heads are usually Q8_0/Q6_K; 4 bits would move the logits) through fbgemm's
-dynamic int8 linear, one row at a time (its activation scale is per call, so per token).
-Float32 activations (the default where the CPU has no native bfloat16, e.g. AVX2) go through
-the C++ `int4_mm` (model/kernels/int4.cpp) on a copy of the int4 weights in its own layout
-(`pack_int4`), where the kernels are built: torch's int4 kernel takes bfloat16 only, which is
-emulated there. Without the kernels they are rounded to bfloat16 for torch's.
-"int8": symmetric int8 per output channel through `_weight_int8pack_mm`.
-Both run the activations in bfloat16 or 8 bits and change the logits a little (the server
-says so). Batches of more than SMALL_ROWS rows use a dense copy of the quantized weights instead,
-prepacked for oneDNN (`pack_dense`): past ~4 rows the quantized CPU kernels lose to the
-bfloat16 GEMM on AVX-512. That copy is bfloat16 where the CPU computes bfloat16 natively,
-float32 elsewhere (`dense_dtype`).
+"int4": group-wise (32) asymmetric 4-bit weights, w = (q - 8) * scale + zero, q in [0, 15].
+Group 32 is the GGUF Q4_0/Q4_1 block, so a Q4_1 file's weights come back onto their own grid
+(only the bfloat16 scales round). The output head keeps 8 bits (GGUF heads are usually
+Q8_0/Q6_K; 4 bits would move the logits).
+- bfloat16 activations (the default where the CPU computes bfloat16 natively: AVX-512 BF16,
+  AMX): torch's `_weight_int4pack_mm_for_cpu`; the head through fbgemm's dynamic int8 linear,
+  one row at a time (its activation scale is per call, so per token).
+- float32 activations (the default elsewhere, e.g. AVX2), where the C++ kernels are built:
+  `int4_mm` (model/kernels/int4.cpp) on a copy of the weights in its own layout (`pack_int4`)
+  and the head as "q8" (`quantize_q8`, int8 with a scale per 32, `int8_mm`): both quantize the
+  activations to int8 per group of 32 and sum each group exactly in integers, as llama.cpp
+  multiplies Q4_1 / Q8_0 weights. Without the kernels the rows are rounded to bfloat16 for
+  torch's kernel (emulated there) and the head takes fbgemm.
+"int8": symmetric int8 per output channel through `_weight_int8pack_mm` (bfloat16 rows).
+Both change the logits a little (the server says so; README: accuracy). Batches of more than
+`small_rows` rows use a dense copy of the quantized weights instead, prepacked for oneDNN
+(`pack_dense`): past ~4 rows the quantized CPU kernels lose to the bfloat16 GEMM on AVX-512,
+past ~32 int4_mm loses to the float32 one. That copy is bfloat16 where the CPU computes
+bfloat16 natively, float32 elsewhere (`dense_dtype`).
 fbgemm's dynamic int8 over whole batches was tried for every layer and dropped: one activation
-scale per batch cost SmolLM2-135M half of its top-1 agreement with float32.
+scale per batch cost SmolLM2-135M half of its top-1 agreement with float32; one per row
+(torch._int_mm) cost a top-1 of 0.93 and a KL of 0.039 on the forced AVX2 path, against 0.98 /
+0.003 with a scale per group of 32.
 """
 
 from __future__ import annotations
