@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // rms_norm_bf16 / silu_mul_bf16: what model/llama.py's RMSNorm and FeedForward compute for
@@ -73,6 +74,102 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up_in) {
     }
   });
   return out;
+}
+
+// rope_neox_: rotate-half ("neox") RoPE over the whole head, in place, in one pass instead of
+// model/llama.py's cat + mul + addcmul (3 ATen ops, 2 allocations). x [n, heads, hd] (any row
+// and head strides, dims contiguous), c, s [n, 1, hd] (kvcache.storage.rope_tables) in x's
+// dtype: x[i] = x[i] * c[i] + partner[i] * s[i], partner = (x[hd/2:], x[:hd/2]).
+// NOTE: bfloat16 rounds where torch's `addcmul(qk * c, partner, s)` rounds: the mul to
+// bfloat16, then the add in float32 to bfloat16 (a product of two bfloat16 values is exact
+// in float32, so with or without FMA the bits are torch's). float32: x * c + p * s may fuse
+// into an FMA (-ffast-math), so a value can differ from torch's in the last bit; both paths
+// call this kernel.
+template <typename T>
+void rope_rows(T* xp, int64_t n, int64_t heads, int64_t hd, int64_t xs0, int64_t xs1,
+               const T* cp, const T* sp) {
+  const int64_t half = hd / 2;
+  auto rotate = [&](int64_t r) {
+    const T* c = cp + r * hd;
+    const T* s = sp + r * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x = xp + r * xs0 + h * xs1;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = to_float(x[i]), b = to_float(x[i + half]);
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          const float ac = to_float(at::BFloat16(a * to_float(c[i])));
+          const float bc = to_float(at::BFloat16(b * to_float(c[i + half])));
+          x[i] = at::BFloat16(ac + b * to_float(s[i]));
+          x[i + half] = at::BFloat16(bc + a * to_float(s[i + half]));
+        } else {
+          x[i] = a * c[i] + b * s[i];
+          x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  };
+  if (n * heads * hd < 32768) {  // a decode step's rows: a thread pool hand-off costs more
+    for (int64_t r = 0; r < n; ++r) rotate(r);
+    return;
+  }
+  at::parallel_for(0, n, std::max<int64_t>(1, 8192 / (heads * hd)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rotate(r);
+  });
+}
+
+at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c_in, const at::Tensor& s_in) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope_neox_ takes x [n, heads, head_dim] with contiguous, even head_dim");
+  TORCH_CHECK(c_in.scalar_type() == x.scalar_type() && s_in.scalar_type() == x.scalar_type(),
+              "rope_neox_: c and s must be in x's dtype");
+  const int64_t n = x.size(0), heads = x.size(1), hd = x.size(2);
+  TORCH_CHECK(c_in.numel() == n * hd && s_in.numel() == n * hd && c_in.size(0) == n &&
+                  c_in.size(-1) == hd && s_in.sizes() == c_in.sizes(),
+              "rope_neox_: c and s must be [n, 1, head_dim] for x [n, heads, head_dim]");
+  auto c = c_in.contiguous();
+  auto s = s_in.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {
+    rope_rows(x.data_ptr<at::BFloat16>(), n, heads, hd, x.stride(0), x.stride(1),
+              c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rope_neox_ takes bfloat16 or float32");
+    rope_rows(x.data_ptr<float>(), n, heads, hd, x.stride(0), x.stride(1), c.data_ptr<float>(),
+              s.data_ptr<float>());
+  }
+  return x;
+}
+
+// add_rows_: x += y for contiguous x, y of one dtype: torch's x + y bit for bit (bfloat16: the
+// sum in float32, rounded once), without an allocation or a dispatch.
+void add_rows_(at::Tensor& x, const at::Tensor& y) {
+  const int64_t numel = x.numel();
+  if (x.scalar_type() == at::kBFloat16) {
+    auto* xp = x.data_ptr<at::BFloat16>();
+    const auto* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < numel; ++i) xp[i] = at::BFloat16(to_float(xp[i]) + to_float(yp[i]));
+  } else {
+    float* xp = x.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t i = 0; i < numel; ++i) xp[i] += yp[i];
+  }
+}
+
+// write_kv: the step's K and V rows [n, n_kv, hd] (row stride src_s0, head stride hd) into
+// cells[r] of one layer's cache [n_kv, n_cells, hd] (contiguous), as raw row copies: what
+// KVStorage.write's two index_copy_ calls store. The caller checked every cell is in range.
+void write_kv(const at::Tensor& k_layer, const at::Tensor& v_layer, const int64_t* cells,
+              const char* k_src, const char* v_src, int64_t n, int64_t n_kv, int64_t hd,
+              int64_t src_s0, int64_t elem) {
+  char* kp = static_cast<char*>(k_layer.data_ptr());
+  char* vp = static_cast<char*>(v_layer.data_ptr());
+  const int64_t n_cells = k_layer.size(1), row = hd * elem;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t h = 0; h < n_kv; ++h) {
+      const int64_t dst = (h * n_cells + cells[r]) * row, src = (r * src_s0 + h * hd) * elem;
+      std::memcpy(kp + dst, k_src + src, row);
+      std::memcpy(vp + dst, v_src + src, row);
+    }
+  }
 }
 
 // oneDNN's bfloat16 linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
@@ -187,24 +284,38 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
   TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "decode_layers: x and the cache must both be bfloat16 or float32");
-  const int64_t n = x.size(0), half = hd / 2, qk_width = (n_heads + n_kv) * hd;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "decode_layers: k_cache and v_cache must be contiguous and of one shape");
+  const int64_t n = x.size(0), qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
+  const int64_t n_cells = k_cache.size(2);
+  auto cells = write_cells.to(at::kLong).contiguous();
+  TORCH_CHECK(cells.numel() == n, "decode_layers: write_cells must have one cell per row");
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells, "decode_layers: write_cells[", r, "] = ", cp[r],
+                " is not in [0, ", n_cells, ")");
   auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const at::Tensor* w) {
     return quant_linear(a, w, group_size, small_rows, packed, int8);
   };
+  x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
+  const int64_t elem = static_cast<int64_t>(x.element_size());
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
-    auto qkv = mm(rms_norm_of(x, w[0], eps), w + 1);
-    auto qk = qkv.narrow(1, 0, qk_width).view({n, n_heads + n_kv, hd});
-    auto partner = at::cat({qk.narrow(2, half, hd - half), qk.narrow(2, 0, half)}, 2);
-    qk = at::addcmul(qk * rope_c, partner, rope_s);
-    auto v = qkv.narrow(1, qk_width, n_kv * hd).view({n, n_kv, hd});
+    auto qkv = mm(rms_norm_of(x, w[0], eps), w + 1).contiguous();  // [n, width]
+    TORCH_CHECK(qkv.size(1) == width, "decode_layers: wqkv gives ", qkv.size(1), " columns, not ",
+                width);
+    auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
+    rope_neox_(qk, rope_c, rope_s);
     auto k_layer = k_cache.select(0, l);
     auto v_layer = v_cache.select(0, l);
-    k_layer.index_copy_(1, write_cells, qk.narrow(1, n_heads, n_kv).transpose(0, 1));
-    v_layer.index_copy_(1, write_cells, v.transpose(0, 1));
-    auto attn = decode_attention(qk.narrow(1, 0, n_heads), k_layer, v_layer, kv_cells, lens, scale);
-    x = x + mm(attn.view({n, n_heads * hd}), w + 4);
-    x = x + mm(silu_mul_of(mm(rms_norm_of(x, w[7], eps), w + 8)), w + 11);
+    const char* base = static_cast<const char*>(qkv.data_ptr());
+    write_kv(k_layer, v_layer, cp, base + n_heads * hd * elem, base + qk_width * elem, n, n_kv,
+             hd, width, elem);
+    auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
+    auto attn = decode_attention(q, k_layer, v_layer, kv_cells, lens, scale);
+    add_rows_(x, mm(attn.view({n, n_heads * hd}), w + 4).contiguous());
+    add_rows_(x, mm(silu_mul_of(mm(rms_norm_of(x, w[7], eps), w + 8)), w + 11).contiguous());
   }
   return x;
 }
@@ -255,6 +366,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_f32", &silu_mul_f32, "silu(gate) * up of float32 rows");
   m.def("rms_norm", &rms_norm_of, "RMSNorm of bfloat16 or float32 rows, in one pass");
   m.def("silu_mul", &silu_mul_of, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
+  m.def("rope_neox_", &rope_neox_, "rotate-half RoPE of [n, heads, head_dim] in place");
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights");
   m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
 }
