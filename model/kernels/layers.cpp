@@ -21,14 +21,19 @@
 // paths call these, so the one-call decode step stays bit-identical to the Python layers.
 //
 // x [n, d] -> bf16(x * rsqrt(mean(x^2) + eps) * w) in float32, rounded once as torch 2.13.
-at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+// Into `out` (x's shape, contiguous): decode_layers reuses one buffer across layers; NOINLINE,
+// so that both paths run the same machine code (-ffast-math sums vectorize per call site).
+__attribute__((noinline)) void rms_norm_bf16_into(const at::Tensor& x_in, const at::Tensor& w_in,
+                                                  double eps, at::Tensor& out) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w_in.scalar_type() == at::kBFloat16,
               "rms_norm_bf16 takes bfloat16");
   const int64_t d = x_in.size(-1);
   TORCH_CHECK(w_in.numel() == d, "rms_norm_bf16: weight size differs from the last dim");
   auto x = x_in.contiguous();
   auto w = w_in.contiguous();
-  auto out = at::empty_like(x);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == x.scalar_type(),
+              "rms_norm_bf16: out must be contiguous, of x's shape and dtype");
   const int64_t n = x.numel() / d;
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
@@ -47,17 +52,24 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w_in, double 
       for (int64_t i = 0; i < d; ++i) orow[i] = at::BFloat16(to_float(xr[i]) * inv * to_float(wp[i]));
     }
   });
+}
+
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  auto out = at::empty(x.sizes(), x.options());
+  rms_norm_bf16_into(x, w, eps, out);
   return out;
 }
 
 // gate_up [n, 2f] (gate then up) -> [n, f]: bf16(bf16(silu(gate)) * up).
-at::Tensor silu_mul_bf16(const at::Tensor& gate_up_in) {
+__attribute__((noinline)) void silu_mul_bf16_into(const at::Tensor& gate_up_in, at::Tensor& out) {
   TORCH_CHECK(gate_up_in.scalar_type() == at::kBFloat16 && gate_up_in.dim() == 2 &&
                   gate_up_in.size(1) % 2 == 0,
               "silu_mul_bf16 takes [n, 2f] bfloat16");
   auto gu = gate_up_in.contiguous();
   const int64_t n = gu.size(0), f = gu.size(1) / 2;
-  auto out = at::empty({n, f}, gu.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == f &&
+                  out.scalar_type() == gu.scalar_type(),
+              "silu_mul_bf16: out must be contiguous [n, f] of gate_up's dtype");
   const auto* gp = gu.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / f), [&](int64_t begin, int64_t end) {
@@ -73,6 +85,11 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up_in) {
         orow[i] = at::BFloat16(to_float(at::BFloat16(g[i])) * to_float(gr[f + i]));
     }
   });
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_bf16_into(gate_up, out);
   return out;
 }
 
@@ -84,7 +101,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up_in) {
 // bfloat16, then the add in float32 to bfloat16 (a product of two bfloat16 values is exact
 // in float32, so with or without FMA the bits are torch's). float32: x * c + p * s may fuse
 // into an FMA (-ffast-math), so a value can differ from torch's in the last bit; both paths
-// call this kernel.
+// call this kernel (NOINLINE: the same machine code from both).
 template <typename T>
 void rope_rows(T* xp, int64_t n, int64_t heads, int64_t hd, int64_t xs0, int64_t xs1,
                const T* cp, const T* sp) {
@@ -117,7 +134,8 @@ void rope_rows(T* xp, int64_t n, int64_t heads, int64_t hd, int64_t xs0, int64_t
   });
 }
 
-at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c_in, const at::Tensor& s_in) {
+__attribute__((noinline)) at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c_in,
+                                                const at::Tensor& s_in) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
               "rope_neox_ takes x [n, heads, head_dim] with contiguous, even head_dim");
   TORCH_CHECK(c_in.scalar_type() == x.scalar_type() && s_in.scalar_type() == x.scalar_type(),
@@ -186,14 +204,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // rms_norm_f32 / silu_mul_f32: the float32 twins (no rounding; -ffast-math sums, so a value
 // can differ from F.rms_norm's in the last bits). RMSNorm of [1, 576] as ~6 ATen ops cost ~24 us.
-at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+// Into `out` (x's shape, contiguous): decode_layers reuses one buffer across layers; NOINLINE,
+// so that both paths run the same machine code (-ffast-math sums vectorize per call site).
+__attribute__((noinline)) void rms_norm_f32_into(const at::Tensor& x_in, const at::Tensor& w_in,
+                                                 double eps, at::Tensor& out) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
               "rms_norm_f32 takes float32");
   const int64_t d = x_in.size(-1);
   TORCH_CHECK(w_in.numel() == d, "rms_norm_f32: weight size differs from the last dim");
   auto x = x_in.contiguous();
   auto w = w_in.contiguous();
-  auto out = at::empty_like(x);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == x.scalar_type(),
+              "rms_norm_f32: out must be contiguous, of x's shape and dtype");
   const int64_t n = x.numel() / d;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -208,16 +231,23 @@ at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& w_in, double e
       for (int64_t i = 0; i < d; ++i) op[r * d + i] = xr[i] * inv * wp[i];
     }
   });
+}
+
+at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
+  auto out = at::empty(x.sizes(), x.options());
+  rms_norm_f32_into(x, w, eps, out);
   return out;
 }
 
-at::Tensor silu_mul_f32(const at::Tensor& gate_up_in) {
+__attribute__((noinline)) void silu_mul_f32_into(const at::Tensor& gate_up_in, at::Tensor& out) {
   TORCH_CHECK(gate_up_in.scalar_type() == at::kFloat && gate_up_in.dim() == 2 &&
                   gate_up_in.size(1) % 2 == 0,
               "silu_mul_f32 takes [n, 2f] float32");
   auto gu = gate_up_in.contiguous();
   const int64_t n = gu.size(0), f = gu.size(1) / 2;
-  auto out = at::empty({n, f}, gu.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == f &&
+                  out.scalar_type() == gu.scalar_type(),
+              "silu_mul_f32: out must be contiguous [n, f] of gate_up's dtype");
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / f), [&](int64_t begin, int64_t end) {
@@ -226,6 +256,11 @@ at::Tensor silu_mul_f32(const at::Tensor& gate_up_in) {
       for (int64_t i = 0; i < f; ++i) op[r * f + i] = gr[i] / (1.0f + std::exp(-gr[i])) * gr[f + i];
     }
   });
+}
+
+at::Tensor silu_mul_f32(const at::Tensor& gate_up) {
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_f32_into(gate_up, out);
   return out;
 }
 
@@ -237,6 +272,22 @@ at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 at::Tensor silu_mul_of(const at::Tensor& gate_up) {
   return gate_up.scalar_type() == at::kBFloat16 ? silu_mul_bf16(gate_up) : silu_mul_f32(gate_up);
+}
+
+void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_bf16_into(x, w, eps, out);
+  } else {
+    rms_norm_f32_into(x, w, eps, out);
+  }
+}
+
+void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_bf16_into(gate_up, out);
+  } else {
+    silu_mul_f32_into(gate_up, out);
+  }
 }
 
 // model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple (quantized,
@@ -300,9 +351,12 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
   };
   x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
   const int64_t elem = static_cast<int64_t>(x.element_size());
+  auto normed = at::empty_like(x);  // each RMSNorm's output, reused across layers
+  at::Tensor gated;                  // [n, ffn]: each SiLU-mul's output, reused
   for (int64_t l = 0; l < n_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
-    auto qkv = mm(rms_norm_of(x, w[0], eps), w + 1).contiguous();  // [n, width]
+    rms_norm_into(x, w[0], eps, normed);
+    auto qkv = mm(normed, w + 1).contiguous();  // [n, width]
     TORCH_CHECK(qkv.size(1) == width, "decode_layers: wqkv gives ", qkv.size(1), " columns, not ",
                 width);
     auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
@@ -315,7 +369,11 @@ at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
     auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
     auto attn = decode_attention(q, k_layer, v_layer, kv_cells, lens, scale);
     add_rows_(x, mm(attn.view({n, n_heads * hd}), w + 4).contiguous());
-    add_rows_(x, mm(silu_mul_of(mm(rms_norm_of(x, w[7], eps), w + 8)), w + 11).contiguous());
+    rms_norm_into(x, w[7], eps, normed);
+    auto gate_up = mm(normed, w + 8);
+    if (!gated.defined()) gated = at::empty({n, gate_up.size(1) / 2}, x.options());
+    silu_mul_into(gate_up, gated);
+    add_rows_(x, mm(gated, w + 11).contiguous());
   }
   return x;
 }
