@@ -313,7 +313,10 @@ at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_
 // decode_layers: every layer of a Llama decode step in one call, bfloat16 or float32
 // activations, weights of model/quant.py QuantLinear "int4" or "int8" (no bias), rotate-half RoPE over
 // the whole head: the same ops, in the same order, as model/llama.py's Block, without the
-// Python between them. weights: per layer, in order: attn_norm, then wqkv as a triple for
+// Python between them, and without ATen calls where a raw pass gives the same bits: RoPE in
+// place (rope_neox_, which the Python layers call too), K/V rows memcpy'd into their cells
+// (KVStorage.write's index_copy_), residual adds into one stream (torch's x + y, rounded once),
+// one RMSNorm and one SiLU-mul buffer for all layers. weights: per layer, in order: attn_norm, then wqkv as a triple for
 // quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
 // scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, dense) for
 // float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
