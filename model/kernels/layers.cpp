@@ -99,11 +99,12 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
 // dtype: x[i] = x[i] * c[i] + partner[i] * s[i], partner = (x[hd/2:], x[:hd/2]).
 // NOTE: bfloat16 rounds where torch's `addcmul(qk * c, partner, s)` rounds: the mul to
 // bfloat16, then the add in float32 to bfloat16 (a product of two bfloat16 values is exact
-// in float32, so with or without FMA the bits are torch's). float32: x * c + p * s may fuse
-// into an FMA (-ffast-math), so a value can differ from torch's in the last bit; both paths
-// call this kernel (NOINLINE: the same machine code from both).
+// in float32, so with or without FMA the bits are torch's). float32: fma(p, s, x * c) with
+// x * c rounded, as torch's mul then addcmul (whose CPU kernel fuses; fp-contract=off keeps
+// the compiler from fusing the other product: a third of the values differed); both paths
+// call this kernel (NOINLINE).
 template <typename T>
-void rope_rows(T* xp, int64_t n, int64_t heads, int64_t hd, int64_t xs0, int64_t xs1,
+__attribute__((optimize("fp-contract=off"))) void rope_rows(T* xp, int64_t n, int64_t heads, int64_t hd, int64_t xs0, int64_t xs1,
                const T* cp, const T* sp) {
   const int64_t half = hd / 2;
   auto rotate = [&](int64_t r) {
@@ -119,8 +120,8 @@ void rope_rows(T* xp, int64_t n, int64_t heads, int64_t hd, int64_t xs0, int64_t
           x[i] = at::BFloat16(ac + b * to_float(s[i]));
           x[i + half] = at::BFloat16(bc + a * to_float(s[i + half]));
         } else {
-          x[i] = a * c[i] + b * s[i];
-          x[i + half] = b * c[i + half] + a * s[i + half];
+          x[i] = std::fma(b, s[i], a * c[i]);
+          x[i + half] = std::fma(a, s[i + half], b * c[i + half]);
         }
       }
     }
