@@ -90,7 +90,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [n_out] int64
     decode_kernel: DecodeAttention | None = None  # model.kernels.load_decode_attention()
     prompt_kernel: PromptAttention | None = None  # kernels.prompt_attention (bfloat16 only)
-    fused: Any | None = None  # the kernels module: its fused RMSNorm / SiLU-mul (rms_norm)
+    fused: Any | None = None  # the kernels module: its fused RMSNorm, SiLU-mul, RoPE (rms_norm)
     # sliding-window layers: their RoPE tables (ModelArgs.rope_swa) and groups by window
     rope_swa: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, 1, hd], [n, 1, hd])
     windowed: dict[int, AttnGroups] = field(default_factory=dict)

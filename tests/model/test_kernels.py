@@ -177,6 +177,52 @@ def test_fused_float32_rms_norm_and_silu_mul_match_torch(kernel):
         module.rms_norm_f32(x.bfloat16(), w, 1e-5)
 
 
+def rope_reference(qk, c, s):
+    """model/llama.py's torch RoPE (rotate-half over the whole head)."""
+    half = qk.shape[-1] // 2
+    partner = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+    return torch.addcmul(qk * c, partner, s)
+
+
+def rope_case(dtype, n=5, heads=12, hd=64, seed=8):
+    """qk: a [n, heads, hd] view of a wider qkv row (as the model's), and its tables."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(n, (heads + 3) * hd, generator=gen) * 4).to(dtype)
+    angles = torch.rand(n, hd // 2, generator=gen) * 300
+    c = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(dtype)
+    s = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(dtype)
+    return qkv, qkv[:, : heads * hd].view(n, heads, hd), c, s
+
+
+def test_fused_rope_rounds_as_torch_does_in_place(kernel):
+    """rope_neox_ rotates a strided view in place, bit for bit torch's mul + addcmul: bfloat16
+    rounding after each, float32 with addcmul's FMA; the rest of the row is left alone."""
+    module = load_kernels()
+    for dtype in (torch.bfloat16, torch.float32):
+        qkv, qk, c, s = rope_case(dtype)
+        want, rest = rope_reference(qk, c, s), qkv[:, qk.shape[1] * 64 :].clone()
+        got = module.rope_neox_(qk, c, s)
+        assert got.data_ptr() == qk.data_ptr() and got.dtype == dtype
+        assert torch.equal(qk, want)
+        assert torch.equal(qkv[:, qk.shape[1] * 64 :], rest)
+    qkv, qk, c, s = rope_case(torch.bfloat16, n=300)  # past the threaded-pass threshold
+    want = rope_reference(qk, c, s)
+    assert torch.equal(module.rope_neox_(qk, c, s), want)
+
+
+def test_fused_rope_refuses_mismatched_inputs(kernel):
+    module = load_kernels()
+    _, qk, c, s = rope_case(torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        module.rope_neox_(qk, c.bfloat16(), s.bfloat16())
+    with pytest.raises(RuntimeError, match=r"\[n, 1, head_dim\]"):
+        module.rope_neox_(qk, c[:2], s[:2])
+    with pytest.raises(RuntimeError, match="even head_dim"):
+        module.rope_neox_(qk[..., :63], c, s)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        module.rope_neox_(qk.double(), c.double(), s.double())
+
+
 def check_module(module) -> None:
     """A build's decode attention (float32, bfloat16) and fused ops against the references."""
     gen = torch.Generator().manual_seed(5)

@@ -4,6 +4,8 @@ AVX-512, plain ones below) and with float32 ones (model/kernels/int4.cpp, the AV
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,3 +81,24 @@ def test_quantized_models_qualify_and_the_reference_mode_does_not(smollm_path, q
             assert native is not None and native.int8 == (quant == "int8")
     dense = load_model(smollm_path, dtype="float32")
     assert make_worker(dense, n_cells=64).native is None  # the float32 reference mode
+
+
+def test_a_write_cell_out_of_range_is_refused_before_any_write(quantized, monkeypatch):
+    """decode_layers copies K/V rows by raw pointer: a cell past the cache is a clear error,
+    and the cache is left as it was."""
+    loaded = quantized("float32", "int4")
+    worker = native_worker(loaded, n_cells=64)
+    captured = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(
+        NativeDecoder, "layers", lambda s, x, b, st: captured.append((x, b)) or layers(s, x, b, st)
+    )
+    decode(worker, [loaded.tokenizer.encode("The sky is")], steps=1)
+    x, batch = captured[0]
+    storage = worker.storage
+    k, v = storage.k.clone(), storage.v.clone()
+    for cell in (storage.n_cells, -1):
+        bad = dataclasses.replace(batch, cells=torch.full_like(batch.cells, cell))
+        with pytest.raises(RuntimeError, match=r"write_cells\[0\] = .* is not in \[0, 64\)"):
+            worker.native.layers(x, bad, storage)
+    assert torch.equal(storage.k, k) and torch.equal(storage.v, v)
