@@ -44,13 +44,13 @@ INT4_GROUP = 32
 # rows 6: 11.4 vs 9.8; rows 8: 11.7 vs 11.7; rows 16: 21.7 vs 15.0.
 SMALL_ROWS = 4
 # Float32 rows take int4_mm / int8_mm (model/kernels: integer dot products) up to this many
-# rows, the dense float32 copy (oneDNN) past it. `python -m bench.int4_bench` on the forced AVX2
-# path, 1 thread (ms, int4_mm vs dense): SmolLM2's 30 layers at 16 rows 43.7 vs 59.1, 32: 92.4
-# vs 96.3, 48: 143.5 vs 133.5; its 49152 x 576 head (int8_mm vs dense) 16: 14.8 vs 15.1, 24:
-# 20.9 vs 19.1. Both kernels give a row the same values at any row count; a batch_invariant
-# worker sets small_rows to 0 (model/worker.py): one kernel at every row count.
+# rows, the dense float32 copy (oneDNN) past it. `CELLSERVE_ISA=avx2 python -m bench.int4_bench`
+# on the idle Zen 4, 2 threads (ms, integer kernel vs dense): SmolLM2's 30 layers at 1 row 4.0
+# vs 22.5, 4: 6.5 vs 24.4, 32: 47.4 vs 51.2; its 49152 x 576 head 1: 1.8 vs 4.6 (fbgemm's
+# per-row int8: 1.5), 4: 1.6 vs 4.5, 32: 11.8 vs 11.7. Both kernels give a row the same values
+# at any row count; a batch_invariant worker sets small_rows to 0 (model/worker.py): one kernel
+# at every row count.
 SMALL_ROWS_F32 = 32
-SMALL_ROWS_Q8 = 16
 
 
 def pack_dense(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -200,7 +200,7 @@ class QuantLinear(nn.Module):
         # float32 rows on the integer kernels: more of them before the dense copy wins
         self.small_rows = SMALL_ROWS
         if self.kernels is not None:
-            self.small_rows = SMALL_ROWS_Q8 if kind == "q8" else SMALL_ROWS_F32
+            self.small_rows = SMALL_ROWS_F32
         # NOTE: the dense copy holds the quantized weights, not the original ones: both paths
         # then multiply by the same weights, and a sequence's greedy text does not change with
         # the row count of its step (a prompt re-read from the prefix cache computes its last

@@ -81,6 +81,9 @@ void tile(const Q8Rows& x, int64_t k, const uint8_t* wq, const float* sm, int64_
     __m256i w[NO];
     __m256 ws[NO];
     for (int j = 0; j < NO; ++j) {
+      // the rows two tiles ahead (SmolLM2's layers, 2 threads, 1 row: 4.5 -> 4.0 ms)
+      _mm_prefetch(reinterpret_cast<const char*>(wq + (o + 2 * NO + j) * (k / 2) + g * 16),
+                   _MM_HINT_T0);
       w[j] = nibbles(wq + (o + j) * (k / 2) + g * 16);
       ws[j] = _mm256_broadcast_ss(sm + (o + j) * 2 * groups + g);
     }

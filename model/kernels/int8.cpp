@@ -57,6 +57,10 @@ void tile(const Q8Rows& x, int64_t k, const int8_t* wq, const float* ws, int64_t
     __m256i w[NO], wa[NO];
     __m256 sc[NO];
     for (int j = 0; j < NO; ++j) {
+      // the rows two tiles ahead: 4 interleaved weight streams defeat the hardware prefetcher
+      // (the head at 1 row, 2 threads: 2.3 -> 1.6 ms)
+      _mm_prefetch(reinterpret_cast<const char*>(wq + (o + 2 * NO + j) * k + g * kGroup),
+                   _MM_HINT_T0);
       w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (o + j) * k + g * kGroup));
       wa[j] = _mm256_sign_epi8(w[j], w[j]);
       sc[j] = _mm256_broadcast_ss(ws + (o + j) * groups + g);

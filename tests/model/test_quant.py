@@ -145,7 +145,7 @@ def test_float32_rows_take_int4_mm_with_the_dense_copys_weights():
     (int8 activations per group of 32) on the same (quantized) weights as its dense copy, bias
     included, and more rows by the dense float32 copy; the int8 output head ("q8") likewise
     with int8_mm. Both stay within the activations' int8 rounding of the dense result."""
-    from model.quant import SMALL_ROWS_F32, SMALL_ROWS_Q8
+    from model.quant import SMALL_ROWS_F32
     from tests.model.factories import require_kernels
 
     kernels = require_kernels()
@@ -154,7 +154,7 @@ def test_float32_rows_take_int4_mm_with_the_dense_copys_weights():
     for kind in ("int4", "q8"):
         lin = QuantLinear(w, b, kind, torch.float32, kernels)
         assert lin.kernels is kernels and lin.dense.dtype == torch.float32
-        assert lin.small_rows == (SMALL_ROWS_Q8 if kind == "q8" else SMALL_ROWS_F32) > SMALL_ROWS
+        assert lin.small_rows == SMALL_ROWS_F32 > SMALL_ROWS
         x = torch.randn(lin.small_rows + 4, 96)
         dense = lin(x)  # past small_rows: the dense float32 copy
         assert torch.equal(dense, dense_linear(x, lin.dense, lin.dense_bias, lin.dense_packed))
