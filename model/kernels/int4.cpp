@@ -26,7 +26,6 @@
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define CELLSERVE_INT4_AVX2 1
 #endif
 
@@ -44,29 +43,11 @@ inline float min_term(const float* mn, const float* s, int64_t groups) {
 }
 
 #if defined(CELLSERVE_INT4_AVX2)
-// the 32 nibbles of a group, in order, as unsigned bytes
+// the 32 nibbles of a group, in order, as unsigned bytes (dot_u8s8's w: 2 * 15 * 127 < 2^15)
 inline __m256i nibbles(const uint8_t* b) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// 8 int32 partial sums of dot(w, x): w unsigned [0, 15], x signed (pairs stay far from int16's
-// saturation: 2 * 15 * 127 < 32767)
-inline __m256 dot(__m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // y[r, o + j] for r < M, j < NO (M * NO accumulators in registers hide the latencies)
@@ -92,13 +73,13 @@ void tile(const Q8Rows& x, int64_t k, const uint8_t* wq, const float* sm, int64_
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * k + g * kGroup));
       const __m256 xd = _mm256_broadcast_ss(x.d + r * groups + g);
       for (int j = 0; j < NO; ++j)
-        acc[j][r] = _mm256_fmadd_ps(dot(w[j], xv), _mm256_mul_ps(ws[j], xd), acc[j][r]);
+        acc[j][r] = _mm256_fmadd_ps(dot_u8s8(w[j], xv), _mm256_mul_ps(ws[j], xd), acc[j][r]);
     }
   }
   for (int j = 0; j < NO; ++j) {
     const float* mn = sm + (o + j) * 2 * groups + groups;
     for (int r = 0; r < M; ++r)
-      y[r * n + o + j] = hsum(acc[j][r]) + min_term(mn, x.s + r * groups, groups);
+      y[r * n + o + j] = hsum8(acc[j][r]) + min_term(mn, x.s + r * groups, groups);
   }
 }
 
@@ -173,7 +154,7 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::T
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "int4_mm takes x [m, k] float32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "int4_mm: packed must be pack_int4's [n, k / 2] uint8");
-  const int64_t m = x_in.size(0), k = x_in.size(1), n = packed.size(0);
+  const int64_t k = x_in.size(1), n = packed.size(0);
   TORCH_CHECK(k % kGroup == 0 && packed.size(1) * 2 == k, "int4_mm: x has ", k,
               " columns, the weight ", packed.size(1) * 2);
   const int64_t groups = k / kGroup;
@@ -181,7 +162,16 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::T
                   scale_min.dim() == 3 && scale_min.size(0) == n && scale_min.size(1) == 2 &&
                   scale_min.size(2) == groups,
               "int4_mm: scale_min must be [n, 2, k / 32] float32");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale_min.data_ptr<float>();
+  return q8_matmul(x_in, n, [&](const Q8Rows& r, int64_t mr, int64_t o0, int64_t o1, float* y) {
+    int4_rows(r, mr, k, wp, sp, o0, o1, y, n);
+  });
+}
+
+at::Tensor q8_matmul(const at::Tensor& x_in, int64_t n, Q8Tile tile) {
   auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   thread_local std::vector<int8_t> xq;
@@ -190,18 +180,15 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::T
   xds.resize(2 * m * groups);
   quantize_rows_q8(x.data_ptr<float>(), m, k, xq.data(), xds.data(), xds.data() + m * groups);
   const Q8Rows rows{xq.data(), xds.data(), xds.data() + m * groups};
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scale_min.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Tasks are blocks of outputs: a block's weights stay in L1 while every row tile passes over
-  // them. Grain: ~64K weights a task, so that a 576-wide layer splits over the threads.
+  // grain: ~64K weights a task, so that a 576-wide layer splits over the threads
   const int64_t grain = std::max<int64_t>(8, 65536 / k);
   at::parallel_for(0, n, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t o0 = b0; o0 < b1; o0 += kOutBlock) {
       const int64_t o1 = std::min(b1, o0 + kOutBlock);
       for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
         const Q8Rows at_r{rows.q + r0 * k, rows.d + r0 * groups, rows.s + r0 * groups};
-        int4_rows(at_r, std::min(kRowTile, m - r0), k, wp, sp, o0, o1, yp + r0 * n, n);
+        tile(at_r, std::min(kRowTile, m - r0), o0, o1, yp + r0 * n);
       }
     }
   });

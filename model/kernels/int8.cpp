@@ -10,40 +10,20 @@
 // y[r, o] = sum_g scale[o, g] * d[r, g] * dot(w[o, g], xq[r, g]).
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define CELLSERVE_INT8_AVX2 1
 #endif
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRowTile = 4;
-constexpr int64_t kOutBlock = 64;
 
 #if defined(CELLSERVE_INT8_AVX2)
-// 8 int32 partial sums of dot(w, x), both signed: |w| times x with w's sign (the unsigned x
-// signed form the instructions take; |w|, |x| <= 127 keep vpmaddubsw's pair sums below 2^15)
+// 8 partial sums of dot(w, x), both signed: |w| times x with w's sign, the unsigned x signed
+// form dot_u8s8 takes (|w|, |x| <= 127 keep vpmaddubsw's pair sums below 2^15)
 inline __m256 dot(__m256i w_abs, __m256i w, __m256i x) {
-  const __m256i xs = _mm256_sign_epi8(x, w);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, xs));
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(w_abs, xs);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return dot_u8s8(w_abs, _mm256_sign_epi8(x, w));
 }
 
 template <int M, int NO>
@@ -74,7 +54,7 @@ void tile(const Q8Rows& x, int64_t k, const int8_t* wq, const float* ws, int64_t
     }
   }
   for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < M; ++r) y[r * n + o + j] = hsum(acc[j][r]);
+    for (int r = 0; r < M; ++r) y[r * n + o + j] = hsum8(acc[j][r]);
 }
 
 template <int M, int NO>
@@ -120,34 +100,16 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "int8_mm takes x [m, k] float32");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
               "int8_mm: w must be [n, k] int8");
-  const int64_t m = x_in.size(0), k = x_in.size(1), n = w.size(0);
+  const int64_t k = x_in.size(1), n = w.size(0);
   TORCH_CHECK(k % kGroup == 0 && w.size(1) == k, "int8_mm: x has ", k, " columns, the weight ",
               w.size(1));
   const int64_t groups = k / kGroup;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
                   scale.size(0) == n && scale.size(1) == groups,
               "int8_mm: scale must be [n, k / 32] float32");
-  auto x = x_in.contiguous();
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xds;
-  xq.resize(m * k);
-  xds.resize(2 * m * groups);
-  quantize_rows_q8(x.data_ptr<float>(), m, k, xq.data(), xds.data(), xds.data() + m * groups);
-  const Q8Rows rows{xq.data(), xds.data(), xds.data() + m * groups};
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(8, 65536 / k);
-  at::parallel_for(0, n, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t o0 = b0; o0 < b1; o0 += kOutBlock) {
-      const int64_t o1 = std::min(b1, o0 + kOutBlock);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-        const Q8Rows at_r{rows.q + r0 * k, rows.d + r0 * groups, rows.s + r0 * groups};
-        int8_rows(at_r, std::min(kRowTile, m - r0), k, wp, sp, o0, o1, yp + r0 * n, n);
-      }
-    }
+  return q8_matmul(x_in, n, [&](const Q8Rows& r, int64_t mr, int64_t o0, int64_t o1, float* y) {
+    int8_rows(r, mr, k, wp, sp, o0, o1, y, n);
   });
-  return y;
 }
