@@ -1,8 +1,11 @@
 """`python -m bench.int4_bench`: float32 rows times SmolLM2-shaped int4 layers and its int8 output
 head on this process's ISA path (CELLSERVE_ISA picks one), by row count: the integer kernels
-(model/kernels int4_mm / int8_mm, int8 activations) against the dense float32 copy that larger
-batches take (oneDNN, prepacked) and, for the head, fbgemm's per-row dynamic int8 linear. The
-crossover sets model/quant.py SMALL_ROWS_F32. Interleaved, best of `--rounds`.
+(model/kernels int4_mm for small batches, int4_gemm for large ones, int8_mm for the head; int8
+activations) against a dense float32 copy (oneDNN, prepacked: what batches took before
+int4_gemm, and what the head takes past 32 rows) and, for the head, fbgemm's per-row dynamic
+int8 linear. The crossovers set model/quant.py SMALL_ROWS_INT4 / SMALL_ROWS_F32. Interleaved,
+best of `--rounds`; `--rows` picks the row counts (the layers' outputs are dropped one by one,
+as a forward pass does).
 """
 
 from __future__ import annotations
@@ -31,22 +34,32 @@ def best_ms(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
     return {name: round(t * 1e3, 2) for name, t in best.items()}
 
 
-def run(rounds: int = 5, rows: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 32)) -> dict[str, Any]:
+def run(
+    rounds: int = 5, rows: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 32, 64, 512)
+) -> dict[str, Any]:
     level = isa.apply_forced_isa()
     import torch
 
     from model.kernels import load_kernels
-    from model.quant import QuantLinear, dequantize_int4, pack_dense, pack_int4, quantize_int4
+    from model.quant import (
+        QuantLinear,
+        dequantize_int4,
+        pack_dense,
+        pack_int4,
+        pack_int4_gemm,
+        quantize_int4,
+    )
 
     kernels = load_kernels()
-    if kernels is None or not hasattr(kernels, "int8_mm"):
+    if kernels is None or not hasattr(kernels, "int4_gemm"):
         raise SystemExit("the C++ kernels are not built: run `cellserve build-kernels`")
     gen = torch.Generator().manual_seed(0)
     layers = []
     for n, k in LAYER * N_LAYERS:
         q, sz = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
         sz = sz.bfloat16()
-        layers.append((pack_int4(q, sz), pack_dense(dequantize_int4(q, sz.float()))))
+        dense = pack_dense(dequantize_int4(q, sz.float()))
+        layers.append((n, pack_int4(q, sz), pack_int4_gemm(q, sz), dense))
     w_head = torch.randn(*HEAD, generator=gen) * 0.05
     q8 = QuantLinear(w_head, None, "q8", torch.float32, kernels)
     fbgemm = QuantLinear(w_head, None, "fbgemm8", torch.float32)
@@ -60,26 +73,33 @@ def run(rounds: int = 5, rows: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 32)) -> di
         xh = torch.randn(m, HEAD[1], generator=gen)
 
         def int4_layers(xs: dict = xs) -> None:
-            for (_, k), ((q, sm), _) in zip(LAYER * N_LAYERS, layers, strict=True):
+            for (_, k), (_, (q, sm), _, _) in zip(LAYER * N_LAYERS, layers, strict=True):
                 kernels.int4_mm(xs[k], q, sm)
 
+        def gemm_layers(xs: dict = xs) -> None:
+            for (_, k), (n, _, w, _) in zip(LAYER * N_LAYERS, layers, strict=True):
+                kernels.int4_gemm(xs[k], w, n)
+
         def dense_layers(xs: dict = xs) -> None:
-            for (_, k), (_, (w, packed)) in zip(LAYER * N_LAYERS, layers, strict=True):
+            for (_, k), (_, _, _, (w, packed)) in zip(LAYER * N_LAYERS, layers, strict=True):
                 if packed:
                     torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                 else:
                     torch.nn.functional.linear(xs[k], w)
 
         fns: dict[str, Callable[[], Any]] = {
-            "layers_int4_mm": int4_layers,
+            "layers_int4_gemm": gemm_layers,
             "layers_dense_f32": dense_layers,
-            "head_int8_mm": lambda xh=xh: kernels.int8_mm(xh, q8.q8, q8.q8_scale),
-            "head_dense_f32": lambda xh=xh: (
+        }
+        if m <= 64:  # 4-bit weights read once per 4 rows: memory-bound, not for batches
+            fns["layers_int4_mm"] = int4_layers
+            # a prompt step computes the head for its last rows only
+            fns["head_int8_mm"] = lambda xh=xh: kernels.int8_mm(xh, q8.q8, q8.q8_scale)
+            fns["head_dense_f32"] = lambda xh=xh: (
                 torch.ops.mkldnn._linear_pointwise(xh, q8.dense, None, "none", [], "")
                 if q8.dense_packed
                 else torch.nn.functional.linear(xh, q8.dense)
-            ),
-        }
+            )
         if m <= 4:
             fns["head_fbgemm_rows"] = lambda xh=xh: fbgemm.forward(xh)
         with torch.inference_mode():
@@ -90,5 +110,7 @@ def run(rounds: int = 5, rows: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 32)) -> di
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", default="1,2,4,8,12,16,32,64,512", help="comma-separated")
     args = parser.parse_args()
-    print(json.dumps(run(args.rounds), indent=1))
+    rows = tuple(int(r) for r in args.rows.split(","))
+    print(json.dumps(run(args.rounds, rows), indent=1))

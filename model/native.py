@@ -8,8 +8,9 @@ RoPE kernels the Python layers call too through ForwardBatch.fused, and raw pass
 writes and residual adds that give torch's bits), so the logits equal the Python path's bit
 for bit: tests/model/test_native.py.
 Steps of up to QuantLinear.small_rows rows use the quantized kernel (int4: torch's for bfloat16,
-model/kernels/int4.cpp for float32; int8: torch's, on bfloat16 rows), larger ones the dense
-copy (QuantLinear's choice: oneDNN-packed where it can). Decode steps, int4 + bfloat16, 300
+model/kernels/int4.cpp for float32; int8: torch's, on bfloat16 rows), larger ones the batch
+kernel (QuantLinear's choice: int4 with float32 rows model/kernels/gemm.cpp, else the dense
+copy, oneDNN-packed where it can). Decode steps, int4 + bfloat16, 300
 cached tokens, native vs Python (before the packed weights and the fused kernels): 8.1 vs 11.8
 ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs 33.7 at 8. Taking the
 per-layer ATen calls out (in-place RoPE, raw K/V copies, in-place adds, reused buffers; ~20
@@ -72,7 +73,7 @@ class NativeDecoder:
                 if norm is not None:
                     weights.append(norm.detach())
                 if f32 and not int8:
-                    weights += [lin.q4, lin.q4_scale_min, lin.dense]
+                    weights += [lin.q4, lin.q4_scale_min, lin.q4_gemm]
                 else:
                     weights += [lin.packed, lin.scales, lin.dense]
         packed = {m.dense_packed for b in model.layers for m in _linears(b)}

@@ -9,17 +9,19 @@ Q8_0/Q6_K; 4 bits would move the logits).
   AMX): torch's `_weight_int4pack_mm_for_cpu`; the head through fbgemm's dynamic int8 linear,
   one row at a time (its activation scale is per call, so per token).
 - float32 activations (the default elsewhere, e.g. AVX2), where the C++ kernels are built:
-  `int4_mm` (model/kernels/int4.cpp) on a copy of the weights in its own layout (`pack_int4`)
-  and the head as "q8" (`quantize_q8`, int8 with a scale per 32, `int8_mm`): both quantize the
-  activations to int8 per group of 32 and sum each group exactly in integers, as llama.cpp
-  multiplies Q4_1 / Q8_0 weights. Without the kernels the rows are rounded to bfloat16 for
-  torch's kernel (emulated there) and the head takes fbgemm.
+  `int4_mm` (model/kernels/int4.cpp) for small batches on a copy of the weights in its own
+  layout (`pack_int4`), `int4_gemm` (gemm.cpp) for larger ones on another (`pack_int4_gemm`,
+  unsigned bytes interleaved by 8 outputs for a GEMM micro-kernel), and the head as "q8"
+  (`quantize_q8`, int8 with a scale per 32, `int8_mm`): all quantize the activations to int8
+  per group of 32 and sum each group exactly in integers, as llama.cpp multiplies Q4_1 / Q8_0
+  weights. Without the kernels the rows are rounded to bfloat16 for torch's kernel (emulated
+  there) and the head takes fbgemm.
 "int8": symmetric int8 per output channel through `_weight_int8pack_mm` (bfloat16 rows).
 Both change the logits a little (the server says so; README: accuracy). Batches of more than
-`small_rows` rows use a dense copy of the quantized weights instead, prepacked for oneDNN
-(`pack_dense`): past ~4 rows the quantized CPU kernels lose to the bfloat16 GEMM on AVX-512,
-past ~32 int4_mm loses to the float32 one. That copy is bfloat16 where the CPU computes
-bfloat16 natively, float32 elsewhere (`dense_dtype`).
+`small_rows` rows use a dense copy of the quantized weights instead (but int4 with float32
+rows: int4_gemm), prepacked for oneDNN (`pack_dense`): past ~4 rows the quantized CPU kernels
+lose to the bfloat16 GEMM on AVX-512, past ~32 int8_mm to the float32 one. That copy is
+bfloat16 where the CPU computes bfloat16 natively, float32 elsewhere (`dense_dtype`).
 fbgemm's dynamic int8 over whole batches was tried for every layer and dropped: one activation
 scale per batch cost SmolLM2-135M half of its top-1 agreement with float32; one per row (what
 torch._int_mm would take; simulated on the whole-text logits, forced AVX2 path) a top-1 of 0.93
@@ -43,13 +45,16 @@ INT4_GROUP = 32
 # SmolLM2's 30 layers, cold weights, 2 threads (ms): rows 4: int4 6.5, packed bf16 9.7;
 # rows 6: 11.4 vs 9.8; rows 8: 11.7 vs 11.7; rows 16: 21.7 vs 15.0.
 SMALL_ROWS = 4
-# Float32 rows take int4_mm / int8_mm (model/kernels: integer dot products) up to this many
-# rows, the dense float32 copy (oneDNN) past it. `CELLSERVE_ISA=avx2 python -m bench.int4_bench`
-# on the idle Zen 4, 2 threads (ms, integer kernel vs dense): SmolLM2's 30 layers at 1 row 4.0
-# vs 22.5, 4: 6.5 vs 24.4, 32: 47.4 vs 51.2; its 49152 x 576 head 1: 1.8 vs 4.6 (fbgemm's
-# per-row int8: 1.5), 4: 1.6 vs 4.5, 32: 11.8 vs 11.7. Both kernels give a row the same values
-# at any row count; a batch_invariant worker sets small_rows to 0 (model/worker.py): one kernel
-# at every row count.
+# Float32 rows (model/kernels: integer dot products on int8 activations) take int4_mm up to
+# SMALL_ROWS_INT4 rows and int4_gemm past it (no dense copy); the q8 head int8_mm up to
+# SMALL_ROWS_F32 rows, its dense float32 copy (oneDNN) past it.
+# `CELLSERVE_ISA=avx2 python -m bench.int4_bench` on the idle Zen 4, 2 threads (ms): SmolLM2's
+# 30 layers int4_mm / int4_gemm / dense float32 at 1 row 4.0 / - / 22.5 (earlier run), 8: 13.3 /
+# 13.1 / 29.8, 16: 24.9 / 19.7 / 38.2, 32: 50.0 / 21.8 / 58.9, 512: - / 276 / 565; its
+# 49152 x 576 head int8_mm vs dense at 1 row 1.8 vs 4.6 (fbgemm's per-row int8: 1.5), 4: 1.6 vs
+# 4.5, 32: 11.8 vs 11.7. Each kernel gives a row the same values at any row count; a
+# batch_invariant worker sets small_rows to 0 (model/worker.py): one kernel at every row count.
+SMALL_ROWS_INT4 = 8
 SMALL_ROWS_F32 = 32
 
 
@@ -90,6 +95,27 @@ def pack_int4(q: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor
     sz = scales_zeros.float().permute(1, 2, 0)  # [n, 2, groups]
     scale_min = torch.stack((sz[:, 0], sz[:, 1] - 8.0 * sz[:, 0]), dim=1)
     return packed, scale_min.contiguous()
+
+
+def pack_int4_gemm(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """quantize_int4's q [n, k], scales_zeros [k / group, n, 2] -> int4_gemm's operand
+    [n8 / 8, k / 32, 320] uint8, n8 = n rounded up to 8 (zero weights and scales pad it): per
+    block of 8 outputs and group of 32 along k, 8 steps of 4 consecutive k, each the 8 outputs'
+    4 values (256 bytes), then the 8 float32 scales and the 8 minimums (64 bytes)
+    (model/kernels/gemm.cpp)."""
+    n, k = q.shape
+    n8, groups = -(-n // 8) * 8, k // INT4_GROUP
+    qp = torch.zeros(n8, k, dtype=torch.uint8)
+    qp[:n] = q.to(torch.uint8)
+    # [block, i, group, step, 4] -> [block, group, step, i, 4]
+    values = qp.view(n8 // 8, 8, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(n8 // 8, groups, 256)
+    sz = scales_zeros.float()  # [groups, n, 2]
+    sm = torch.zeros(groups, n8, 2)
+    sm[:, :n, 0] = sz[..., 0]
+    sm[:, :n, 1] = sz[..., 1] - 8.0 * sz[..., 0]
+    # [group, block, i, 2] -> [block, group, 2, i]
+    sm = sm.view(groups, n8 // 8, 8, 2).permute(1, 0, 3, 2).contiguous()
+    return torch.cat((values, sm.view(n8 // 8, groups, 16).view(torch.uint8)), dim=-1).contiguous()
 
 
 def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,16 +202,17 @@ class QuantLinear(nn.Module):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales = scales_zeros.bfloat16()
             dequantized = dequantize_int4(q, self.scales.float())
-            if kernels is not None and hasattr(kernels, "int4_mm"):
-                # the bfloat16-rounded scales: the same weights as the dense copy's
+            if kernels is not None and hasattr(kernels, "int4_gemm"):
+                # the bfloat16-rounded scales: the weights torch's kernel multiplies by
                 self.q4, self.q4_scale_min = pack_int4(q, self.scales)
-                self.q4_bias = None if bias is None else bias.detach().float()
+                self.q4_gemm = pack_int4_gemm(q, self.scales)
+                self.kernel_bias = None if bias is None else bias.detach().float()
                 self.kernels = kernels
         elif kind == "q8":
             if kernels is None or not hasattr(kernels, "int8_mm"):
                 raise ValueError("q8 takes the C++ kernels' int8_mm")
             self.q8, self.q8_scale = quantize_q8(w)
-            self.q4_bias = None if bias is None else bias.detach().float()
+            self.kernel_bias = None if bias is None else bias.detach().float()
             self.kernels = kernels
             k = w.shape[1]
             dequantized = (
@@ -197,18 +224,22 @@ class QuantLinear(nn.Module):
             dequantized = self.packed.float() * self.scales.float()[:, None]
         else:
             raise ValueError(f"kind must be int4, int8, q8 or fbgemm8, got {kind!r}")
-        # float32 rows on the integer kernels: more of them before the dense copy wins
+        # float32 rows on the integer kernels: more of them before the next kernel wins
         self.small_rows = SMALL_ROWS
         if self.kernels is not None:
-            self.small_rows = SMALL_ROWS_F32
+            self.small_rows = SMALL_ROWS_INT4 if kind == "int4" else SMALL_ROWS_F32
         # NOTE: the dense copy holds the quantized weights, not the original ones: both paths
         # then multiply by the same weights, and a sequence's greedy text does not change with
         # the row count of its step (a prompt re-read from the prefix cache computes its last
         # token alone, on the quantized kernel; the first time it ran in a large batch).
-        self.dense, self.dense_packed = pack_dense(dequantized.to(dense_dtype))
+        # int4 with float32 rows has none: int4_gemm takes the batches.
+        self.dense: torch.Tensor | None = None
+        self.dense_packed = False
+        if not (kind == "int4" and self.kernels is not None):
+            self.dense, self.dense_packed = pack_dense(dequantized.to(dense_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.small_rows:
+        if x.shape[0] > self.small_rows and self.dense is not None:
             y = dense_linear(x.to(self.dense_dtype), self.dense, self.dense_bias, self.dense_packed)
             return y.to(x.dtype)
         if self.kind == "fbgemm8":
@@ -223,9 +254,11 @@ class QuantLinear(nn.Module):
         if self.kernels is not None and x.dtype == torch.float32:
             if self.kind == "q8":
                 y = self.kernels.int8_mm(x, self.q8, self.q8_scale)
+            elif x.shape[0] > self.small_rows:
+                y = self.kernels.int4_gemm(x, self.q4_gemm, self.q4.shape[0])
             else:
                 y = self.kernels.int4_mm(x, self.q4, self.q4_scale_min)
-            return y if self.q4_bias is None else y + self.q4_bias
+            return y if self.kernel_bias is None else y + self.kernel_bias
         if self.kind == "q8":
             return self.forward(x.float()).to(x.dtype)
         if x.dtype != torch.bfloat16:  # torch's int4 / int8 kernels take bfloat16 activations

@@ -1,5 +1,5 @@
-"""Optional C++ CPU kernels (attention.cpp, layers.cpp): one build per ISA level, chosen at run
-time from cpuid (model/kernels/isa.py).
+"""Optional C++ CPU kernels (attention.cpp, gemm.cpp, int4.cpp, int8.cpp, layers.cpp): one build
+per ISA level, chosen at run time from cpuid (model/kernels/isa.py).
 
 `build_kernels()` compiles them ahead of time (`cellserve build-kernels`; `make install` and
 the Dockerfile's builder stage call it), one extension per level with that level's explicit
@@ -42,7 +42,8 @@ DecodeAttention = Callable[
 ]
 PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale), bfloat16
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / name for name in ("attention.cpp", "int4.cpp", "int8.cpp", "layers.cpp")]
+_SOURCE_NAMES = ("attention.cpp", "gemm.cpp", "int4.cpp", "int8.cpp", "layers.cpp")
+SOURCES = [HERE / name for name in _SOURCE_NAMES]
 HEADERS = [HERE / "kernels.h"]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-mtune=generic"]
 

@@ -125,27 +125,59 @@ void int4_rows(const Q8Rows& x, int64_t m, int64_t k, const uint8_t* wq, const f
 }
 #endif
 
+#if defined(CELLSERVE_INT4_AVX2)
+// one group of 32: its int8 values, scale and scaled sum (the portable loop's values: x * inv
+// rounded to nearest even, as nearbyint in the default rounding mode)
+inline void quantize_group(const float* xg, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xg + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float mx = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                       _mm256_add_epi32(i32[2], i32[3]));
+  // packs interleave the 128-bit lanes: 0 1 2 3 of each lane -> a final dword permute
+  const __m256i w16a = _mm256_packs_epi32(i32[0], i32[1]), w16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  *d = mx / 127.f;
+  *s = *d * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#else
+inline void quantize_group(const float* xg, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const auto v = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+    q[j] = v;
+    sum += v;
+  }
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(sum);
+}
+#endif
+
 }  // namespace
 
 // x [m, k] float32 -> int8 per group of 32, its scale, and the scaled sum of its int8 values
 void quantize_rows_q8(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
-  const int64_t groups = k / kGroup;
-  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xg = x + i * kGroup;  // row r = i / groups, group g = i % groups
-      float amax = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
-      const float scale = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const auto v = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
-        q[i * kGroup + j] = v;
-        sum += v;
-      }
-      d[i] = scale;
-      s[i] = scale * static_cast<float>(sum);
-    }
+  at::parallel_for(0, m * (k / kGroup), 256, [&](int64_t begin, int64_t end) {
+    // group i: row i / groups, group i % groups (rows are contiguous, so groups are too)
+    for (int64_t i = begin; i < end; ++i) quantize_group(x + i * kGroup, q + i * kGroup, d + i, s + i);
   });
 }
 

@@ -49,6 +49,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
 bool has_bf16_kernels();
 bool has_f32_kernels();
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min);
+// gemm.cpp: int4_mm's integers for batches, on pack_int4_gemm's layout; y [m, n]
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n);
 
 // int4.cpp: x [m, k] float32 (k % 32 == 0) -> int8 per group of 32 in [-127, 127], the group's
 // scale d = max|x| / 127 and d * the sum of its int8 values (GGUF's Q8_1 block), each [m, k / 32]

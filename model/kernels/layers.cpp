@@ -291,18 +291,21 @@ void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
   }
 }
 
-// model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple (quantized,
-// scales, dense): up to small_rows rows the quantized kernel (int4: torch's for bfloat16
-// activations, int4_mm on cellserve's own layout for float32 ones; int8: torch's, which takes
-// bfloat16 rows only), more rows the dense copy in its own dtype.
+// model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple: up to
+// small_rows rows the quantized kernel, more rows the batch one. int4 with float32 rows:
+// (q4, q4_scale_min, q4_gemm), int4_mm then int4_gemm; int4 with bfloat16 rows: (torch's
+// int4pack, scales_zeros, dense), _weight_int4pack_mm then the dense copy in its own dtype; int8:
+// (int8, scales, dense), torch's _weight_int8pack_mm (bfloat16 rows only) then the dense copy.
 at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_size,
                         int64_t small_rows, bool packed, bool int8) {
+  if (!int8 && a.scalar_type() == at::kFloat) {
+    return a.size(0) <= small_rows ? int4_mm(a, w[0], w[1]) : int4_gemm(a, w[2], w[0].size(0));
+  }
   if (a.size(0) <= small_rows) {
     if (int8) {
       if (a.scalar_type() == at::kBFloat16) return at::_weight_int8pack_mm(a, w[0], w[1]);
       return at::_weight_int8pack_mm(a.to(at::kBFloat16), w[0], w[1]).to(a.scalar_type());
     }
-    if (a.scalar_type() == at::kFloat) return int4_mm(a, w[0], w[1]);
     return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
   }
   const auto dense = w[2].scalar_type();
@@ -319,8 +322,8 @@ at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_
 // (KVStorage.write's index_copy_), residual adds into one stream (torch's x + y, rounded once),
 // one RMSNorm and one SiLU-mul buffer for all layers. weights: per layer, in order: attn_norm, then wqkv as a triple for
 // quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
-// scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, dense) for
-// float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
+// scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, .q4_gemm)
+// for float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
 // prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
 // k_cache, v_cache: KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim], x's dtype);
 // write_cells [n]: where each row's K/V goes; rope_c, rope_s: [n, 1, head_dim]
@@ -431,6 +434,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul_of, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
   m.def("rope_neox_", &rope_neox_, "rotate-half RoPE of [n, heads, head_dim] in place");
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights, in int8");
+  m.def("int4_gemm", &int4_gemm, "float32 batches times int4 weights (pack_int4_gemm), in int8");
   m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
   m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
 }

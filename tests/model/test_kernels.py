@@ -5,6 +5,8 @@ torch path from each."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -336,18 +338,31 @@ def test_the_generic_build_compiles_and_runs(tmp_path, monkeypatch):
     module = load_kernels("generic")
     assert "avx2" not in module.compiled_isa() and not module.has_bf16_kernels()
     check_module(module)
+    check_int4(module, "generic")
 
 
 @pytest.mark.parametrize("level", kernel_builds.levels_for_this_cpu())
-def test_int4_mm_matches_the_dequantized_weights(level):
-    """float32 rows times the int4 weights in int4_mm's layout (model/kernels/int4.cpp) on each
-    build (AVX-512 VNNI, AVX2, portable): the rows quantized to int8 per group of 32
-    (quantize_rows_q8) times the dequantized weights in float64, to float32's rounding, for row
-    counts over and under its 4-row tiles and output counts off its 2/4-output blocks; and
-    within the int8 rounding of the float32 product."""
-    from model.quant import dequantize_int4, pack_int4, quantize_int4, quantize_rows_q8
+def test_int4_mm_and_int4_gemm_match_the_dequantized_weights(level):
+    """float32 rows times int4 weights on each build (AVX-512 VNNI, AVX2, portable: the
+    portable one in test_the_generic_build_runs_anywhere) by int4_mm (model/kernels/int4.cpp,
+    small batches) and int4_gemm (gemm.cpp, large ones): check_int4."""
+    check_int4(require_kernels(level), level)
 
-    module = require_kernels(level)
+
+def check_int4(module: Any, level: str) -> None:
+    """Both kernels give the rows quantized to int8 per group of 32 (quantize_rows_q8) times
+    the dequantized weights in float64, to float32's rounding, for row counts over and under
+    their tiles and output counts off their blocks (int4_gemm's 8-output blocks padded); within
+    the int8 rounding of the float32 product; and int4_gemm gives a row the same bits in any
+    batch (what a batch_invariant worker relies on)."""
+    from model.quant import (
+        dequantize_int4,
+        pack_int4,
+        pack_int4_gemm,
+        quantize_int4,
+        quantize_rows_q8,
+    )
+
     gen = torch.Generator().manual_seed(3)
     for n, k, m in ((7, 64, 1), (130, 576, 2), (61, 96, 3), (96, 1536, 9), (70, 128, 37)):
         q, scales_zeros = quantize_int4(torch.randn(n, k, generator=gen))
@@ -355,18 +370,31 @@ def test_int4_mm_matches_the_dequantized_weights(level):
         w = dequantize_int4(q, scales_zeros.float()).double()
         x = torch.randn(m, k, generator=gen)
         x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
-        y = module.int4_mm(x, *pack_int4(q, scales_zeros))
         xq, d, _ = quantize_rows_q8(x)
         xq8 = (xq.view(m, k // 32, 32).double() * d.double()[..., None]).view(m, k)
         want = xq8 @ w.T
-        assert y.shape == (m, n) and y.dtype == torch.float32
-        err = float((y.double() - want).abs().max())
-        assert err < 1e-5 * float(want.abs().max()) * k**0.5, (level, n, k, m, err)
         # each activation moves by at most half a step d / 2 of its group
         bound = (d.double().repeat_interleave(32, 1) / 2) @ w.abs().T
-        assert bool(((y.double() - x.double() @ w.T).abs() <= bound + 1e-4).all()), level
+        gemm_w = pack_int4_gemm(q, scales_zeros)
+        for name, y in (
+            ("int4_mm", module.int4_mm(x, *pack_int4(q, scales_zeros))),
+            ("int4_gemm", module.int4_gemm(x, gemm_w, n)),
+        ):
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            err = float((y.double() - want).abs().max())
+            assert err < 1e-5 * float(want.abs().max()) * k**0.5, (level, name, n, k, m, err)
+            assert bool(((y.double() - x.double() @ w.T).abs() <= bound + 1e-4).all()), name
+        batch = module.int4_gemm(x, gemm_w, n)
+        for r in range(m):
+            assert torch.equal(module.int4_gemm(x[r : r + 1], gemm_w, n)[0], batch[r]), (level, r)
     packed, scale_min = pack_int4(q, scales_zeros)
     with pytest.raises(RuntimeError, match="float32"):
         module.int4_mm(x.bfloat16(), packed, scale_min)
     with pytest.raises(RuntimeError, match="columns"):
         module.int4_mm(x[:, :64], packed, scale_min)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.int4_gemm(x.bfloat16(), gemm_w, n)
+    with pytest.raises(RuntimeError, match="pack_int4_gemm"):
+        module.int4_gemm(x[:, :64], gemm_w, n)
+    with pytest.raises(RuntimeError, match="pack_int4_gemm"):
+        module.int4_gemm(x, gemm_w, n + 8)

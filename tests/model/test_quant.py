@@ -140,24 +140,34 @@ def test_the_server_default_is_the_fast_setup_for_this_cpu(smollm_path, tmp_path
     assert choose_runtime(smollm_path, "cpu").dtype == "float32"
 
 
-def test_float32_rows_take_int4_mm_with_the_dense_copys_weights():
+def test_float32_rows_take_the_integer_kernels():
     """With the kernels, a float32 int4 QuantLinear multiplies up to small_rows rows by int4_mm
-    (int8 activations per group of 32) on the same (quantized) weights as its dense copy, bias
-    included, and more rows by the dense float32 copy; the int8 output head ("q8") likewise
-    with int8_mm. Both stay within the activations' int8 rounding of the dense result."""
-    from model.quant import SMALL_ROWS_F32
+    and more by int4_gemm (both int8 activations per group of 32, the same quantized weights,
+    no dense copy); the int8 output head ("q8") up to its small_rows by int8_mm, more by its
+    dense float32 copy. Bias included; each within the activations' int8 rounding of the
+    float32 product with the quantized weights."""
+    from model.quant import SMALL_ROWS_F32, SMALL_ROWS_INT4, dequantize_int4, quantize_int4
     from tests.model.factories import require_kernels
 
     kernels = require_kernels()
     torch.manual_seed(4)
     w, b = torch.randn(64, 96) * 0.1, torch.randn(64)
+    q, scales_zeros = quantize_int4(w)
+    weights = {"int4": dequantize_int4(q, scales_zeros.bfloat16().float())}
     for kind in ("int4", "q8"):
         lin = QuantLinear(w, b, kind, torch.float32, kernels)
-        assert lin.kernels is kernels and lin.dense.dtype == torch.float32
-        assert lin.small_rows == SMALL_ROWS_F32 > SMALL_ROWS
-        x = torch.randn(lin.small_rows + 4, 96)
-        dense = lin(x)  # past small_rows: the dense float32 copy
-        assert torch.equal(dense, dense_linear(x, lin.dense, lin.dense_bias, lin.dense_packed))
+        assert lin.kernels is kernels
+        x = torch.randn(SMALL_ROWS_F32 + 4, 96)
+        if kind == "int4":
+            assert lin.small_rows == SMALL_ROWS_INT4 and lin.dense is None
+            batch = kernels.int4_gemm(x, lin.q4_gemm, 64) + b
+            exact = x @ weights["int4"].T + b
+        else:
+            assert lin.small_rows == SMALL_ROWS_F32 > SMALL_ROWS
+            assert lin.dense.dtype == torch.float32
+            batch = dense_linear(x, lin.dense, lin.dense_bias, lin.dense_packed)
+            exact = batch
+        assert torch.equal(lin(x), batch)  # past small_rows
         for rows in range(1, lin.small_rows + 1):
             y = lin(x[:rows])
             assert y.dtype == torch.float32
@@ -167,5 +177,7 @@ def test_float32_rows_take_int4_mm_with_the_dense_copys_weights():
                 else kernels.int8_mm(x[:rows], lin.q8, lin.q8_scale)
             )
             assert torch.equal(y, want + b)
-            err = float((y - dense[:rows]).abs().max())
-            assert 0 < err < 0.02 * float(dense.abs().max()), (kind, rows, err)
+        # the integer kernels' outputs (int8 activations): near the float32 product, not equal
+        for y in [lin(x[: lin.small_rows])] + ([lin(x)] if kind == "int4" else []):
+            err = float((y - exact[: len(y)]).abs().max())
+            assert 0 < err < 0.02 * float(exact.abs().max()), (kind, len(y), err)
