@@ -73,10 +73,10 @@ def measure_here() -> dict[str, Any]:
     auto = choose_runtime(path, "cpu")
     rows = []
     reference = None  # the float32 reference's logits over TEXT, all rows in one step
-    for name, dtype, quant in (
-        ("reference", "float32", "none"),
-        ("default", auto.dtype, auto.quant),
-    ):
+    setups = [("reference", "float32", "none"), ("default", auto.dtype, auto.quant)]
+    if auto.quant == "int4" and auto.dtype != "float32":  # the integer kernels' alternative
+        setups.append(("int4_f32", "float32", "int4"))
+    for name, dtype, quant in setups:
         loaded = load_model(path, dtype=dtype)
         quantize(loaded.transformer, quant)
         vocab = loaded.config.vocab_size

@@ -1,4 +1,4 @@
-"""Optional C++ CPU kernels (attention.cpp, gemm.cpp, int4.cpp, int8.cpp, layers.cpp): one build
+"""Optional C++ CPU kernels (attention*.cpp, gemm.cpp, int4.cpp, int8.cpp, layers.cpp): one build
 per ISA level, chosen at run time from cpuid (model/kernels/isa.py).
 
 `build_kernels()` compiles them ahead of time (`cellserve build-kernels`; `make install` and
@@ -42,7 +42,15 @@ DecodeAttention = Callable[
 ]
 PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale), bfloat16
 HERE = pathlib.Path(__file__).parent
-_SOURCE_NAMES = ("attention.cpp", "gemm.cpp", "int4.cpp", "int8.cpp", "layers.cpp")
+_SOURCE_NAMES = (
+    "attention.cpp",
+    "attention_bf16.cpp",
+    "attention_f32.cpp",
+    "gemm.cpp",
+    "int4.cpp",
+    "int8.cpp",
+    "layers.cpp",
+)
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
 HEADERS = [HERE / "kernels.h"]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-mtune=generic"]

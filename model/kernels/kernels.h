@@ -1,4 +1,4 @@
-// Declarations shared by attention.cpp and layers.cpp (model/kernels).
+// Declarations shared by the kernel sources (model/kernels: one extension per ISA level).
 #pragma once
 
 // ATen only (not torch/extension.h: pybind11 and the C++ frontend double a build's time);
@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/FunctionRef.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -31,6 +33,49 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#endif
+
+// attention.cpp's kernels (attention_f32.cpp, attention_bf16.cpp): shared sizes and helpers
+constexpr int kMaxQueries = 16;  // query vectors per task: a kv head's query heads x rows
+constexpr int kMaxChunks = 8;    // head_dim / 32 (head_dim <= 256)
+constexpr int64_t kAhead = 8;    // rows prefetched ahead: cells are scattered, not streamed
+
+// s[0, m) -> softmax(s) in place, float32 (m >= 1)
+inline void softmax_inplace(float* s, int64_t m) {
+  float mx = s[0];
+  for (int64_t i = 1; i < m; ++i) mx = std::max(mx, s[i]);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < m; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < m; ++i) s[i] *= inv;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define CELLSERVE_F32_AVX2 1
+// One task in float32, head_dim % 8 == 0, head_dim <= 256 (attention_f32.cpp): `group` scaled
+// query vectors q [group, hd] over the first n K/V rows read in place at cells (query g over
+// its first qlens[g] <= n, where qlens is given); out[g] <- its output; scores: group * n floats.
+void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
+                const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
+                const int64_t* cells, int64_t n, float* scores, float* const* out);
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CELLSERVE_AVX512_BF16 1
+inline void prefetch_row(const at::BFloat16* row, int64_t hd) {  // every 64-byte line of a row
+  for (int64_t b = 0; b < hd; b += 32) __builtin_prefetch(row + b);
+}
+
+// One task in bfloat16, head_dim % 32 == 0 (attention_bf16.cpp): nq query vectors sharing one kv
+// head over the K/V rows of cells sc[0, n) (query g over the first qlens[g]; null: all n);
+// scores: room for nq * (n + 1) floats.
+void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+                 const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
+                 int64_t vstride, const int64_t* sc, int64_t n, float scale, float* scores,
+                 at::BFloat16* const* dst);
 #endif
 
 // bfloat16 -> float32 (exact: the top 16 bits of the float)
