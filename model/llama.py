@@ -88,7 +88,7 @@ class Attention(nn.Module):
             assert batch.rope_swa is not None, "the worker builds rope_swa for rope_swa models"
             rope_c, rope_s = batch.rope_swa
         if self.rot and batch.fused is not None and self.rot == hd and self.layout == "neox":
-            qk = batch.fused.rope_neox_(qk, rope_c, rope_s)  # in place, as decode_layers does
+            qk = batch.fused.rope_neox_(qk, rope_c, rope_s)  # in place, as step_layers does
         elif self.rot:
             partner = rope_partner(qk, self.rot, self.layout)
             qk = torch.addcmul(qk * rope_c, partner, rope_s)

@@ -1,22 +1,24 @@
-"""The layers of an all-decode step in one C++ call (model/kernels decode_layers).
+"""The layers of a step in one C++ call (model/kernels step_layers, step.cpp).
 
-A decode step is ~1,000 small torch calls; from Python each costs a few microseconds more
-than the op itself. For int4 or int8 models with bfloat16 activations (the AVX-512 BF16
-default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs the same ops in
-the same order as model/llama.py's Block (the packed GEMMs, the fused RMSNorm / SiLU-mul /
-RoPE kernels the Python layers call too through ForwardBatch.fused, and raw passes for the K/V
-writes and residual adds that give torch's bits), so the logits equal the Python path's bit
-for bit: tests/model/test_native.py.
-Steps of up to QuantLinear.small_rows rows use the quantized kernel (int4: torch's for bfloat16,
-model/kernels/int4.cpp for float32; int8: torch's, on bfloat16 rows), larger ones the batch
-kernel (QuantLinear's choice: int4 with float32 rows model/kernels/gemm.cpp, else the dense
-copy, oneDNN-packed where it can). Decode steps, int4 + bfloat16, 300
-cached tokens, native vs Python (before the packed weights and the fused kernels): 8.1 vs 11.8
-ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4, 30.6 vs 33.7 at 8. Taking the
-per-layer ATen calls out (in-place RoPE, raw K/V copies, in-place adds, reused buffers; ~20
-calls a layer before) cut decode_layers at 300 cached tokens by ~8% (AVX2, float32: 8.5 -> 7.8
-ms at 1 sequence, 87 -> 81 at 32) and 7-14% (AVX-512 BF16: 10.6 -> 9.1 ms, 43 -> 40 at 32),
-best of 25 interleaved runs on a loaded 2-core Zen 4.
+A step through the Python layers is ~1,000 small torch calls; from Python each costs a few
+microseconds more than the op itself. For int4 or int8 models with bfloat16 activations (the
+AVX-512 BF16 default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs the
+same ops in the same order as model/llama.py's Block (the quantized GEMMs, the fused RMSNorm /
+SiLU-mul / RoPE kernels the Python layers call too through ForwardBatch.fused, the attention
+kernels, and raw passes for the K/V writes and residual adds that give torch's bits), so the
+logits equal the Python path's bit for bit: tests/model/test_native.py. It takes decode steps,
+prompt chunks and steps that mix both, wherever every attention group has the C++ kernels'
+cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16) and covers
+its rows.
+Each linear picks its kernel by row count as QuantLinear does (int4: torch's for bfloat16
+activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past them;
+int8: torch's, on bfloat16 rows; past small_rows the dense copy, oneDNN-packed where it can).
+Decode steps, int4 + bfloat16, 300 cached tokens, native vs Python (before the packed weights
+and the fused kernels): 8.1 vs 11.8 ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4,
+30.6 vs 33.7 at 8. Taking the per-layer ATen calls out (in-place RoPE, raw K/V copies,
+in-place adds, reused buffers; ~20 calls a layer before) cut the step at 300 cached tokens by
+~8% (AVX2, float32: 8.5 -> 7.8 ms at 1 sequence, 87 -> 81 at 32) and 7-14% (AVX-512 BF16:
+10.6 -> 9.1 ms, 43 -> 40 at 32), best of 25 interleaved runs on a loaded 2-core Zen 4.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from model.quant import INT4_GROUP, QuantLinear
 
 @dataclass(slots=True)
 class NativeDecoder:
-    """Flattened per-layer weights for decode_layers; `build` says whether a model qualifies."""
+    """Flattened per-layer weights for step_layers; `build` says whether a model qualifies."""
 
     kernels: Any  # the model.kernels module
     weights: list[torch.Tensor]
@@ -92,15 +94,26 @@ class NativeDecoder:
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
-        """One decode group of every row, each attending a prefix of its cells."""
-        if batch.prompts or len(batch.decodes) != 1:
+        """Every attention group kernel-ready (cells and lens set; prompts only where the
+        prompt kernel runs), together covering the batch's rows."""
+        if batch.windowed or batch.state is not None:
             return False
-        g = batch.decodes[0]
-        return g.rows is None and g.lens is not None
+        covered = 0
+        for g in batch.decodes:
+            if g.lens is None or g.cells is None:
+                return False
+            covered += batch.tokens.shape[0] if g.rows is None else g.rows.shape[0]
+        for p in batch.prompts:
+            if p.lens is None or p.cells is None:
+                return False
+            covered += p.end - p.start
+        return covered == batch.tokens.shape[0]
 
     def layers(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        g = batch.decodes[0]
-        out: torch.Tensor = self.kernels.decode_layers(
+        every_row = torch.empty(0, dtype=torch.int64)
+        decodes, prompts = batch.decodes, batch.prompts
+        bounds = [b for p in prompts for b in (p.start, p.end)]
+        out: torch.Tensor = self.kernels.step_layers(
             x,
             self.weights,
             storage.k,
@@ -108,8 +121,12 @@ class NativeDecoder:
             batch.cells,
             batch.rope_c,
             batch.rope_s,
-            g.cells,
-            g.lens,
+            [every_row if g.rows is None else g.rows for g in decodes],
+            [g.cells for g in decodes],
+            [g.lens for g in decodes],
+            bounds,
+            [p.cells for p in prompts],
+            [p.lens for p in prompts],
             self.n_heads,
             self.eps,
             self.scale,

@@ -10,7 +10,7 @@ stale build is never loaded. `load_kernels()` imports the best built level that 
 run, and never compiles during start-up), CELLSERVE_KERNELS=0, or a non-CPU device. Callers
 then keep the torch path. The module offers `decode_attention(q, k, v, cells, lens, scale)`,
 `prompt_attention(...)` where `has_bf16_kernels()` (the avx512_bf16 build), the fused bfloat16
-ops and `decode_layers(...)`; `LEVEL` says which build it is.
+ops and `step_layers(...)`; `LEVEL` says which build it is.
 
 Builds go to CELLSERVE_KERNEL_DIR, by default <sys.prefix>/share/cellserve/kernels (inside the
 virtual environment, so that they travel with it, as into the Docker image's final stage).
@@ -50,6 +50,7 @@ _SOURCE_NAMES = (
     "int4.cpp",
     "int8.cpp",
     "layers.cpp",
+    "step.cpp",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
 HEADERS = [HERE / "kernels.h"]

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -92,6 +93,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale);
 bool has_bf16_kernels();
+// layers.cpp: the fused ops both paths call (into `out`: x's shape, contiguous)
+void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
+void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
+at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
+// step.cpp: every layer of a step in one call (model/native.py)
+at::Tensor step_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& write_cells, const at::Tensor& rope_c,
+                       const at::Tensor& rope_s, const std::vector<at::Tensor>& decode_rows,
+                       const std::vector<at::Tensor>& decode_cells,
+                       const std::vector<at::Tensor>& decode_lens,
+                       const std::vector<int64_t>& prompt_bounds,
+                       const std::vector<at::Tensor>& prompt_cells,
+                       const std::vector<at::Tensor>& prompt_lens, int64_t n_heads, double eps,
+                       double scale, int64_t group_size, int64_t small_rows, bool packed,
+                       bool int8);
 bool has_f32_kernels();
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min);
 // gemm.cpp: int4_mm's integers for batches, on pack_int4_gemm's layout; y [m, n]

@@ -1,5 +1,5 @@
-// CPU kernels for the rest of a layer and the one-call decode step (built by
-// model/kernels/__init__.py, with attention.cpp, into one extension; the Python bindings).
+// CPU kernels for the rest of a layer: RMSNorm, SiLU-mul, RoPE (built by model/kernels/__init__.py
+// with the other sources into one extension), and the Python bindings of them all.
 #include "kernels.h"
 
 #include <torch/extension.h>
@@ -21,7 +21,7 @@
 // paths call these, so the one-call decode step stays bit-identical to the Python layers.
 //
 // x [n, d] -> bf16(x * rsqrt(mean(x^2) + eps) * w) in float32, rounded once as torch 2.13.
-// Into `out` (x's shape, contiguous): decode_layers reuses one buffer across layers; NOINLINE,
+// Into `out` (x's shape, contiguous): step_layers reuses one buffer across layers; NOINLINE,
 // so that both paths run the same machine code (-ffast-math sums vectorize per call site).
 __attribute__((noinline)) void rms_norm_bf16_into(const at::Tensor& x_in, const at::Tensor& w_in,
                                                   double eps, at::Tensor& out) {
@@ -158,54 +158,9 @@ __attribute__((noinline)) at::Tensor rope_neox_(at::Tensor x, const at::Tensor& 
   return x;
 }
 
-// add_rows_: x += y for contiguous x, y of one dtype: torch's x + y bit for bit (bfloat16: the
-// sum in float32, rounded once), without an allocation or a dispatch.
-void add_rows_(at::Tensor& x, const at::Tensor& y) {
-  const int64_t numel = x.numel();
-  if (x.scalar_type() == at::kBFloat16) {
-    auto* xp = x.data_ptr<at::BFloat16>();
-    const auto* yp = y.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < numel; ++i) xp[i] = at::BFloat16(to_float(xp[i]) + to_float(yp[i]));
-  } else {
-    float* xp = x.data_ptr<float>();
-    const float* yp = y.data_ptr<float>();
-    for (int64_t i = 0; i < numel; ++i) xp[i] += yp[i];
-  }
-}
-
-// write_kv: the step's K and V rows [n, n_kv, hd] (row stride src_s0, head stride hd) into
-// cells[r] of one layer's cache [n_kv, n_cells, hd] (contiguous), as raw row copies: what
-// KVStorage.write's two index_copy_ calls store. The caller checked every cell is in range.
-void write_kv(const at::Tensor& k_layer, const at::Tensor& v_layer, const int64_t* cells,
-              const char* k_src, const char* v_src, int64_t n, int64_t n_kv, int64_t hd,
-              int64_t src_s0, int64_t elem) {
-  char* kp = static_cast<char*>(k_layer.data_ptr());
-  char* vp = static_cast<char*>(v_layer.data_ptr());
-  const int64_t n_cells = k_layer.size(1), row = hd * elem;
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t h = 0; h < n_kv; ++h) {
-      const int64_t dst = (h * n_cells + cells[r]) * row, src = (r * src_s0 + h * hd) * elem;
-      std::memcpy(kp + dst, k_src + src, row);
-      std::memcpy(vp + dst, v_src + src, row);
-    }
-  }
-}
-
-// oneDNN's bfloat16 linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
-// model/quant.py dense_linear runs), through the dispatcher: it has no at:: function.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                          c10::IValue(std::string())};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
 // rms_norm_f32 / silu_mul_f32: the float32 twins (no rounding; -ffast-math sums, so a value
 // can differ from F.rms_norm's in the last bits). RMSNorm of [1, 576] as ~6 ATen ops cost ~24 us.
-// Into `out` (x's shape, contiguous): decode_layers reuses one buffer across layers; NOINLINE,
+// Into `out` (x's shape, contiguous): step_layers reuses one buffer across layers; NOINLINE,
 // so that both paths run the same machine code (-ffast-math sums vectorize per call site).
 __attribute__((noinline)) void rms_norm_f32_into(const at::Tensor& x_in, const at::Tensor& w_in,
                                                  double eps, at::Tensor& out) {
@@ -266,7 +221,7 @@ at::Tensor silu_mul_f32(const at::Tensor& gate_up) {
 }
 
 // The fused RMSNorm and SiLU-mul for the activation dtype: what model/blocks.py calls through
-// ForwardBatch.fused, and decode_layers, so that both paths compute the same values.
+// ForwardBatch.fused, and step_layers (step.cpp), so that both paths compute the same values.
 at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps) {
   return x.scalar_type() == at::kBFloat16 ? rms_norm_bf16(x, w, eps) : rms_norm_f32(x, w, eps);
 }
@@ -289,100 +244,6 @@ void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
   } else {
     silu_mul_f32_into(gate_up, out);
   }
-}
-
-// model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple: up to
-// small_rows rows the quantized kernel, more rows the batch one. int4 with float32 rows:
-// (q4, q4_scale_min, q4_gemm), int4_mm then int4_gemm; int4 with bfloat16 rows: (torch's
-// int4pack, scales_zeros, dense), _weight_int4pack_mm then the dense copy in its own dtype; int8:
-// (int8, scales, dense), torch's _weight_int8pack_mm (bfloat16 rows only) then the dense copy.
-at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_size,
-                        int64_t small_rows, bool packed, bool int8) {
-  if (!int8 && a.scalar_type() == at::kFloat) {
-    return a.size(0) <= small_rows ? int4_mm(a, w[0], w[1]) : int4_gemm(a, w[2], w[0].size(0));
-  }
-  if (a.size(0) <= small_rows) {
-    if (int8) {
-      if (a.scalar_type() == at::kBFloat16) return at::_weight_int8pack_mm(a, w[0], w[1]);
-      return at::_weight_int8pack_mm(a.to(at::kBFloat16), w[0], w[1]).to(a.scalar_type());
-    }
-    return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
-  }
-  const auto dense = w[2].scalar_type();
-  const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
-  auto y = packed ? packed_linear(in, w[2]) : at::linear(in, w[2]);
-  return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
-}
-
-// decode_layers: every layer of a Llama decode step in one call, bfloat16 or float32
-// activations, weights of model/quant.py QuantLinear "int4" or "int8" (no bias), rotate-half RoPE over
-// the whole head: the same ops, in the same order, as model/llama.py's Block, without the
-// Python between them, and without ATen calls where a raw pass gives the same bits: RoPE in
-// place (rope_neox_, which the Python layers call too), K/V rows memcpy'd into their cells
-// (KVStorage.write's index_copy_), residual adds into one stream (torch's x + y, rounded once),
-// one RMSNorm and one SiLU-mul buffer for all layers. weights: per layer, in order: attn_norm, then wqkv as a triple for
-// quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
-// scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, .q4_gemm)
-// for float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
-// prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
-// k_cache, v_cache: KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim], x's dtype);
-// write_cells [n]: where each row's K/V goes; rope_c, rope_s: [n, 1, head_dim]
-// (kvcache.storage.rope_tables); kv_cells, lens: as for decode_attention, row i being
-// sequence i. Returns the hidden state after the last layer.
-at::Tensor decode_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
-                         const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& write_cells, const at::Tensor& rope_c,
-                         const at::Tensor& rope_s, const at::Tensor& kv_cells,
-                         const at::Tensor& lens, int64_t n_heads, double eps, double scale,
-                         int64_t group_size, int64_t small_rows, bool packed, bool int8) {
-  constexpr int64_t kPerLayer = 14;
-  const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
-              "decode_layers: expected ", n_layers * kPerLayer, " weight tensors");
-  TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "decode_layers: x and the cache must both be bfloat16 or float32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "decode_layers: k_cache and v_cache must be contiguous and of one shape");
-  const int64_t n = x.size(0), qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
-  const int64_t n_cells = k_cache.size(2);
-  auto cells = write_cells.to(at::kLong).contiguous();
-  TORCH_CHECK(cells.numel() == n, "decode_layers: write_cells must have one cell per row");
-  const int64_t* cp = cells.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells, "decode_layers: write_cells[", r, "] = ", cp[r],
-                " is not in [0, ", n_cells, ")");
-  auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const at::Tensor* w) {
-    return quant_linear(a, w, group_size, small_rows, packed, int8);
-  };
-  x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
-  const int64_t elem = static_cast<int64_t>(x.element_size());
-  auto normed = at::empty_like(x);  // each RMSNorm's output, reused across layers
-  at::Tensor gated;                  // [n, ffn]: each SiLU-mul's output, reused
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kPerLayer;
-    rms_norm_into(x, w[0], eps, normed);
-    auto qkv = mm(normed, w + 1).contiguous();  // [n, width]
-    TORCH_CHECK(qkv.size(1) == width, "decode_layers: wqkv gives ", qkv.size(1), " columns, not ",
-                width);
-    auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
-    rope_neox_(qk, rope_c, rope_s);
-    auto k_layer = k_cache.select(0, l);
-    auto v_layer = v_cache.select(0, l);
-    const char* base = static_cast<const char*>(qkv.data_ptr());
-    write_kv(k_layer, v_layer, cp, base + n_heads * hd * elem, base + qk_width * elem, n, n_kv,
-             hd, width, elem);
-    auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
-    auto attn = decode_attention(q, k_layer, v_layer, kv_cells, lens, scale);
-    add_rows_(x, mm(attn.view({n, n_heads * hd}), w + 4).contiguous());
-    rms_norm_into(x, w[7], eps, normed);
-    auto gate_up = mm(normed, w + 8);
-    if (!gated.defined()) gated = at::empty({n, gate_up.size(1) / 2}, x.options());
-    silu_mul_into(gate_up, gated);
-    add_rows_(x, mm(gated, w + 11).contiguous());
-  }
-  return x;
 }
 
 // What the compiler targeted (the build's -march): checked against model/kernels/isa.py's level
@@ -436,5 +297,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights, in int8");
   m.def("int4_gemm", &int4_gemm, "float32 batches times int4 weights (pack_int4_gemm), in int8");
   m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
-  m.def("decode_layers", &decode_layers, "every layer of an int4 / int8 decode step, bf16 or f32");
+  m.def("step_layers", &step_layers, "every layer of an int4 / int8 step, bf16 or f32");
 }

@@ -1,6 +1,7 @@
-"""model/native: the one-call C++ decode step gives the Python layers' logits, bit for bit, on
-every ISA level, for int4 weights with bfloat16 activations (oneDNN-packed bfloat16 weights on
-AVX-512, plain ones below) and with float32 ones (model/kernels/int4.cpp, the AVX2 default)."""
+"""model/native: the one-call C++ step gives the Python layers' logits, bit for bit, on every ISA
+level, for int4 weights with bfloat16 activations (oneDNN-packed bfloat16 weights on AVX-512,
+plain ones below) and with float32 ones (model/kernels/int4.cpp and gemm.cpp, the AVX2
+default), for decode steps, prompt chunks and steps that mix both."""
 
 from __future__ import annotations
 
@@ -42,20 +43,26 @@ def native_worker(loaded, n_cells: int = 1024):
 
 
 def decode(worker, prompts: list[list[int]], steps: int) -> torch.Tensor:
-    """Prefill every prompt, then `steps` greedy decode steps of all of them together."""
+    """Prefill every prompt, then `steps` greedy decode steps of all of them together; the
+    logits of the prefill's last rows, then of each step."""
     driver = Driver(worker, worker.storage.n_cells, seed=11)
-    last = driver.step([driver.chunk(s, p) for s, p in enumerate(prompts)])
-    rows = []
+    logits = driver.logits([driver.chunk(s, p) for s, p in enumerate(prompts)])
+    rows = [logits]
     for _ in range(steps):
+        last = logits.argmax(-1).tolist()
         logits = driver.logits([driver.chunk(s, [t]) for s, t in enumerate(last)])
         rows.append(logits)
-        last = logits.argmax(-1).tolist()
     return torch.stack(rows)
 
 
+def prompt_kernel_runs(worker) -> bool:
+    """Prompts take the C++ step where the prompt kernel exists for the model's dtype."""
+    return worker.prompt_kernel is not None
+
+
 @pytest.mark.parametrize(
-    "dtype, quant, n_seq",  # 6: past SMALL_ROWS, the dense GEMMs
-    [(d, "int4", n) for d in ("bfloat16", "float32") for n in (1, 3, 6)]
+    "dtype, quant, n_seq",  # 6: past SMALL_ROWS, the dense GEMMs; and int4_gemm past 8 rows
+    [(d, "int4", n) for d in ("bfloat16", "float32") for n in (1, 3, 6, 10)]
     + [(d, "int8", n) for d in ("bfloat16", "float32") for n in (1, 6)],
 )
 def test_native_layers_equal_the_python_layers(quantized, dtype, quant, n_seq, monkeypatch):
@@ -63,15 +70,48 @@ def test_native_layers_equal_the_python_layers(quantized, dtype, quant, n_seq, m
     prompts = [
         loaded.tokenizer.encode(f"Fact {i}: the sky is blue. " * (2 + 3 * i)) for i in range(n_seq)
     ]
-    worker = native_worker(loaded)
+    worker = native_worker(loaded, n_cells=4096)
     calls = []
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
     native = decode(worker, prompts, steps=6)
-    assert len(calls) == 6  # every decode step took the C++ path, no prefill did
-    worker.native = None  # the Python path attends with the same C++ kernel: the same ops
+    # every decode step took the C++ path, and the prefill too where the prompt kernel runs
+    assert len(calls) == 6 + prompt_kernel_runs(worker)
+    worker.native = None  # the Python path calls the same C++ kernels: the same ops
     python = decode(worker, prompts, steps=6)
     assert torch.equal(native, python)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_step_mixing_prompts_and_decodes_equals_the_python_layers(quantized, dtype, monkeypatch):
+    """Two sequences decode while a third's prompt arrives in two chunks: steps with decode
+    groups and prompt chunks together run in one C++ call, with the Python layers' logits."""
+    loaded = quantized(dtype, "int4")
+    worker = native_worker(loaded)
+    if not prompt_kernel_runs(worker):
+        pytest.skip(f"no prompt kernel for {dtype} on this ISA path: mixed steps stay in Python")
+    calls = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    tok = loaded.tokenizer.encode
+    first, late = [tok("The sky is"), tok("Water boils at")], tok("A long prompt: " * 12)
+
+    def run() -> torch.Tensor:
+        driver = Driver(worker, worker.storage.n_cells, seed=5)
+        out = [driver.logits([driver.chunk(s, p) for s, p in enumerate(first)])]
+        half = len(late) // 2
+        for chunk in (late[:half], late[half:], None):
+            last = out[-1][:2].argmax(-1).tolist()
+            step = [driver.chunk(s, [t]) for s, t in enumerate(last)]
+            if chunk is not None:
+                step.append(driver.chunk(2, chunk))
+            out.append(driver.logits(step)[:2])
+        return torch.cat(out)
+
+    native = run()
+    assert len(calls) == 4  # the prefill, two mixed steps, one decode step
+    worker.native = None
+    assert torch.equal(native, run())
 
 
 def test_quantized_models_qualify_and_the_reference_mode_does_not(smollm_path, quantized):
