@@ -110,7 +110,6 @@ class NativeDecoder:
         return covered == batch.tokens.shape[0]
 
     def layers(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        every_row = torch.empty(0, dtype=torch.int64)
         decodes, prompts = batch.decodes, batch.prompts
         bounds = [b for p in prompts for b in (p.start, p.end)]
         out: torch.Tensor = self.kernels.step_layers(
@@ -121,7 +120,7 @@ class NativeDecoder:
             batch.cells,
             batch.rope_c,
             batch.rope_s,
-            [every_row if g.rows is None else g.rows for g in decodes],
+            [_EVERY_ROW if g.rows is None else g.rows for g in decodes],
             [g.cells for g in decodes],
             [g.lens for g in decodes],
             bounds,
@@ -136,6 +135,9 @@ class NativeDecoder:
             self.int8,
         )
         return out
+
+
+_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # step_layers: a decode group of every row
 
 
 def _linears(block: Any) -> tuple[Any, ...]:

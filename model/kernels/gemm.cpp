@@ -21,19 +21,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = 320;  // 256 bytes of values, 8 scales, 8 minimums
 constexpr int64_t kRowChunk = 256;  // rows whose int8 values stay in L2 while weights stream
-#ifndef GEMM_ROWS
-#define GEMM_ROWS 3
-#define GEMM_BLOCKS 2
-#endif
-constexpr int kRows = GEMM_ROWS;  // rows x 2 blocks of 8: 8 group sums + 8 float sums (spilled) a tile
-constexpr int kBlocks = GEMM_BLOCKS;
+// a tile: 3 rows x 2 blocks of 8 outputs (6 group sums in registers; 2x4, 4x2, 6x1, 8x1, 2x2,
+// 5x1, 3x3 and 1x8 measured slower on Zen 4's AVX2 path, one thread: 3x2 114 GMAC/s)
+constexpr int kRows = 3;
+constexpr int kBlocks = 2;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // the int32 group sums of one row and 8 outputs: int16 pairs summed over the group's 8 steps
@@ -167,14 +164,7 @@ at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t n) {
   auto x = x_in.contiguous();
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xds;
-  xq.resize(m * k);
-  xds.resize(2 * m * groups);
-  quantize_rows_q8(x.data_ptr<float>(), m, k, xq.data(), xds.data(), xds.data() + m * groups);
-  // pointers, not the thread_local vectors: inside the tasks those names are each thread's own
-  const int8_t* qp = xq.data();
-  const float *dp = xds.data(), *ssum = xds.data() + m * groups;
+  const Q8Rows rows = quantize_rows(x);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // tasks: (row chunk, kBlocks output blocks); a tile's weights stay in L1 over the chunk's rows
@@ -182,9 +172,9 @@ at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t n) {
   at::parallel_for(0, chunks * spans, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c = t / spans, p = t % spans;
-      const int64_t r0 = c * kRowChunk, rows = std::min(kRowChunk, m - r0);
-      const Q8Rows at{qp + r0 * k, dp + r0 * groups, ssum + r0 * groups};
-      gemm_rows(at, rows, k, wp, kBlocks * p, std::min(blocks, kBlocks * (p + 1)), yp + r0 * n,
+      const int64_t r0 = c * kRowChunk, chunk = std::min(kRowChunk, m - r0);
+      const Q8Rows at{rows.q + r0 * k, rows.d + r0 * groups, rows.s + r0 * groups};
+      gemm_rows(at, chunk, k, wp, kBlocks * p, std::min(blocks, kBlocks * (p + 1)), yp + r0 * n,
                 n);
     }
   });

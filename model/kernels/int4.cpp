@@ -201,17 +201,22 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::T
   });
 }
 
-at::Tensor q8_matmul(const at::Tensor& x_in, int64_t n, Q8Tile tile) {
-  auto x = x_in.contiguous();
+Q8Rows quantize_rows(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xds;
   xq.resize(m * k);
   xds.resize(2 * m * groups);
   quantize_rows_q8(x.data_ptr<float>(), m, k, xq.data(), xds.data(), xds.data() + m * groups);
-  const Q8Rows rows{xq.data(), xds.data(), xds.data() + m * groups};
+  return {xq.data(), xds.data(), xds.data() + m * groups};
+}
+
+at::Tensor q8_matmul(const at::Tensor& x_in, int64_t n, Q8Tile tile) {
+  auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const Q8Rows rows = quantize_rows(x);
   float* yp = y.data_ptr<float>();
   // grain: ~64K weights a task, so that a 576-wide layer splits over the threads
   const int64_t grain = std::max<int64_t>(8, 65536 / k);

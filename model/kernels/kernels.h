@@ -122,6 +122,9 @@ struct Q8Rows {  // quantize_rows_q8's output for m rows of k
   const float* d;   // [m, k / 32]
   const float* s;   // [m, k / 32]
 };
+// int4.cpp: x [m, k] float32, contiguous -> quantize_rows_q8 into this thread's buffers (valid
+// until its next call; pointers, so that parallel tasks read the caller's buffers)
+Q8Rows quantize_rows(const at::Tensor& x);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 // int4.cpp: what int4_mm and int8_mm share: x [m, k] float32 -> y [m, n] float32, the rows
 // quantized once (quantize_rows_q8), then tasks of output blocks (a block's weights stay in L1
