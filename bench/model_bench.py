@@ -33,8 +33,14 @@ REPEATS = 2  # best of: the CI machine is shared
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_plan(tokens: list[list[int]], starts: list[int], n_cells_per_seq: int) -> BatchPlan:
-    """Seq i writes tokens[i] at positions starts[i].. into its own cell range."""
+def make_plan(
+    tokens: list[list[int]],
+    starts: list[int],
+    n_cells_per_seq: int,
+    windows: tuple[int, ...] = (0,),
+) -> BatchPlan:
+    """Seq i writes tokens[i] at positions starts[i].. into its own cell range; one plan group
+    per window of the model's layer groups (each pool with the same cells)."""
     flat, pos, seqs, cells, batches, samples, kvs = [], [], [], [], [], [], []
     for i, toks in enumerate(tokens):
         row0, base = len(flat), i * n_cells_per_seq
@@ -48,8 +54,9 @@ def make_plan(tokens: list[list[int]], starts: list[int], n_cells_per_seq: int) 
         kvs.append((base + kv, kv))
         samples.append(SampleRow(len(flat) - 1, GREEDY, 0, 0, len(toks)))
     tok, p_arr, seq_arr, cell_arr = (np.array(a, np.int64) for a in (flat, pos, seqs, cells))
-    group = full_group(cell_arr, kvs, [p_arr[b.start : b.end] for b in batches])
-    return BatchPlan(tok, p_arr, seq_arr, batches, [group], samples)
+    q_pos = [p_arr[b.start : b.end] for b in batches]
+    groups = [full_group(cell_arr, kvs, q_pos, window=w) for w in windows]
+    return BatchPlan(tok, p_arr, seq_arr, batches, groups, samples)
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -60,13 +67,14 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 def ours_decode(worker: ModelWorker, conc: int, vocab: int) -> float:
     per_seq = PROMPT_LEN + DECODE_STEPS + 1
     batch = prompts(conc, PROMPT_LEN, vocab)
-    first = worker.execute(make_plan(batch, [0] * conc, per_seq)).token_ids
+    windows = tuple(g.spec.window for g in worker.model.args.memory_spec.groups)
+    first = worker.execute(make_plan(batch, [0] * conc, per_seq, windows)).token_ids
     best = float("inf")
     for _ in range(REPEATS):
         last = first
         start = time.perf_counter()
         for step in range(DECODE_STEPS):
-            plan = make_plan([[t] for t in last], [PROMPT_LEN + step] * conc, per_seq)
+            plan = make_plan([[t] for t in last], [PROMPT_LEN + step] * conc, per_seq, windows)
             last = worker.execute(plan).token_ids
         best = min(best, time.perf_counter() - start)
     return conc * DECODE_STEPS / best

@@ -1,7 +1,9 @@
-"""`python -m bench.native_bench [--rounds N]`: the default setup's decode tokens/s at 1 and 32
-sequences on this process's ISA path (set CELLSERVE_ISA to pick one), with and without the
-C++ decode path, interleaved round by round in one process so that a shared machine's load
-hits both alike.
+"""`python -m bench.native_bench [--rounds N] [--model gemma3|PATH]`: the default setup's decode
+tokens/s at 1 and 32 sequences on this process's ISA path (set CELLSERVE_ISA to pick one), with
+and without the C++ decode path, interleaved round by round in one process so that a shared
+machine's load hits both alike. The model: the embedded SmolLM2 by default, "gemma3" for
+Gemma-3-270M (model/packaged.py: sliding-window layers on their own pool, q/k and post norms,
+GeGLU), or a path.
 
 "python": the Python layers (model/llama.py), and for float32 activations QuantLinear rounding
 small batches to bfloat16 for torch's int4 kernel (no int4_mm) and torch's RMSNorm / SiLU (no
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 from typing import Any
 
 from model.kernels import isa
 
 
-def run(rounds: int = 3, concurrency: tuple[int, ...] = (1, 32)) -> dict[str, Any]:
+def run(
+    rounds: int = 3, concurrency: tuple[int, ...] = (1, 32), model: str | None = None
+) -> dict[str, Any]:
     level = isa.apply_forced_isa()
     import torch
 
@@ -27,10 +32,17 @@ def run(rounds: int = 3, concurrency: tuple[int, ...] = (1, 32)) -> dict[str, An
     from model import default_model_path, load_model
     from model.kernels import kernel_status
     from model.loader import choose_runtime
+    from model.packaged import gemma3_270m_path
     from model.quant import QuantLinear, quantize
     from model.worker import make_worker
 
-    path = default_model_path()
+    path = (
+        default_model_path()
+        if model is None
+        else gemma3_270m_path()
+        if model == "gemma3"
+        else pathlib.Path(model)
+    )
     auto = choose_runtime(path, "cpu")
     loaded = load_model(path, dtype=auto.dtype)
     quantize(loaded.transformer, auto.quant)
@@ -47,6 +59,7 @@ def run(rounds: int = 3, concurrency: tuple[int, ...] = (1, 32)) -> dict[str, An
             m.kernels = k if fast else None
 
     result: dict[str, Any] = {
+        "model": path.name,
         "isa": level,
         "kernels": kernel_status().level or "none",
         "dtype": auto.dtype,
@@ -71,5 +84,6 @@ def run(rounds: int = 3, concurrency: tuple[int, ...] = (1, 32)) -> dict[str, An
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help='"gemma3" or a model path')
     args = parser.parse_args()
-    print(json.dumps(run(args.rounds), indent=1))
+    print(json.dumps(run(args.rounds, model=args.model), indent=1))

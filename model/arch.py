@@ -1,10 +1,12 @@
 """An architecture is a small description over the shared blocks, not a copy of the forward.
 
 `BlockSpec` says which norms, MLP activation and extras every block uses; `ModelArgs` adds the
-sizes and the per-layer attention (sliding window, RoPE). model/llama.py builds the forward from
-them, and model/native.py's C++ fast path runs only the plain Llama description
-(`ModelArgs.plain_llama`). The loaders map file metadata onto these through `ARCH_BLOCKS` and
-the per-architecture layer patterns below; an architecture not listed is refused by name.
+sizes and the per-layer attention (sliding window, RoPE). `ModelArgs.layer_spec(i)` folds them
+into one `LayerSpec` per layer: what block i computes. Both forwards follow it: model/llama.py's
+Block (the Python layers) and model/native.py's C++ step (step.cpp), which reads the same parts
+by the same names, so an architecture described here runs on both without a line of C++. The
+loaders map file metadata onto these through `ARCH_BLOCKS` and the per-architecture layer
+patterns below; an architecture not listed is refused by name.
 """
 
 from __future__ import annotations
@@ -94,6 +96,48 @@ class SSMArgs:
         return ((self.conv_dim, self.d_conv - 1), (self.n_heads, self.head_dim, self.d_state))
 
 
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What one block computes (model/llama.py Block; model/native.py's C++ step):
+
+    h = x + m * [post_attn_norm](mixer(attn_norm(x)))
+    out = h + m * [post_ffn_norm](w2(act(w1 f) * w3 f)), f = ffn_norm(h)   (only with `ffn`)
+
+    mixer "attn": qkv = wqkv x [+ bqkv]; [q_norm, k_norm per head]; RoPE (`rope`; None: NoPE);
+    K/V into the cells of the layer's pool (window 0: the full pool, W: the window's); attention
+    over the cells the row may see (p - W, p], softmax scale `scale`; then wo. mixer "mamba2":
+    model/mamba2.py over the sequence's state slot. m = residual_mult."""
+
+    mixer: Mixer
+    window: int  # 0: full attention; W > 0 sees (p - W, p]
+    rope: RopeConfig | None  # None: no position encoding (NoPE, and mamba2 layers)
+    swa_rope: bool  # rotates with the sliding-window tables (ForwardBatch.rope_swa)
+    scale: float  # softmax scale
+    qkv_bias: bool
+    qk_norm: bool
+    post_norms: bool
+    ffn: bool
+    activation: Activation
+    norm_shift: float
+    residual_mult: float
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        """The weight kinds this block reads (layers.{i}.<kind>)."""
+        ffn = ["ffn_norm", "w1", "w3", "w2"] if self.ffn else []
+        if self.mixer == "mamba2":
+            kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
+            return tuple([*kinds, "ssm_out", *ffn])
+        kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn]
+        if self.qkv_bias:
+            kinds += ["bq", "bk", "bv"]
+        if self.qk_norm:
+            kinds += ["q_norm", "k_norm"]
+        if self.post_norms:
+            kinds += ["post_attn_norm", "post_ffn_norm"]
+        return tuple(kinds)
+
+
 @dataclass(slots=True)
 class ModelArgs:
     arch: str
@@ -143,18 +187,22 @@ class ModelArgs:
     def scale(self) -> float:
         return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
 
-    @property
-    def plain_llama(self) -> bool:
-        """The Llama block with full attention everywhere: what model/native.py implements."""
-        return (
-            self.block == LLAMA
-            and not self.mixers
-            and self.ffn
-            and not self.nope
-            and (self.embed_mult, self.residual_mult, self.logits_scaling) == (1.0, 1.0, 1.0)
-            and not any(self.windows)
-            and self.rope_swa is None
-            and self.attn_scale is None
+    def layer_spec(self, layer: int) -> LayerSpec:
+        mixer, block = self.mixer(layer), self.block
+        rope = self.rope_of(layer)
+        return LayerSpec(
+            mixer=mixer,
+            window=self.window(layer),
+            rope=None if self.nope or mixer != "attn" else rope,
+            swa_rope=rope is not self.rope,
+            scale=self.scale,
+            qkv_bias=self.qkv_bias,
+            qk_norm=block.qk_norm,
+            post_norms=block.post_norms,
+            ffn=self.ffn,
+            activation=block.activation,
+            norm_shift=block.norm_shift,
+            residual_mult=self.residual_mult,
         )
 
     @property
@@ -219,22 +267,12 @@ def _ssm_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def layer_weights(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
-    """The weight kinds block `layer` of `args` needs (its description decides which)."""
-    ffn = ["ffn_norm", "w1", "w3", "w2"] if args.ffn else []
+    """The weight kinds block `layer` of `args` needs (its LayerSpec, and the Mamba2 biases)."""
+    kinds = list(args.layer_spec(layer).weights)
     if args.mixer(layer) == "mamba2":
         assert args.ssm is not None
-        kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
-        kinds += ["ssm_out", *ffn]
         if args.ssm.conv_bias:
             kinds.append("ssm_conv_b")
         if args.ssm.proj_bias:
             kinds += ["ssm_in_b", "ssm_out_b"]
-        return tuple(kinds)
-    kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn]
-    if args.qkv_bias:
-        kinds += ["bq", "bk", "bv"]
-    if args.block.qk_norm:
-        kinds += ["q_norm", "k_norm"]
-    if args.block.post_norms:
-        kinds += ["post_attn_norm", "post_ffn_norm"]
     return tuple(kinds)

@@ -52,24 +52,24 @@ class Attention(nn.Module):
         self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str, layer: int = 0
     ) -> None:
         super().__init__()
+        spec = args.layer_spec(layer)
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        rope = args.rope_of(layer)
-        self.layout = rope.layout
-        self.rot = 0 if args.nope else rope.dim  # NoPE (Granite 4.0-H): no rotation at all
-        self.swa_rope = rope is not args.rope  # reads ForwardBatch.rope_swa
-        self.window = args.window(layer)
-        self.scale = args.scale
+        self.layout = "neox" if spec.rope is None else spec.rope.layout
+        self.rot = 0 if spec.rope is None else spec.rope.dim  # NoPE (Granite 4.0-H): none
+        self.swa_rope = spec.swa_rope  # reads ForwardBatch.rope_swa
+        self.window = spec.window
+        self.scale = spec.scale
         self.sdpa_scale = args.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.q_norm = self.k_norm = None
-        if args.block.qk_norm:
-            shift, eps = args.block.norm_shift, args.norm_eps
+        if spec.qk_norm:
+            shift, eps = spec.norm_shift, args.norm_eps
             self.q_norm = RMSNorm(weights[prefix + "q_norm"], eps, shift)
             self.k_norm = RMSNorm(weights[prefix + "k_norm"], eps, shift)
         wqkv = torch.cat([weights[prefix + n] for n in ("wq", "wk", "wv")])
         bqkv = None
-        if args.qkv_bias:
+        if spec.qkv_bias:
             bqkv = torch.cat([weights[prefix + n] for n in ("bq", "bk", "bv")])
         self.wqkv = Linear(wqkv, bqkv)
         self.wo = Linear(weights[prefix + "wo"])
@@ -82,7 +82,8 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)  # [n, (h + 2 h_kv) * hd]
         qk = qkv[:, : (h + h_kv) * hd].view(n, h + h_kv, hd)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+            fused = batch.fused
+            qk = torch.cat((self.q_norm(qk[:, :h], fused), self.k_norm(qk[:, h:], fused)), dim=1)
         rope_c, rope_s = batch.rope_c, batch.rope_s
         if self.swa_rope:
             assert batch.rope_swa is not None, "the worker builds rope_swa for rope_swa models"
@@ -172,24 +173,26 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """h = x + m * [post_attn_norm](mixer(attn_norm(x))); out = h + m * [post_ffn_norm](mlp(
-    ffn_norm(h))), m = args.residual_mult; the mixer is Attention, or Mamba2Mixer on a
-    "mamba2" layer; no MLP half without args.ffn (Mamba2)."""
+    """One layer as its model.arch.LayerSpec describes it: h = x + m * [post_attn_norm](mixer(
+    attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
+    mixer is Attention, or Mamba2Mixer on a "mamba2" layer; no MLP half without `ffn` (Mamba2).
+    model/native.py's C++ step reads the same spec and the same modules' weights."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
         super().__init__()
         prefix = f"layers.{layer}."
-        spec, eps = args.block, args.norm_eps
+        spec, eps = args.layer_spec(layer), args.norm_eps
+        self.spec = spec
         self.layer = layer
-        self.residual_mult = args.residual_mult
+        self.residual_mult = spec.residual_mult
         self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, spec.norm_shift)
         self.attention: Attention | Mamba2Mixer = (
             Mamba2Mixer(args, weights, prefix)
-            if args.mixer(layer) == "mamba2"
+            if spec.mixer == "mamba2"
             else Attention(args, weights, prefix, layer)
         )
         self.ffn_norm = self.feed_forward = None
-        if args.ffn:
+        if spec.ffn:
             self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, spec.norm_shift)
             self.feed_forward = FeedForward(weights, prefix, spec.activation)
         self.post_attention_norm = self.post_ffn_norm = None

@@ -2,14 +2,19 @@
 
 A step through the Python layers is ~1,000 small torch calls; from Python each costs a few
 microseconds more than the op itself. For int4 or int8 models with bfloat16 activations (the
-AVX-512 BF16 default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs the
-same ops in the same order as model/llama.py's Block (the quantized GEMMs, the fused RMSNorm /
-SiLU-mul / RoPE kernels the Python layers call too through ForwardBatch.fused, the attention
-kernels, and raw passes for the K/V writes and residual adds that give torch's bits), so the
-logits equal the Python path's bit for bit: tests/model/test_native.py. It takes decode steps,
-prompt chunks and steps that mix both, wherever every attention group has the C++ kernels'
-cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16) and covers
-its rows.
+AVX-512 BF16 default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs each
+block as its model.arch.LayerSpec says, the spec model/llama.py's Block is built from: the
+norms, q/k norms, biases, RoPE table, window and MLP activation the spec names, read from the
+Block's own modules (`StepLayer`), with the same ops in the same order (the quantized GEMMs, the
+fused RMSNorm / SiLU-mul / RoPE kernels the Python layers call too through ForwardBatch.fused,
+the attention kernels, and raw passes for the K/V writes and residual adds that give torch's
+bits), so the logits equal the Python path's bit for bit: tests/model/test_native.py, for
+Llama (SmolLM2), Qwen2 (q/k/v biases) and Gemma 3 (q/k norms, post norms, GeGLU, sliding
+windows over their own pool, two RoPE bases). An architecture described in model/arch.py runs
+here without C++ of its own; recurrent (Mamba2) layers stay in Python. It takes decode steps,
+prompt chunks and steps that mix both, wherever every attention group of every window has the
+C++ kernels' cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16;
+a window's prompt chunks take the masked torch path) and covers its rows.
 Each linear picks its kernel by row count as QuantLinear does (int4: torch's for bfloat16
 activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past them;
 int8: torch's, on bfloat16 rows; past small_rows the dense copy, oneDNN-packed where it can).
@@ -28,17 +33,21 @@ from typing import Any
 
 import torch
 
-from kvcache.storage import KVStorage
-from model.llama import ForwardBatch, Transformer
+from kvcache.storage import GroupedKVStorage, KVStorage
+from model.batch import DecodeGroup, PromptGroup
+from model.llama import Block, ForwardBatch, Transformer
 from model.quant import INT4_GROUP, QuantLinear
 
 
 @dataclass(slots=True)
 class NativeDecoder:
-    """Flattened per-layer weights for step_layers; `build` says whether a model qualifies."""
+    """Each block as a kernels.StepLayer for step_layers; `build` says whether a model
+    qualifies."""
 
     kernels: Any  # the model.kernels module
-    weights: list[torch.Tensor]
+    layers_: list[Any]  # kernels.StepLayer per block
+    windows: list[int]  # the step's StepGroups, in order: one per window (0: full attention)
+    swa_rope: bool  # the sliding-window layers rotate with ForwardBatch.rope_swa
     n_heads: int
     eps: float
     scale: float
@@ -47,85 +56,108 @@ class NativeDecoder:
     int8: bool  # QuantLinear "int8" weights (else "int4")
 
     @staticmethod
-    def build(model: Transformer, storage: KVStorage, kernels: Any) -> NativeDecoder | None:
+    def build(
+        model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any
+    ) -> NativeDecoder | None:
         args = model.args
-        f32 = model.dtype == torch.float32
         if (
             kernels is None
             or model.dtype not in (torch.bfloat16, torch.float32)
             or storage.dtype != model.dtype
-            or not args.plain_llama  # the C++ step implements the Llama block only
-            or args.rope.layout != "neox"
-            or args.rope.dim != args.head_dim
         ):
             return None
-        linears = [m for block in model.layers for m in _linears(block)]
+        blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
+        specs = [b.spec for b in blocks]
+        if any(s.mixer != "attn" or not s.ffn for s in specs):
+            return None  # recurrent mixers run in Python (model/mamba2.py)
+        if any(
+            s.rope is not None and (s.rope.layout, s.rope.dim) != ("neox", args.head_dim)
+            for s in specs
+        ):
+            return None  # rope_neox_ rotates whole heads in the rotate-half layout
+        linears = [m for b in blocks for m in _linears(b)]
         kinds = {m.kind if isinstance(m, QuantLinear) else None for m in linears}
         if len(kinds) != 1 or kinds & {None, "fbgemm8"}:
             return None
         int8 = kinds == {"int8"}
-        if any(m.bias is not None for m in linears):
-            return None
-        if f32 and not int8 and any(m.kernels is None for m in linears):
+        f32_int4 = model.dtype == torch.float32 and not int8
+        if f32_int4 and any(m.kernels is None for m in linears):
             return None  # int4 with float32 rows needs int4_mm's copy (model/quant.py)
-        weights: list[torch.Tensor] = []
-        for block in model.layers:
-            norms = (block.attention_norm.weight, None, block.ffn_norm.weight, None)
-            for norm, lin in zip(norms, _linears(block), strict=True):
-                if norm is not None:
-                    weights.append(norm.detach())
-                if f32 and not int8:
-                    weights += [lin.q4, lin.q4_scale_min, lin.q4_gemm]
-                else:
-                    weights += [lin.packed, lin.scales, lin.dense]
-        packed = {m.dense_packed for b in model.layers for m in _linears(b)}
+        packed = {m.dense_packed for m in linears}
         small = {m.small_rows for m in linears}
         if len(packed) != 1 or len(small) != 1:
             return None
+        windows = sorted({s.window for s in specs})
+        layers = []
+        for i, (block, spec) in enumerate(zip(blocks, specs, strict=True)):
+            layer = kernels.StepLayer()
+            attn, ffn = block.attention, block.feed_forward
+            assert ffn is not None and block.ffn_norm is not None
+            layer.attn_norm = block.attention_norm.weight.detach()
+            layer.ffn_norm = block.ffn_norm.weight.detach()
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(attn, name)
+                setattr(layer, name, None if norm is None else norm.weight.detach())
+            for name, norm in (
+                ("post_attn_norm", block.post_attention_norm),
+                ("post_ffn_norm", block.post_ffn_norm),
+            ):
+                setattr(layer, name, None if norm is None else norm.weight.detach())
+            for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
+                setattr(layer, name, _step_linear(kernels, lin, f32_int4))
+            layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
+            layer.groups = windows.index(spec.window)
+            layer.rope = -1 if spec.rope is None else int(spec.swa_rope)
+            layer.gelu = spec.activation == "gelu_tanh"
+            layer.residual_mult = spec.residual_mult
+            layers.append(layer)
         return NativeDecoder(
             kernels,
-            weights,
+            layers,
+            windows,
+            any(s.swa_rope for s in specs),
             args.n_heads,
             args.norm_eps,
-            args.head_dim**-0.5,
+            args.scale,
             packed.pop(),
             small.pop(),
             int8,
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
-        """Every attention group kernel-ready (cells and lens set; prompts only where the
-        prompt kernel runs), together covering the batch's rows."""
-        if batch.windowed or batch.state is not None:
+        """Every attention group of every window kernel-ready (cells and lens set; prompts only
+        where the prompt kernel runs), each window's together covering the batch's rows."""
+        if batch.state is not None:
             return False
-        covered = 0
-        for g in batch.decodes:
-            if g.lens is None or g.cells is None:
+        n = batch.tokens.shape[0]
+        for window in self.windows:
+            if window and window not in batch.windowed:
                 return False
-            covered += batch.tokens.shape[0] if g.rows is None else g.rows.shape[0]
-        for p in batch.prompts:
-            if p.lens is None or p.cells is None:
+            decodes, prompts = batch.groups(window)
+            covered = 0
+            for g in decodes:
+                if g.lens is None or g.cells is None:
+                    return False
+                covered += n if g.rows is None else g.rows.shape[0]
+            for p in prompts:
+                if p.lens is None or p.cells is None:
+                    return False
+                covered += p.end - p.start
+            if covered != n:
                 return False
-            covered += p.end - p.start
-        return covered == batch.tokens.shape[0]
+        return True
 
-    def layers(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        decodes, prompts = batch.decodes, batch.prompts
-        bounds = [b for p in prompts for b in (p.start, p.end)]
+    def layers(self, x: torch.Tensor, batch: ForwardBatch, storage: Any) -> torch.Tensor:
+        groups = [self._groups(batch, w) for w in self.windows]
+        ropes = [batch.rope_c, batch.rope_s]
+        if self.swa_rope:
+            assert batch.rope_swa is not None, "the worker builds rope_swa for rope_swa models"
+            ropes += list(batch.rope_swa)
         out: torch.Tensor = self.kernels.step_layers(
             x,
-            self.weights,
-            storage.k,
-            storage.v,
-            batch.cells,
-            batch.rope_c,
-            batch.rope_s,
-            [_EVERY_ROW if g.rows is None else g.rows for g in decodes],
-            [g.cells for g in decodes],
-            [g.lens for g in decodes],
-            bounds,
-            [p.cells for p in prompts],
-            [p.lens for p in prompts],
+            self.layers_,
+            groups,
+            ropes,
             self.n_heads,
             self.eps,
             self.scale,
@@ -136,10 +168,38 @@ class NativeDecoder:
         )
         return out
 
+    def _groups(self, batch: ForwardBatch, window: int) -> Any:
+        decodes: list[DecodeGroup]
+        prompts: list[PromptGroup]
+        decodes, prompts = batch.groups(window)
+        g = self.kernels.StepGroups()
+        g.write_cells = batch.write_cells(window)
+        g.decode_rows = [_EVERY_ROW if d.rows is None else d.rows for d in decodes]
+        g.decode_cells = [d.cells for d in decodes]
+        g.decode_lens = [d.lens for d in decodes]
+        g.prompt_bounds = [b for p in prompts for b in (p.start, p.end)]
+        g.prompt_cells = [p.cells for p in prompts]
+        g.prompt_lens = [p.lens for p in prompts]
+        return g
+
 
 _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # step_layers: a decode group of every row
 
 
-def _linears(block: Any) -> tuple[Any, ...]:
+def _linears(block: Block) -> tuple[Any, ...]:
     a, f = block.attention, block.feed_forward
+    assert f is not None
     return (a.wqkv, a.wo, f.w13, f.w2)
+
+
+def _step_linear(kernels: Any, lin: QuantLinear, f32_int4: bool) -> Any:
+    """QuantLinear's weights and biases as step_layers' quant_linear reads them."""
+    w = kernels.StepLinear()
+    if f32_int4:
+        w.w0, w.w1, w.w2 = lin.q4, lin.q4_scale_min, lin.q4_gemm
+        w.bias = lin.kernel_bias
+    else:
+        w.w0, w.w1, w.w2 = lin.packed, lin.scales, lin.dense
+        w.bias = lin.bias
+    w.dense_bias = lin.dense_bias
+    return w

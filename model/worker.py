@@ -76,12 +76,11 @@ class ModelWorker:
         # RecurrentStorage for the recurrent group
         self.kv = storage.groups if isinstance(storage, GroupedKVStorage) else [storage]
         self.state = storage.state if isinstance(storage, GroupedKVStorage) else None
-        single = isinstance(storage, KVStorage)
         if batch_invariant:  # one GEMM at every row count: the quantized layers' dense copies
             for m in model.modules():
                 if isinstance(m, QuantLinear):
                     m.small_rows = 0
-        self.native = NativeDecoder.build(model, storage, kernels) if single else None
+        self.native = NativeDecoder.build(model, storage, kernels)
         args = model.args
         bf16 = model.dtype == storage.dtype == torch.bfloat16
         f32 = model.dtype == storage.dtype == torch.float32

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -97,16 +98,39 @@ bool has_bf16_kernels();
 void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
-// step.cpp: every layer of a step in one call (model/native.py)
-at::Tensor step_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
-                       const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& write_cells, const at::Tensor& rope_c,
-                       const at::Tensor& rope_s, const std::vector<at::Tensor>& decode_rows,
-                       const std::vector<at::Tensor>& decode_cells,
-                       const std::vector<at::Tensor>& decode_lens,
-                       const std::vector<int64_t>& prompt_bounds,
-                       const std::vector<at::Tensor>& prompt_cells,
-                       const std::vector<at::Tensor>& prompt_lens, int64_t n_heads, double eps,
+// step.cpp: every layer of a step in one call (model/native.py), each layer as its
+// model.arch.LayerSpec describes it. A linear as model/quant.py QuantLinear holds it: the
+// kernel triple (int4 with float32 rows: q4, q4_scale_min, q4_gemm; int4 with bfloat16 rows:
+// torch's int4pack, scales_zeros, dense; int8: int8 [n, k], scales [n], dense) and its biases
+// (`bias` on the quantized kernel's output, `dense_bias` inside the dense GEMM).
+struct StepLinear {
+  at::Tensor w0, w1, w2;
+  std::optional<at::Tensor> bias, dense_bias;
+};
+// One block: the parts model/llama.py's Block has for the layer's LayerSpec, by its names
+// (absent optionals: the spec has no such part).
+struct StepLayer {
+  at::Tensor attn_norm, ffn_norm;
+  std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;
+  StepLinear wqkv, wo, w13, w2;
+  at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, head_dim] of its pool
+  int64_t groups = 0;           // which of the step's StepGroups it attends (its window's)
+  int64_t rope = 0;             // which rope table pair rotates it; -1: NoPE
+  bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
+  double residual_mult = 1.0;
+};
+// model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
+// (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt
+// chunk its rows [start, end) (bounds: start, end, ...), cells [n_kv] in position order, lens.
+struct StepGroups {
+  at::Tensor write_cells;
+  std::vector<at::Tensor> decode_rows, decode_cells, decode_lens;
+  std::vector<int64_t> prompt_bounds;
+  std::vector<at::Tensor> prompt_cells, prompt_lens;
+};
+at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
+                       const std::vector<StepGroups>& groups,
+                       const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
                        double scale, int64_t group_size, int64_t small_rows, bool packed,
                        bool int8);
 bool has_f32_kernels();

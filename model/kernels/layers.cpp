@@ -298,4 +298,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "float32 batches times int4 weights (pack_int4_gemm), in int8");
   m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
   m.def("step_layers", &step_layers, "every layer of an int4 / int8 step, bf16 or f32");
+  // step_layers' arguments (kernels.h), built field by field from Python (model/native.py)
+  py::class_<StepLinear>(m, "StepLinear")
+      .def(py::init<>())
+      .def_readwrite("w0", &StepLinear::w0)
+      .def_readwrite("w1", &StepLinear::w1)
+      .def_readwrite("w2", &StepLinear::w2)
+      .def_readwrite("bias", &StepLinear::bias)
+      .def_readwrite("dense_bias", &StepLinear::dense_bias);
+  py::class_<StepLayer>(m, "StepLayer")
+      .def(py::init<>())
+      .def_readwrite("attn_norm", &StepLayer::attn_norm)
+      .def_readwrite("ffn_norm", &StepLayer::ffn_norm)
+      .def_readwrite("q_norm", &StepLayer::q_norm)
+      .def_readwrite("k_norm", &StepLayer::k_norm)
+      .def_readwrite("post_attn_norm", &StepLayer::post_attn_norm)
+      .def_readwrite("post_ffn_norm", &StepLayer::post_ffn_norm)
+      .def_readwrite("wqkv", &StepLayer::wqkv)
+      .def_readwrite("wo", &StepLayer::wo)
+      .def_readwrite("w13", &StepLayer::w13)
+      .def_readwrite("w2", &StepLayer::w2)
+      .def_readwrite("k_cache", &StepLayer::k_cache)
+      .def_readwrite("v_cache", &StepLayer::v_cache)
+      .def_readwrite("groups", &StepLayer::groups)
+      .def_readwrite("rope", &StepLayer::rope)
+      .def_readwrite("gelu", &StepLayer::gelu)
+      .def_readwrite("residual_mult", &StepLayer::residual_mult);
+  py::class_<StepGroups>(m, "StepGroups")
+      .def(py::init<>())
+      .def_readwrite("write_cells", &StepGroups::write_cells)
+      .def_readwrite("decode_rows", &StepGroups::decode_rows)
+      .def_readwrite("decode_cells", &StepGroups::decode_cells)
+      .def_readwrite("decode_lens", &StepGroups::decode_lens)
+      .def_readwrite("prompt_bounds", &StepGroups::prompt_bounds)
+      .def_readwrite("prompt_cells", &StepGroups::prompt_cells)
+      .def_readwrite("prompt_lens", &StepGroups::prompt_lens);
 }

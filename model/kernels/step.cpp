@@ -1,5 +1,7 @@
-// The one-call step (model/native.py): a Llama block's computation over all layers in C++,
-// with the kernels the Python layers call (layers.cpp, attention*.cpp, int4.cpp, gemm.cpp).
+// The one-call step (model/native.py): every block of a step in C++, each as its
+// model.arch.LayerSpec describes it (the parts it has, its window's attention groups, its RoPE
+// table), with the kernels the Python layers call (layers.cpp, attention*.cpp, int4.cpp,
+// gemm.cpp).
 #include "kernels.h"
 
 #include <torch/extension.h>
@@ -26,38 +28,49 @@ void add_rows_(at::Tensor& x, const at::Tensor& y) {
   }
 }
 
-// oneDNN's bfloat16 linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
+// x += m * y as model/llama.py's Block adds a sublayer: `x + y` at m == 1, else `x + y * m`
+// (the product rounded to x's dtype first, as torch does).
+void add_residual_(at::Tensor& x, const at::Tensor& y, double m) {
+  add_rows_(x, m == 1.0 ? y.contiguous() : at::mul(y, m).contiguous());
+}
+
+// oneDNN's linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
 // model/quant.py dense_linear runs), through the dispatcher: it has no at:: function.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
+  torch::jit::Stack stack{x,
+                          w,
+                          bias ? c10::IValue(*bias) : c10::IValue(),
+                          c10::IValue(std::string("none")),
                           c10::IValue(c10::List<std::optional<at::Scalar>>()),
                           c10::IValue(std::string())};
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
 
-// model/quant.py QuantLinear.forward (int4 or int8, no bias) on a weight triple: up to
-// small_rows rows the quantized kernel, more rows the batch one. int4 with float32 rows:
-// (q4, q4_scale_min, q4_gemm), int4_mm then int4_gemm; int4 with bfloat16 rows: (torch's
-// int4pack, scales_zeros, dense), _weight_int4pack_mm then the dense copy in its own dtype; int8:
-// (int8, scales, dense), torch's _weight_int8pack_mm (bfloat16 rows only) then the dense copy.
-at::Tensor quant_linear(const at::Tensor& a, const at::Tensor* w, int64_t group_size,
+// model/quant.py QuantLinear.forward (int4 or int8): up to small_rows rows the quantized
+// kernel (+ bias), more rows the batch one (the dense copy with dense_bias inside; int4 with
+// float32 rows: int4_gemm + bias).
+at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size,
                         int64_t small_rows, bool packed, bool int8) {
+  auto with_bias = [&w](at::Tensor y) { return w.bias ? at::add(y, *w.bias) : y; };
   if (!int8 && a.scalar_type() == at::kFloat) {
-    return a.size(0) <= small_rows ? int4_mm(a, w[0], w[1]) : int4_gemm(a, w[2], w[0].size(0));
+    return with_bias(a.size(0) <= small_rows ? int4_mm(a, w.w0, w.w1)
+                                             : int4_gemm(a, w.w2, w.w0.size(0)));
   }
   if (a.size(0) <= small_rows) {
     if (int8) {
-      if (a.scalar_type() == at::kBFloat16) return at::_weight_int8pack_mm(a, w[0], w[1]);
-      return at::_weight_int8pack_mm(a.to(at::kBFloat16), w[0], w[1]).to(a.scalar_type());
+      if (a.scalar_type() == at::kBFloat16) return with_bias(at::_weight_int8pack_mm(a, w.w0, w.w1));
+      auto y = with_bias(at::_weight_int8pack_mm(a.to(at::kBFloat16), w.w0, w.w1));
+      return y.to(a.scalar_type());
     }
-    return at::_weight_int4pack_mm_for_cpu(a, w[0], group_size, w[1]);
+    return with_bias(at::_weight_int4pack_mm_for_cpu(a, w.w0, group_size, w.w1));
   }
-  const auto dense = w[2].scalar_type();
+  const auto dense = w.w2.scalar_type();
   const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
-  auto y = packed ? packed_linear(in, w[2]) : at::linear(in, w[2]);
+  auto y = packed ? packed_linear(in, w.w2, w.dense_bias) : at::linear(in, w.w2, w.dense_bias);
   return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
 }
 
@@ -79,128 +92,161 @@ void write_kv(const at::Tensor& k_layer, const at::Tensor& v_layer, const int64_
   }
 }
 
-using Attend = c10::function_ref<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+// model/llama.py Attention's q_norm / k_norm: RMSNorm over head_dim of `heads` heads of qkv
+// [n, width] starting at column col, written back in place (the Python layers norm a copy and
+// cat it: the same values).
+void norm_heads_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w,
+                 double eps) {
+  auto view = qkv.narrow(1, col, heads * hd).view({qkv.size(0), heads, hd});
+  auto in = view.contiguous();
+  auto out = at::empty_like(in);
+  rms_norm_into(in, w, eps, out);
+  view.copy_(out);
+}
 
-// every layer over x with `attend(q [n, heads, hd] strided, k_layer, v_layer) -> [n, heads, hd]`
-at::Tensor run_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
-                      const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& write_cells, const at::Tensor& rope_c,
-                      const at::Tensor& rope_s, int64_t n_heads, double eps, int64_t group_size,
-                      int64_t small_rows, bool packed, bool int8, Attend attend) {
-  constexpr int64_t kPerLayer = 14;
-  const int64_t n_layers = k_cache.size(0), n_kv = k_cache.size(1), hd = k_cache.size(3);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kPerLayer,
-              "step_layers: expected ", n_layers * kPerLayer, " weight tensors");
-  TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "step_layers: x and the cache must both be bfloat16 or float32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "step_layers: k_cache and v_cache must be contiguous and of one shape");
-  const int64_t n = x.size(0), qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
-  const int64_t n_cells = k_cache.size(2);
-  auto cells = write_cells.to(at::kLong).contiguous();
-  TORCH_CHECK(cells.numel() == n, "step_layers: write_cells must have one cell per row");
-  const int64_t* cp = cells.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells, "step_layers: write_cells[", r, "] = ", cp[r],
-                " is not in [0, ", n_cells, ")");
-  auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const at::Tensor* w) {
-    return quant_linear(a, w, group_size, small_rows, packed, int8);
-  };
-  x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
-  const int64_t elem = static_cast<int64_t>(x.element_size());
-  auto normed = at::empty_like(x);  // each RMSNorm's output, reused across layers
-  at::Tensor gated;                  // [n, ffn]: each SiLU-mul's output, reused
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kPerLayer;
-    rms_norm_into(x, w[0], eps, normed);
-    auto qkv = mm(normed, w + 1).contiguous();  // [n, width]
-    TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
-                width);
-    auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
-    rope_neox_(qk, rope_c, rope_s);
-    auto k_layer = k_cache.select(0, l);
-    auto v_layer = v_cache.select(0, l);
-    const char* base = static_cast<const char*>(qkv.data_ptr());
-    write_kv(k_layer, v_layer, cp, base + n_heads * hd * elem, base + qk_width * elem, n, n_kv,
-             hd, width, elem);
-    auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
-    auto attn = attend(q, k_layer, v_layer);
-    add_rows_(x, mm(attn.view({n, n_heads * hd}), w + 4).contiguous());
-    rms_norm_into(x, w[7], eps, normed);
-    auto gate_up = mm(normed, w + 8);
-    if (!gated.defined()) gated = at::empty({n, gate_up.size(1) / 2}, x.options());
-    silu_mul_into(gate_up, gated);
-    add_rows_(x, mm(gated, w + 11).contiguous());
+// One layer's attention output [n, heads, hd] over its window's groups, assembled as
+// model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
+// each chunk; rows in no group are zero).
+at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, double scale) {
+  const int64_t n = q.size(0), n_dec = static_cast<int64_t>(g.decode_rows.size());
+  const int64_t n_prompt = static_cast<int64_t>(g.prompt_cells.size());
+  if (n_dec == 1 && n_prompt == 0 && g.decode_rows[0].numel() == 0)
+    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale);
+  auto out = at::zeros({n, q.size(1), q.size(2)}, q.options());
+  for (int64_t i = 0; i < n_dec; ++i) {
+    const at::Tensor& rows = g.decode_rows[i];
+    TORCH_CHECK(rows.numel() > 0, "step_layers: a group of every row must be the only group");
+    out.index_copy_(
+        0, rows,
+        decode_attention(q.index_select(0, rows), k, v, g.decode_cells[i], g.decode_lens[i],
+                         scale));
   }
-  return x;
+  for (int64_t i = 0; i < n_prompt; ++i) {
+    const int64_t start = g.prompt_bounds[2 * i], end = g.prompt_bounds[2 * i + 1];
+    out.slice(0, start, end)
+        .copy_(prompt_attention(q.slice(0, start, end), k, v, g.prompt_cells[i],
+                                g.prompt_lens[i], scale));
+  }
+  return out;
+}
+
+// Every StepGroups well formed and every layer's write cells inside its pool: checked before
+// the first write, so that a bad step leaves the cache as it was.
+void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
+                const std::vector<StepGroups>& groups, const std::vector<at::Tensor>& ropes) {
+  const int64_t n = x.size(0), n_groups = static_cast<int64_t>(groups.size());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "step_layers: x must be bfloat16 or float32");
+  TORCH_CHECK(ropes.size() % 2 == 0, "step_layers: rope tables come in (c, s) pairs");
+  for (const auto& g : groups) {
+    const int64_t n_dec = static_cast<int64_t>(g.decode_rows.size());
+    const int64_t n_prompt = static_cast<int64_t>(g.prompt_cells.size());
+    TORCH_CHECK(static_cast<int64_t>(g.decode_cells.size()) == n_dec &&
+                    static_cast<int64_t>(g.decode_lens.size()) == n_dec &&
+                    static_cast<int64_t>(g.prompt_lens.size()) == n_prompt &&
+                    static_cast<int64_t>(g.prompt_bounds.size()) == 2 * n_prompt,
+                "step_layers: one rows / cells / lens per decode group, one bounds / cells / "
+                "lens per prompt chunk");
+    for (int64_t i = 0; i < n_prompt; ++i)
+      TORCH_CHECK(0 <= g.prompt_bounds[2 * i] &&
+                      g.prompt_bounds[2 * i] < g.prompt_bounds[2 * i + 1] &&
+                      g.prompt_bounds[2 * i + 1] <= n,
+                  "step_layers: prompt chunk ", i, " is not a range of the batch's ", n, " rows");
+    TORCH_CHECK(g.write_cells.scalar_type() == at::kLong && g.write_cells.is_contiguous() &&
+                    g.write_cells.numel() == n,
+                "step_layers: write_cells must be int64, contiguous, one cell per row");
+  }
+  for (const auto& layer : layers) {
+    TORCH_CHECK(0 <= layer.groups && layer.groups < n_groups, "step_layers: a layer's groups ",
+                layer.groups, " is not one of the step's ", n_groups);
+    TORCH_CHECK(layer.rope < static_cast<int64_t>(ropes.size()) / 2,
+                "step_layers: a layer's rope table ", layer.rope, " is not given");
+    const auto& k = layer.k_cache;
+    TORCH_CHECK(k.scalar_type() == x.scalar_type() && k.is_contiguous() &&
+                    layer.v_cache.is_contiguous() && layer.v_cache.sizes() == k.sizes(),
+                "step_layers: a layer's K/V cache must be contiguous, of one shape, in x's "
+                "dtype");
+    const int64_t n_cells = k.size(1);
+    const int64_t* cp = groups[layer.groups].write_cells.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r)
+      TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells, "step_layers: write_cells[", r, "] = ", cp[r],
+                  " is not in [0, ", n_cells, ")");
+  }
 }
 
 }  // namespace
 
-// step_layers: every layer of a Llama step in one call (decode rows, prompt chunks or both),
-// bfloat16 or float32 activations, weights of model/quant.py QuantLinear "int4" or "int8" (no bias), rotate-half RoPE over
-// the whole head: the same ops, in the same order, as model/llama.py's Block, without the
-// Python between them, and without ATen calls where a raw pass gives the same bits: RoPE in
-// place (rope_neox_, which the Python layers call too), K/V rows memcpy'd into their cells
-// (KVStorage.write's index_copy_), residual adds into one stream (torch's x + y, rounded once),
-// one RMSNorm and one SiLU-mul buffer for all layers. weights: per layer, in order: attn_norm, then wqkv as a triple for
-// quant_linear, wo (3), ffn_norm, w13 (3), w2 (3); the triple is (torch int4pack, bfloat16
-// scales_zeros, dense) for bfloat16 activations and (QuantLinear.q4, .q4_scale_min, .q4_gemm)
-// for float32 ones; with `int8`, (int8 [n, k], bfloat16 scales [n], dense). The dense copy is prepacked for oneDNN where `packed` (oneDNN has no bfloat16
-// prepacking below AVX-512: there the plain at::linear, as model/quant.py dense_linear does).
-// k_cache, v_cache: KVStorage.k / .v ([n_layers, n_kv_heads, n_cells, head_dim], x's dtype);
-// write_cells [n]: where each row's K/V goes; rope_c, rope_s: [n, 1, head_dim]
-// (kvcache.storage.rope_tables). The attention groups of model/batch.py, each kernel-ready
-// (cells and lens set): per decode group its rows (an empty tensor: every row of the batch, in
-// order), cells [n_seq, max_kv] and lens [n_seq] for decode_attention; per prompt chunk its rows
-// [start, end) (prompt_bounds: start, end, ...), cells [n_kv] in position order and lens
-// [end - start] for prompt_attention. Each layer's attention output is assembled as
-// model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
-// each chunk; rows in no group are zero). Returns the hidden state after the last layer.
-at::Tensor step_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
-                       const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& write_cells, const at::Tensor& rope_c,
-                       const at::Tensor& rope_s, const std::vector<at::Tensor>& decode_rows,
-                       const std::vector<at::Tensor>& decode_cells,
-                       const std::vector<at::Tensor>& decode_lens,
-                       const std::vector<int64_t>& prompt_bounds,
-                       const std::vector<at::Tensor>& prompt_cells,
-                       const std::vector<at::Tensor>& prompt_lens, int64_t n_heads, double eps,
+// step_layers: every layer of a step in one call (decode rows, prompt chunks or both), bfloat16
+// or float32 activations, weights of model/quant.py QuantLinear "int4" or "int8": the same ops,
+// in the same order, as model/llama.py's Block for each layer's LayerSpec (StepLayer holds
+// the parts it has), without the Python between them, and without ATen calls where a raw pass
+// gives the same bits: RoPE in place (rope_neox_, which the Python layers call too), K/V rows
+// memcpy'd into their cells (KVStorage.write's index_copy_), residual adds into one stream
+// (torch's x + y, rounded once), one RMSNorm and one SiLU-mul buffer for all layers. The
+// dense copies are prepacked for oneDNN where `packed` (oneDNN has no bfloat16 prepacking below
+// AVX-512: there the plain at::linear, as model/quant.py dense_linear does). groups: one
+// StepGroups per window the layers attend through; rope_tables: (c, s) pairs [n, 1, head_dim]
+// in x's dtype (kvcache.storage.rope_tables), the full layers' then the sliding ones'. Returns
+// the hidden state after the last layer.
+at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
+                       const std::vector<StepGroups>& groups,
+                       const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
                        double scale, int64_t group_size, int64_t small_rows, bool packed,
                        bool int8) {
-  const int64_t n = x.size(0), n_dec = static_cast<int64_t>(decode_rows.size());
-  const int64_t n_prompt = static_cast<int64_t>(prompt_cells.size());
-  TORCH_CHECK(static_cast<int64_t>(decode_cells.size()) == n_dec &&
-                  static_cast<int64_t>(decode_lens.size()) == n_dec &&
-                  static_cast<int64_t>(prompt_lens.size()) == n_prompt &&
-                  static_cast<int64_t>(prompt_bounds.size()) == 2 * n_prompt,
-              "step_layers: one rows / cells / lens per decode group, one bounds / cells / lens "
-              "per prompt chunk");
-  for (int64_t i = 0; i < n_prompt; ++i)
-    TORCH_CHECK(0 <= prompt_bounds[2 * i] && prompt_bounds[2 * i] < prompt_bounds[2 * i + 1] &&
-                    prompt_bounds[2 * i + 1] <= n,
-                "step_layers: prompt chunk ", i, " is not a range of the batch's ", n, " rows");
-  const bool one_group = n_dec == 1 && n_prompt == 0 && decode_rows[0].numel() == 0;
-  auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    if (one_group) return decode_attention(q, k, v, decode_cells[0], decode_lens[0], scale);
-    auto out = at::zeros({n, q.size(1), q.size(2)}, q.options());
-    for (int64_t i = 0; i < n_dec; ++i) {
-      const at::Tensor& rows = decode_rows[i];
-      TORCH_CHECK(rows.numel() > 0, "step_layers: a group of every row must be the only group");
-      out.index_copy_(0, rows,
-                      decode_attention(q.index_select(0, rows), k, v, decode_cells[i],
-                                       decode_lens[i], scale));
-    }
-    for (int64_t i = 0; i < n_prompt; ++i) {
-      const int64_t start = prompt_bounds[2 * i], end = prompt_bounds[2 * i + 1];
-      out.slice(0, start, end)
-          .copy_(prompt_attention(q.slice(0, start, end), k, v, prompt_cells[i], prompt_lens[i],
-                                  scale));
-    }
-    return out;
+  check_step(x, layers, groups, rope_tables);
+  auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const StepLinear& w) {
+    return quant_linear(a, w, group_size, small_rows, packed, int8).contiguous();
   };
-  return run_layers(std::move(x), weights, k_cache, v_cache, write_cells, rope_c, rope_s, n_heads,
-                    eps, group_size, small_rows, packed, int8, attend);
+  const int64_t n = x.size(0);
+  x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
+  const int64_t elem = static_cast<int64_t>(x.element_size());
+  auto normed = at::empty_like(x);  // each RMSNorm's output, reused across layers
+  at::Tensor gated;                  // [n, ffn]: each SiLU-mul's output, reused
+  for (const StepLayer& layer : layers) {
+    const int64_t n_kv = layer.k_cache.size(0), hd = layer.k_cache.size(2);
+    const int64_t qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
+    rms_norm_into(x, layer.attn_norm, eps, normed);
+    auto qkv = mm(normed, layer.wqkv);  // [n, width]
+    TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
+                width);
+    if (layer.q_norm && layer.k_norm) {
+      norm_heads_(qkv, 0, n_heads, hd, *layer.q_norm, eps);
+      norm_heads_(qkv, n_heads * hd, n_kv, hd, *layer.k_norm, eps);
+    }
+    if (layer.rope >= 0) {
+      auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
+      rope_neox_(qk, rope_tables[2 * layer.rope], rope_tables[2 * layer.rope + 1]);
+    }
+    const StepGroups& g = groups[layer.groups];
+    const char* base = static_cast<const char*>(qkv.data_ptr());
+    write_kv(layer.k_cache, layer.v_cache, g.write_cells.data_ptr<int64_t>(),
+             base + n_heads * hd * elem, base + qk_width * elem, n, n_kv, hd, width, elem);
+    auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
+    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale);
+    auto a = mm(attn.view({n, n_heads * hd}), layer.wo);
+    if (layer.post_attn_norm) {
+      rms_norm_into(a, *layer.post_attn_norm, eps, normed);
+      a = normed;
+    }
+    add_residual_(x, a, layer.residual_mult);
+    rms_norm_into(x, layer.ffn_norm, eps, normed);
+    auto gate_up = mm(normed, layer.w13);  // [n, 2 ffn]: gate, up
+    const int64_t f = gate_up.size(1) / 2;
+    at::Tensor hidden;
+    if (layer.gelu) {  // model/blocks.py FeedForward: gelu(gate, tanh) * up, two ATen ops
+      hidden = at::mul(at::gelu(gate_up.slice(1, 0, f), "tanh"), gate_up.slice(1, f));
+    } else {
+      if (!gated.defined() || gated.size(1) != f) gated = at::empty({n, f}, x.options());
+      silu_mul_into(gate_up, gated);
+      hidden = gated;
+    }
+    auto out = mm(hidden, layer.w2);
+    if (layer.post_ffn_norm) {
+      rms_norm_into(out, *layer.post_ffn_norm, eps, normed);
+      out = normed;
+    }
+    add_residual_(x, out, layer.residual_mult);
+  }
+  return x;
 }

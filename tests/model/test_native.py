@@ -1,7 +1,9 @@
 """model/native: the one-call C++ step gives the Python layers' logits, bit for bit, on every ISA
 level, for int4 weights with bfloat16 activations (oneDNN-packed bfloat16 weights on AVX-512,
 plain ones below) and with float32 ones (model/kernels/int4.cpp and gemm.cpp, the AVX2
-default), for decode steps, prompt chunks and steps that mix both."""
+default), for decode steps, prompt chunks and steps that mix both; and for every architecture
+model/arch.py describes with attention blocks (Qwen2's biases, Gemma 3's q/k norms, post norms,
+GeGLU, sliding windows and two RoPE bases), from the same LayerSpec as the Python Block."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 from model import load_model
 from model.native import NativeDecoder
 from model.quant import quantize
+from model.testing import write_tiny_gemma3, write_tiny_llama
+from model.testing_ssm import write_tiny_granite_hybrid
 from model.worker import make_worker
 from tests.model.factories import Driver, require_kernels
 
@@ -45,7 +49,7 @@ def native_worker(loaded, n_cells: int = 1024):
 def decode(worker, prompts: list[list[int]], steps: int) -> torch.Tensor:
     """Prefill every prompt, then `steps` greedy decode steps of all of them together; the
     logits of the prefill's last rows, then of each step."""
-    driver = Driver(worker, worker.storage.n_cells, seed=11)
+    driver = Driver(worker, worker.kv[0].n_cells, seed=11)
     logits = driver.logits([driver.chunk(s, p) for s, p in enumerate(prompts)])
     rows = [logits]
     for _ in range(steps):
@@ -142,3 +146,65 @@ def test_a_write_cell_out_of_range_is_refused_before_any_write(quantized, monkey
         with pytest.raises(RuntimeError, match=r"write_cells\[0\] = .* is not in \[0, 64\)"):
             worker.native.layers(x, bad, storage)
     assert torch.equal(storage.k, k) and torch.equal(storage.v, v)
+
+
+# Tiny random models whose sizes the kernels take (int4 groups of 32, head_dim 32): the
+# architectures beyond Llama that the C++ step follows from their description alone.
+TINY = {
+    "qwen2": lambda d: write_tiny_llama(d, dim=128, hidden_dim=256, model_type="qwen2"),
+    "gemma3": lambda d: write_tiny_gemma3(
+        d, dim=128, n_heads=4, n_kv_heads=1, head_dim=32, hidden_dim=256, window=8
+    ),
+    # Granite 4.0-H's attention blocks alone: NoPE, residual and embedding multipliers
+    "granite": lambda d: write_tiny_granite_hybrid(
+        d, layer_types=("attention",) * 3, dim=128, hidden_dim=256, mamba_head_dim=32
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(tmp_path_factory):
+    folders, models = {}, {}
+
+    def get(arch: str, dtype: str, quant: str):
+        if arch not in folders:
+            folders[arch] = TINY[arch](tmp_path_factory.mktemp(arch) / "model")
+        if (arch, dtype, quant) not in models:
+            require_kernels()
+            loaded = load_model(folders[arch], dtype=dtype)
+            quantize(loaded.transformer, quant)
+            models[arch, dtype, quant] = loaded
+        return models[arch, dtype, quant]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, quant, n_seq",  # 10 sequences: past small_rows, the dense copy / int4_gemm
+    [(a, d, "int4", n) for a in TINY for d in ("bfloat16", "float32") for n in (1, 10)]
+    + [(a, d, "int8", 3) for a in TINY for d in ("bfloat16", "float32")],
+)
+def test_other_architectures_run_their_description_natively(
+    tiny_quantized, arch, dtype, quant, n_seq, monkeypatch
+):
+    loaded = tiny_quantized(arch, dtype, quant)
+    worker = native_worker(loaded, n_cells=1024)
+    spec = loaded.config.layer_spec(0)
+    if arch == "gemma3":  # its windowed layers attend through their own pool and groups
+        assert spec.qk_norm and spec.post_norms and spec.activation == "gelu_tanh"
+        assert worker.native.windows == [0, 8] and worker.native.swa_rope
+    elif arch == "granite":
+        assert spec.rope is None and spec.residual_mult == 0.5
+    else:
+        assert spec.qkv_bias and worker.native.windows == [0]
+    prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(12 + 5 * s)] for s in range(n_seq)]
+    calls = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    native = decode(worker, prompts, steps=8)  # decode rows pass the window of 8
+    # windowed prompt chunks take the masked torch path, so Gemma's prefill stays in Python
+    prefill_native = arch != "gemma3" and prompt_kernel_runs(worker)
+    assert len(calls) == 8 + prefill_native
+    worker.native = None
+    python = decode(worker, prompts, steps=8)
+    assert torch.equal(native, python)
