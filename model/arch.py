@@ -112,7 +112,7 @@ class LayerSpec:
     window: int  # 0: full attention; W > 0 sees (p - W, p]
     rope: RopeConfig | None  # None: no position encoding (NoPE, and mamba2 layers)
     swa_rope: bool  # rotates with the sliding-window tables (ForwardBatch.rope_swa)
-    scale: float  # softmax scale
+    scale: float  # softmax scale (0.0 on a mamba2 layer)
     qkv_bias: bool
     qk_norm: bool
     post_norms: bool
@@ -195,7 +195,7 @@ class ModelArgs:
             window=self.window(layer),
             rope=None if self.nope or mixer != "attn" else rope,
             swa_rope=rope is not self.rope,
-            scale=self.scale,
+            scale=self.scale if mixer == "attn" else 0.0,  # a Mamba2 model has no head_dim
             qkv_bias=self.qkv_bias,
             qk_norm=block.qk_norm,
             post_norms=block.post_norms,
