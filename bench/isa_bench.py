@@ -39,9 +39,12 @@ def text_logits(worker: Any, ids: list[int], one_row_steps: bool) -> Any:
     from scheduler.plan import SampleRow
 
     n = len(ids) + 1
+    windows = tuple(g.spec.window for g in worker.model.args.memory_spec.groups)
     if one_row_steps:
-        return torch.cat([worker.forward(make_plan([[t]], [i], n)) for i, t in enumerate(ids)])
-    plan = make_plan([ids], [0], n)
+        return torch.cat(
+            [worker.forward(make_plan([[t]], [i], n, windows)) for i, t in enumerate(ids)]
+        )
+    plan = make_plan([ids], [0], n, windows)
     rows = [SampleRow(r, GREEDY, 0, 0, len(ids)) for r in range(len(ids))]
     return worker.forward(dataclasses.replace(plan, samples=rows))
 

@@ -7,7 +7,8 @@ GeGLU), or a path.
 
 "python": the Python layers (model/llama.py), and for float32 activations QuantLinear rounding
 small batches to bfloat16 for torch's int4 kernel (no int4_mm) and torch's RMSNorm / SiLU (no
-fused float32 ops): what ran before the one-call step covered float32. "native":
+fused float32 ops): what ran before the one-call step covered float32 (q8 layers keep int8_mm,
+their only kernel). "native":
 model/native.py's one-call step with int4_mm and the fused ops. Same weights, same worker,
 same prompts (bench.model_bench's decode measurement).
 """
@@ -56,7 +57,7 @@ def run(
         worker.native = native if fast else None
         worker.fused = fused if fast or auto.dtype == "bfloat16" else None
         for m, k in zip(linears, kernels, strict=True):
-            m.kernels = k if fast else None
+            m.kernels = k if fast or m.kind == "q8" else None  # q8 runs on int8_mm only
 
     result: dict[str, Any] = {
         "model": path.name,

@@ -15,9 +15,10 @@ here without C++ of its own; recurrent (Mamba2) layers stay in Python. It takes 
 prompt chunks and steps that mix both, wherever every attention group of every window has the
 C++ kernels' cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16;
 a window's prompt chunks take the masked torch path) and covers its rows.
-Each linear picks its kernel by row count as QuantLinear does (int4: torch's for bfloat16
-activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past them;
-int8: torch's, on bfloat16 rows; past small_rows the dense copy, oneDNN-packed where it can).
+Each linear picks its kernel by its kind and row count as QuantLinear does (int4: torch's for
+bfloat16 activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past
+them; q8, int8 with float32 activations: int8.cpp; int8 with bfloat16 ones: torch's; past
+small_rows the dense copy, oneDNN-packed where it can).
 Decode steps, int4 + bfloat16, 300 cached tokens, native vs Python (before the packed weights
 and the fused kernels): 8.1 vs 11.8 ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4,
 30.6 vs 33.7 at 8. Taking the per-layer ATen calls out (in-place RoPE, raw K/V copies,
@@ -51,9 +52,6 @@ class NativeDecoder:
     n_heads: int
     eps: float
     scale: float
-    packed: bool  # the dense copies are prepacked for oneDNN
-    small_rows: int  # up to this many rows the quantized kernel, past it the dense copy
-    int8: bool  # QuantLinear "int8" weights (else "int4")
 
     @staticmethod
     def build(
@@ -76,17 +74,8 @@ class NativeDecoder:
         ):
             return None  # rope_neox_ rotates whole heads in the rotate-half layout
         linears = [m for b in blocks for m in _linears(b)]
-        kinds = {m.kind if isinstance(m, QuantLinear) else None for m in linears}
-        if len(kinds) != 1 or kinds & {None, "fbgemm8"}:
-            return None
-        int8 = kinds == {"int8"}
-        f32_int4 = model.dtype == torch.float32 and not int8
-        if f32_int4 and any(m.kernels is None for m in linears):
-            return None  # int4 with float32 rows needs int4_mm's copy (model/quant.py)
-        packed = {m.dense_packed for m in linears}
-        small = {m.small_rows for m in linears}
-        if len(packed) != 1 or len(small) != 1:
-            return None
+        if not all(_step_kind(m, model.dtype) for m in linears):
+            return None  # a float Linear, fbgemm's int8, or int4 on float32 rows without int4_mm
         windows = sorted({s.window for s in specs})
         layers = []
         for i, (block, spec) in enumerate(zip(blocks, specs, strict=True)):
@@ -104,7 +93,7 @@ class NativeDecoder:
             ):
                 setattr(layer, name, None if norm is None else norm.weight.detach())
             for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
-                setattr(layer, name, _step_linear(kernels, lin, f32_int4))
+                setattr(layer, name, _step_linear(kernels, lin, model.dtype))
             layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
             layer.groups = windows.index(spec.window)
             layer.rope = -1 if spec.rope is None else int(spec.swa_rope)
@@ -119,9 +108,6 @@ class NativeDecoder:
             args.n_heads,
             args.norm_eps,
             args.scale,
-            packed.pop(),
-            small.pop(),
-            int8,
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
@@ -162,9 +148,6 @@ class NativeDecoder:
             self.eps,
             self.scale,
             INT4_GROUP,
-            self.small_rows,
-            self.packed,
-            self.int8,
         )
         return out
 
@@ -192,14 +175,32 @@ def _linears(block: Block) -> tuple[Any, ...]:
     return (a.wqkv, a.wo, f.w13, f.w2)
 
 
-def _step_linear(kernels: Any, lin: QuantLinear, f32_int4: bool) -> Any:
-    """QuantLinear's weights and biases as step_layers' quant_linear reads them."""
+def _step_kind(lin: Any, dtype: torch.dtype) -> str | None:
+    """The kind step_layers runs `lin` as (kernels.h StepLinear), None where it cannot."""
+    if not isinstance(lin, QuantLinear):
+        return None
+    if lin.kind == "int4" and dtype == torch.float32:
+        return "int4_f32" if lin.kernels is not None else None  # else rows go bfloat16
+    if lin.kind == "q8":
+        return "q8" if dtype == torch.float32 else None
+    return lin.kind if lin.kind in ("int4", "int8") else None
+
+
+def _step_linear(kernels: Any, lin: QuantLinear, dtype: torch.dtype) -> Any:
+    """QuantLinear's weights, biases and row threshold as step_layers' quant_linear reads
+    them."""
     w = kernels.StepLinear()
-    if f32_int4:
+    w.kind = _step_kind(lin, dtype)
+    if w.kind == "int4_f32":
         w.w0, w.w1, w.w2 = lin.q4, lin.q4_scale_min, lin.q4_gemm
+        w.bias = lin.kernel_bias
+    elif w.kind == "q8":
+        w.w0, w.w1, w.w2 = lin.q8, lin.q8_scale, lin.dense
         w.bias = lin.kernel_bias
     else:
         w.w0, w.w1, w.w2 = lin.packed, lin.scales, lin.dense
         w.bias = lin.bias
     w.dense_bias = lin.dense_bias
+    w.small_rows = lin.small_rows
+    w.packed = lin.dense_packed
     return w

@@ -16,7 +16,10 @@ Q8_0/Q6_K; 4 bits would move the logits).
   per group of 32 and sum each group exactly in integers, as llama.cpp multiplies Q4_1 / Q8_0
   weights. Without the kernels the rows are rounded to bfloat16 for torch's kernel (emulated
   there) and the head takes fbgemm.
-"int8": symmetric int8 per output channel through `_weight_int8pack_mm` (bfloat16 rows).
+"int8": with float32 activations, where the C++ kernels are built, "q8" for every layer (int8
+weights with a scale per 32 along k, GGUF's Q8_0, times int8 activations per 32 in `int8_mm`:
+llama.cpp's Q8_0 x Q8_0); otherwise symmetric int8 per output channel through torch's
+`_weight_int8pack_mm` (bfloat16 rows: emulated, and slow, without AVX-512 BF16).
 Both change the logits a little (the server says so; README: accuracy). Batches of more than
 `small_rows` rows use a dense copy of the quantized weights instead (but int4 with float32
 rows: int4_gemm), prepacked for oneDNN (`pack_dense`): past ~4 rows the quantized CPU kernels
@@ -279,18 +282,17 @@ def quantize(model: Transformer, mode: str) -> Transformer:
     if model.device.type != "cpu":
         raise ValueError(f"quant {mode!r} is CPU-only (the model is on {model.device})")
     dense = dense_dtype(model.dtype)
-    kernels = None
-    if mode == "int4" and model.dtype == torch.float32:
-        kernels = load_kernels()
+    kernels = load_kernels() if model.dtype == torch.float32 else None
+    q8 = kernels is not None and hasattr(kernels, "int8_mm")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 head = parent is model and name == "output"
                 kind = mode
                 if head and mode == "int4":  # 8-bit head: ours with float32 rows, else fbgemm
-                    kind = (
-                        "q8" if kernels is not None and hasattr(kernels, "int8_mm") else "fbgemm8"
-                    )
+                    kind = "q8" if q8 else "fbgemm8"
+                elif mode == "int8" and q8 and child.weight.shape[1] % INT4_GROUP == 0:
+                    kind = "q8"
                 linear = QuantLinear(child.weight, child.bias, kind, dense, kernels)
                 setattr(parent, name, linear)
     return model

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -99,13 +100,18 @@ void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
 // step.cpp: every layer of a step in one call (model/native.py), each layer as its
-// model.arch.LayerSpec describes it. A linear as model/quant.py QuantLinear holds it: the
-// kernel triple (int4 with float32 rows: q4, q4_scale_min, q4_gemm; int4 with bfloat16 rows:
-// torch's int4pack, scales_zeros, dense; int8: int8 [n, k], scales [n], dense) and its biases
-// (`bias` on the quantized kernel's output, `dense_bias` inside the dense GEMM).
+// model.arch.LayerSpec describes it. A linear as model/quant.py QuantLinear holds it, by kind:
+// "int4_f32" (float32 rows, model/kernels): q4, q4_scale_min, q4_gemm; "q8" (float32 rows):
+// q8 [n, k], q8_scale [n, k / 32], dense; "int4" (torch's, bfloat16 rows): int4pack,
+// scales_zeros, dense; "int8" (torch's, bfloat16 rows): int8 [n, k], scales [n], dense. Up to
+// small_rows rows the quantized kernel (+ bias), past them the dense copy (oneDNN-packed where
+// `packed`, with dense_bias inside) or, for int4_f32, int4_gemm (+ bias).
 struct StepLinear {
+  std::string kind;
   at::Tensor w0, w1, w2;
   std::optional<at::Tensor> bias, dense_bias;
+  int64_t small_rows = 0;
+  bool packed = false;
 };
 // One block: the parts model/llama.py's Block has for the layer's LayerSpec, by its names
 // (absent optionals: the spec has no such part).
@@ -131,8 +137,7 @@ struct StepGroups {
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,
                        const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
-                       double scale, int64_t group_size, int64_t small_rows, bool packed,
-                       bool int8);
+                       double scale, int64_t group_size);
 bool has_f32_kernels();
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min);
 // gemm.cpp: int4_mm's integers for batches, on pack_int4_gemm's layout; y [m, n]

@@ -297,16 +297,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights, in int8");
   m.def("int4_gemm", &int4_gemm, "float32 batches times int4 weights (pack_int4_gemm), in int8");
   m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
-  m.def("step_layers", &step_layers, "every layer of an int4 / int8 step, bf16 or f32");
-  // step_layers' arguments (kernels.h), built field by field from Python (model/native.py)
-  py::class_<StepLinear>(m, "StepLinear")
+  m.def("step_layers", &step_layers, "every layer of a quantized step, bf16 or f32");
+  // step_layers' arguments (kernels.h), built field by field from Python (model/native.py);
+  // module_local: every level's build is its own module, and a process may load several
+  py::class_<StepLinear>(m, "StepLinear", py::module_local())
       .def(py::init<>())
+      .def_readwrite("kind", &StepLinear::kind)
+      .def_readwrite("small_rows", &StepLinear::small_rows)
+      .def_readwrite("packed", &StepLinear::packed)
       .def_readwrite("w0", &StepLinear::w0)
       .def_readwrite("w1", &StepLinear::w1)
       .def_readwrite("w2", &StepLinear::w2)
       .def_readwrite("bias", &StepLinear::bias)
       .def_readwrite("dense_bias", &StepLinear::dense_bias);
-  py::class_<StepLayer>(m, "StepLayer")
+  py::class_<StepLayer>(m, "StepLayer", py::module_local())
       .def(py::init<>())
       .def_readwrite("attn_norm", &StepLayer::attn_norm)
       .def_readwrite("ffn_norm", &StepLayer::ffn_norm)
@@ -324,7 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("rope", &StepLayer::rope)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult);
-  py::class_<StepGroups>(m, "StepGroups")
+  py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)
       .def_readwrite("decode_rows", &StepGroups::decode_rows)

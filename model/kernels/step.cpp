@@ -50,27 +50,31 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
   return stack[0].toTensor();
 }
 
-// model/quant.py QuantLinear.forward (int4 or int8): up to small_rows rows the quantized
-// kernel (+ bias), more rows the batch one (the dense copy with dense_bias inside; int4 with
-// float32 rows: int4_gemm + bias).
-at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size,
-                        int64_t small_rows, bool packed, bool int8) {
+// model/quant.py QuantLinear.forward, by the linear's kind (kernels.h StepLinear).
+at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size) {
   auto with_bias = [&w](at::Tensor y) { return w.bias ? at::add(y, *w.bias) : y; };
-  if (!int8 && a.scalar_type() == at::kFloat) {
-    return with_bias(a.size(0) <= small_rows ? int4_mm(a, w.w0, w.w1)
-                                             : int4_gemm(a, w.w2, w.w0.size(0)));
+  const bool small = a.size(0) <= w.small_rows;
+  if (w.kind == "int4_f32") {
+    TORCH_CHECK(a.scalar_type() == at::kFloat, "step_layers: int4_f32 takes float32 rows");
+    return with_bias(small ? int4_mm(a, w.w0, w.w1) : int4_gemm(a, w.w2, w.w0.size(0)));
   }
-  if (a.size(0) <= small_rows) {
-    if (int8) {
+  if (small) {
+    if (w.kind == "q8") {
+      TORCH_CHECK(a.scalar_type() == at::kFloat, "step_layers: q8 takes float32 rows");
+      return with_bias(int8_mm(a, w.w0, w.w1));
+    }
+    if (w.kind == "int8") {
       if (a.scalar_type() == at::kBFloat16) return with_bias(at::_weight_int8pack_mm(a, w.w0, w.w1));
       auto y = with_bias(at::_weight_int8pack_mm(a.to(at::kBFloat16), w.w0, w.w1));
       return y.to(a.scalar_type());
     }
+    TORCH_CHECK(w.kind == "int4" && a.scalar_type() == at::kBFloat16,
+                "step_layers: a linear of kind '", w.kind, "' on ", a.scalar_type(), " rows");
     return with_bias(at::_weight_int4pack_mm_for_cpu(a, w.w0, group_size, w.w1));
   }
   const auto dense = w.w2.scalar_type();
   const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
-  auto y = packed ? packed_linear(in, w.w2, w.dense_bias) : at::linear(in, w.w2, w.dense_bias);
+  auto y = w.packed ? packed_linear(in, w.w2, w.dense_bias) : at::linear(in, w.w2, w.dense_bias);
   return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
 }
 
@@ -178,25 +182,23 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
 }  // namespace
 
 // step_layers: every layer of a step in one call (decode rows, prompt chunks or both), bfloat16
-// or float32 activations, weights of model/quant.py QuantLinear "int4" or "int8": the same ops,
+// or float32 activations, weights of model/quant.py QuantLinear (int4, int8, q8): the same ops,
 // in the same order, as model/llama.py's Block for each layer's LayerSpec (StepLayer holds
 // the parts it has), without the Python between them, and without ATen calls where a raw pass
 // gives the same bits: RoPE in place (rope_neox_, which the Python layers call too), K/V rows
 // memcpy'd into their cells (KVStorage.write's index_copy_), residual adds into one stream
-// (torch's x + y, rounded once), one RMSNorm and one SiLU-mul buffer for all layers. The
-// dense copies are prepacked for oneDNN where `packed` (oneDNN has no bfloat16 prepacking below
-// AVX-512: there the plain at::linear, as model/quant.py dense_linear does). groups: one
+// (torch's x + y, rounded once), one RMSNorm and one SiLU-mul buffer for all layers. Each
+// linear picks its kernel by its kind and row count (quant_linear). groups: one
 // StepGroups per window the layers attend through; rope_tables: (c, s) pairs [n, 1, head_dim]
 // in x's dtype (kvcache.storage.rope_tables), the full layers' then the sliding ones'. Returns
 // the hidden state after the last layer.
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,
                        const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
-                       double scale, int64_t group_size, int64_t small_rows, bool packed,
-                       bool int8) {
+                       double scale, int64_t group_size) {
   check_step(x, layers, groups, rope_tables);
-  auto mm = [group_size, small_rows, packed, int8](const at::Tensor& a, const StepLinear& w) {
-    return quant_linear(a, w, group_size, small_rows, packed, int8).contiguous();
+  auto mm = [group_size](const at::Tensor& a, const StepLinear& w) {
+    return quant_linear(a, w, group_size).contiguous();
   };
   const int64_t n = x.size(0);
   x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
