@@ -39,7 +39,7 @@ def text_logits(worker: Any, ids: list[int], one_row_steps: bool) -> Any:
     from scheduler.plan import SampleRow
 
     n = len(ids) + 1
-    windows = tuple(g.spec.window for g in worker.model.args.memory_spec.groups)
+    windows = worker.model.args.memory_spec.windows
     if one_row_steps:
         return torch.cat(
             [worker.forward(make_plan([[t]], [i], n, windows)) for i, t in enumerate(ids)]

@@ -67,7 +67,7 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 def ours_decode(worker: ModelWorker, conc: int, vocab: int) -> float:
     per_seq = PROMPT_LEN + DECODE_STEPS + 1
     batch = prompts(conc, PROMPT_LEN, vocab)
-    windows = tuple(g.spec.window for g in worker.model.args.memory_spec.groups)
+    windows = worker.model.args.memory_spec.windows
     first = worker.execute(make_plan(batch, [0] * conc, per_seq, windows)).token_ids
     best = float("inf")
     for _ in range(REPEATS):

@@ -77,6 +77,12 @@ class MemorySpec:
         keys = sorted(order, key=lambda k: (k != "full", order[k][0]))
         return tuple(LayerGroup(k, tuple(order[k]), self.layers[order[k][0]]) for k in keys)
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Per group (in `groups` order), its layers' window: 0 for full attention and for
+        the recurrent group (what a BatchPlan's GroupBatch.window holds)."""
+        return tuple(g.spec.window if isinstance(g.spec, Attention) else 0 for g in self.groups)
+
     def group_of(self, layer: int) -> int:
         """Index into `groups` of the group that holds `layer`."""
         key = self.layers[layer].key

@@ -1,8 +1,8 @@
 """An architecture is a small description over the shared blocks, not a copy of the forward.
 
 `BlockSpec` says which norms, MLP activation and extras every block uses; `ModelArgs` adds the
-sizes and the per-layer attention (sliding window, RoPE). `ModelArgs.layer_spec(i)` folds them
-into one `LayerSpec` per layer: what block i computes. Both forwards follow it: model/llama.py's
+sizes and the per-layer attention (sliding window, RoPE). `ModelArgs.layer_desc(i)` folds them
+into one `LayerDesc` per layer: what block i computes. Both forwards follow it: model/llama.py's
 Block (the Python layers) and model/native.py's C++ step (step.cpp), which reads the same parts
 by the same names, so an architecture described here runs on both without a line of C++. The
 loaders map file metadata onto these through `ARCH_BLOCKS` and the per-architecture layer
@@ -97,7 +97,7 @@ class SSMArgs:
 
 
 @dataclass(frozen=True, slots=True)
-class LayerSpec:
+class LayerDesc:
     """What one block computes (model/llama.py Block; model/native.py's C++ step):
 
     h = x + m * [post_attn_norm](mixer(attn_norm(x)))
@@ -187,10 +187,10 @@ class ModelArgs:
     def scale(self) -> float:
         return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
 
-    def layer_spec(self, layer: int) -> LayerSpec:
+    def layer_desc(self, layer: int) -> LayerDesc:
         mixer, block = self.mixer(layer), self.block
         rope = self.rope_of(layer)
-        return LayerSpec(
+        return LayerDesc(
             mixer=mixer,
             window=self.window(layer),
             rope=None if self.nope or mixer != "attn" else rope,
@@ -267,8 +267,8 @@ def _ssm_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def layer_weights(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
-    """The weight kinds block `layer` of `args` needs (its LayerSpec, and the Mamba2 biases)."""
-    kinds = list(args.layer_spec(layer).weights)
+    """The weight kinds block `layer` of `args` needs (its LayerDesc, and the Mamba2 biases)."""
+    kinds = list(args.layer_desc(layer).weights)
     if args.mixer(layer) == "mamba2":
         assert args.ssm is not None
         if args.ssm.conv_bias:

@@ -52,24 +52,24 @@ class Attention(nn.Module):
         self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str, layer: int = 0
     ) -> None:
         super().__init__()
-        spec = args.layer_spec(layer)
+        desc = args.layer_desc(layer)
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.layout = "neox" if spec.rope is None else spec.rope.layout
-        self.rot = 0 if spec.rope is None else spec.rope.dim  # NoPE (Granite 4.0-H): none
-        self.swa_rope = spec.swa_rope  # reads ForwardBatch.rope_swa
-        self.window = spec.window
-        self.scale = spec.scale
+        self.layout = "neox" if desc.rope is None else desc.rope.layout
+        self.rot = 0 if desc.rope is None else desc.rope.dim  # NoPE (Granite 4.0-H): none
+        self.swa_rope = desc.swa_rope  # reads ForwardBatch.rope_swa
+        self.window = desc.window
+        self.scale = desc.scale
         self.sdpa_scale = args.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.q_norm = self.k_norm = None
-        if spec.qk_norm:
-            shift, eps = spec.norm_shift, args.norm_eps
+        if desc.qk_norm:
+            shift, eps = desc.norm_shift, args.norm_eps
             self.q_norm = RMSNorm(weights[prefix + "q_norm"], eps, shift)
             self.k_norm = RMSNorm(weights[prefix + "k_norm"], eps, shift)
         wqkv = torch.cat([weights[prefix + n] for n in ("wq", "wk", "wv")])
         bqkv = None
-        if spec.qkv_bias:
+        if desc.qkv_bias:
             bqkv = torch.cat([weights[prefix + n] for n in ("bq", "bk", "bv")])
         self.wqkv = Linear(wqkv, bqkv)
         self.wo = Linear(weights[prefix + "wo"])
@@ -173,34 +173,34 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer as its model.arch.LayerSpec describes it: h = x + m * [post_attn_norm](mixer(
+    """One layer as its model.arch.LayerDesc describes it: h = x + m * [post_attn_norm](mixer(
     attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
     mixer is Attention, or Mamba2Mixer on a "mamba2" layer; no MLP half without `ffn` (Mamba2).
-    model/native.py's C++ step reads the same spec and the same modules' weights."""
+    model/native.py's C++ step reads the same desc and the same modules' weights."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
         super().__init__()
         prefix = f"layers.{layer}."
-        spec, eps = args.layer_spec(layer), args.norm_eps
-        self.spec = spec
+        desc, eps = args.layer_desc(layer), args.norm_eps
+        self.desc = desc
         self.layer = layer
-        self.residual_mult = spec.residual_mult
-        self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, spec.norm_shift)
+        self.residual_mult = desc.residual_mult
+        self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, desc.norm_shift)
         self.attention: Attention | Mamba2Mixer = (
             Mamba2Mixer(args, weights, prefix)
-            if spec.mixer == "mamba2"
+            if desc.mixer == "mamba2"
             else Attention(args, weights, prefix, layer)
         )
         self.ffn_norm = self.feed_forward = None
-        if spec.ffn:
-            self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, spec.norm_shift)
-            self.feed_forward = FeedForward(weights, prefix, spec.activation)
+        if desc.ffn:
+            self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, desc.norm_shift)
+            self.feed_forward = FeedForward(weights, prefix, desc.activation)
         self.post_attention_norm = self.post_ffn_norm = None
-        if spec.post_norms:
+        if desc.post_norms:
             self.post_attention_norm = RMSNorm(
-                weights[prefix + "post_attn_norm"], eps, spec.norm_shift
+                weights[prefix + "post_attn_norm"], eps, desc.norm_shift
             )
-            self.post_ffn_norm = RMSNorm(weights[prefix + "post_ffn_norm"], eps, spec.norm_shift)
+            self.post_ffn_norm = RMSNorm(weights[prefix + "post_ffn_norm"], eps, desc.norm_shift)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
         fused, m = batch.fused, self.residual_mult

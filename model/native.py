@@ -3,8 +3,8 @@
 A step through the Python layers is ~1,000 small torch calls; from Python each costs a few
 microseconds more than the op itself. For int4 or int8 models with bfloat16 activations (the
 AVX-512 BF16 default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs each
-block as its model.arch.LayerSpec says, the spec model/llama.py's Block is built from: the
-norms, q/k norms, biases, RoPE table, window and MLP activation the spec names, read from the
+block as its model.arch.LayerDesc says, the description model/llama.py's Block is built from: the
+norms, q/k norms, biases, RoPE table, window and MLP activation it names, read from the
 Block's own modules (`StepLayer`), with the same ops in the same order (the quantized GEMMs, the
 fused RMSNorm / SiLU-mul / RoPE kernels the Python layers call too through ForwardBatch.fused,
 the attention kernels, and raw passes for the K/V writes and residual adds that give torch's
@@ -36,7 +36,7 @@ import torch
 
 from kvcache.storage import GroupedKVStorage, KVStorage
 from model.batch import DecodeGroup, PromptGroup
-from model.llama import Block, ForwardBatch, Transformer
+from model.llama import Attention, Block, ForwardBatch, Transformer
 from model.quant import INT4_GROUP, QuantLinear
 
 
@@ -65,29 +65,28 @@ class NativeDecoder:
         ):
             return None
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
-        specs = [b.spec for b in blocks]
-        if any(s.mixer != "attn" or not s.ffn for s in specs):
+        descs = [b.desc for b in blocks]
+        if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None  # recurrent mixers run in Python (model/mamba2.py)
         if any(
-            s.rope is not None and (s.rope.layout, s.rope.dim) != ("neox", args.head_dim)
-            for s in specs
+            d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
+            for d in descs
         ):
             return None  # rope_neox_ rotates whole heads in the rotate-half layout
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None  # a float Linear, fbgemm's int8, or int4 on float32 rows without int4_mm
-        windows = sorted({s.window for s in specs})
+        windows = sorted({d.window for d in descs})
         layers = []
-        for i, (block, spec) in enumerate(zip(blocks, specs, strict=True)):
+        for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
             attn, ffn = block.attention, block.feed_forward
-            assert ffn is not None and block.ffn_norm is not None
+            assert isinstance(attn, Attention) and ffn is not None and block.ffn_norm is not None
             layer.attn_norm = block.attention_norm.weight.detach()
             layer.ffn_norm = block.ffn_norm.weight.detach()
-            for name in ("q_norm", "k_norm"):
-                norm = getattr(attn, name)
-                setattr(layer, name, None if norm is None else norm.weight.detach())
-            for name, norm in (
+            for name, norm in (  # the optional ones: None where the description has none
+                ("q_norm", attn.q_norm),
+                ("k_norm", attn.k_norm),
                 ("post_attn_norm", block.post_attention_norm),
                 ("post_ffn_norm", block.post_ffn_norm),
             ):
@@ -95,16 +94,16 @@ class NativeDecoder:
             for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
                 setattr(layer, name, _step_linear(kernels, lin, model.dtype))
             layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
-            layer.groups = windows.index(spec.window)
-            layer.rope = -1 if spec.rope is None else int(spec.swa_rope)
-            layer.gelu = spec.activation == "gelu_tanh"
-            layer.residual_mult = spec.residual_mult
+            layer.groups = windows.index(desc.window)
+            layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
+            layer.gelu = desc.activation == "gelu_tanh"
+            layer.residual_mult = desc.residual_mult
             layers.append(layer)
         return NativeDecoder(
             kernels,
             layers,
             windows,
-            any(s.swa_rope for s in specs),
+            any(d.swa_rope for d in descs),
             args.n_heads,
             args.norm_eps,
             args.scale,

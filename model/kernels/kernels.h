@@ -100,7 +100,7 @@ void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
 // step.cpp: every layer of a step in one call (model/native.py), each layer as its
-// model.arch.LayerSpec describes it. A linear as model/quant.py QuantLinear holds it, by kind:
+// model.arch.LayerDesc describes it. A linear as model/quant.py QuantLinear holds it, by kind:
 // "int4_f32" (float32 rows, model/kernels): q4, q4_scale_min, q4_gemm; "q8" (float32 rows):
 // q8 [n, k], q8_scale [n, k / 32], dense; "int4" (torch's, bfloat16 rows): int4pack,
 // scales_zeros, dense; "int8" (torch's, bfloat16 rows): int8 [n, k], scales [n], dense. Up to
@@ -113,8 +113,8 @@ struct StepLinear {
   int64_t small_rows = 0;
   bool packed = false;
 };
-// One block: the parts model/llama.py's Block has for the layer's LayerSpec, by its names
-// (absent optionals: the spec has no such part).
+// One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
+// (absent optionals: the description has no such part).
 struct StepLayer {
   at::Tensor attn_norm, ffn_norm;
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;

@@ -84,7 +84,7 @@ class Driver:
 
     def __init__(self, worker, n_cells: int, seed: int = 0) -> None:
         self.worker = worker
-        self.windows = tuple(g.spec.window for g in worker.model.args.memory_spec.groups)
+        self.windows = worker.model.args.memory_spec.windows
         self.free = list(np.random.default_rng(seed).permutation(n_cells).tolist())
         self.cells: dict[int, list[int]] = {}
         self.pos: dict[int, list[int]] = {}

@@ -238,7 +238,7 @@ def test_shifted_sequence_equals_fresh_prefill_at_new_positions(gemma, ids):
     next token's logits equal a prefill at 0.. (also for an owner that keeps the old positions
     through copy-on-write)."""
     n, delta = 560, 40
-    windows = tuple(g.spec.window for g in gemma.config.memory_spec.groups)
+    windows = gemma.config.memory_spec.windows
     worker = make_worker(gemma, n_cells=2 * n + 8)
     cells = KVCells(n_cells=2 * n + 8, n_seq_max=4)
     prompt, nxt = ids[:n], ids[n]

@@ -40,7 +40,7 @@ def test_description_read_from_the_config(variant):
     name, _, tiny, _ = variant
     args = tiny.config
     assert args.nope == (name == "nope") and args.ffn
-    attn = args.layer_spec(args.mixers.index("attn"))
+    attn = args.layer_desc(args.mixers.index("attn"))
     assert (attn.rope is None) == (name == "nope") and attn.residual_mult == 0.5
     assert (args.embed_mult, args.residual_mult, args.logits_scaling) == (2.0, 0.5, 4.0)
     assert args.attn_scale == pytest.approx(0.3)

@@ -43,8 +43,8 @@ def state_of(d: StateDriver, seq: int) -> list[torch.Tensor]:
 def test_description_read_from_the_config(tiny):
     args = tiny.config
     assert args.mixers == ("mamba2",) * 3 and not args.ffn
-    spec = args.layer_spec(0)  # what Block builds, and why the C++ step passes it by
-    assert spec.mixer == "mamba2" and spec.rope is None and "ffn_norm" not in spec.weights
+    desc = args.layer_desc(0)  # what Block builds, and why the C++ step passes it by
+    assert desc.mixer == "mamba2" and desc.rope is None and "ffn_norm" not in desc.weights
     s = args.ssm
     assert (s.n_heads, s.head_dim, s.d_state, s.n_groups, s.d_conv) == (8, 16, 16, 2, 4)
     assert [g.key for g in args.memory_spec.groups] == ["recurrent"]

@@ -3,7 +3,7 @@ level, for int4 weights with bfloat16 activations (oneDNN-packed bfloat16 weight
 plain ones below) and with float32 ones (model/kernels/int4.cpp and gemm.cpp, the AVX2
 default), for decode steps, prompt chunks and steps that mix both; and for every architecture
 model/arch.py describes with attention blocks (Qwen2's biases, Gemma 3's q/k norms, post norms,
-GeGLU, sliding windows and two RoPE bases), from the same LayerSpec as the Python Block."""
+GeGLU, sliding windows and two RoPE bases), from the same LayerDesc as the Python Block."""
 
 from __future__ import annotations
 
@@ -193,14 +193,14 @@ def test_other_architectures_run_their_description_natively(
 ):
     loaded = tiny_quantized(arch, dtype, quant)
     worker = native_worker(loaded, n_cells=1024)
-    spec = loaded.config.layer_spec(0)
+    desc = loaded.config.layer_desc(0)
     if arch == "gemma3":  # its windowed layers attend through their own pool and groups
-        assert spec.qk_norm and spec.post_norms and spec.activation == "gelu_tanh"
+        assert desc.qk_norm and desc.post_norms and desc.activation == "gelu_tanh"
         assert worker.native.windows == [0, 8] and worker.native.swa_rope
     elif arch == "granite":
-        assert spec.rope is None and spec.residual_mult == 0.5
+        assert desc.rope is None and desc.residual_mult == 0.5
     else:
-        assert spec.qkv_bias and worker.native.windows == [0]
+        assert desc.qkv_bias and worker.native.windows == [0]
     prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(12 + 5 * s)] for s in range(n_seq)]
     calls = []
     layers = NativeDecoder.layers
