@@ -43,13 +43,8 @@ def run(model: str = "gemma3", rounds: int = 2) -> dict[str, Any]:
     result: dict[str, Any] = {"model": path.name, "isa": level, "setups": {}, "rounds": []}
     for setup in ("q8", "torch_int8"):
         loaded = load_model(path, dtype="float32")
-        load = quant.load_kernels
-        if setup == "torch_int8":  # without the kernels, "int8" is torch's per-channel kind
-            quant.load_kernels = lambda: None  # type: ignore[assignment]
-        try:
-            quant.quantize(loaded.transformer, "int8")
-        finally:
-            quant.load_kernels = load
+        # without the kernels, "int8" is torch's per-channel kind
+        quant.quantize(loaded.transformer, "int8", kernels=setup == "q8")
         per_seq = PROMPT_LEN + DECODE_STEPS + 1
         worker = make_worker(loaded, n_cells=max(len(ids) + 2, max(concurrency) * per_seq + 1))
         kinds = {m.kind for m in loaded.transformer.modules() if isinstance(m, quant.QuantLinear)}

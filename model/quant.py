@@ -273,8 +273,10 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize(model: Transformer, mode: str) -> Transformer:
-    """Replace every Linear (attention, feed-forward, output head) in place; "none" is a no-op."""
+def quantize(model: Transformer, mode: str, kernels: bool = True) -> Transformer:
+    """Replace every Linear (attention, feed-forward, output head) in place; "none" is a no-op.
+    `kernels` False: torch's kinds only, without model/kernels (what ran before them; benches
+    compare the two)."""
     if mode == "none":
         return model
     if mode not in QUANT_MODES:
@@ -282,8 +284,8 @@ def quantize(model: Transformer, mode: str) -> Transformer:
     if model.device.type != "cpu":
         raise ValueError(f"quant {mode!r} is CPU-only (the model is on {model.device})")
     dense = dense_dtype(model.dtype)
-    kernels = load_kernels() if model.dtype == torch.float32 else None
-    q8 = kernels is not None and hasattr(kernels, "int8_mm")
+    module = load_kernels() if kernels and model.dtype == torch.float32 else None
+    q8 = module is not None and hasattr(module, "int8_mm")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
@@ -293,7 +295,7 @@ def quantize(model: Transformer, mode: str) -> Transformer:
                     kind = "q8" if q8 else "fbgemm8"
                 elif mode == "int8" and q8 and child.weight.shape[1] % INT4_GROUP == 0:
                     kind = "q8"
-                linear = QuantLinear(child.weight, child.bias, kind, dense, kernels)
+                linear = QuantLinear(child.weight, child.bias, kind, dense, module)
                 setattr(parent, name, linear)
     return model
 

@@ -1,5 +1,5 @@
 // The one-call step (model/native.py): every block of a step in C++, each as its
-// model.arch.LayerSpec describes it (the parts it has, its window's attention groups, its RoPE
+// model.arch.LayerDesc describes it (the parts it has, its window's attention groups, its RoPE
 // table), with the kernels the Python layers call (layers.cpp, attention*.cpp, int4.cpp,
 // gemm.cpp).
 #include "kernels.h"
@@ -161,6 +161,8 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                     g.write_cells.numel() == n,
                 "step_layers: write_cells must be int64, contiguous, one cell per row");
   }
+  // per group, the fewest cells of a pool its layers write into
+  std::vector<int64_t> n_cells(n_groups, INT64_MAX);
   for (const auto& layer : layers) {
     TORCH_CHECK(0 <= layer.groups && layer.groups < n_groups, "step_layers: a layer's groups ",
                 layer.groups, " is not one of the step's ", n_groups);
@@ -171,11 +173,13 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                     layer.v_cache.is_contiguous() && layer.v_cache.sizes() == k.sizes(),
                 "step_layers: a layer's K/V cache must be contiguous, of one shape, in x's "
                 "dtype");
-    const int64_t n_cells = k.size(1);
-    const int64_t* cp = groups[layer.groups].write_cells.data_ptr<int64_t>();
+    n_cells[layer.groups] = std::min(n_cells[layer.groups], k.size(1));
+  }
+  for (int64_t i = 0; i < n_groups; ++i) {
+    const int64_t* cp = groups[i].write_cells.data_ptr<int64_t>();
     for (int64_t r = 0; r < n; ++r)
-      TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells, "step_layers: write_cells[", r, "] = ", cp[r],
-                  " is not in [0, ", n_cells, ")");
+      TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells[i], "step_layers: write_cells[", r, "] = ",
+                  cp[r], " is not in [0, ", n_cells[i], ")");
   }
 }
 
@@ -183,7 +187,7 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
 
 // step_layers: every layer of a step in one call (decode rows, prompt chunks or both), bfloat16
 // or float32 activations, weights of model/quant.py QuantLinear (int4, int8, q8): the same ops,
-// in the same order, as model/llama.py's Block for each layer's LayerSpec (StepLayer holds
+// in the same order, as model/llama.py's Block for each layer's LayerDesc (StepLayer holds
 // the parts it has), without the Python between them, and without ATen calls where a raw pass
 // gives the same bits: RoPE in place (rope_neox_, which the Python layers call too), K/V rows
 // memcpy'd into their cells (KVStorage.write's index_copy_), residual adds into one stream
