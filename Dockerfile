@@ -46,6 +46,7 @@ COPY scheduler ./scheduler
 COPY kvcache ./kvcache
 COPY model ./model
 COPY bench ./bench
+COPY cli ./cli
 # The kernels of every x86 ISA level from AVX2 up (AVX2, AVX-512, AVX-512 BF16; aarch64:
 # the portable build), chosen by cpuid when the container starts: an image built on one CPU
 # runs on any other. They are built into the venv (/opt/venv/share/cellserve/kernels), which

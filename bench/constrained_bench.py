@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.engine_bench import random_prompt, serve
+from model.runner.worker import make_worker
 from scheduler.config import EngineConfig
 from scheduler.constraint import Grammar
 from scheduler.plan import SamplingParams
@@ -91,9 +92,9 @@ def run(
     quant: str = "none",
     dtype: str = "float32",
 ) -> dict[str, Any]:
-    from model.grammar import GrammarCompiler, GrammarSpec
-    from model.loader import default_model_path, load_model
-    from model.quant import quantize
+    from model.layers.quant import quantize
+    from model.load.loader import default_model_path, load_model
+    from model.runner.grammar import GrammarCompiler, GrammarSpec
 
     sizes = sizes or Sizes()
     loaded = load_model(default_model_path(), dtype=dtype)
@@ -106,7 +107,7 @@ def run(
     vocab = loaded.tokenizer.vocab_size
     level_max = max(sizes.levels)
     n_cells = level_max * (sizes.prompt_len + sizes.output_len) + 256
-    worker = loaded.make_worker(n_cells)
+    worker = make_worker(loaded, n_cells)
     config = EngineConfig(
         n_cells=n_cells,
         n_seq_max=level_max + 8,
@@ -162,8 +163,8 @@ def _step_overhead(loaded: Any, grammar: Grammar, n: int, repeats: int = 50) -> 
     searches its allowed ids; best case: each row's argmax allowed) vs without."""
     import torch
 
-    from model.sampling import sample
-    from model.token_mask import MaskFiller
+    from model.runner.sampling import sample
+    from model.runner.token_mask import MaskFiller
     from scheduler.plan import SampleRow
 
     prefix = loaded.tokenizer.encode(

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from model.runner.worker import make_worker
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine, Worker
 from scheduler.plan import SamplingParams
@@ -124,7 +125,7 @@ def run(
 ) -> dict[str, Any]:
     import torch
 
-    from model.loader import default_model_path, load_model
+    from model.load.loader import default_model_path, load_model
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +142,7 @@ def run(
         max(levels) * (prompt_len + output_len), num_shared * (system_len + 64 + shared_output_len)
     )
     n_cells += 1024
-    worker = loaded.make_worker(n_cells)
+    worker = make_worker(loaded, n_cells)
     config = EngineConfig(
         n_cells=n_cells, n_seq_max=n_seq_max, n_batch=512, n_ctx_seq=2048, max_queue=1024
     )

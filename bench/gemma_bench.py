@@ -77,7 +77,7 @@ def bench_memory(kind: str, loaded: Any, num_seqs: int, sizes: Sizes, dtype: str
     "iswa": the sliding layers on a pool of window x sequences + chunk cells."""
     import torch
 
-    from model.worker import make_worker
+    from model.runner.worker import make_worker
 
     ctx = sizes.context
     n_cells = num_seqs * (ctx + sizes.decode_steps) + 64
@@ -130,10 +130,10 @@ def run(
     """`threads`: torch threads of the model steps (default: every core)."""
     import torch
 
-    from model.loader import load_model
-    from model.packaged import gemma3_270m_path, gemma3_installed
-    from model.quant import quantize
-    from model.worker import set_torch_threads
+    from model.layers.quant import quantize
+    from model.load.loader import load_model
+    from model.load.packaged import gemma3_270m_path, gemma3_installed
+    from model.runner.worker import set_torch_threads
 
     if not gemma3_installed():
         return {"skipped": "the Gemma-3-270M packages are not installed"}

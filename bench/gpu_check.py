@@ -26,8 +26,8 @@ import torch
 from bench.engine_bench import make_request, random_prompt, serve
 from bench.model_bench import make_plan
 from model import default_model_path, load_model
-from model.loader import LoadedModel
-from model.worker import ModelWorker
+from model.load.loader import LoadedModel
+from model.runner.worker import ModelWorker, make_worker
 from scheduler.config import EngineConfig
 
 
@@ -79,7 +79,7 @@ def engine_level(
     loaded: LoadedModel, conc: int, prompt_len: int, output_len: int, n_batch: int
 ) -> dict[str, float]:
     n_cells = conc * (prompt_len + output_len) + 64
-    worker = loaded.make_worker(n_cells)
+    worker = make_worker(loaded, n_cells)
     config = EngineConfig(
         n_cells=n_cells,
         n_seq_max=conc,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(x) for x in args.levels.split(",")]
     rows = []
     for conc in levels:
-        worker = loaded.make_worker(conc * (args.ctx + args.steps + 2))
+        worker = make_worker(loaded, conc * (args.ctx + args.steps + 2))
         step_ms = decode_step_ms(worker, conc, args.ctx, args.steps)
         kv = conc * (args.ctx + 1) * worker.kv_bytes_per_cell
         del worker

@@ -3,7 +3,7 @@ head on this process's ISA path (CELLSERVE_ISA picks one), by row count: the int
 (model/kernels int4_mm for small batches, int4_gemm for large ones, int8_mm for the head; int8
 activations) against a dense float32 copy (oneDNN, prepacked: what batches took before
 int4_gemm, and what the head takes past 32 rows) and, for the head, fbgemm's per-row dynamic
-int8 linear. The crossovers set model/quant.py SMALL_ROWS_INT4 / SMALL_ROWS_F32. Interleaved,
+int8 linear. The crossovers set model/layers/quant.py SMALL_ROWS_INT4 / SMALL_ROWS_F32. Interleaved,
 best of `--rounds`; `--rows` picks the row counts (the layers' outputs are dropped one by one,
 as a forward pass does).
 """
@@ -41,7 +41,7 @@ def run(
     import torch
 
     from model.kernels import load_kernels
-    from model.quant import (
+    from model.layers.quant import (
         QuantLinear,
         dequantize_int4,
         pack_dense,

@@ -1,7 +1,7 @@
 """`python -m bench.int8_bench [--model gemma3|PATH] [--rounds N]`: int8 weights with float32
 activations (the default for a Q5-Q8 GGUF on a CPU without native bfloat16, e.g. AVX2) two
 ways, side by side in one process on this process's ISA path (CELLSERVE_ISA picks one):
-"q8", model/quant.py's default where the C++ kernels are built (int8 weights with a scale per
+"q8", model/layers/quant.py's default where the C++ kernels are built (int8 weights with a scale per
 32, int8 activations per 32 in int8_mm: llama.cpp's Q8_0 x Q8_0), and "torch_int8" (per-channel
 int8 weights through torch's _weight_int8pack_mm on bfloat16-rounded rows, what int8 took
 before). For each: top-1 agreement and KL against the float32 reference on a 59-token text
@@ -24,12 +24,12 @@ def run(model: str = "gemma3", rounds: int = 2) -> dict[str, Any]:
     level = isa.apply_forced_isa()
     import torch
 
-    import model.quant as quant
+    import model.layers.quant as quant
     from bench.isa_bench import TEXT, closeness, text_logits
     from bench.model_bench import DECODE_STEPS, PROMPT_LEN, ours_decode
     from model import default_model_path, load_model
-    from model.packaged import gemma3_270m_path
-    from model.worker import make_worker
+    from model.load.packaged import gemma3_270m_path
+    from model.runner.worker import make_worker
 
     path = {"gemma3": gemma3_270m_path, "smollm2": default_model_path}.get(model)
     path = path() if path is not None else pathlib.Path(model)
@@ -51,7 +51,7 @@ def run(model: str = "gemma3", rounds: int = 2) -> dict[str, Any]:
         decode, prompt = text_logits(worker, ids, True), text_logits(worker, ids, False)
         result["setups"][setup] = {
             "kinds": sorted(kinds),
-            "native_step": worker.native is not None,
+            "native_step": worker.paths.native is not None,
             "decode_rows": closeness(decode, ref[0]),
             "prompt": closeness(prompt, ref[1]),
         }

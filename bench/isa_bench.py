@@ -1,5 +1,5 @@
 """`python -m bench.isa_bench`: the worker on SmolLM2 on every ISA path this CPU runs, side by
-side in one run: the server's default setup for that path (model.loader.choose_runtime) and
+side in one run: the server's default setup for that path (model.load.loader.choose_runtime) and
 the float32 reference, decode tokens/s at 1, 8 and 32 sequences and prefill tokens/s of one
 256-token prompt (bench.model_bench's measurements), plus the cpuid flags it saw.
 
@@ -68,9 +68,9 @@ def measure_here() -> dict[str, Any]:
     from bench.model_bench import CONCURRENCY, DECODE_STEPS, PROMPT_LEN, ours_decode, ours_prefill
     from model import default_model_path, load_model
     from model.kernels import kernel_status
-    from model.loader import choose_runtime
-    from model.quant import quantize
-    from model.worker import make_worker
+    from model.layers.quant import quantize
+    from model.load.loader import choose_runtime
+    from model.runner.worker import make_worker
 
     path = default_model_path()
     auto = choose_runtime(path, "cpu")
@@ -86,7 +86,7 @@ def measure_here() -> dict[str, Any]:
         worker = make_worker(loaded, n_cells=max(CONCURRENCY) * (PROMPT_LEN + DECODE_STEPS + 1))
         rates = {f"decode_c{c}": round(ours_decode(worker, c, vocab), 1) for c in CONCURRENCY}
         rates["prefill"] = round(ours_prefill(worker, vocab), 1)
-        native = worker.native is not None
+        native = worker.paths.native is not None
         ids = loaded.tokenizer.encode(TEXT)
         small = make_worker(loaded, n_cells=len(ids) + 1)
         decode, prompt = (text_logits(small, ids, one) for one in (True, False))

@@ -2,8 +2,8 @@
 
 Decode tokens/s at 1, 8 and 32 concurrent sequences (each with a 64-token prompt already in
 the cache) and prefill tokens/s of one 256-token prompt, in float32, bfloat16 and float32 with
-`--quant` int8/int4 (model/quant.py). The transformers side is `generate` (greedy, fixed length,
-its own KV cache) on the same GGUF, float32 except beside bfloat16; its decode rate is
+`--quant` int8/int4 (model/layers/quant.py). The transformers side is `generate` (greedy,
+fixed length, its own KV cache) on the same GGUF, float32 except beside bfloat16; its decode rate is
 (generate N tokens - generate 1 token) / (N - 1) per sequence.
 Each rate is the best of REPEATS runs. Also breaks a decode step of the fastest variant
 (int4 + bfloat16) down by ablation (step_breakdown) at 1 and 32 sequences, 300 cached tokens.
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from model import default_model_path, load_model
-from model.quant import quantize
-from model.worker import ModelWorker, make_worker
+from model.layers.quant import quantize
+from model.runner.worker import ModelWorker, make_worker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
 
 PROMPT_LEN = 64
@@ -123,7 +123,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
     median step time of the Python layers, then again with each part replaced by zeros of its
     shape (cumulative): the layers' matmuls, the output head, attention (the C++ kernel where
     built, else K/V gathers + SDPA/bmm); what is left is RMSNorm, RoPE, cache writes,
-    residuals, embedding, sampling and building the batch. Also the step through model.native
+    residuals, embedding, sampling and building the batch. Also the step through model.runner.native
     (one C++ call for the layers) when the worker has it."""
     model = worker.model
     per_seq = ctx + 96  # 78 decode steps follow the prompt
@@ -144,12 +144,15 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
         lin.forward = lambda x: x.new_zeros(x.shape[0], n_out)  # type: ignore[method-assign]
 
     median_ms(3)  # warm-up
-    native, worker.native = worker.native, None  # the ablation patches the Python layers
+    native, worker.paths.native = (
+        worker.paths.native,
+        None,
+    )  # the ablation patches the Python layers
     native_ms = None
     if native is not None:
-        worker.native = native
+        worker.paths.native = native
         native_ms = median_ms()
-        worker.native = None
+        worker.paths.native = None
     stages = [("full step", median_ms())]
     patched: list[torch.nn.Module] = []
     for block in model.layers:
@@ -176,7 +179,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
         del m.forward
     for block in model.layers:
         del block.attention._decode, block.attention._prompt
-    worker.native = native
+    worker.paths.native = native
     parts = {
         "matmuls (30 layers)": stages[0][1] - stages[1][1],
         "output head": stages[1][1] - stages[2][1],
@@ -279,7 +282,8 @@ def format_table(result: dict[str, Any]) -> str:
     for b in result["breakdowns"]:
         lines.append(
             f"decode step, {' + '.join(BREAKDOWN)}, {b['concurrency']} seqs x {b['context']} "
-            f"cached tokens: {b['step_ms']} ms (through model.native: {b['native_step_ms']} ms)"
+            f"cached tokens: {b['step_ms']} ms "
+            f"(through model.runner.native: {b['native_step_ms']} ms)"
         )
         for part, ms in b["parts_ms"].items():
             lines.append(f"  {part:<66} {ms:>7.2f} ms")

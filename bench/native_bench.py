@@ -2,14 +2,14 @@
 tokens/s at 1 and 32 sequences on this process's ISA path (set CELLSERVE_ISA to pick one), with
 and without the C++ decode path, interleaved round by round in one process so that a shared
 machine's load hits both alike. The model: the embedded SmolLM2 by default, "gemma3" for
-Gemma-3-270M (model/packaged.py: sliding-window layers on their own pool, q/k and post norms,
+Gemma-3-270M (model/load/packaged.py: sliding-window layers on their own pool, q/k and post norms,
 GeGLU), or a path.
 
-"python": the Python layers (model/llama.py), and for float32 activations QuantLinear rounding
-small batches to bfloat16 for torch's int4 kernel (no int4_mm) and torch's RMSNorm / SiLU (no
-fused float32 ops): what ran before the one-call step covered float32 (q8 layers keep int8_mm,
-their only kernel). "native":
-model/native.py's one-call step with int4_mm and the fused ops. Same weights, same worker,
+"python": the Python layers (model/layers/decoder.py), and for float32 activations QuantLinear
+rounding small batches to bfloat16 for torch's int4 kernel (no int4_mm) and torch's RMSNorm /
+SiLU (no fused float32 ops): what ran before the one-call step covered float32 (q8 layers
+keep int8_mm, their only kernel). "native":
+model/runner/native.py's one-call step with int4_mm and the fused ops. Same weights, same worker,
 same prompts (bench.model_bench's decode measurement).
 """
 
@@ -32,10 +32,10 @@ def run(
     from bench.model_bench import DECODE_STEPS, PROMPT_LEN, ours_decode
     from model import default_model_path, load_model
     from model.kernels import kernel_status
-    from model.loader import choose_runtime
-    from model.packaged import gemma3_270m_path
-    from model.quant import QuantLinear, quantize
-    from model.worker import make_worker
+    from model.layers.quant import QuantLinear, quantize
+    from model.load.loader import choose_runtime
+    from model.load.packaged import gemma3_270m_path
+    from model.runner.worker import make_worker
 
     path = (
         default_model_path()
@@ -49,13 +49,13 @@ def run(
     quantize(loaded.transformer, auto.quant)
     per_seq = PROMPT_LEN + DECODE_STEPS + 1
     worker = make_worker(loaded, n_cells=max(concurrency) * per_seq + 1)
-    native, fused = worker.native, worker.fused
+    native, fused = worker.paths.native, worker.paths.fused
     linears = [m for m in loaded.transformer.modules() if isinstance(m, QuantLinear)]
     kernels = [m.kernels for m in linears]
 
     def use(fast: bool) -> None:
-        worker.native = native if fast else None
-        worker.fused = fused if fast or auto.dtype == "bfloat16" else None
+        worker.paths.native = native if fast else None
+        worker.paths.fused = fused if fast or auto.dtype == "bfloat16" else None
         for m, k in zip(linears, kernels, strict=True):
             m.kernels = k if fast or m.kind == "q8" else None  # q8 runs on int8_mm only
 

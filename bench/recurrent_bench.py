@@ -51,7 +51,7 @@ class Sizes:
 
 @dataclass(slots=True)
 class Loaded:
-    """What model.worker.make_worker reads of a model."""
+    """What model.runner.worker.make_worker reads of a model."""
 
     config: Any
     transformer: Any
@@ -62,7 +62,7 @@ def random_model(args: Any, seed: int = 0) -> Loaded:
     import torch
 
     from model.arch import layer_weights, weight_shapes
-    from model.llama import Transformer
+    from model.layers.decoder import Transformer
 
     gen = torch.Generator().manual_seed(seed)
     shapes = weight_shapes(args)
@@ -83,7 +83,7 @@ def random_model(args: Any, seed: int = 0) -> Loaded:
 
 
 def mamba2_args(sizes: Sizes) -> Any:
-    from kvcache.storage import RopeConfig
+    from kvcache.rope import RopeConfig
     from model.arch import ModelArgs, SSMArgs
 
     dim, n_layers, heads, head_dim, state = sizes.mamba
@@ -97,7 +97,7 @@ def mamba2_args(sizes: Sizes) -> Any:
 def hybrid_args(sizes: Sizes) -> Any:
     """Granite 4.0-H-like: an attention layer after every 7 Mamba2 layers, NoPE, a SwiGLU MLP
     in every layer."""
-    from kvcache.storage import RopeConfig
+    from kvcache.rope import RopeConfig
     from model.arch import ModelArgs, SSMArgs
 
     dim, n_layers, heads, head_dim, state = sizes.hybrid
@@ -122,7 +122,7 @@ class DecodeResult:
 
 def bench_decode(name: str, loaded: Any, sizes: Sizes, dtype: str) -> list[DecodeResult]:
     from kvcache.make import make_memory
-    from model.worker import make_worker
+    from model.runner.worker import make_worker
 
     out = []
     for n_seqs in sizes.num_seqs:
@@ -150,7 +150,7 @@ def bench_decode(name: str, loaded: Any, sizes: Sizes, dtype: str) -> list[Decod
 def bench_prefix_ttft(loaded: Any, sizes: Sizes, dtype: str) -> dict[str, Any]:
     """The hybrid's time to first token of a request sharing a served system prompt, prefix
     cache on and off (engine level: the Scheduler and the worker, no HTTP)."""
-    from model.worker import make_worker
+    from model.runner.worker import make_worker
     from scheduler.config import EngineConfig
     from scheduler.request import Request, TokenEvent
     from scheduler.scheduler import Scheduler
@@ -204,9 +204,9 @@ def run(
 ) -> dict[str, Any]:
     import torch
 
-    from model.loader import default_model_path, load_model
-    from model.quant import quantize
-    from model.worker import set_torch_threads
+    from model.layers.quant import quantize
+    from model.load.loader import default_model_path, load_model
+    from model.runner.worker import set_torch_threads
 
     sizes = sizes or Sizes()
     set_torch_threads(threads or os.cpu_count() or 1)

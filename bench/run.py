@@ -44,7 +44,7 @@ MICRO_BENCHES = (
     "constrained_bench",
     "recurrent_bench",
 )
-OPTIONAL_BENCHES = {"gemma_bench": "model.packaged:gemma3_installed"}  # run when installed
+OPTIONAL_BENCHES = {"gemma_bench": "model.load.packaged:gemma3_installed"}  # run when installed
 
 
 def micro_benches() -> list[str]:
@@ -57,7 +57,7 @@ def micro_benches() -> list[str]:
     return names
 
 
-# no flags but the cache size: the default is the fast setup for this CPU (model.loader
+# no flags but the cache size: the default is the fast setup for this CPU (model.load.loader
 # .choose_runtime); 32 x (256 + 128) tokens fit in the cache, so nothing is preempted
 DEFAULT_SERVER_ARGS = "--n-cells 32768"
 

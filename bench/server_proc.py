@@ -103,14 +103,14 @@ def served(
 
 
 def cellserve_command(port: int, extra_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *extra_args]
+    return [sys.executable, "-m", "cli", "serve", "--port", str(port), *extra_args]
 
 
 @contextmanager
 def cellserve_process(
     log_path: pathlib.Path, extra_args: list[str], startup_timeout_s: float = 300.0
 ) -> Iterator[Served]:
-    """Starts `python -m server.cli serve` on a free port."""
+    """Starts `python -m cli serve` on a free port."""
     with served(lambda port: cellserve_command(port, extra_args), log_path, startup_timeout_s) as s:
         yield s
 

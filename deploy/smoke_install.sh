@@ -47,7 +47,7 @@ cd "$WORK/src"
 step "venv and torch==${TORCH_VERSION} from ${TORCH_INDEX_URL}"
 python3 -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX_URL"
-COPY_PATHS=(pyproject.toml README.md server scheduler kvcache model bench)
+COPY_PATHS=(pyproject.toml README.md server scheduler kvcache model bench cli)
 for path in "${COPY_PATHS[@]}"; do
     cp -R "$REPO/$path" "$WORK/src/$path"
 done

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from model.errors import ModelLoadError
-from model.loader import LoadedModel, default_model_path, load_model
+from model.load.loader import LoadedModel, default_model_path, load_model
 
 __all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model"]

@@ -21,7 +21,7 @@ from llguidance import LLMatcher
 class Grammar:
     """A compiled grammar; one object serves every request that asks for the same grammar."""
 
-    kind: str  # "json_schema" | "regex" | "lark" | "gbnf" | "choice" (model/grammar.py)
+    kind: str  # "json_schema" | "regex" | "lark" | "gbnf" | "choice" (model/runner/grammar.py)
     source: str  # the text it was compiled from (the compile cache's key)
     matcher: LLMatcher  # at the start state, never advanced: the template of every constraint
 

@@ -137,7 +137,7 @@ class StepOutput:
 
 
 class Worker(Protocol):
-    """What the engine drives (model/worker.py; fakes in tests)."""
+    """What the engine drives (model/runner/worker.py; fakes in tests)."""
 
     def execute(self, plan: BatchPlan) -> StepOutput: ...
 

@@ -10,7 +10,7 @@ from scheduler.stats import StepStats
 from server.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from model.grammar import GrammarCompiler
+    from model.runner.grammar import GrammarCompiler
 from server.settings import Settings
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from model.tool_prompt import HERMES
+from model.load.tool_prompt import HERMES
 from server.backend import Backend
 from server.chat_reply import ReplyOptions
 from server.deps import check_model, log_request

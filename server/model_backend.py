@@ -32,46 +32,19 @@ def load_backend(
     """`wrap_worker` (tests only) wraps the worker the engine drives."""
     import torch
 
-    from model import default_model_path, load_model
-    from model.kernels import isa, kernel_status, load_kernels
-    from model.loader import choose_runtime
-    from model.quant import quantize
+    from model.runner.grammar import GrammarCompiler
+    from model.runner.worker import make_worker
+    from model.serving import open_model
 
     # NOTE: load on one thread; the worker takes its threads in the engine thread (see
-    # model.worker.set_torch_threads: OpenMP teams opened here would slow every step).
+    # model.runner.worker.set_torch_threads: OpenMP teams opened here would slow every step).
     threads = settings.threads or os.cpu_count() or 1
     torch.set_num_threads(1)
     device = resolve_device(settings.device)
-    path = settings.model or default_model_path()
-    runtime = choose_runtime(path, device, settings.dtype, settings.quant)
-    dtype = runtime.dtype
-    loaded = load_model(path, dtype=dtype, device=device, chat_template=settings.chat_template)
-    if loaded.chat_template is None:
-        log.warning("the model has no chat template: /v1/chat/completions answers 400")
-    if runtime.quant != "none":
-        quantize(loaded.transformer, runtime.quant)
-    cpu = isa.describe()
-    kernels = "none"
-    if device == "cpu":
-        load_kernels()
-        status = kernel_status()
-        kernels = status.level or "none"
-        forced = f", {isa.ENV}={cpu['forced']}" if cpu["forced"] else ""
-        log.info(
-            "CPU: %s (%s%s); ISA path %s; C++ kernels: %s",
-            cpu["cpu"],
-            cpu["detected"],
-            forced,
-            cpu["active"],
-            status.reason,
-        )
-    log.info(
-        "running %s activations, %s weights: %s%s",
-        dtype,
-        "unquantized" if runtime.quant == "none" else runtime.quant,
-        runtime.reason,
-        "" if runtime.quant == "none" else " (outputs differ slightly from the unquantized model)",
+    opened = open_model(
+        settings.model, device, settings.dtype, settings.quant, settings.chat_template
     )
+    loaded, dtype = opened.loaded, opened.runtime.dtype
     log.info("torch threads: %d (model steps)", threads)
     n_ctx = min(settings.ctx_per_seq, settings.n_cells)
     if n_ctx > loaded.config.n_ctx_train > 0:
@@ -80,8 +53,6 @@ def load_backend(
             n_ctx,
             loaded.config.n_ctx_train,
         )
-    from model.worker import make_worker
-
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,
@@ -95,8 +66,6 @@ def load_backend(
         state_checkpoint_interval=settings.state_checkpoint_interval,
     )
     config.validate()
-    from model.grammar import GrammarCompiler
-
     # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
     # sliding-window layers (a small pool for them), else the unified cache; state slots for
     # recurrent layers (a recurrent or hybrid memory)
@@ -113,6 +82,7 @@ def load_backend(
         threads=threads if device == "cpu" else None,
         group_cells=[memory.pools[i].cells.n_cells for i in memory.group_pools],
     )
+    log.info("kernel paths: %s", worker.paths.describe())
     kv_bytes = worker.kv_bytes
     if wrap_worker is not None:
         worker = wrap_worker(worker)
@@ -128,11 +98,11 @@ def load_backend(
         grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
         runtime={
             "device": device,
-            "isa": cpu["active"] if device == "cpu" else "",
-            "cpu_isa": cpu["detected"] if device == "cpu" else "",
-            "kernels": kernels,
-            "native_step": "yes" if getattr(worker, "native", None) is not None else "no",
+            "isa": opened.isa,
+            "cpu_isa": opened.cpu_isa,
+            "kernels": opened.kernels,
+            "native_step": "yes" if worker.paths.native is not None else "no",
             "dtype": dtype,
-            "quant": runtime.quant,
+            "quant": opened.runtime.quant,
         },
     )

@@ -25,13 +25,14 @@ class Settings(BaseSettings):
     # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
     state_checkpoints: int | None = Field(None, ge=0)
     state_checkpoint_interval: int = Field(256, ge=1)
-    # None: the fast setup for this machine (model.loader.choose_runtime): bfloat16 where the
+    # None: the fast setup for this machine (model.load.loader.choose_runtime): bfloat16 where the
     # CPU computes it natively, else float32; a quantized GGUF served int4 / int8 on CPU.
     # --quant none --dtype float32 is the reference (the logits of the unquantized model).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
     quant: Literal["none", "int8", "int4"] | None = None  # weight-only, CPU; changes the logits
-    threads: int | None = Field(None, ge=1)  # None = every core (model.worker.set_torch_threads)
+    # None = every core (model.runner.worker.set_torch_threads)
+    threads: int | None = Field(None, ge=1)
     api_key: SecretStr | None = None
     served_model_name: str | None = None
     max_queue: int = Field(256, ge=1)

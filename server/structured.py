@@ -11,8 +11,8 @@ import asyncio
 import json
 from typing import Any
 
-from model.grammar import ANY_JSON_OBJECT, JSON_OPTIONS, GrammarError, GrammarSpec
-from model.tool_prompt import HERMES, LLAMA3, MISTRAL
+from model.load.tool_prompt import HERMES, LLAMA3, MISTRAL
+from model.runner.grammar import ANY_JSON_OBJECT, JSON_OPTIONS, GrammarError, GrammarSpec
 from scheduler.constraint import Grammar
 from server.backend import Backend
 from server.errors import APIError

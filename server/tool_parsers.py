@@ -1,4 +1,4 @@
-"""Tool calls out of a model's reply, per template family (model/tool_prompt.py's formats).
+"""Tool calls out of a model's reply, per template family (model/load/tool_prompt.py's formats).
 
 - hermes (Hermes, Qwen 2.5/3, and cellserve's rendering for templates without tools):
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.tool_prompt import HERMES, LLAMA3, MISTRAL
+from model.load.tool_prompt import HERMES, LLAMA3, MISTRAL
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # text that, at the start of a reply, means "tool calls follow" (held back while streaming)

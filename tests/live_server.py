@@ -114,11 +114,11 @@ class ServerProcess:
 
 
 def start_server_process(*args: str, ready_timeout: float = 300) -> ServerProcess:
-    """`python -m server.cli serve --port <free> ARGS` as a child process."""
+    """`python -m cli serve --port <free> ARGS` as a child process."""
     sock = _bound_socket("127.0.0.1")
     port = sock.getsockname()[1]
     sock.close()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "cli", "serve", "--port", str(port), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the ServerProcess)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

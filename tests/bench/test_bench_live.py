@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from bench.server_proc import cellserve
-from server.cli import main as cellserve_main
+from cli.main import main as cellserve_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

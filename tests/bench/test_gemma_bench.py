@@ -6,7 +6,7 @@ from bench import run as bench_run
 from bench.gemma_bench import full_spec, kv_bytes_per_seq
 from kvcache.spec import Attention, MemorySpec
 from model.arch import gemma3_windows
-from model.packaged import gemma3_installed
+from model.load.packaged import gemma3_installed
 
 GEMMA3_270M = MemorySpec.of([Attention(1, 256, w) for w in gemma3_windows(18, 512)])
 

@@ -169,7 +169,7 @@ def test_summary_puts_cellserve_and_llamacpp_side_by_side() -> None:
     report = {
         "environment": {},
         "serving": {
-            "command": ["python", "-m", "server.cli", "serve", "--quant", "int4"],
+            "command": ["python", "-m", "cli", "serve", "--quant", "int4"],
             "sweep": make_run(ours),
             "llamacpp": {
                 "command": ["llama-server", "-m", "x.gguf", "-np", "32"],
@@ -180,7 +180,7 @@ def test_summary_puts_cellserve_and_llamacpp_side_by_side() -> None:
     text = render_summary(report)
     assert "| 1 | 15.0 | 30.0 | 0.50x | 50.0 / 20.0 | 50.0 / 20.0 |" in text
     assert "| 8 | 90.0 | 60.0 | 1.50x | 80.0 / 40.0 | 80.0 / 40.0 |" in text
-    assert "python -m server.cli serve --quant int4" in text
+    assert "python -m cli serve --quant int4" in text
     assert "llama-server -m x.gguf -np 32" in text
     assert "llama.cpp skipped for time: concurrency [32]" in text
     report["serving"]["llamacpp"] = {"binary": "/x", "error": "llama.cpp: OSError: boom"}

@@ -15,15 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model.testing import write_tiny_gguf, write_tiny_llama
 from tests.deploy.tooling import REPO, free_port
 from tests.live_server import start_server_process
+from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
 
 def serve(model: Path, timeout: float = 90) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CELLSERVE_MODEL", None)
-    cmd = [sys.executable, "-c", "from server.cli import main; raise SystemExit(main())"]
+    cmd = [sys.executable, "-c", "from cli.main import main; raise SystemExit(main())"]
     cmd += ["serve", "--model", str(model), "--port", str(free_port()), "--n-cells", "64"]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvcache.cells import KVCells, PendingOps
-from kvcache.storage import KVStorage, RopeConfig, apply_rope, rope_partner, rope_tables
+from kvcache.rope import RopeConfig, apply_rope, rope_partner, rope_tables
+from kvcache.storage import KVStorage
 
 LAYOUTS = ["interleaved", "neox"]
 

@@ -12,9 +12,10 @@ import re
 import jsonschema
 import pytest
 
-from model.grammar import GrammarCompiler, GrammarError, GrammarSpec
-from model.loader import LoadedModel
-from model.token_mask import MaskFiller
+from model.load.loader import LoadedModel
+from model.runner.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from model.runner.token_mask import MaskFiller
+from model.runner.worker import make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -75,7 +76,7 @@ def serve(
     """Runs each batch to completion, one after the other, on one cache."""
     config = make_config(**{"n_cells": 2048, "n_ctx_seq": 256, "n_batch": 128, **cfg})
     sched = Scheduler(config)
-    worker = smollm.make_worker(config.n_cells)
+    worker = make_worker(smollm, config.n_cells)
     outcome = Outcome()
     for batch in batches:
         for r in batch:
@@ -240,7 +241,7 @@ def test_masked_rows_sample_only_allowed_tokens(
 ) -> None:
     import torch
 
-    from model.sampling import sample
+    from model.runner.sampling import sample
     from scheduler.plan import SampleRow
 
     vocab = smollm.config.vocab_size

@@ -11,9 +11,9 @@ import torch
 from kvcache.cells import KVCells, PendingOps
 from model import load_model
 from model.kernels import load_decode_attention, load_kernels
-from model.testing import write_tiny_llama
-from model.worker import make_worker
+from model.runner.worker import make_worker
 from tests.model.factories import Driver, SeqChunk, make_plan, prefill_chunk
+from tests.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.model
 
@@ -189,7 +189,7 @@ def test_decode_rows_of_very_different_context_lengths(tmp_path):
 def test_decode_attention_paths_agree(tmp_path, monkeypatch):
     """The bmm decode path (groups of SDPA_MAX_SEQS sequences and more), SDPA and the C++
     kernel (model/kernels) give the same logits on one batch of padded, masked contexts."""
-    import model.llama
+    import model.layers.decoder
 
     loaded = load_model(write_tiny_llama(tmp_path / "tiny"))
     prompts = [[(7 * i + 5 * n) % 300 + 5 for i in range(n)] for n in (30, 24, 33, 27, 31)]
@@ -199,9 +199,9 @@ def test_decode_attention_paths_agree(tmp_path, monkeypatch):
     paths = [(1, None), (100, None)] + ([(100, kernel)] if kernel is not None else [])
     results = []
     for limit, decode_kernel in paths:  # bmm for every group, SDPA, then the kernel
-        monkeypatch.setattr(model.llama, "SDPA_MAX_SEQS", limit)
+        monkeypatch.setattr(model.layers.decoder, "SDPA_MAX_SEQS", limit)
         worker = make_worker(loaded, n_cells=512)
-        worker.decode_kernel = decode_kernel
+        worker.paths.decode_attention = decode_kernel
         driver = Driver(worker, 512, seed=7)
         driver.step([driver.chunk(s, p) for s, p in enumerate(prompts)])
         results.append(driver.logits([driver.chunk(s, [17]) for s in range(len(prompts))]))
@@ -217,12 +217,12 @@ def test_prompt_attention_kernel_is_as_close_to_float32_as_sdpa(tmp_path):
     runs = {}
     for name, dtype in (("kernel", "bfloat16"), ("sdpa", "bfloat16"), ("float32", "float32")):
         worker = make_worker(load_model(folder, dtype=dtype), n_cells=256)
-        if name == "kernel" and worker.prompt_kernel is None:
+        if name == "kernel" and worker.paths.prompt_attention is None:
             if os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1" and load_kernels() is None:
                 pytest.fail("the C++ kernels did not build")
             pytest.skip("no prompt kernel here (AVX-512 BF16): SDPA only")
         if name == "sdpa":
-            worker.prompt_kernel = None
+            worker.paths.prompt_attention = None
         driver = Driver(worker, 256, seed=9)
         first = [(13 * i) % 300 + 5 for i in range(40)]
         second = [(7 * i) % 300 + 5 for i in range(23)]

@@ -20,9 +20,9 @@ from kvcache.cells import KVCells
 from kvcache.make import make_memory
 from kvcache.spec import Attention
 from model import load_model
-from model.loader import LoadedModel
-from model.packaged import GEMMA3_INSTALL, gemma3_270m_path, gemma3_installed
-from model.worker import make_worker
+from model.load.loader import LoadedModel
+from model.load.packaged import GEMMA3_INSTALL, gemma3_270m_path, gemma3_installed
+from model.runner.worker import make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler

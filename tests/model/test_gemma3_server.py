@@ -8,12 +8,12 @@ import os
 import httpx
 import pytest
 
-from model.chat_template import read_template
 from model.errors import ModelLoadError
-from model.loader import load_model
-from model.packaged import GEMMA3_INSTALL, gemma3_270m_path, gemma3_installed
-from model.testing import write_tiny_llama
+from model.load.chat_template import read_template
+from model.load.loader import load_model
+from model.load.packaged import GEMMA3_INSTALL, gemma3_270m_path, gemma3_installed
 from tests.live_server import start_server
+from tests.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.model
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.worker
+import model.runner.worker
 from model import load_model
-from model.loader import LoadedModel
-from model.testing import write_tiny_gemma3
-from model.worker import make_worker
+from model.load.loader import LoadedModel
+from model.runner.worker import make_worker
 from tests.model.factories import Driver
+from tests.tiny_models import write_tiny_gemma3
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -75,7 +75,7 @@ def test_mixed_steps_equal_each_sequence_alone(tiny, kernels, monkeypatch):
     """Decode rows in and out of their window next to a prompt chunk, in one step; with the
     C++ decode kernel (windowed rows read their in-window cells) and with the torch path."""
     if not kernels:
-        monkeypatch.setattr(model.worker, "load_kernels", lambda: None)
+        monkeypatch.setattr(model.runner.worker, "load_kernels", lambda: None)
     lengths = [3, 9, 30, 17]
     driver = Driver(make_worker(tiny, n_cells=256), 256, seed=2)
     driver.step([driver.chunk(s, prompt(n, s)) for s, n in enumerate(lengths[:3])])

@@ -1,5 +1,5 @@
-"""Mamba2 and Granite 4.0-H (granitehybrid) GGUFs: model/hf_to_gguf.py writes llama.cpp's layout,
-model/gguf_loader.py reads it back into exactly the HF model's sizes and weights."""
+"""Mamba2 and Granite 4.0-H (granitehybrid) GGUFs: model/load/hf_to_gguf.py writes llama.cpp's
+layout, model/load/gguf.py reads it back into exactly the HF model's sizes and weights."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.storage import RopeConfig
+from kvcache.rope import RopeConfig
 from model import ModelLoadError
 from model.arch import ModelArgs, SSMArgs
-from model.gguf_loader import open_gguf, read_args, read_weights
-from model.hf_to_gguf import NOPE_CONTEXT, convert
-from model.testing import write_tiny_llama
+from model.load.gguf import open_gguf, read_args, read_weights
+from model.load.hf_to_gguf import NOPE_CONTEXT, convert
+from tests.tiny_models import write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -585,7 +585,7 @@ def test_converter_refuses_what_llama_cpp_cannot_hold(tmp_path):
 
 
 def test_converter_command_line(mamba2_dir, tmp_path, capsys):
-    from model.hf_to_gguf import main
+    from model.load.hf_to_gguf import main
 
     main([str(mamba2_dir), str(tmp_path / "cli.gguf"), "--outtype", "f16"])
     assert "wrote" in capsys.readouterr().out
@@ -600,8 +600,8 @@ def test_converter_command_line(mamba2_dir, tmp_path, capsys):
 def run_greedy(path: Path, prompt: list[int], n_decode: int) -> tuple[torch.Tensor, list[int]]:
     """The prompt's logits (every row) and the logits of `n_decode` greedy decode steps,
     one per forward, on a fresh worker."""
-    from model.loader import load_model
-    from model.worker import make_worker
+    from model.load.loader import load_model
+    from model.runner.worker import make_worker
     from tests.model.state_driver import Chunk, StateDriver
 
     driver = StateDriver(make_worker(load_model(path), n_cells=64), n_cells=64, n_slots=2)
@@ -617,8 +617,8 @@ def run_greedy(path: Path, prompt: list[int], n_decode: int) -> tuple[torch.Tens
     "kind", ["mamba2", "mamba2-no-conv-bias", "granite-nope-tied", "granite-rope"]
 )
 def test_gguf_model_computes_the_hf_folders_logits(kind, tmp_path):
-    from model.loader import load_model
-    from model.testing_ssm import write_tiny_granite_hybrid, write_tiny_mamba2
+    from model.load.loader import load_model
+    from tests.tiny_ssm import write_tiny_granite_hybrid, write_tiny_mamba2
 
     if kind.startswith("mamba2"):
         folder = write_tiny_mamba2(tmp_path / "hf", conv_bias=not kind.endswith("conv-bias"))

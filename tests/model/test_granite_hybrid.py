@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-import model.worker
+import model.runner.worker
 from model import load_model
 from model.errors import ModelLoadError
-from model.testing import write_tiny_bamba, write_tiny_granite_hybrid
-from model.worker import make_worker
+from model.runner.worker import make_worker
 from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
+from tests.tiny_ssm import write_tiny_bamba, write_tiny_granite_hybrid
 
 VARIANTS = {
     "nope": dict(layer_types=("mamba", "attention", "mamba", "mamba", "attention")),
@@ -91,7 +91,7 @@ def test_mixed_step_equals_each_sequence_alone(variant, kernels, monkeypatch):
     shared, state copied) in the same step; attention through the C++ kernels where built
     and through torch."""
     if not kernels:
-        monkeypatch.setattr(model.worker, "load_kernels", lambda: None)
+        monkeypatch.setattr(model.runner.worker, "load_kernels", lambda: None)
     _, _, tiny, _ = variant
     lengths = [3, 30, 9, 50]
     d = driver(tiny)

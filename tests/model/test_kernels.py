@@ -13,9 +13,9 @@ import torch
 from model import kernels as kernel_builds
 from model import load_model
 from model.kernels import isa, load_kernels
-from model.testing import write_tiny_llama
-from model.worker import make_worker
+from model.runner.worker import make_worker
 from tests.model.factories import Driver, require_kernels
+from tests.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_fused_float32_rms_norm_and_silu_mul_match_torch(kernel):
 
 
 def rope_reference(qk, c, s):
-    """model/llama.py's torch RoPE (rotate-half over the whole head)."""
+    """model/layers/decoder.py's torch RoPE (rotate-half over the whole head)."""
     half = qk.shape[-1] // 2
     partner = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
     return torch.addcmul(qk * c, partner, s)
@@ -304,7 +304,7 @@ def test_each_build_uses_only_its_levels_instructions_and_matches_the_reference(
 def test_each_build_gives_the_torch_paths_logits(tmp_path_factory, monkeypatch, level, dtype):
     """A tiny Llama's prefill and decode logits with one level's kernels (the decode and prompt
     attention, the fused bfloat16 ops) against the same model without any C++ kernel."""
-    import model.worker
+    import model.runner.worker
 
     module = require_kernels(level)
     folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), dim=128, n_heads=4)  # hd 32
@@ -312,7 +312,7 @@ def test_each_build_gives_the_torch_paths_logits(tmp_path_factory, monkeypatch, 
     prompts = [[(7 * i + 5 * n) % 300 + 5 for i in range(n)] for n in (30, 24, 33)]
     runs = []
     for kernels in (module, None):
-        monkeypatch.setattr(model.worker, "load_kernels", lambda k=kernels: k)
+        monkeypatch.setattr(model.runner.worker, "load_kernels", lambda k=kernels: k)
         worker = make_worker(loaded, n_cells=256)
         driver = Driver(worker, 256, seed=7)
         a = driver.logits([driver.chunk(s, p, all_rows=True) for s, p in enumerate(prompts)])
@@ -355,7 +355,7 @@ def check_int4(module: Any, level: str) -> None:
     their tiles and output counts off their blocks (int4_gemm's 8-output blocks padded); within
     the int8 rounding of the float32 product; and int4_gemm gives a row the same bits in any
     batch (what a batch_invariant worker relies on)."""
-    from model.quant import (
+    from model.layers.quant import (
         dequantize_int4,
         pack_int4,
         pack_int4_gemm,

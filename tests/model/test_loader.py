@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from model import ModelLoadError, default_model_path, load_model
-from model.testing import write_tiny_gguf, write_tiny_llama
-from model.worker import make_worker
+from model.runner.worker import make_worker
 from tests.model.factories import make_plan, prefill_chunk
+from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
 PROMPT = "Hello world! How are you today?"
 
@@ -197,7 +197,7 @@ def test_added_tokens_are_matched_whole_and_spelled_verbatim(tiny_dir, tmp_path)
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    from model.tokenizer import Tokenizer
+    from model.load.tokenizer import Tokenizer
 
     folder = tmp_path / "hf"
     shutil.copytree(tiny_dir, folder)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from model import load_model
-from model.mamba2 import ssd_scan
-from model.quant import quantize
-from model.testing import write_tiny_mamba2
-from model.worker import make_worker
+from model.layers.mamba2 import ssd_scan
+from model.layers.quant import quantize
+from model.runner.worker import make_worker
 from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
+from tests.tiny_ssm import write_tiny_mamba2
 
 
 @pytest.fixture(scope="module")

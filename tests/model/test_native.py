@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from model import load_model
-from model.native import NativeDecoder
-from model.quant import quantize
-from model.testing import write_tiny_gemma3, write_tiny_llama
-from model.testing_ssm import write_tiny_granite_hybrid
-from model.worker import make_worker
+from model.layers.quant import quantize
+from model.runner.native import NativeDecoder
+from model.runner.worker import make_worker
 from tests.model.factories import Driver, require_kernels
+from tests.tiny_models import write_tiny_gemma3, write_tiny_llama
+from tests.tiny_ssm import write_tiny_granite_hybrid
 
 pytestmark = pytest.mark.model
 
@@ -42,7 +42,7 @@ def quantized(smollm_path):
 def native_worker(loaded, n_cells: int = 1024):
     require_kernels()
     worker = make_worker(loaded, n_cells=n_cells)
-    assert worker.native is not None  # int4 and int8 qualify wherever the kernels load
+    assert worker.paths.native is not None  # int4 and int8 qualify wherever the kernels load
     return worker
 
 
@@ -61,7 +61,7 @@ def decode(worker, prompts: list[list[int]], steps: int) -> torch.Tensor:
 
 def prompt_kernel_runs(worker) -> bool:
     """Prompts take the C++ step where the prompt kernel exists for the model's dtype."""
-    return worker.prompt_kernel is not None
+    return worker.paths.prompt_attention is not None
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_native_layers_equal_the_python_layers(quantized, dtype, quant, n_seq, m
     native = decode(worker, prompts, steps=6)
     # every decode step took the C++ path, and the prefill too where the prompt kernel runs
     assert len(calls) == 6 + prompt_kernel_runs(worker)
-    worker.native = None  # the Python path calls the same C++ kernels: the same ops
+    worker.paths.native = None  # the Python path calls the same C++ kernels: the same ops
     python = decode(worker, prompts, steps=6)
     assert torch.equal(native, python)
 
@@ -114,21 +114,21 @@ def test_a_step_mixing_prompts_and_decodes_equals_the_python_layers(quantized, d
 
     native = run()
     assert len(calls) == 4  # the prefill, two mixed steps, one decode step
-    worker.native = None
+    worker.paths.native = None
     assert torch.equal(native, run())
 
 
 def test_quantized_models_qualify_and_the_reference_mode_does_not(smollm_path, quantized):
     for dtype in ("bfloat16", "float32"):
         for quant in ("int4", "int8"):
-            native = native_worker(quantized(dtype, quant)).native
+            native = native_worker(quantized(dtype, quant)).paths.native
             assert native is not None
             # float32 rows take cellserve's integer kernels (int4_mm / int4_gemm, int8_mm's
             # Q8_0 x Q8_0), bfloat16 ones torch's
             want = {"float32": {"int4": "int4_f32", "int8": "q8"}}.get(dtype, {}).get(quant, quant)
             assert {w.kind for layer in native.layers_ for w in (layer.wqkv, layer.w2)} == {want}
     dense = load_model(smollm_path, dtype="float32")
-    assert make_worker(dense, n_cells=64).native is None  # the float32 reference mode
+    assert make_worker(dense, n_cells=64).paths.native is None  # the float32 reference mode
 
 
 def test_a_write_cell_out_of_range_is_refused_before_any_write(quantized, monkeypatch):
@@ -148,7 +148,7 @@ def test_a_write_cell_out_of_range_is_refused_before_any_write(quantized, monkey
     for cell in (storage.n_cells, -1):
         bad = dataclasses.replace(batch, cells=torch.full_like(batch.cells, cell))
         with pytest.raises(RuntimeError, match=r"write_cells\[0\] = .* is not in \[0, 64\)"):
-            worker.native.layers(x, bad, storage)
+            worker.paths.native.layers(x, bad, storage)
     assert torch.equal(storage.k, k) and torch.equal(storage.v, v)
 
 
@@ -196,11 +196,11 @@ def test_other_architectures_run_their_description_natively(
     desc = loaded.config.layer_desc(0)
     if arch == "gemma3":  # its windowed layers attend through their own pool and groups
         assert desc.qk_norm and desc.post_norms and desc.activation == "gelu_tanh"
-        assert worker.native.windows == [0, 8] and worker.native.swa_rope
+        assert worker.paths.native.windows == [0, 8] and worker.paths.native.swa_rope
     elif arch == "granite":
         assert desc.rope is None and desc.residual_mult == 0.5
     else:
-        assert desc.qkv_bias and worker.native.windows == [0]
+        assert desc.qkv_bias and worker.paths.native.windows == [0]
     prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(12 + 5 * s)] for s in range(n_seq)]
     calls = []
     layers = NativeDecoder.layers
@@ -209,6 +209,6 @@ def test_other_architectures_run_their_description_natively(
     # windowed prompt chunks take the masked torch path, so Gemma's prefill stays in Python
     prefill_native = arch != "gemma3" and prompt_kernel_runs(worker)
     assert len(calls) == 8 + prefill_native
-    worker.native = None
+    worker.paths.native = None
     python = decode(worker, prompts, steps=8)
     assert torch.equal(native, python)

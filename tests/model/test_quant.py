@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from model import load_model
-from model.llama import Linear
-from model.quant import SMALL_ROWS, QuantLinear, dense_linear, pack_dense, quantize, quantize_int4
-from model.worker import make_worker
+from model.layers.decoder import Linear
+from model.layers.quant import (
+    SMALL_ROWS,
+    QuantLinear,
+    dense_linear,
+    pack_dense,
+    quantize,
+    quantize_int4,
+)
+from model.runner.worker import make_worker
 from tests.model.factories import SeqChunk, make_plan, prefill_chunk
 
 pytestmark = pytest.mark.model
@@ -120,8 +127,8 @@ def test_the_server_default_is_the_fast_setup_for_this_cpu(smollm_path, tmp_path
     """No flags: a quantized GGUF is served quantized (4-bit types int4, 5-8-bit int8),
     bfloat16 only where the CPU computes it natively; flags win; a GPU keeps bfloat16."""
     from model.kernels import isa
-    from model.loader import choose_runtime
-    from model.testing import write_tiny_gguf, write_tiny_llama
+    from model.load.loader import choose_runtime
+    from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
     native = "bfloat16" if isa.native_bfloat16() else "float32"
     auto = choose_runtime(smollm_path, "cpu")  # SmolLM2's Q4_1
@@ -146,7 +153,7 @@ def test_float32_rows_take_the_integer_kernels():
     no dense copy); the int8 output head ("q8") up to its small_rows by int8_mm, more by its
     dense float32 copy. Bias included; each within the activations' int8 rounding of the
     float32 product with the quantized weights."""
-    from model.quant import SMALL_ROWS_F32, SMALL_ROWS_INT4, dequantize_int4, quantize_int4
+    from model.layers.quant import SMALL_ROWS_F32, SMALL_ROWS_INT4, dequantize_int4, quantize_int4
     from tests.model.factories import require_kernels
 
     kernels = require_kernels()

@@ -1,6 +1,6 @@
 """The real scheduler and memory (recurrent / hybrid) driving the real worker on a random Mamba2
 and a random Granite 4.0-H: batching, forks, the prefix cache through state checkpoints and
-preemption give what each request gives alone; and `python -m server.cli` serves a Mamba2
+preemption give what each request gives alone; and `python -m cli` serves a Mamba2
 folder."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model.loader import LoadedModel, load_model
-from model.testing import write_tiny_granite_hybrid, write_tiny_mamba2
-from model.worker import ModelWorker, make_worker
+from model.load.loader import LoadedModel, load_model
+from model.runner.worker import ModelWorker, make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.live_server import start_server_process
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+from tests.tiny_ssm import write_tiny_granite_hybrid, write_tiny_mamba2
 
 CFG = dict(n_cells=1024, n_seq_max=10, n_batch=64, n_ctx_seq=512)
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from model.sampling import draw_seed, filtered_probs, process_logits, sample
+from model.runner.sampling import draw_seed, filtered_probs, process_logits, sample
 from scheduler.plan import SampleRow, SamplingParams
 
 VOCAB = 8

@@ -5,8 +5,9 @@ import time
 import httpx
 import pytest
 
-from model import default_model_path, gguf_loader
-from model.tokenizer import Tokenizer
+from model import default_model_path
+from model.load import gguf as gguf_loader
+from model.load.tokenizer import Tokenizer
 from tests.reliability.harness import ServerProcess, metric, scrape
 
 CORPUS = (

@@ -77,6 +77,6 @@ def faulty_backend(settings: Settings, on_step: Callable[[StepStats], None]) -> 
 
 
 def main() -> None:
-    from server.cli import main as cli_main
+    from cli.main import main as cli_main
 
     sys.exit(cli_main(sys.argv[1:], backend_factory=faulty_backend))

@@ -40,7 +40,7 @@ class ServerProcess:
 
     flags: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    entry: str = "server.cli"  # module whose main() runs; tests.reliability.faults injects faults
+    entry: str = "cli.main"  # module whose main() runs; tests.reliability.faults injects faults
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None

@@ -171,7 +171,7 @@ def test_limits_are_settings_with_safe_defaults():
     assert 1 <= s.stream_buffer <= s.max_tokens_limit * s.max_n
     assert s.api_key is None and not s.log_prompts
     help_text = subprocess.run(
-        [sys.executable, "-c", "from server.cli import main; main()", "serve", "--help"],
+        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--help"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

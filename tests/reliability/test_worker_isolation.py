@@ -10,8 +10,8 @@ import torch
 
 from kvcache.cells import KVCells
 from model import default_model_path, load_model
-from model.loader import LoadedModel
-from model.worker import make_worker
+from model.load.loader import LoadedModel
+from model.runner.worker import make_worker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
 
 N_CELLS = 256

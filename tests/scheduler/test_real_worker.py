@@ -1,4 +1,4 @@
-"""The scheduler against the real worker on a tiny random Llama (model.testing)."""
+"""The scheduler against the real worker on a tiny random Llama (tests.tiny_models)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from model.loader import LoadedModel, load_model
-from model.testing import write_tiny_llama
+from model.load.loader import LoadedModel, load_model
+from model.runner.worker import make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+from tests.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def serve(
     """Runs each batch of requests to completion, one batch after the other, on one cache."""
     config = make_config(**cfg)
     sched = Scheduler(config)
-    worker = tiny.make_worker(config.n_cells)
+    worker = make_worker(tiny, config.n_cells)
     outcome = Outcome()
     for batch in batches:
         for r in batch:

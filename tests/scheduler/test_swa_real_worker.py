@@ -11,13 +11,13 @@ import pytest
 from kvcache.iswa import ISWAMemory
 from kvcache.make import make_memory
 from kvcache.unified import UnifiedMemory
-from model.loader import LoadedModel, load_model
-from model.testing import write_tiny_gemma3
-from model.worker import ModelWorker, make_worker
+from model.load.loader import LoadedModel, load_model
+from model.runner.worker import ModelWorker, make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+from tests.tiny_models import write_tiny_gemma3
 
 CFG = dict(n_cells=512, n_seq_max=6, n_batch=32, n_ctx_seq=96)
 

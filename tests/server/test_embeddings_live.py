@@ -19,7 +19,7 @@ TEXTS = [
     "A much longer input that spans more than one prompt chunk of the engine step, " * 8,
 ]
 # NOTE: without --batch-invariant a row's numbers depend slightly on how many rows share its
-# matmuls (CPU GEMM kernels pick paths by shape, see model/worker.py MIN_ROWS), so the same
+# matmuls (CPU GEMM kernels pick paths by shape, see model/runner/worker.py MIN_ROWS), so the same
 # text alone and in a batch agree to float32 rounding, not bit for bit.
 ATOL = 2e-4
 

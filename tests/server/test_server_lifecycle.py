@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
+from cli.main import build_settings, make_parser
 from scheduler.errors import EngineDeadError
-from server.cli import build_settings, make_parser
 from tests.live_server import start_server
 from tests.server.fake_engine import FakeEngine, fake_backend_factory
 
@@ -143,7 +143,7 @@ def test_bad_flag_value_is_rejected():
 
 
 def test_chat_client_streams_and_keeps_the_conversation(monkeypatch, capsys):
-    from server import chat_client
+    from cli import chat as chat_client
 
     engine = FakeEngine()
     server = start_server(fake_backend_factory(engine), api_key="k")
@@ -166,7 +166,7 @@ def test_chat_client_streams_and_keeps_the_conversation(monkeypatch, capsys):
 
 def test_bench_subcommand_dispatches_to_bench_cli(monkeypatch):
     import bench.cli
-    from server import cli
+    from cli import main as cli
 
     seen = []
     monkeypatch.setattr(bench.cli, "main", lambda argv: seen.append(argv) or 0)
@@ -175,7 +175,7 @@ def test_bench_subcommand_dispatches_to_bench_cli(monkeypatch):
 
 
 def test_serve_with_an_invalid_setting_exits_2(capsys):
-    from server import cli
+    from cli import main as cli
 
     assert cli.main(["serve", "--dtype", "float8", "--n-cells", "3"]) == 2
     err = capsys.readouterr().err

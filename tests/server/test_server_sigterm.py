@@ -1,6 +1,6 @@
 """SIGTERM on a `cellserve serve` process: running streams finish, new requests get 503, exit 0.
 
-The process serves a tiny random Llama (model.testing) so that it starts in seconds; the drain
+The process serves a tiny random Llama (tests.tiny_models) so that it starts in seconds; the drain
 does not depend on the model.
 """
 
@@ -12,8 +12,8 @@ import threading
 import httpx
 import pytest
 
-from model.testing import write_tiny_llama
 from tests.live_server import start_server_process
+from tests.tiny_models import write_tiny_llama
 
 MAX_TOKENS = 300
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from model.chat_template import ChatTemplate
-from model.tool_prompt import HERMES, LLAMA3, MISTRAL, tool_format
+from model.load.chat_template import ChatTemplate
+from model.load.tool_prompt import HERMES, LLAMA3, MISTRAL, tool_format
 from server.chat_reply import ReplyOptions, ReplyStream, whole_reply
 from server.reasoning import ReasoningSplitter, split_reply
 from server.schemas_tools import NamedToolChoice, Tool

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model.testing import write_tiny_gemma3
 from tests.live_server import start_server
+from tests.tiny_models import write_tiny_gemma3
 
 
 @pytest.fixture(scope="module")

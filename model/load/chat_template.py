@@ -12,7 +12,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model.errors import ModelLoadError
-from model.tool_prompt import arguments_as_objects, hermes_messages, tool_format
+from model.load.tool_prompt import arguments_as_objects, hermes_messages, tool_format
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -74,12 +74,12 @@ class ChatTemplate:
 
     @property
     def supports_tools(self) -> bool:
-        """The template renders `tools` itself (else model.tool_prompt does, Hermes style)."""
+        """The template renders `tools` itself (else model.load.tool_prompt does, Hermes style)."""
         return "tools" in self.source
 
     @property
     def tool_format(self) -> str:
-        """The format its model writes tool calls in (model.tool_prompt: hermes, llama3,
+        """The format its model writes tool calls in (model.load.tool_prompt: hermes, llama3,
         mistral)."""
         return tool_format(self.source)
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from model.batch import DecodeGroup, ForwardBatch, PromptGroup
+from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
 from scheduler.plan import BatchPlan, GroupBatch
 
 ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index

@@ -1,7 +1,7 @@
 """Tiny random Mamba2 and Granite 4.0-H (GraniteMoeHybrid) Hugging Face folders, written by
 transformers itself (its config and save_pretrained) with EVERY parameter redrawn: its init
 sets A_log = log(1..H), D = 1, norms = 1, which hide transpositions and group mix-ups.
-Bamba too. Needs transformers (the `test` extra); model.testing re-exports the writers."""
+Bamba too. Needs transformers (the `test` extra)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _save(folder: Path, model: Any) -> Path:
 
 
 def _tokenizer_folder(folder: str | Path) -> tuple[Path, dict[str, Any]]:
-    from model.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
 
     folder = write_tiny_llama(folder)
     config = json.loads((folder / "config.json").read_text())

@@ -1,10 +1,10 @@
 """The decoder-only forward over the cell cache, built from an architecture's description
 (model/arch.py): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Gemma 3, and with Mamba2
-mixers (model/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
+mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
 
 Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE, Gemma norms as
 w of (1 + w)); the GGUF loader converts llama.cpp's layouts to it. The batch and its attention
-groups are model/batch.py's.
+groups are model/layers/batch.py's.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.storage import KVStorage, rope_partner
+from kvcache.rope import rope_partner
+from kvcache.storage import KVStorage
 from model.arch import ModelArgs, weight_shapes
-from model.batch import DecodeGroup, ForwardBatch, PromptGroup
-from model.blocks import FeedForward, Linear, RMSNorm
 from model.kernels import DecodeAttention, PromptAttention
-from model.mamba2 import Mamba2Mixer
+from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
+from model.layers.blocks import FeedForward, Linear, RMSNorm
+from model.layers.mamba2 import Mamba2Mixer
 
 __all__ = [
     "Attention",
@@ -176,7 +177,7 @@ class Block(nn.Module):
     """One layer as its model.arch.LayerDesc describes it: h = x + m * [post_attn_norm](mixer(
     attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
     mixer is Attention, or Mamba2Mixer on a "mamba2" layer; no MLP half without `ffn` (Mamba2).
-    model/native.py's C++ step reads the same desc and the same modules' weights."""
+    model/runner/native.py's C++ step reads the same desc and the same modules' weights."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
         super().__init__()
@@ -245,8 +246,8 @@ class Transformer(nn.Module):
     def forward(
         self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None
     ) -> torch.Tensor:
-        """-> logits [n_out, vocab] float32 for batch.logit_rows. `layers` (model.native) runs
-        all the blocks at once instead of one module call each."""
+        """-> logits [n_out, vocab] float32 for batch.logit_rows. `layers` (model.runner.native)
+        runs all the blocks at once instead of one module call each."""
         return self.logits(self.hidden(batch, storage, layers))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T + bias; model/quant.py swaps these for quantized ones."""
+    """y = x @ weight.T + bias; model/layers/quant.py swaps these for quantized ones."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -16,14 +16,14 @@ from torch import nn
 
 from kvcache.state_storage import RecurrentStorage
 from model.arch import ModelArgs, SSMArgs
-from model.batch import ForwardBatch, StatePrompt
-from model.blocks import Linear
+from model.layers.batch import ForwardBatch, StatePrompt
+from model.layers.blocks import Linear
 
 # Rows per SSD chunk: the intra-chunk part costs H * T^2 * (N + P), the state part
 # H * T * P * N per chunk; 64 balances them for P = 64, N = 128 (Granite 4.0-H, Mamba2-2.7B).
 SCAN_CHUNK = 64
 # NOTE: ssm_in has 2 d_inner + 2 G N + H rows, and H need not be a multiple of 16, which
-# model/quant.py's int4 packing needs: the projection gets zero rows up to a multiple of it.
+# model/layers/quant.py's int4 packing needs: the projection gets zero rows up to a multiple of it.
 PROJ_ROWS = 16
 
 

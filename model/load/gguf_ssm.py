@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvcache.storage import RopeConfig
+from kvcache.rope import RopeConfig
 from model.arch import Mixer, ModelArgs, SSMArgs
 from model.errors import ModelLoadError
 

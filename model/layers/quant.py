@@ -1,5 +1,5 @@
 """Weight-only quantization of the Transformer's Linear layers (`--quant`; the server default
-for a quantized GGUF on CPU: model.loader.choose_runtime).
+for a quantized GGUF on CPU: model.load.loader.choose_runtime).
 
 "int4": group-wise (32) asymmetric 4-bit weights, w = (q - 8) * scale + zero, q in [0, 15].
 Group 32 is the GGUF Q4_0/Q4_1 block, so a Q4_1 file's weights come back onto their own grid
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.kernels import isa, load_kernels
-from model.llama import Linear, Transformer
+from model.layers.decoder import Linear, Transformer
 
 QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
 INT4_GROUP = 32
@@ -56,7 +56,8 @@ SMALL_ROWS = 4
 # 13.1 / 29.8, 16: 24.9 / 19.7 / 38.2, 32: 50.0 / 21.8 / 58.9, 512: - / 276 / 565; its
 # 49152 x 576 head int8_mm vs dense at 1 row 1.8 vs 4.6 (fbgemm's per-row int8: 1.5), 4: 1.6 vs
 # 4.5, 32: 11.8 vs 11.7. Each kernel gives a row the same values at any row count; a
-# batch_invariant worker sets small_rows to 0 (model/worker.py): one kernel at every row count.
+# batch_invariant worker sets small_rows to 0 (model/runner/worker.py): one kernel at every
+# row count.
 SMALL_ROWS_INT4 = 8
 SMALL_ROWS_F32 = 32
 

@@ -16,7 +16,7 @@ from typing import Any
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
-from model.tokenizer import Tokenizer
+from model.load.tokenizer import Tokenizer
 from scheduler.constraint import Grammar
 
 KINDS = ("json_schema", "regex", "lark", "gbnf", "choice")

@@ -11,10 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.chat_template import CHATML_TEMPLATE
-from model.testing_ssm import write_tiny_bamba as write_tiny_bamba
-from model.testing_ssm import write_tiny_granite_hybrid as write_tiny_granite_hybrid
-from model.testing_ssm import write_tiny_mamba2 as write_tiny_mamba2
+from model.load.chat_template import CHATML_TEMPLATE
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _CORPUS = (

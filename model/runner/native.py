@@ -3,8 +3,8 @@
 A step through the Python layers is ~1,000 small torch calls; from Python each costs a few
 microseconds more than the op itself. For int4 or int8 models with bfloat16 activations (the
 AVX-512 BF16 default) or float32 ones (the default elsewhere, e.g. AVX2) the C++ side runs each
-block as its model.arch.LayerDesc says, the description model/llama.py's Block is built from: the
-norms, q/k norms, biases, RoPE table, window and MLP activation it names, read from the
+block as its model.arch.LayerDesc says, the description model/layers/decoder.py's Block is built
+from: the norms, q/k norms, biases, RoPE table, window and MLP activation it names, read from the
 Block's own modules (`StepLayer`), with the same ops in the same order (the quantized GEMMs, the
 fused RMSNorm / SiLU-mul / RoPE kernels the Python layers call too through ForwardBatch.fused,
 the attention kernels, and raw passes for the K/V writes and residual adds that give torch's
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from kvcache.storage import GroupedKVStorage, KVStorage
-from model.batch import DecodeGroup, PromptGroup
-from model.llama import Attention, Block, ForwardBatch, Transformer
-from model.quant import INT4_GROUP, QuantLinear
+from model.layers.batch import DecodeGroup, PromptGroup
+from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
+from model.layers.quant import INT4_GROUP, QuantLinear
 
 
 @dataclass(slots=True)
@@ -56,26 +56,25 @@ class NativeDecoder:
     @staticmethod
     def build(
         model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any
-    ) -> NativeDecoder | None:
+    ) -> tuple[NativeDecoder | None, str]:
+        """The model's blocks as StepLayers, or None and the reason it does not qualify."""
         args = model.args
-        if (
-            kernels is None
-            or model.dtype not in (torch.bfloat16, torch.float32)
-            or storage.dtype != model.dtype
-        ):
-            return None
+        if kernels is None:
+            return None, "no C++ kernels"
+        if model.dtype not in (torch.bfloat16, torch.float32) or storage.dtype != model.dtype:
+            return None, f"{model.dtype} model over {storage.dtype} cells"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
-            return None  # recurrent mixers run in Python (model/mamba2.py)
+            return None, "recurrent mixers run in Python (model/layers/mamba2.py)"
         if any(
             d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
             for d in descs
         ):
-            return None  # rope_neox_ rotates whole heads in the rotate-half layout
+            return None, "rope_neox_ rotates whole heads in the rotate-half layout only"
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
-            return None  # a float Linear, fbgemm's int8, or int4 on float32 rows without int4_mm
+            return None, "a linear without a C++ kind (float weights: the float32 reference)"
         windows = sorted({d.window for d in descs})
         layers = []
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
@@ -99,7 +98,7 @@ class NativeDecoder:
             layer.gelu = desc.activation == "gelu_tanh"
             layer.residual_mult = desc.residual_mult
             layers.append(layer)
-        return NativeDecoder(
+        decoder = NativeDecoder(
             kernels,
             layers,
             windows,
@@ -108,6 +107,7 @@ class NativeDecoder:
             args.norm_eps,
             args.scale,
         )
+        return decoder, f"{len(layers)} blocks, {model.dtype}"
 
     def runs(self, batch: ForwardBatch) -> bool:
         """Every attention group of every window kernel-ready (cells and lens set; prompts only

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvcache.storage import RopeConfig
+from kvcache.rope import RopeConfig
 from model.arch import ARCH_BLOCKS, ModelArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
-from model.hf_ssm import SSM_MODEL_TYPES, read_ssm_args, read_ssm_weights
+from model.load.hf_ssm import SSM_MODEL_TYPES, read_ssm_args, read_ssm_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text", *SSM_MODEL_TYPES)
 

@@ -2,11 +2,12 @@
 
 `BlockSpec` says which norms, MLP activation and extras every block uses; `ModelArgs` adds the
 sizes and the per-layer attention (sliding window, RoPE). `ModelArgs.layer_desc(i)` folds them
-into one `LayerDesc` per layer: what block i computes. Both forwards follow it: model/llama.py's
-Block (the Python layers) and model/native.py's C++ step (step.cpp), which reads the same parts
-by the same names, so an architecture described here runs on both without a line of C++. The
-loaders map file metadata onto these through `ARCH_BLOCKS` and the per-architecture layer
-patterns below; an architecture not listed is refused by name.
+into one `LayerDesc` per layer: what block i computes. Both forwards follow it:
+model/layers/decoder.py's Block (the Python layers) and model/runner/native.py's C++ step
+(step.cpp), which reads the same parts by the same names, so an architecture described here
+runs on both without a line of C++. The loaders map file metadata onto these through
+`ARCH_BLOCKS` and the per-architecture layer patterns below; an architecture not listed is
+refused by name.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvcache.rope import RopeConfig
 from kvcache.spec import Attention as AttentionSpec
 from kvcache.spec import MemorySpec
 from kvcache.spec import Recurrent as RecurrentSpec
-from kvcache.storage import RopeConfig
 
 Activation = Literal["silu", "gelu_tanh"]
 Mixer = Literal["attn", "mamba2"]
@@ -98,7 +99,7 @@ class SSMArgs:
 
 @dataclass(frozen=True, slots=True)
 class LayerDesc:
-    """What one block computes (model/llama.py Block; model/native.py's C++ step):
+    """What one block computes (model/layers/decoder.py Block; model/runner/native.py's C++ step):
 
     h = x + m * [post_attn_norm](mixer(attn_norm(x)))
     out = h + m * [post_ffn_norm](w2(act(w1 f) * w3 f)), f = ffn_norm(h)   (only with `ffn`)
@@ -106,7 +107,7 @@ class LayerDesc:
     mixer "attn": qkv = wqkv x [+ bqkv]; [q_norm, k_norm per head]; RoPE (`rope`; None: NoPE);
     K/V into the cells of the layer's pool (window 0: the full pool, W: the window's); attention
     over the cells the row may see (p - W, p], softmax scale `scale`; then wo. mixer "mamba2":
-    model/mamba2.py over the sequence's state slot. m = residual_mult."""
+    model/layers/mamba2.py over the sequence's state slot. m = residual_mult."""
 
     mixer: Mixer
     window: int  # 0: full attention; W > 0 sees (p - W, p]

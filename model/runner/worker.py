@@ -10,10 +10,16 @@ import numpy as np
 import torch
 
 from kvcache.cell_types import PendingOps
+from kvcache.rope import RopeConfig, rope_tables
 from kvcache.state_storage import RecurrentStorage
-from kvcache.storage import GroupedKVStorage, KVStorage, RopeConfig, rope_tables
+from kvcache.storage import GroupedKVStorage, KVStorage
 from model.arch import ModelArgs
-from model.attn_groups import (
+from model.kernels import load_kernels
+from model.layers.batch import AttnGroups, DecodeGroup, ForwardBatch
+from model.layers.decoder import Transformer
+from model.layers.quant import QuantLinear
+from model.load.dtypes import resolve_dtype
+from model.runner.attn_groups import (
     ReadIndex,
     SeqBatch,
     by_kv_length,
@@ -23,15 +29,10 @@ from model.attn_groups import (
     pad_rows,
     prompt_group,
 )
-from model.batch import AttnGroups, DecodeGroup, ForwardBatch
-from model.dtypes import resolve_dtype
-from model.kernels import load_kernels
-from model.llama import Transformer
-from model.native import NativeDecoder
-from model.quant import QuantLinear
-from model.sampling import sample
-from model.state_batch import state_batch
-from model.token_mask import MaskFiller
+from model.runner.paths import decide_paths
+from model.runner.sampling import sample
+from model.runner.state_batch import state_batch
+from model.runner.token_mask import MaskFiller
 from scheduler.plan import BatchPlan, GroupBatch, StepOutput
 
 SavedStates = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]  # slots, (conv, ssm)
@@ -68,10 +69,6 @@ class ModelWorker:
     ) -> None:
         self.model = model
         self.threads = threads
-        # the C++ kernel attends each sequence over its own length, so padding costs nothing:
-        # with it every decode row goes into one group (else by_kv_length bounds the padding)
-        same_dtype = storage.dtype == model.dtype
-        self.decode_kernel = kernels.decode_attention if kernels and same_dtype else None
         # one KVStorage for every layer, or one per layer group (MemorySpec.groups order): a
         # RecurrentStorage for the recurrent group
         self.kv = storage.groups if isinstance(storage, GroupedKVStorage) else [storage]
@@ -80,24 +77,8 @@ class ModelWorker:
             for m in model.modules():
                 if isinstance(m, QuantLinear):
                     m.small_rows = 0
-        self.native = NativeDecoder.build(model, storage, kernels)
+        self.paths = decide_paths(model, storage, kernels)
         args = model.args
-        bf16 = model.dtype == storage.dtype == torch.bfloat16
-        f32 = model.dtype == storage.dtype == torch.float32
-        self.prompt_kernel = (
-            kernels.prompt_attention
-            if kernels is not None
-            and ((bf16 and kernels.has_bf16_kernels()) or (f32 and kernels.has_f32_kernels()))
-            and args.n_kv_heads > 0
-            and args.head_dim % 32 == 0
-            and args.head_dim <= 256
-            and args.n_heads // args.n_kv_heads <= 16
-            else None
-        )
-        # the fused RMSNorm / SiLU-mul: bfloat16 models, and the quantized float32 ones that the
-        # one-call step runs (both paths then compute the same); the float32 reference keeps torch's
-        fused = model.dtype == torch.bfloat16 or self.native is not None
-        self.fused = kernels if kernels is not None and fused else None
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
         self.batch_invariant = batch_invariant
@@ -197,7 +178,8 @@ class ModelWorker:
         batch_invariant's padding)."""
         self._apply_pending(plan)
         batch = self.make_batch(plan)
-        native = self.native if self.native is not None and self.native.runs(batch) else None
+        native = self.paths.native
+        native = native if native is not None and native.runs(batch) else None
         return self.model.hidden(batch, self.storage, None if native is None else native.layers)
 
     @torch.inference_mode()
@@ -208,7 +190,8 @@ class ModelWorker:
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
         batch = self.make_batch(plan)
-        native = self.native if self.native is not None and self.native.runs(batch) else None
+        native = self.paths.native
+        native = native if native is not None and native.runs(batch) else None
         logits = self.model(batch, self.storage, None if native is None else native.layers)
         return logits[: len(plan.samples)]
 
@@ -242,9 +225,9 @@ class ModelWorker:
             decodes=full.decodes,
             prompts=full.prompts,
             logit_rows=torch.tensor([s.row for s in plan.samples], dtype=torch.int64, device=dev),
-            decode_kernel=self.decode_kernel,
-            prompt_kernel=self.prompt_kernel,
-            fused=self.fused,
+            decode_kernel=self.paths.decode_attention,
+            prompt_kernel=self.paths.prompt_attention,
+            fused=self.paths.fused,
         )
         if self.rope_swa is not None and self._inv_freq_swa is not None:
             batch.rope_swa = self._rope_tables(positions, self.rope_swa, self._inv_freq_swa)
@@ -281,7 +264,7 @@ class ModelWorker:
         seqs = group_seqs(plan, group)
         one_each = self.batch_invariant  # every sequence attends on its own
         decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
-        order = self.prompt_kernel is not None and window == 0
+        order = self.paths.prompt_attention is not None and window == 0
         prompts = [
             prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order, window)
             for s in seqs
@@ -313,7 +296,7 @@ class ModelWorker:
                 window,
             )
 
-        if self.decode_kernel is not None and decode:
+        if self.paths.decode_attention is not None and decode:
             one = group(decode)
             if one.lens is not None:
                 return [one]
@@ -321,7 +304,7 @@ class ModelWorker:
 
 
 class Loaded(Protocol):
-    """What make_worker reads of a model.loader.LoadedModel."""
+    """What make_worker reads of a model.load.loader.LoadedModel."""
 
     @property
     def config(self) -> ModelArgs: ...
@@ -340,7 +323,7 @@ def make_worker(
     group_cells: list[int] | None = None,
 ) -> ModelWorker:
     """A worker with a fresh KV cache (dtype/device default to the model's); see
-    model.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
+    model.runner.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
     model's MemorySpec, the cells of its pool (kvcache.memory.Memory.group_pools); None:
     `n_cells` for every group (the unified cache); the recurrent group's count is its state
     slots. A model with one attention group gets one KVStorage for every layer."""

@@ -99,5 +99,5 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-if __name__ == "__main__":  # `python -m model.packaged`: the joined file's path, for --model
+if __name__ == "__main__":  # `python -m model.load.packaged`: the joined file's path, for --model
     print(gemma3_270m_path())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model.attn_groups import int64_tensor
-from model.batch import StateBatch, StatePrompt
+from model.layers.batch import StateBatch, StatePrompt
+from model.runner.attn_groups import int64_tensor
 from scheduler.plan import BatchPlan, GroupBatch
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvcache.storage import RopeConfig
+from kvcache.rope import RopeConfig
 from model.arch import LLAMA, Mixer, ModelArgs, SSMArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model.token_mask import apply_masks, masked_argmax
+from model.runner.token_mask import apply_masks, masked_argmax
 from scheduler.plan import SampleRow, StepOutput
 
 GREEDY_TEMPERATURE = 1e-5

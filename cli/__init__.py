@@ -1,0 +1,1 @@
+"""The `cellserve` command: serve (server/), chat and bench (clients), build-kernels."""

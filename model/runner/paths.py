@@ -1,0 +1,97 @@
+"""Which parts of a step run in C++, decided once per model when its worker is built.
+
+Three choices, each with the reason a start-up log line gives:
+- the one-call step (model/runner/native.py): every block of a step in one C++ call;
+- the attention kernels (model/kernels attention*.cpp): decode rows always when the cache has
+  the model's dtype, prompt chunks where this CPU's build has the kernel for that dtype and the
+  head shape fits it;
+- the fused RMSNorm / SiLU-mul / RoPE: bfloat16 models, and float32 ones that the one-call step
+  runs (the Python layers must then compute the same as the C++ step).
+Everything not chosen here runs torch. Per step, the worker only asks whether the step's rows
+are kernel-ready (`NativeDecoder.runs`); it never re-decides a path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcache.storage import GroupedKVStorage, KVStorage
+from model.layers.decoder import Transformer
+from model.runner.native import NativeDecoder
+
+PROMPT_KERNEL_MAX_HEAD_DIM = 256
+PROMPT_KERNEL_MAX_GQA = 16  # query heads per K/V head
+
+
+@dataclass(slots=True)
+class KernelPaths:
+    """The kernels a worker's steps take; None = torch. `why`: per path, the reason."""
+
+    native: NativeDecoder | None = None
+    decode_attention: Any | None = None  # kernels.decode_attention
+    prompt_attention: Any | None = None  # kernels.prompt_attention
+    fused: Any | None = None  # the kernels module, for ForwardBatch.fused
+    why: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for the start-up log: each path, on or off, and why."""
+        parts = []
+        for name, on in (
+            ("one-call step", self.native is not None),
+            ("decode attention", self.decode_attention is not None),
+            ("prompt attention", self.prompt_attention is not None),
+            ("fused norms", self.fused is not None),
+        ):
+            parts.append(f"{name}: {'C++' if on else 'torch'} ({self.why.get(name, '')})")
+        return "; ".join(parts)
+
+
+def decide_paths(
+    model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any | None
+) -> KernelPaths:
+    """The paths for `model` over `storage` with the loaded C++ `kernels` (None: not built)."""
+    if kernels is None:
+        return KernelPaths(why=dict.fromkeys(_NAMES, "no C++ kernels for this CPU"))
+    paths = KernelPaths()
+    why = paths.why
+    same_dtype = storage.dtype == model.dtype
+    paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
+    if same_dtype:
+        paths.decode_attention = kernels.decode_attention
+        why["decode attention"] = f"{model.dtype} cells"
+    else:
+        why["decode attention"] = f"cells in {storage.dtype}, model in {model.dtype}"
+    paths.prompt_attention, why["prompt attention"] = _prompt_kernel(model, storage, kernels)
+    if model.dtype == torch.bfloat16 or paths.native is not None:
+        paths.fused = kernels
+        why["fused norms"] = "bfloat16" if model.dtype == torch.bfloat16 else "as the C++ step"
+    else:
+        why["fused norms"] = "torch's own, the float32 reference"
+    return paths
+
+
+_NAMES = ("one-call step", "decode attention", "prompt attention", "fused norms")
+
+
+def _prompt_kernel(
+    model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any
+) -> tuple[Any | None, str]:
+    args = model.args
+    if model.dtype != storage.dtype:
+        return None, f"cells in {storage.dtype}, model in {model.dtype}"
+    if model.dtype == torch.bfloat16 and not kernels.has_bf16_kernels():
+        return None, "this CPU's build has no bfloat16 prompt kernel"
+    if model.dtype == torch.float32 and not kernels.has_f32_kernels():
+        return None, "this CPU's build has no float32 prompt kernel"
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        return None, f"no prompt kernel for {model.dtype}"
+    if args.n_kv_heads <= 0:
+        return None, "no attention layers"
+    if args.head_dim % 32 or args.head_dim > PROMPT_KERNEL_MAX_HEAD_DIM:
+        return None, f"head_dim {args.head_dim} (the kernel takes multiples of 32 up to 256)"
+    if args.n_heads // args.n_kv_heads > PROMPT_KERNEL_MAX_GQA:
+        return None, f"{args.n_heads // args.n_kv_heads} query heads per K/V head (max 16)"
+    return kernels.prompt_attention, f"{model.dtype}, head_dim {args.head_dim}"
