@@ -43,9 +43,10 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     (
         "quant",
         str,
-        "none | int8 | int4: weight-only quantization on CPU (default: a quantized GGUF is "
-        "served quantized, int4 for 4-bit types and int8 for 5-8-bit ones; this CHANGES the "
-        "outputs slightly, see the README; --quant none --dtype float32 is the reference)",
+        "gguf | int8 | int4 | none: weight format on CPU (default for a quantized GGUF: gguf, "
+        "its own blocks memory-mapped, where the C++ kernels are built; else int4 for 4-bit "
+        "types and int8 for 5-8-bit ones, re-quantized, which CHANGES the outputs slightly, "
+        "see the README; --quant none --dtype float32 is the reference)",
     ),
     ("threads", int, "torch CPU threads for model steps (default: every core)"),
     ("api_key", str, "require 'Authorization: Bearer <key>'"),

@@ -11,9 +11,17 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.errors import ModelLoadError
 from model.kernels import isa, kernel_status, load_kernels
 from model.layers.quant import quantize
-from model.load.loader import LoadedModel, Runtime, choose_runtime, default_model_path, load_model
+from model.load.loader import (
+    LoadedModel,
+    Runtime,
+    block_servable,
+    choose_runtime,
+    default_model_path,
+    load_model,
+)
 
 log = logging.getLogger("cellserve.model")
 
@@ -39,7 +47,17 @@ def open_model(
     setup for this machine (choose_runtime)."""
     path = path or default_model_path()
     runtime = choose_runtime(path, device, dtype, quant)
-    loaded = load_model(path, dtype=runtime.dtype, device=device, chat_template=chat_template)
+    if runtime.quant == "gguf":
+        ok, why = block_servable(path) if device == "cpu" else (False, f"{device} device")
+        if not ok:
+            raise ModelLoadError(f"{path}: --quant gguf cannot serve it: {why}.")
+    loaded = load_model(
+        path,
+        dtype=runtime.dtype,
+        device=device,
+        chat_template=chat_template,
+        blocks=runtime.quant == "gguf",
+    )
     if loaded.chat_template is None:
         log.warning("the model has no chat template: /v1/chat/completions answers 400")
     if runtime.quant != "none":
@@ -63,7 +81,7 @@ def open_model(
     log.info(
         "running %s activations, %s weights: %s%s",
         runtime.dtype,
-        "unquantized" if runtime.quant == "none" else runtime.quant,
+        {"none": "unquantized", "gguf": "the GGUF's own block"}.get(runtime.quant, runtime.quant),
         runtime.reason,
         "" if runtime.quant == "none" else " (outputs differ slightly from the unquantized model)",
     )

@@ -30,7 +30,8 @@ class Settings(BaseSettings):
     # --quant none --dtype float32 is the reference (the logits of the unquantized model).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    quant: Literal["none", "int8", "int4"] | None = None  # weight-only, CPU; changes the logits
+    # weight-only, CPU; int8/int4 re-quantize (changes the logits), gguf: the file's own blocks
+    quant: Literal["none", "int8", "int4", "gguf"] | None = None
     # None = every core (model.runner.worker.set_torch_threads)
     threads: int | None = Field(None, ge=1)
     api_key: SecretStr | None = None

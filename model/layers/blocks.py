@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.arch import Activation
+from model.layers.ggml import make_linear
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +47,8 @@ class FeedForward(nn.Module):
         self, weights: dict[str, torch.Tensor], prefix: str, activation: Activation = "silu"
     ) -> None:
         super().__init__()
-        w13 = torch.cat([weights[prefix + "w1"], weights[prefix + "w3"]])  # gate, up
-        self.w13 = Linear(w13)
-        self.w2 = Linear(weights[prefix + "w2"])
+        self.w13 = make_linear([weights[prefix + "w1"], weights[prefix + "w3"]])  # gate, up
+        self.w2 = make_linear([weights[prefix + "w2"]])
         self.activation = activation
 
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from model.arch import ModelArgs, weight_shapes
 from model.kernels import DecodeAttention, PromptAttention
 from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
 from model.layers.blocks import FeedForward, Linear, RMSNorm
+from model.layers.ggml import BlockEmbedding, BlockWeight, make_linear
 from model.layers.mamba2 import Mamba2Mixer
 
 __all__ = [
@@ -68,12 +69,11 @@ class Attention(nn.Module):
             shift, eps = desc.norm_shift, args.norm_eps
             self.q_norm = RMSNorm(weights[prefix + "q_norm"], eps, shift)
             self.k_norm = RMSNorm(weights[prefix + "k_norm"], eps, shift)
-        wqkv = torch.cat([weights[prefix + n] for n in ("wq", "wk", "wv")])
         bqkv = None
         if desc.qkv_bias:
             bqkv = torch.cat([weights[prefix + n] for n in ("bq", "bk", "bv")])
-        self.wqkv = Linear(wqkv, bqkv)
-        self.wo = Linear(weights[prefix + "wo"])
+        self.wqkv = make_linear([weights[prefix + n] for n in ("wq", "wk", "wv")], bqkv)
+        self.wo = make_linear([weights[prefix + "wo"]])
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage, layer: int
@@ -226,22 +226,33 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Parameter(weights["tok_embeddings"], requires_grad=False)
-        self.layers = nn.ModuleList(Block(args, weights, i) for i in range(args.n_layers))
         self.norm = RMSNorm(weights["norm"], args.norm_eps, args.block.norm_shift)
-        self.output = Linear(weights["output"])
+        embeddings = weights["tok_embeddings"]
+        # GGUF block weights (model/layers/ggml.py): the table stays on its blocks
+        self.tok_embeddings: nn.Parameter | BlockEmbedding = (
+            BlockEmbedding(embeddings, self.norm.weight.dtype)
+            if isinstance(embeddings, BlockWeight)
+            else nn.Parameter(embeddings, requires_grad=False)
+        )
+        self.layers = nn.ModuleList(Block(args, weights, i) for i in range(args.n_layers))
+        self.output = make_linear([weights["output"]])
         # NOTE: Gemma multiplies by sqrt(dim) rounded to the model dtype (transformers'
         # Gemma3TextScaledWordEmbedding); a buffer, so .to(dtype) rounds it again the same way.
         scale = torch.tensor(args.dim**0.5 if args.block.embed_scale else 1.0)
-        self.register_buffer("embed_scale", scale.to(self.tok_embeddings.dtype), persistent=False)
+        self.register_buffer("embed_scale", scale.to(self.dtype), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.device
+        return self.norm.weight.device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.tok_embeddings, BlockEmbedding):
+            return self.tok_embeddings(tokens)
+        return F.embedding(tokens, self.tok_embeddings)
 
     def forward(
         self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None
@@ -262,7 +273,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """-> the final-norm hidden states [n_out, dim] of batch.logit_rows (what `output`
         projects to logits; an embedding request's pooled vector)."""
-        x = F.embedding(batch.tokens, self.tok_embeddings)  # [n, dim]
+        x = self.embed(batch.tokens)  # [n, dim]
         if self.args.block.embed_scale:
             x = x * self.embed_scale
         if self.args.embed_mult != 1.0:

@@ -43,7 +43,7 @@ from torch import nn
 from model.kernels import isa, load_kernels
 from model.layers.decoder import Linear, Transformer
 
-QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
+QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4", "gguf")
 INT4_GROUP = 32
 # SmolLM2's 30 layers, cold weights, 2 threads (ms): rows 4: int4 6.5, packed bf16 9.7;
 # rows 6: 11.4 vs 9.8; rows 8: 11.7 vs 11.7; rows 16: 21.7 vs 15.0.
@@ -278,7 +278,7 @@ def quantize(model: Transformer, mode: str, kernels: bool = True) -> Transformer
     """Replace every Linear (attention, feed-forward, output head) in place; "none" is a no-op.
     `kernels` False: torch's kinds only, without model/kernels (what ran before them; benches
     compare the two)."""
-    if mode == "none":
+    if mode in ("none", "gguf"):  # gguf: the loader kept the file's blocks (model/layers/ggml.py)
         return model
     if mode not in QUANT_MODES:
         raise ValueError(f"quant {mode!r} is not one of {', '.join(QUANT_MODES)}")

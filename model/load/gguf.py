@@ -1,7 +1,12 @@
-"""Read a GGUF file (llama.cpp's format) into HF-layout weights, ModelArgs and tokenizer data."""
+"""Read a GGUF file (llama.cpp's format) into HF-layout weights, ModelArgs and tokenizer data.
+
+The file is memory-mapped (model/load/gguf_file.py). `read_weights(..., blocks=True)` keeps the
+linear and embedding weights as the file stores them (model/layers/ggml.py BlockWeight, views
+of the mapping); otherwise every tensor is dequantized to the serving dtype."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,8 @@ from model.arch import (
     weight_shapes,
 )
 from model.errors import ModelLoadError
+from model.layers.ggml import GGML_TYPES, BlockWeight
+from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
 from model.load.gguf_ssm import read_args as read_ssm_args
 
@@ -47,21 +54,20 @@ _LAYER_TENSORS = {
 }
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/... on bad files
+        return GGUFFile(path)
+    except (GGUFError, OSError) as e:
         raise ModelLoadError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})."
         ) from e
 
 
-def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
+def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
     arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(
@@ -87,7 +93,7 @@ def read_args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     n_kv_heads = int(get("attention.head_count_kv", n_heads))
     head_dim = int(get("attention.key_length", dim // n_heads))
     freq_factors = None
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+    if "rope_freqs.weight" in reader:
         ff = _dequantize(_tensor_info(reader, "rope_freqs.weight", path))
         freq_factors = tuple(float(f) for f in ff.reshape(-1))
     args = ModelArgs(
@@ -131,14 +137,14 @@ def _gemma3_layers(args: ModelArgs, get: Any, path: Path) -> None:
     args.attn_scale = scalar**-0.5
 
 
-def _tensor_info(reader: gguf.GGUFReader, name: str, path: Path) -> Any:
-    for t in reader.tensors:
-        if t.name == name:
-            return t
-    raise ModelLoadError(f"{path}: tensor {name} is missing.")
+def _tensor_info(reader: GGUFFile, name: str, path: Path) -> GGUFTensor:
+    t = reader.tensor(name)
+    if t is None:
+        raise ModelLoadError(f"{path}: tensor {name} is missing.")
+    return t
 
 
-def _dequantize(t: Any) -> np.ndarray:
+def _dequantize(t: GGUFTensor) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
 
@@ -148,9 +154,18 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
+# dense weights)
+BLOCK_ARCHS = ("llama", "qwen2", "gemma3")
+# the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
+BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
+
+
 def read_weights(
-    reader: gguf.GGUFReader, args: ModelArgs, path: Path, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    reader: GGUFFile, args: ModelArgs, path: Path, dtype: torch.dtype, blocks: bool = False
+) -> dict[str, Any]:
+    """HF-layout weights by our names: torch tensors in `dtype`, or with `blocks` the linears
+    and the embedding table as BlockWeights (the file's bytes; a row permutation copies)."""
     names: dict[str, str] = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight"}
     present = {t.name for t in reader.tensors}
     if "output.weight" in present:
@@ -167,9 +182,13 @@ def read_weights(
                 "(inconsistent file or an unsupported variant)."
             )
     expected = weight_shapes(args)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Any] = {}
     for ours, theirs in names.items():
         info = _tensor_info(reader, theirs, path)
+        kind = ours.rsplit(".", 1)[-1]
+        if blocks and kind in BLOCK_KINDS:
+            weights[ours] = _block_weight(info, args, kind, expected[kind], path)
+            continue
         try:
             w = _dequantize(info)
         except Exception as e:
@@ -177,7 +196,6 @@ def read_weights(
                 f"{path}: tensor {theirs} of type {info.tensor_type.name} cannot be "
                 f"dequantized ({type(e).__name__}: {e})."
             ) from e
-        kind = ours.rsplit(".", 1)[-1]
         w = to_hf_layout(kind, w, args, theirs, path)
         want = expected[kind]
         if tuple(w.shape) != want:
@@ -191,3 +209,24 @@ def read_weights(
         weights[ours] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])  # tied embeddings
     return weights
+
+
+def _block_weight(
+    info: GGUFTensor, args: ModelArgs, kind: str, want: tuple[int, ...], path: Path
+) -> BlockWeight:
+    shape = tuple(reversed(info.shape))  # ggml order -> [n, k]
+    if shape != want:
+        raise ModelLoadError(f"{path}: tensor {info.name} has shape {shape}, expected {want}.")
+    if info.type_id not in GGML_TYPES.values():
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} is {info.tensor_type.name}; the block kernels take "
+            f"{', '.join(GGML_TYPES)} (--quant int4 / int8 / none re-quantize it)."
+        )
+    rows = info.rows()
+    if args.arch in _PERMUTED_QK and kind in ("wq", "wk"):
+        heads = args.n_heads if kind == "wq" else args.n_kv_heads
+        rows = np.ascontiguousarray(_unpermute(rows, heads))
+    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(rows)
+    return BlockWeight(data, info.type_id, (int(shape[0]), int(shape[1])), info.name)

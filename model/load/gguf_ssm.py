@@ -16,12 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from kvcache.rope import RopeConfig
 from model.arch import Mixer, ModelArgs, SSMArgs
 from model.errors import ModelLoadError
+from model.load.gguf_file import GGUFFile
 
 SSM_ARCHS = ("mamba2", "granitehybrid")
 
@@ -69,9 +69,7 @@ def _uniform(values: list[int], key: str, path: Path) -> int:
     return nonzero.pop() if nonzero else 0
 
 
-def read_args(
-    reader: gguf.GGUFReader, arch: str, get: Any, vocab_size: int, path: Path
-) -> ModelArgs:
+def read_args(reader: GGUFFile, arch: str, get: Any, vocab_size: int, path: Path) -> ModelArgs:
     """`get(key, default)`: the value of `{arch}.{key}`; raises ModelLoadError when it is
     missing and no default is given."""
     expert_count = int(get("expert_count", 0))
@@ -156,7 +154,7 @@ def _ssm_args(get: Any, eps: float, path: Path) -> SSMArgs:
     )
 
 
-def _check_tensors(reader: gguf.GGUFReader, args: ModelArgs, path: Path) -> None:
+def _check_tensors(reader: GGUFFile, args: ModelArgs, path: Path) -> None:
     """Refuse tensors of features we do not run (experts, biases), name them; decide whether
     the conv has a bias (llama.cpp's granitehybrid makes it optional)."""
     names = {t.name for t in reader.tensors}

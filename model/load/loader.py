@@ -76,13 +76,53 @@ def choose_runtime(
     if quant is None:
         kind = weight_type(path)
         quant = _GGUF_QUANT.get(kind or "", "none")
+        blocks, blocks_why = block_servable(path)
         if quant == "none":
             why.append(f"unquantized: the weights are {kind or 'not a quantized GGUF'}")
+        elif blocks:
+            quant = "gguf"
+            why.append(
+                f"the GGUF's own {kind} blocks, memory-mapped (--quant none for the reference)"
+            )
         else:
-            why.append(f"{quant} weights: the GGUF's are {kind} (--quant none for the reference)")
+            why.append(
+                f"{quant} weights: the GGUF's are {kind}, re-quantized ({blocks_why}; "
+                "--quant none for the reference)"
+            )
     else:
         why.append(f"quant {quant}: --quant")
     return Runtime(dtype, quant, "; ".join(why))
+
+
+def block_servable(path: str | Path) -> tuple[bool, str]:
+    """Whether `--quant gguf` can serve `path` on this CPU, and if not why."""
+    from model.kernels import load_kernels
+    from model.layers.ggml import GGML_TYPES, has_block_kernels
+
+    path = Path(path)
+    if not path.is_file():
+        return False, "not a GGUF file"
+    try:
+        reader = gguf_loader.open_gguf(path)
+    except ModelLoadError as e:
+        return False, str(e)
+    arch = reader.fields.get("general.architecture")
+    if arch not in gguf_loader.BLOCK_ARCHS:
+        return False, f"{arch} runs on dense weights"
+    odd = sorted(
+        {
+            t.tensor_type.name
+            for t in reader.tensors
+            if t.name.startswith("blk.")
+            and len(t.shape) == 2
+            and t.type_id not in GGML_TYPES.values()
+        }
+    )
+    if odd:
+        return False, f"no block kernel for {', '.join(odd)}"
+    if not has_block_kernels(load_kernels()):
+        return False, "the C++ kernels are not built"
+    return True, ""
 
 
 @dataclass(slots=True)
@@ -113,11 +153,15 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     chat_template: str | None = None,
+    blocks: bool = False,
 ) -> LoadedModel:
     """Raises ModelLoadError (one sentence naming the file) for anything it cannot serve.
-    `chat_template` (a Jinja file or string) replaces the model's own."""
+    `chat_template` (a Jinja file or string) replaces the model's own. `blocks`: a GGUF's
+    linears and embeddings stay on the file's own blocks (`--quant gguf`)."""
     path = Path(path)
     torch_dtype = resolve_dtype(dtype)
+    if blocks and not path.is_file():
+        raise ModelLoadError(f"{path}: --quant gguf serves a GGUF file's own blocks; not a file.")
     if path.is_dir():
         config = hf_loader.read_config(path)
         args = hf_loader.read_args(config, path)
@@ -137,10 +181,8 @@ def load_model(
     elif path.is_file():
         reader = gguf_loader.open_gguf(path)
         args = gguf_loader.read_args(reader, path)
-        weights = gguf_loader.read_weights(reader, args, path, torch_dtype)
-        fields = {
-            k: gguf_loader.field_value(reader, k) for k in reader.fields if k.startswith("tok")
-        }
+        weights = gguf_loader.read_weights(reader, args, path, torch_dtype, blocks)
+        fields = {k: v for k, v in reader.fields.items() if k.startswith("tok")}
         tokenizer = Tokenizer.from_gguf(fields, path, args.arch)
         template_source = fields.get("tokenizer.chat_template")
         name = path.stem

@@ -37,6 +37,7 @@ import torch
 from kvcache.storage import GroupedKVStorage, KVStorage
 from model.layers.batch import DecodeGroup, PromptGroup
 from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
+from model.layers.ggml import BlockLinear
 from model.layers.quant import INT4_GROUP, QuantLinear
 
 
@@ -176,6 +177,8 @@ def _linears(block: Block) -> tuple[Any, ...]:
 
 def _step_kind(lin: Any, dtype: torch.dtype) -> str | None:
     """The kind step_layers runs `lin` as (kernels.h StepLinear), None where it cannot."""
+    if isinstance(lin, BlockLinear):  # the GGUF's own blocks (model/layers/ggml.py)
+        return "ggml"
     if not isinstance(lin, QuantLinear):
         return None
     if lin.kind == "int4" and dtype == torch.float32:
@@ -185,11 +188,15 @@ def _step_kind(lin: Any, dtype: torch.dtype) -> str | None:
     return lin.kind if lin.kind in ("int4", "int8") else None
 
 
-def _step_linear(kernels: Any, lin: QuantLinear, dtype: torch.dtype) -> Any:
+def _step_linear(kernels: Any, lin: QuantLinear | BlockLinear, dtype: torch.dtype) -> Any:
     """QuantLinear's weights, biases and row threshold as step_layers' quant_linear reads
-    them."""
+    them; a BlockLinear's parts and their ggml types."""
     w = kernels.StepLinear()
     w.kind = _step_kind(lin, dtype)
+    if isinstance(lin, BlockLinear):
+        w.parts, w.types = lin.parts, lin.types
+        w.bias = None if lin.bias is None else lin.bias.to(dtype)
+        return w
     if w.kind == "int4_f32":
         w.w0, w.w1, w.w2 = lin.q4, lin.q4_scale_min, lin.q4_gemm
         w.bias = lin.kernel_bias

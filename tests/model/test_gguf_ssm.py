@@ -18,6 +18,7 @@ from kvcache.rope import RopeConfig
 from model import ModelLoadError
 from model.arch import ModelArgs, SSMArgs
 from model.load.gguf import open_gguf, read_args, read_weights
+from model.load.gguf_file import GGUFFile
 from model.load.hf_to_gguf import NOPE_CONTEXT, convert
 from tests.tiny_models import write_tiny_llama
 
@@ -175,7 +176,7 @@ def test_mamba2_gguf_round_trips_every_size_and_weight(mamba2_dir, tmp_path):
     assert not torch.equal(weights["output"], weights["tok_embeddings"])
 
 
-def ggml_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+def ggml_shapes(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
     return {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
 
 
@@ -228,8 +229,8 @@ def base_name(name: str) -> str:
     return re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.removesuffix(".weight").removesuffix(".bias"))
 
 
-def kv(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+def kv(reader: GGUFFile) -> dict[str, Any]:
+    return dict(reader.fields)
 
 
 def test_mamba2_gguf_has_llama_cpp_keys_and_tensors(mamba2_dir, tmp_path):
@@ -403,7 +404,7 @@ def test_published_granite_layer_names_convert_alike(granite_case, tmp_path):
     a = open_gguf(convert(folder, tmp_path / "a.gguf"))
     b = open_gguf(convert(legacy, tmp_path / "b.gguf"))
     assert kv(a) == kv(b)
-    assert a.fields["granitehybrid.attention.head_count_kv"].contents() == [
+    assert a.fields["granitehybrid.attention.head_count_kv"] == [
         2 if t == "attention" else 0 for t in layer_types
     ]
 
@@ -454,7 +455,7 @@ def rewrite(
 ) -> Path:
     """A copy of a GGUF with keys replaced or added, tensors dropped or added, and with
     `qtype` the 2-D weights but the conv quantized (as llama-quantize leaves it)."""
-    reader = open_gguf(src)
+    reader = gguf.GGUFReader(src)  # the writer wants each field's value types
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
     set_kv = dict(set_kv or {})

@@ -67,7 +67,7 @@ def tokenizer():
     """SmolLM2's tokenizer alone (no weights): token ids for prompts and the fault hooks."""
     path = default_model_path()
     reader = gguf_loader.open_gguf(path)
-    fields = {k: gguf_loader.field_value(reader, k) for k in reader.fields if k.startswith("tok")}
+    fields = {k: v for k, v in reader.fields.items() if k.startswith("tok")}
     return Tokenizer.from_gguf(fields, path)
 
 

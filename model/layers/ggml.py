@@ -1,0 +1,124 @@
+"""Linears and embeddings on a GGUF file's own blocks (`--quant gguf`, the CPU default for a
+quantized GGUF where the C++ kernels are built).
+
+A BlockWeight is a tensor as the file stores it: rows of ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K) or float rows (F32, F16, BF16), a view of the memory-mapped file
+(model/load/gguf_file.py): nothing is dequantized, re-quantized or copied, and the pages are
+shared with the page cache. BlockLinear multiplies by one or several of them (a fused q|k|v or
+gate|up whose parts have different types, as Q4_K_M files mix Q4_K and Q6_K) through the
+kernels' `ggml_linear` (model/kernels/ggml_blocks.cpp: int8 activations per 32, integer dot
+products per block), at every row count: no dense copy for large batches. BlockEmbedding
+dequantizes only the rows a step looks up (`ggml_get_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.kernels import load_kernels
+
+# GGML type ids (ggml.h enum ggml_type) of the formats the kernels compute on
+GGML_TYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "BF16": 30,
+}
+GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWeight:
+    """An [n, k] weight as GGUF rows: `data` uint8 [n, row_bytes] of type `ggml_type`."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]  # (out_features n, in_features k)
+    name: str = ""
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPE_NAMES.get(self.ggml_type, str(self.ggml_type))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def has_block_kernels(kernels: Any | None) -> bool:
+    return kernels is not None and hasattr(kernels, "ggml_linear")
+
+
+class BlockLinear(nn.Module):
+    """y = x @ cat(parts).T + bias, on the parts' own blocks."""
+
+    def __init__(
+        self, parts: list[BlockWeight], bias: torch.Tensor | None, kernels: Any | None = None
+    ) -> None:
+        super().__init__()
+        kernels = kernels or load_kernels()
+        if not has_block_kernels(kernels):
+            raise ValueError("GGUF block weights need the C++ kernels' ggml_linear")
+        ks = {p.shape[1] for p in parts}
+        if len(ks) != 1:
+            raise ValueError(f"fused parts with different in_features {sorted(ks)}")
+        self.kernels = kernels
+        self.parts = [p.data for p in parts]
+        self.types = [p.ggml_type for p in parts]
+        self.names = [p.name for p in parts]
+        self.in_features = ks.pop()
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else bias.detach().float()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernels.ggml_linear(x.contiguous(), self.parts, self.types, self.in_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        kinds = ",".join(GGML_TYPE_NAMES.get(t, str(t)) for t in self.types)
+        return f"in={self.in_features}, out={self.out_features}, blocks={kinds}"
+
+
+class BlockEmbedding(nn.Module):
+    """The token embedding table on its own blocks: a step dequantizes only its tokens' rows."""
+
+    def __init__(self, weight: BlockWeight, dtype: torch.dtype, kernels: Any | None = None) -> None:
+        super().__init__()
+        kernels = kernels or load_kernels()
+        if not has_block_kernels(kernels):
+            raise ValueError("GGUF block weights need the C++ kernels' ggml_get_rows")
+        self.kernels = kernels
+        self.weight = weight
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = self.kernels.ggml_get_rows(w.data, w.ggml_type, tokens, w.shape[1])
+        return rows.to(self.dtype)
+
+
+def make_linear(parts: list[Any], bias: torch.Tensor | None = None) -> nn.Module:
+    """One Linear over `parts` concatenated along the outputs: dense tensors -> Linear (which
+    model/layers/quant.py may quantize), GGUF block weights -> BlockLinear."""
+    from model.layers.blocks import Linear
+
+    if all(isinstance(p, BlockWeight) for p in parts):
+        return BlockLinear(parts, bias)
+    if any(isinstance(p, BlockWeight) for p in parts):
+        raise ValueError("a linear mixes GGUF block weights and dense ones")
+    return Linear(parts[0] if len(parts) == 1 else torch.cat(parts), bias)
