@@ -28,7 +28,7 @@ from server import (
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
-from server.metrics import Metrics
+from server.metrics import MemoryParts, Metrics, memory_breakdown
 from server.settings import Settings
 
 log = logging.getLogger("cellserve.server")
@@ -101,8 +101,16 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
         return
     metrics.bind_engine(backend.engine.stats)
     metrics.set_runtime(backend.runtime)
+    parts = MemoryParts(
+        backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
+    )
+    metrics.set_memory(parts)
     app.state.backend = backend
     mib = backend.cache_bytes / 2**20
+    log.info(
+        "memory (MiB): %s",
+        ", ".join(f"{k} {v / 2**20:.0f}" for k, v in memory_breakdown(parts).items()),
+    )
     print(
         f"cellserve: serving {backend.model_name} | KV cache {backend.n_cells} cells "
         f"({mib:.1f} MiB) | context {backend.n_ctx_seq} per sequence | {settings.url}"

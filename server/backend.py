@@ -45,6 +45,9 @@ class Backend:
     grammars: GrammarCompiler | None = None  # structured outputs; None: refused with a 400
     # what the model runs with (ISA path, kernels, dtype, quant): /metrics cellserve_runtime_info
     runtime: dict[str, str] = field(default_factory=dict)
+    # weights mapped from the model file / held in process memory (/metrics cellserve_memory_bytes)
+    weights_mapped_bytes: int = 0
+    weights_owned_bytes: int = 0
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

@@ -9,6 +9,7 @@ KVCacheUtilization), with vLLM's names so that an InferencePool can scrape this 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -138,6 +139,61 @@ class _RuntimeCollector(Collector):
         yield info
 
 
+def process_memory() -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile of this process in bytes (/proc/self/status; {} elsewhere)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+@dataclass(slots=True)
+class MemoryParts:
+    weights_mapped: int = 0  # bytes of weights that are views of the model file's mapping
+    weights_owned: int = 0  # bytes of weights in process memory
+    kv_cache: int = 0
+
+
+def memory_breakdown(parts: MemoryParts) -> dict[str, int]:
+    """Where the process's memory goes: the weights mapped from the file (their size, and the
+    resident file pages, mostly theirs), the weights and the KV cache in process memory, the
+    rest of the anonymous memory (activations, Python, torch), and the total RSS."""
+    proc = process_memory()
+    anon = proc.get("RssAnon", 0)
+    return {
+        "weights_mapped": parts.weights_mapped,
+        "weights_mapped_resident": proc.get("RssFile", 0),
+        "weights_owned": parts.weights_owned,
+        "kv_cache": parts.kv_cache,
+        "other": max(0, anon - parts.weights_owned - parts.kv_cache),
+        "rss": proc.get("VmRSS", 0),
+    }
+
+
+class _MemoryCollector(Collector):
+    def __init__(self) -> None:
+        self.parts: MemoryParts | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.parts is None:
+            return
+        g = GaugeMetricFamily(
+            "cellserve_memory_bytes",
+            "Process memory by part: weights mapped from the model file (size; resident file "
+            "pages), weights and KV cache in process memory, other anonymous memory, RSS",
+            labels=["part"],
+        )
+        for part, value in memory_breakdown(self.parts).items():
+            g.add_metric([part], float(value))
+        yield g
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -145,6 +201,8 @@ class Metrics:
         self.registry.register(_EngineCollector(lambda: self._stats_source()))
         self._runtime = _RuntimeCollector()
         self.registry.register(self._runtime)
+        self._memory = _MemoryCollector()
+        self.registry.register(self._memory)
         r = self.registry
         self.requests = Counter(
             "cellserve_requests", "Finished choices by reason", ["finish_reason"], registry=r
@@ -175,6 +233,9 @@ class Metrics:
 
     def set_runtime(self, labels: dict[str, str]) -> None:
         self._runtime.labels = dict(labels)
+
+    def set_memory(self, parts: MemoryParts) -> None:
+        self._memory.parts = parts
 
     def on_step(self, step: StepStats) -> None:
         """Engine thread callback; prometheus_client metrics are thread-safe."""

@@ -32,6 +32,7 @@ def load_backend(
     """`wrap_worker` (tests only) wraps the worker the engine drives."""
     import torch
 
+    from model.layers.ggml import weight_bytes
     from model.runner.grammar import GrammarCompiler
     from model.runner.worker import make_worker
     from model.serving import open_model
@@ -84,6 +85,7 @@ def load_backend(
     )
     log.info("kernel paths: %s", worker.paths.describe())
     kv_bytes = worker.kv_bytes
+    mapped, owned = weight_bytes(loaded.transformer)
     if wrap_worker is not None:
         worker = wrap_worker(worker)
     return Backend(
@@ -105,4 +107,6 @@ def load_backend(
             "dtype": dtype,
             "quant": opened.runtime.quant,
         },
+        weights_mapped_bytes=mapped,
+        weights_owned_bytes=owned,
     )

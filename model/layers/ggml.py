@@ -46,6 +46,7 @@ class BlockWeight:
     ggml_type: int
     shape: tuple[int, int]  # (out_features n, in_features k)
     name: str = ""
+    mapped: bool = True  # a view of the file's mapping (False: rows permuted into a copy)
 
     @property
     def type_name(self) -> str:
@@ -74,6 +75,7 @@ class BlockLinear(nn.Module):
         if len(ks) != 1:
             raise ValueError(f"fused parts with different in_features {sorted(ks)}")
         self.kernels = kernels
+        self.weights = list(parts)
         self.parts = [p.data for p in parts]
         self.types = [p.ggml_type for p in parts]
         self.names = [p.name for p in parts]
@@ -122,3 +124,31 @@ def make_linear(parts: list[Any], bias: torch.Tensor | None = None) -> nn.Module
     if any(isinstance(p, BlockWeight) for p in parts):
         raise ValueError("a linear mixes GGUF block weights and dense ones")
     return Linear(parts[0] if len(parts) == 1 else torch.cat(parts), bias)
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of weights mapped from the model file, bytes of weights in process memory):
+    parameters, buffers and the tensors quantized linears keep, each storage counted once."""
+    seen: set[int] = set()
+    mapped = owned = 0
+    for module in model.modules():
+        blocks = getattr(module, "weights", None) if isinstance(module, BlockLinear) else None
+        if isinstance(module, BlockEmbedding):
+            blocks = [module.weight]
+        for w in blocks or ():
+            ptr = w.data.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                if w.mapped:
+                    mapped += w.nbytes
+                else:
+                    owned += w.nbytes
+        for value in vars(module).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in seen:
+                        seen.add(storage.data_ptr())
+                        owned += storage.nbytes()
+    return mapped, owned

@@ -222,11 +222,12 @@ def _block_weight(
             f"{path}: tensor {info.name} is {info.tensor_type.name}; the block kernels take "
             f"{', '.join(GGML_TYPES)} (--quant int4 / int8 / none re-quantize it)."
         )
-    rows = info.rows()
+    rows, mapped = info.rows(), True
     if args.arch in _PERMUTED_QK and kind in ("wq", "wk"):
+        mapped = False
         heads = args.n_heads if kind == "wq" else args.n_kv_heads
         rows = np.ascontiguousarray(_unpermute(rows, heads))
     with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(rows)
-    return BlockWeight(data, info.type_id, (int(shape[0]), int(shape[1])), info.name)
+    return BlockWeight(data, info.type_id, (int(shape[0]), int(shape[1])), info.name, mapped)

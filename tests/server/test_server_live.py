@@ -204,6 +204,9 @@ def test_metrics_counters_move_by_usage(live_server, client, model):
     assert after["vllm:num_requests_waiting"] == 0
     assert after["vllm:gpu_cache_usage_perc"] == after["cellserve_kv_cache_usage_ratio"]
     assert after["cellserve_kv_cells_total"] == live_server.settings.n_cells
+    mem = {k.split("=")[1][:-1]: v for k, v in after.items() if k.startswith("cellserve_memory")}
+    assert mem["kv_cache"] > 0 and mem["weights_mapped"] + mem["weights_owned"] > 10e6
+    assert 0 < mem["weights_owned"] + mem["kv_cache"] + mem["other"] <= mem["rss"]
 
 
 def error_of(resp: httpx.Response, status: int) -> dict:
