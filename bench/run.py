@@ -35,6 +35,7 @@ from bench.report import format_table, plot_levels, write_json
 from bench.server_proc import REPO_ROOT, cellserve_process, llama_server, llamacpp_default
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
+from model.load.packaged import PACKAGED
 
 MICRO_BENCHES = (
     "cache_bench",
@@ -43,6 +44,7 @@ MICRO_BENCHES = (
     "engine_bench",
     "constrained_bench",
     "recurrent_bench",
+    "bandwidth_bench",
 )
 OPTIONAL_BENCHES = {"gemma_bench": "model.load.packaged:gemma3_installed"}  # run when installed
 
@@ -193,6 +195,7 @@ def run_llamacpp(
         with llama_server(binary, model, log, n_threads, startup_s) as srv:
             report["command"] = srv.command
             report["startup_s"] = srv.startup_s
+            report["rss_after_start"] = srv.rss_bytes()
             report["sweep"] = run_sweep(srv.url, sizes, Clock(budget_s))
     except Exception as exc:  # noqa: BLE001  (the comparison is optional; cellserve's run goes on)
         report["error"] = f"llama.cpp: {type(exc).__name__}: {exc}; see {log}"
@@ -209,13 +212,15 @@ def run_serving(
     clock: Clock,
     startup_s: float,
     llamacpp: pathlib.Path | None = None,
+    model_path: pathlib.Path | None = None,
 ) -> dict[str, Any]:
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"decode_read_bytes": decode_read_bytes(model_path)}
     budget_s = sweep_budget_s(sizes, clock, 0.4 if llamacpp else 0.6)
     report["sweep_budget_s"] = budget_s
     try:
         with cellserve_process(out_dir / "server.log", server_args, startup_s) as srv:
             report["startup_s"] = srv.startup_s
+            report["rss_after_start"] = srv.rss_bytes()
             report["command"] = srv.command
             report["sweep"] = run_sweep(srv.url, sizes, Clock(budget_s))
     except Exception as exc:  # noqa: BLE001  (report it; the server is stopped already)
@@ -225,7 +230,7 @@ def run_serving(
     _save_sweep(out_dir / "sweep", report["sweep"], title)
     if llamacpp is not None:
         print(f"== serving (llama.cpp: {llamacpp})", flush=True)
-        report["llamacpp"] = run_llamacpp(out_dir, sizes, llamacpp, budget_s)
+        report["llamacpp"] = run_llamacpp(out_dir, sizes, llamacpp, budget_s, model_path)
     return {**report, **run_prefix_pair(out_dir, sizes, server_args, clock, startup_s)}
 
 
@@ -281,6 +286,33 @@ def default_budget_s(quick: bool, with_llamacpp: bool) -> float:
     return 480.0 if quick else 1200.0
 
 
+def decode_read_bytes(model_path: pathlib.Path | None) -> int | None:
+    """The bytes of weights one decode token reads in a GGUF: every layer's and the output
+    head's (the embedding table only where it is the head: one row otherwise)."""
+    from model.load.gguf_file import GGUFFile
+    from model.load.loader import default_model_path
+
+    try:
+        f = GGUFFile(model_path or default_model_path())
+    except Exception:  # noqa: BLE001  (a folder or an unreadable file: no figure)
+        return None
+    read = sum(t.n_bytes for t in f.tensors if t.name.startswith("blk."))
+    head = f.tensor("output.weight") or f.tensor("token_embd.weight")
+    return read + (head.n_bytes if head is not None else 0)
+
+
+def resolve_model(name: str | None) -> pathlib.Path | None:
+    """--model: None (the default model), a packaged model's name, or a path."""
+    if name is None:
+        return None
+    if name in PACKAGED:
+        return PACKAGED[name].path()
+    path = pathlib.Path(name)
+    if not path.exists():
+        raise SystemExit(f"--model {name}: no such file, and not one of {', '.join(PACKAGED)}")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "bench" / "results")
@@ -318,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sweep's concurrency levels, comma-separated (default 1,8,32; quick 1,4)",
     )
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparison")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the GGUF both servers serve: a path, or a packaged model's name "
+        f"({', '.join(PACKAGED)}; model/load/packaged.py); default: the embedded SmolLM2-135M",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return p
 
@@ -335,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     llamacpp = args.llamacpp or default_llamacpp(args.isa)
     if args.no_llamacpp:
         llamacpp = None
+    model_path = resolve_model(args.model)
+    server_args = shlex.split(args.server_args)
+    if model_path is not None:
+        server_args += ["--model", str(model_path)]
     clock = Clock(args.budget_s or default_budget_s(args.quick, llamacpp is not None))
     out_dir: pathlib.Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -348,9 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json(out_dir / "results.json", report)
     if not args.skip_serving:
         print("== serving (cellserve subprocess)", flush=True)
-        server_args = shlex.split(args.server_args)
         report["serving"] = run_serving(
-            out_dir, sizes, server_args, clock, args.startup_timeout, llamacpp
+            out_dir, sizes, server_args, clock, args.startup_timeout, llamacpp, model_path
         )
     write_json(out_dir / "results.json", report)
     summary = write_summary(out_dir / "summary.md", report)

@@ -42,6 +42,18 @@ class Served:
     url: str
     startup_s: float
     command: list[str]
+    pid: int = 0
+
+    def rss_bytes(self) -> int | None:
+        """The server process's resident memory now (Linux /proc; None elsewhere)."""
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
 
 
 def free_port() -> int:
@@ -97,7 +109,7 @@ def served(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         try:
             url = f"http://127.0.0.1:{port}"
-            yield Served(url, wait_healthy(url, proc, startup_timeout_s), cmd)
+            yield Served(url, wait_healthy(url, proc, startup_timeout_s), cmd, proc.pid)
         finally:
             stop(proc)
 

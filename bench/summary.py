@@ -121,10 +121,18 @@ def _llamacpp_section(serving: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rss(report: dict[str, Any]) -> str:
+    rss = report.get("rss_after_start")
+    return "" if not rss else f", RSS {rss / 2**30:.2f} GiB after start"
+
+
 def _serving_section(serving: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "startup_s" in serving:
-        lines += [f"cellserve became healthy in {serving['startup_s']:.1f} s.", ""]
+        lines += [f"cellserve became healthy in {serving['startup_s']:.1f} s{_rss(serving)}.", ""]
+    llama = serving.get("llamacpp") or {}
+    if "startup_s" in llama:
+        lines += [f"llama.cpp became healthy in {llama['startup_s']:.1f} s{_rss(llama)}.", ""]
     if "command" in serving and "llamacpp" not in serving:
         lines += [f"cellserve: `{' '.join(serving['command'])}`", ""]
     sweep = serving.get("sweep")
@@ -187,7 +195,35 @@ def render_summary(report: dict[str, Any]) -> str:
         lines += [*_micro_section(report["micro"]), ""]
     if "serving" in report:
         lines += _serving_section(report["serving"])
+        lines += _bandwidth_lines(report)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _bandwidth_lines(report: dict[str, Any]) -> list[str]:
+    """The c=1 decode's achieved read bandwidth (the bytes a decode token reads over its ITL
+    p50) beside the machine's (bench/bandwidth_bench.py)."""
+    serving = report["serving"]
+    read = serving.get("decode_read_bytes")
+    micro = report.get("micro", {}).get("bandwidth_bench", {})
+    machine = micro.get("result", {}).get("read_gbps") if micro.get("status") == "ok" else None
+    if not read:
+        return []
+    lines = []
+    for who, part in (("cellserve", serving), ("llama.cpp", serving.get("llamacpp") or {})):
+        levels = (part.get("sweep") or {}).get("levels", [])
+        levels = [lv for lv in levels if lv["concurrency"] == 1]
+        itl = levels[0]["itl_ms"]["p50"] if levels else None
+        if not itl:
+            continue
+        gbps = read / (itl / 1000) / 1e9
+        share = ""
+        if machine:
+            share = f" ({100 * gbps / machine:.0f}% of the measured {machine:.1f} GB/s)"
+        lines.append(
+            f"{who} c=1: a decode token reads {read / 1e9:.2f} GB of weights in {itl:.1f} ms "
+            f"(ITL p50): {gbps:.1f} GB/s{share}."
+        )
+    return [*lines, ""] if lines else []
 
 
 def write_summary(path: pathlib.Path, report: dict[str, Any]) -> str:

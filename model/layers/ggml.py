@@ -147,8 +147,12 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
             tensors = value.values() if isinstance(value, dict) else [value]
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    storage = t.untyped_storage()
-                    if storage.data_ptr() not in seen:
-                        seen.add(storage.data_ptr())
-                        owned += storage.nbytes()
+                    try:
+                        storage = t.untyped_storage()
+                        key, size = storage.data_ptr(), storage.nbytes()
+                    except (NotImplementedError, RuntimeError):  # oneDNN-packed (opaque)
+                        key, size = id(t), t.numel() * t.element_size()
+                    if key not in seen:
+                        seen.add(key)
+                        owned += size
     return mapped, owned
