@@ -1,5 +1,6 @@
-"""Optional C++ CPU kernels (attention*.cpp, gemm.cpp, int4.cpp, int8.cpp, layers.cpp, step.cpp):
-one build per ISA level, chosen at run time from cpuid (model/kernels/isa.py).
+"""Optional C++ CPU kernels (attention*.cpp, gemm.cpp, ggml_blocks.cpp, int4.cpp, int8.cpp,
+layers.cpp, step.cpp): one build per ISA level, chosen at run time from cpuid
+(model/kernels/isa.py).
 
 `build_kernels()` compiles them ahead of time (`cellserve build-kernels`; `make install` and
 the Dockerfile's builder stage call it), one extension per level with that level's explicit
@@ -47,6 +48,7 @@ _SOURCE_NAMES = (
     "attention_bf16.cpp",
     "attention_f32.cpp",
     "gemm.cpp",
+    "ggml_blocks.cpp",
     "int4.cpp",
     "int8.cpp",
     "layers.cpp",

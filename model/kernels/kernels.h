@@ -106,12 +106,17 @@ at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
 // scales_zeros, dense; "int8" (torch's, bfloat16 rows): int8 [n, k], scales [n], dense. Up to
 // small_rows rows the quantized kernel (+ bias), past them the dense copy (oneDNN-packed where
 // `packed`, with dense_bias inside) or, for int4_f32, int4_gemm (+ bias).
+// "ggml" (float32 or bfloat16 rows): parts (the GGUF's rows, [n_i, row_bytes_i] uint8) of
+// types (GGML type ids), concatenated along the outputs: ggml_linear at every row count (+ bias).
 struct StepLinear {
   std::string kind;
   at::Tensor w0, w1, w2;
   std::optional<at::Tensor> bias, dense_bias;
   int64_t small_rows = 0;
   bool packed = false;
+  // "ggml": the GGUF's own blocks, parts concatenated along the outputs (ggml_linear)
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types;
 };
 // One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
@@ -161,3 +166,13 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 // y_tile[r * n + o] for r < m_tile, o in [o0, o1).
 using Q8Tile = c10::function_ref<void(const Q8Rows&, int64_t, int64_t, int64_t, float*)>;
 at::Tensor q8_matmul(const at::Tensor& x, int64_t n, Q8Tile tile);
+// ggml_blocks.cpp: a GGUF file's own quantized blocks (GGML type ids: F32=0, F16=1, Q4_0=2,
+// Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, BF16=30), rows as the file stores
+// them ([n, row_bytes] uint8). ggml_linear: x [m, k] float32 or bfloat16 times every part's rows
+// (concatenated along the outputs) -> [m, sum n_i] in x's dtype, in int8 per block;
+// ggml_get_rows: rows ids dequantized -> [m, k] float32; ggml_dequantize: all of them.
+int64_t ggml_row_bytes(int64_t type, int64_t k);
+at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                       const std::vector<int64_t>& types, int64_t k);
+at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k);
+at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k);

@@ -297,6 +297,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights, in int8");
   m.def("int4_gemm", &int4_gemm, "float32 batches times int4 weights (pack_int4_gemm), in int8");
   m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
+  m.def("ggml_linear", &ggml_linear, py::arg("x"), py::arg("parts"), py::arg("types"),
+        py::arg("k"), "rows times a GGUF's own quantized blocks (parts along the outputs)");
+  m.def("ggml_get_rows", &ggml_get_rows, py::arg("w"), py::arg("type"), py::arg("ids"),
+        py::arg("k"), "the rows ids of GGUF blocks, dequantized to float32");
+  m.def("ggml_dequantize", &ggml_dequantize, py::arg("w"), py::arg("type"), py::arg("k"),
+        "GGUF blocks [n, row_bytes] dequantized to float32 [n, k]");
+  m.def("ggml_row_bytes", &ggml_row_bytes, py::arg("type"), py::arg("k"),
+        "bytes of a row of k values of a GGML type");
   m.def("step_layers", &step_layers, "every layer of a quantized step, bf16 or f32");
   // step_layers' arguments (kernels.h), built field by field from Python (model/native.py);
   // module_local: every level's build is its own module, and a process may load several
@@ -309,7 +317,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("w1", &StepLinear::w1)
       .def_readwrite("w2", &StepLinear::w2)
       .def_readwrite("bias", &StepLinear::bias)
-      .def_readwrite("dense_bias", &StepLinear::dense_bias);
+      .def_readwrite("dense_bias", &StepLinear::dense_bias)
+      .def_readwrite("parts", &StepLinear::parts)
+      .def_readwrite("types", &StepLinear::types);
   py::class_<StepLayer>(m, "StepLayer", py::module_local())
       .def(py::init<>())
       .def_readwrite("attn_norm", &StepLayer::attn_norm)

@@ -1,0 +1,548 @@
+// ggml_linear / ggml_get_rows / ggml_dequantize: compute on a GGUF file's own quantized blocks
+// (llama.cpp's block formats, as the file stores them: no repack, no dense float copy).
+//
+// Block formats (GGML type id: values per block, bytes per block; d, dmin, m: fp16):
+//   Q4_0 (2):  32, 18   d, qs[16]                w = d * (q - 8)        q: nibbles (j: qs[j] low,
+//   Q4_1 (3):  32, 20   d, m, qs[16]             w = d * q + m           16 + j: qs[j] high)
+//   Q5_0 (6):  32, 22   d, qh[4], qs[16]         w = d * (q - 16)       5th bit: bit j of qh
+//   Q5_1 (7):  32, 24   d, m, qh[4], qs[16]      w = d * q + m
+//   Q8_0 (8):  32, 34   d, int8 qs[32]           w = d * q
+//   Q4_K (12): 256, 144 d, dmin, scales[12], qs[128]   8 sub-blocks of 32 with a 6-bit scale
+//              and min each: w = d * sc * q - dmin * mn; qs in chunks of 32 bytes, the low
+//              nibbles sub-block 2c, the high ones 2c + 1
+//   Q5_K (13): 256, 176 d, dmin, scales[12], qh[32], qs[128]: Q4_K plus bit s of qh[l] as the
+//              5th bit of sub-block s's value l
+//   Q6_K (14): 256, 210 ql[128], qh[64], int8 scales[16], d: w = d * scales[i / 16] * (q - 32)
+//   F32 (0), F16 (1), BF16 (30): one value per "block".
+//
+// The integer path: each activation row is quantized to int8 per 32 values (quantize_rows_q8,
+// int4.cpp: d = max|x| / 127 and s = d * the sum of the int8 values), each weight block is
+// decoded into int8 values with a float scale per 16 values and, for the kinds with a minimum
+// (Q4_1, Q5_1, Q4_K, Q5_K), a float minimum per 32; the offsets of Q4_0 / Q5_0 / Q6_K are taken
+// into the decoded values, which are then signed (|q| <= 128: vpsignb moves the sign onto the
+// activations, as llama.cpp's AVX2 Q8_0 dot does). Per 32 values the dot product is exact in
+// int32 (vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2, plain C++ otherwise), in 8
+// lanes of 4 values, so that a per-16 scale is a per-lane one; scaled in float32:
+//   y[r, o] = sum_blocks sum_lanes scale[lane] * d_x[r, g] * dot + sum_g min[g] * s_x[r, g].
+// Tiling: tasks of kOutBlock outputs (parallel); within a task, tiles of rows (sized so that
+// their int8 rows stay in L2), within those each output's blocks decoded once into L1 and
+// applied to every row of the tile. The float kinds take the same tiling with a float row.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQ = 32;         // values per activation scale
+constexpr int64_t kOutBlock = 16;  // outputs per task: their weights stay in L1/L2 over row tiles
+
+enum GgmlType : int64_t {
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  BF16 = 30,
+};
+
+struct TypeInfo {
+  int64_t elems, bytes;
+  bool quantized;
+};
+
+TypeInfo type_info(int64_t type) {
+  switch (type) {
+    case F32: return {1, 4, false};
+    case F16: return {1, 2, false};
+    case BF16: return {1, 2, false};
+    case Q4_0: return {32, 18, true};
+    case Q4_1: return {32, 20, true};
+    case Q5_0: return {32, 22, true};
+    case Q5_1: return {32, 24, true};
+    case Q8_0: return {32, 34, true};
+    case Q4_K: return {256, 144, true};
+    case Q5_K: return {256, 176, true};
+    case Q6_K: return {256, 210, true};
+    default:
+      TORCH_CHECK_VALUE(false, "ggml: GGML type ", type,
+                        " is not supported (F32=0, F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, "
+                        "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, BF16=30)");
+  }
+  return {0, 0, false};
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+inline float bf16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One decoded block: values q[E] (signed, or unsigned in [0, 31] where kHasMin), a scale per 16
+// values, a minimum per 32 (kHasMin).
+template <int64_t T>
+struct Fmt;
+
+template <>
+struct Fmt<Q4_0> {
+  static constexpr int64_t E = 32, B = 18;
+  static constexpr bool kHasMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float*) {
+    const float d = fp16(b);
+    const uint8_t* qs = b + 2;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>((qs[j] & 0x0F) - 8);
+      q[16 + j] = static_cast<int8_t>((qs[j] >> 4) - 8);
+    }
+    sc[0] = sc[1] = d;
+  }
+};
+
+template <>
+struct Fmt<Q4_1> {
+  static constexpr int64_t E = 32, B = 20;
+  static constexpr bool kHasMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float* mn) {
+    const uint8_t* qs = b + 4;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(qs[j] & 0x0F);
+      q[16 + j] = static_cast<int8_t>(qs[j] >> 4);
+    }
+    sc[0] = sc[1] = fp16(b);
+    mn[0] = fp16(b + 2);
+  }
+};
+
+template <>
+struct Fmt<Q5_0> {
+  static constexpr int64_t E = 32, B = 22;
+  static constexpr bool kHasMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float*) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const uint8_t* qs = b + 6;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16);
+      q[16 + j] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4)) - 16);
+    }
+    sc[0] = sc[1] = fp16(b);
+  }
+};
+
+template <>
+struct Fmt<Q5_1> {
+  static constexpr int64_t E = 32, B = 24;
+  static constexpr bool kHasMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float* mn) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    const uint8_t* qs = b + 8;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+      q[16 + j] = static_cast<int8_t>((qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4));
+    }
+    sc[0] = sc[1] = fp16(b);
+    mn[0] = fp16(b + 2);
+  }
+};
+
+template <>
+struct Fmt<Q8_0> {
+  static constexpr int64_t E = 32, B = 34;
+  static constexpr bool kHasMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float*) {
+    std::memcpy(q, b + 2, 32);
+    sc[0] = sc[1] = fp16(b);
+  }
+};
+
+// the 6-bit scale and minimum of a K super-block's sub-block j (12 packed bytes)
+inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <>
+struct Fmt<Q4_K> {
+  static constexpr int64_t E = 256, B = 144;
+  static constexpr bool kHasMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float* mn) {
+    const float d = fp16(b), dmin = fp16(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qs = b + 16;
+    for (int c = 0; c < 4; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        q[64 * c + l] = static_cast<int8_t>(qs[32 * c + l] & 0x0F);
+        q[64 * c + 32 + l] = static_cast<int8_t>(qs[32 * c + l] >> 4);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      k_scale_min(scales, j, &s, &m);
+      sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
+      mn[j] = -(dmin * static_cast<float>(m));
+    }
+  }
+};
+
+template <>
+struct Fmt<Q5_K> {
+  static constexpr int64_t E = 256, B = 176;
+  static constexpr bool kHasMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float* mn) {
+    const float d = fp16(b), dmin = fp16(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int c = 0; c < 4; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        q[64 * c + l] =
+            static_cast<int8_t>((qs[32 * c + l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4));
+        q[64 * c + 32 + l] =
+            static_cast<int8_t>((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      k_scale_min(scales, j, &s, &m);
+      sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
+      mn[j] = -(dmin * static_cast<float>(m));
+    }
+  }
+};
+
+template <>
+struct Fmt<Q6_K> {
+  static constexpr int64_t E = 256, B = 210;
+  static constexpr bool kHasMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float*) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16(b + 208);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* l0 = ql + 64 * h;
+      const uint8_t* h0 = qh + 32 * h;
+      int8_t* o = q + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        o[l] = static_cast<int8_t>(((l0[l] & 0x0F) | ((h0[l] & 3) << 4)) - 32);
+        o[32 + l] = static_cast<int8_t>(((l0[32 + l] & 0x0F) | (((h0[l] >> 2) & 3) << 4)) - 32);
+        o[64 + l] = static_cast<int8_t>(((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32);
+        o[96 + l] = static_cast<int8_t>(((l0[32 + l] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+    for (int i = 0; i < 16; ++i) sc[i] = d * static_cast<float>(scales[i]);
+  }
+};
+
+// ---- the dequantized values (ggml_dequantize, ggml_get_rows, the float kinds' rows) ----------
+
+// NOTE: no contraction into an FMA: the values must be gguf-py's (d * q, then + m) bit for bit.
+template <int64_t T>
+__attribute__((optimize("fp-contract=off"))) void dequant_row_q(const uint8_t* row, int64_t k,
+                                                                float* out) {
+  using F = Fmt<T>;
+  alignas(64) int8_t q[F::E];
+  float sc[F::E / 16], mn[F::E / 32 > 0 ? F::E / 32 : 1];
+  for (int64_t b = 0; b < k / F::E; ++b) {
+    F::decode(row + b * F::B, q, sc, mn);
+    float* o = out + b * F::E;
+    for (int64_t i = 0; i < F::E; ++i) {
+      const float v = sc[i / 16] * static_cast<float>(q[i]);
+      o[i] = F::kHasMin ? v + mn[i / 32] : v;
+    }
+  }
+}
+
+void dequant_row(int64_t type, const uint8_t* row, int64_t k, float* out) {
+  switch (type) {
+    case F32: std::memcpy(out, row, k * 4); return;
+    case F16:
+      for (int64_t i = 0; i < k; ++i) out[i] = fp16(row + 2 * i);
+      return;
+    case BF16:
+      for (int64_t i = 0; i < k; ++i) out[i] = bf16(row + 2 * i);
+      return;
+    case Q4_0: return dequant_row_q<Q4_0>(row, k, out);
+    case Q4_1: return dequant_row_q<Q4_1>(row, k, out);
+    case Q5_0: return dequant_row_q<Q5_0>(row, k, out);
+    case Q5_1: return dequant_row_q<Q5_1>(row, k, out);
+    case Q8_0: return dequant_row_q<Q8_0>(row, k, out);
+    case Q4_K: return dequant_row_q<Q4_K>(row, k, out);
+    case Q5_K: return dequant_row_q<Q5_K>(row, k, out);
+    case Q6_K: return dequant_row_q<Q6_K>(row, k, out);
+    default: type_info(type);  // raises
+  }
+}
+
+// ---- the integer kernels ------------------------------------------------------------------------
+
+struct Task {
+  int64_t part, o0, o1;  // outputs [o0, o1) of parts[part]
+};
+
+struct Linear {
+  const Q8Rows* xq;    // the int8 rows (quantized kinds)
+  const float* xf;     // the float32 rows (float kinds)
+  int64_t m, k, n;     // rows, inputs, all outputs
+  float* y;            // [m, n]
+  int64_t row_tile;    // rows whose int8 values stay in L2 while a task's outputs pass
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// one block's 32 values w (unsigned, or signed where kSigned) times 32 int8 activations: 8 lanes
+template <bool kSigned>
+inline __m256 dot32(__m256i w, __m256i x) {
+  if constexpr (kSigned) return dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return dot_u8s8(w, x);
+}
+
+// output o of a quantized part over rows [r0, r1): decode each block once, apply it to every row
+template <int64_t T>
+void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
+            __m256* acc, float* macc) {
+  using F = Fmt<T>;
+  constexpr int64_t S = F::E / kQ;  // 32-value groups per block
+  const int64_t groups = L.k / kQ, nr = r1 - r0;
+  alignas(64) int8_t q[F::E];
+  float sc[F::E / 16], mn[S];
+  for (int64_t r = 0; r < nr; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.f;
+  }
+  for (int64_t b = 0; b < L.k / F::E; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + (b + 4) * F::B), _MM_HINT_T0);
+    F::decode(wrow + b * F::B, q, sc, mn);
+    __m256i w[S];
+    __m256 ws[S];
+    for (int64_t s = 0; s < S; ++s) {
+      w[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + s * kQ));
+      ws[s] = _mm256_set_m128(_mm_set1_ps(sc[2 * s + 1]), _mm_set1_ps(sc[2 * s]));
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g0 = (r0 + r) * groups + b * S;
+      const int8_t* xr = L.xq->q + g0 * kQ;
+      const float* xd = L.xq->d + g0;
+      __m256 a = acc[r];
+      for (int64_t s = 0; s < S; ++s) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + s * kQ));
+        a = _mm256_fmadd_ps(dot32<!F::kHasMin>(w[s], xv),
+                            _mm256_mul_ps(ws[s], _mm256_set1_ps(xd[s])), a);
+      }
+      acc[r] = a;
+      if constexpr (F::kHasMin) {
+        const float* xs = L.xq->s + g0;
+        float mm = 0.f;
+        for (int64_t s = 0; s < S; ++s) mm += mn[s] * xs[s];
+        macc[r] += mm;
+      }
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]) + macc[r];
+}
+#else
+// portable C++: the same integers (8 lanes of 4 values a block of 32) and float32 scaling
+template <int64_t T>
+void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
+            float* acc, float* macc) {
+  using F = Fmt<T>;
+  constexpr int64_t S = F::E / kQ;
+  const int64_t groups = L.k / kQ, nr = r1 - r0;
+  alignas(64) int8_t q[F::E];
+  float sc[F::E / 16], mn[S];
+  for (int64_t r = 0; r < 8 * nr; ++r) acc[r] = 0.f;
+  for (int64_t r = 0; r < nr; ++r) macc[r] = 0.f;
+  for (int64_t b = 0; b < L.k / F::E; ++b) {
+    F::decode(wrow + b * F::B, q, sc, mn);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g0 = (r0 + r) * groups + b * S;
+      const int8_t* xr = L.xq->q + g0 * kQ;
+      const float* xd = L.xq->d + g0;
+      float* a = acc + 8 * r;
+      for (int64_t s = 0; s < S; ++s) {
+        for (int lane = 0; lane < 8; ++lane) {
+          int32_t dot = 0;
+          for (int i = 0; i < 4; ++i)
+            dot += static_cast<int32_t>(q[s * kQ + 4 * lane + i]) * xr[s * kQ + 4 * lane + i];
+          a[lane] += static_cast<float>(dot) * (sc[2 * s + lane / 4] * xd[s]);
+        }
+      }
+      if constexpr (F::kHasMin) {
+        const float* xs = L.xq->s + g0;
+        for (int64_t s = 0; s < S; ++s) macc[r] += mn[s] * xs[s];
+      }
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    float t = 0.f;
+    for (int lane = 0; lane < 8; ++lane) t += acc[8 * r + lane];
+    y_col[(r0 + r) * L.n] = t + macc[r];
+  }
+}
+#endif
+
+// a float part's output o over rows [r0, r1): its row dequantized once into wf
+void rows_f(const Linear& L, int64_t type, const uint8_t* wrow, int64_t r0, int64_t r1,
+            float* y_col, float* wf) {
+  dequant_row(type, wrow, L.k, wf);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = L.xf + r * L.k;
+    float acc = 0.f;
+    for (int64_t i = 0; i < L.k; ++i) acc += xr[i] * wf[i];
+    y_col[r * L.n] = acc;
+  }
+}
+
+void run_task(const Linear& L, int64_t type, const uint8_t* w, int64_t row_bytes, int64_t o0,
+              int64_t o1, int64_t col0) {
+  thread_local std::vector<float> accbuf, macc, wf;  // 8 lanes a row, 32-byte aligned
+  accbuf.resize(8 * L.row_tile + 8);
+  const auto at = reinterpret_cast<uintptr_t>(accbuf.data());
+#if defined(__AVX2__) && defined(__FMA__)
+  auto* acc = reinterpret_cast<__m256*>((at + 31) & ~uintptr_t{31});
+#else
+  auto* acc = reinterpret_cast<float*>((at + 31) & ~uintptr_t{31});
+#endif
+  macc.resize(L.row_tile);
+  if (!type_info(type).quantized) wf.resize(L.k);
+  for (int64_t r0 = 0; r0 < L.m; r0 += L.row_tile) {
+    const int64_t r1 = std::min(L.m, r0 + L.row_tile);
+    for (int64_t o = o0; o < o1; ++o) {
+      const uint8_t* wrow = w + o * row_bytes;
+      float* y_col = L.y + col0 + o;
+      switch (type) {
+        case Q4_0: rows_q<Q4_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q4_1: rows_q<Q4_1>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q5_0: rows_q<Q5_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q5_1: rows_q<Q5_1>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q8_0: rows_q<Q8_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q4_K: rows_q<Q4_K>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q5_K: rows_q<Q5_K>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case Q6_K: rows_q<Q6_K>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        default: rows_f(L, type, wrow, r0, r1, y_col, wf.data());
+      }
+    }
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t type, int64_t k, const char* what) {
+  const TypeInfo t = type_info(type);
+  TORCH_CHECK_VALUE(k > 0 && k % t.elems == 0, what, ": k = ", k, " is not a multiple of ",
+                    t.elems, " (GGML type ", type, "'s block)");
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), what,
+                    ": weights must be a contiguous [n, row_bytes] uint8 tensor, got ",
+                    w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK_VALUE(w.size(1) == k / t.elems * t.bytes, what, ": rows of ", w.size(1),
+                    " bytes, but GGML type ", type, " stores ", k, " values in ",
+                    k / t.elems * t.bytes);
+}
+
+}  // namespace
+
+int64_t ggml_row_bytes(int64_t type, int64_t k) {
+  const TypeInfo t = type_info(type);
+  TORCH_CHECK_VALUE(k >= 0 && k % t.elems == 0, "ggml_row_bytes: k = ", k,
+                    " is not a multiple of ", t.elems, " (GGML type ", type, "'s block)");
+  return k / t.elems * t.bytes;
+}
+
+at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& parts,
+                       const std::vector<int64_t>& types, int64_t k) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat ||
+                                        x_in.scalar_type() == at::kBFloat16),
+                    "ggml_linear: x must be [m, k] float32 or bfloat16, got ", x_in.scalar_type(),
+                    " ", x_in.sizes());
+  TORCH_CHECK_VALUE(x_in.size(1) == k, "ggml_linear: x has ", x_in.size(1), " columns, k = ", k);
+  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == types.size(), "ggml_linear: ",
+                    parts.size(), " parts and ", types.size(), " types");
+  bool any_q = false, any_f = false;
+  int64_t n = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    check_weight(parts[i], types[i], k, "ggml_linear");
+    (type_info(types[i]).quantized ? any_q : any_f) = true;
+    n += parts[i].size(0);
+  }
+  const int64_t m = x_in.size(0);
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous()
+                                                        : x_in.to(at::kFloat).contiguous();
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  TORCH_CHECK_VALUE(!any_q || k % kQ == 0, "ggml_linear: k must be a multiple of 32");
+  Q8Rows rows{nullptr, nullptr, nullptr};
+  if (any_q) rows = quantize_rows(x);
+  // rows per tile: their int8 values (k bytes a row) within ~256 KB of L2
+  const int64_t row_tile = std::clamp<int64_t>(262144 / k, 4, 64);
+  const Linear L{&rows, any_f ? x.data_ptr<float>() : nullptr, m, k, n, y.data_ptr<float>(),
+                 row_tile};
+  std::vector<Task> tasks;
+  std::vector<int64_t> col0(parts.size());
+  for (size_t i = 0, c = 0; i < parts.size(); c += parts[i].size(0), ++i) {
+    col0[i] = static_cast<int64_t>(c);
+    for (int64_t o = 0; o < parts[i].size(0); o += kOutBlock)
+      tasks.push_back({static_cast<int64_t>(i), o, std::min(parts[i].size(0), o + kOutBlock)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      const at::Tensor& w = parts[task.part];
+      run_task(L, types[task.part], w.data_ptr<uint8_t>(), w.size(1), task.o0, task.o1,
+               col0[task.part]);
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids_in, int64_t k) {
+  check_weight(w, type, k, "ggml_get_rows");
+  TORCH_CHECK_VALUE(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong,
+                    "ggml_get_rows: ids must be a 1-D int64 tensor");
+  const auto ids = ids_in.contiguous();
+  const int64_t m = ids.size(0), n = w.size(0), row_bytes = w.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < n, "ggml_get_rows: id ", ip[i], " out of [0, ", n,
+                      ")");
+  auto out = at::empty({m, k}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / k), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dequant_row(type, wp + ip[i] * row_bytes, k, op + i * k);
+  });
+  return out;
+}
+
+at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
+  check_weight(w, type, k, "ggml_dequantize");
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  auto out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 65536 / k), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dequant_row(type, wp + i * row_bytes, k, op + i * k);
+  });
+  return out;
+}

@@ -1,0 +1,229 @@
+"""model/kernels/ggml_blocks.cpp: computing on a GGUF file's own quantized blocks, on the build
+the dispatcher picks (CELLSERVE_ISA=avx2 / generic run the other levels' code).
+
+For every GGML type: random weights quantized to it (gguf-py's quantize where it has one, K-quant
+blocks built byte-wise with finite fp16 scales, and the real tensors of the Gemma-3-270M GGUF
+where its packages are installed), checked against gguf-py's own dequantize: ggml_dequantize and
+ggml_get_rows exactly; ggml_linear against the same product in float64 with the activations
+quantized to int8 per 32 as the kernel does (tight), and against the float activations times
+the dequantized weights (loose: the int8 rows' own error)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.model.factories import require_kernels
+
+gguf = pytest.importorskip("gguf")
+GT = gguf.GGMLQuantizationType
+
+# GGML type id -> (values per block, bytes per block), as llama.cpp stores them
+TYPES = {
+    "F32": (GT.F32, 1, 4),
+    "F16": (GT.F16, 1, 2),
+    "BF16": (GT.BF16, 1, 2),
+    "Q4_0": (GT.Q4_0, 32, 18),
+    "Q4_1": (GT.Q4_1, 32, 20),
+    "Q5_0": (GT.Q5_0, 32, 22),
+    "Q5_1": (GT.Q5_1, 32, 24),
+    "Q8_0": (GT.Q8_0, 32, 34),
+    "Q4_K": (GT.Q4_K, 256, 144),
+    "Q5_K": (GT.Q5_K, 256, 176),
+    "Q6_K": (GT.Q6_K, 256, 210),
+}
+FLOAT = {"F32", "F16", "BF16"}
+# where each K-quant block keeps its fp16 scales (byte offsets)
+K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.fixture(scope="module")
+def kern():
+    return require_kernels()
+
+
+def make_weights(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row_bytes] uint8: n rows of k values of type `name`, as a GGUF stores them."""
+    qtype, elems, nbytes = TYPES[name]
+    if name in K_SCALES:  # random bits, with finite, small fp16 scales
+        blocks = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+        for off in K_SCALES[name]:
+            scale = rng.uniform(1e-3, 2e-2, size=len(blocks)).astype(np.float16)
+            blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        return blocks.reshape(n, k // elems * nbytes)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    if name == "F32":
+        return w.view(np.uint8)
+    if name == "F16":
+        return w.astype(np.float16).view(np.uint8)
+    return np.ascontiguousarray(gguf.quants.quantize(w, qtype))
+
+
+def dequantize(name: str, w: np.ndarray, k: int) -> np.ndarray:
+    """gguf-py's dequantization: the independent reference of the block formats."""
+    out = gguf.quants.dequantize(w, TYPES[name][0])
+    return np.asarray(out, dtype=np.float32).reshape(w.shape[0], k)
+
+
+def quantize_rows(x: np.ndarray) -> np.ndarray:
+    """x [m, k] float32 as the kernel's int8 rows see it: per 32, d = max|x| / 127, q =
+    rint(x * (127 / max|x|)) (float32 arithmetic), returned as d * q in float64."""
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(g * inv)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return (d.astype(np.float64) * q).reshape(x.shape)
+
+
+def check_linear(kern, x: torch.Tensor, parts, names, k: int) -> None:
+    weights = np.concatenate(
+        [dequantize(nm, w, k) for nm, w in zip(names, parts, strict=True)]
+    ).astype(np.float64)
+    xf = x.float().numpy()
+    # per output column: the float kinds see the float rows, the others the int8 ones
+    is_float = np.concatenate(
+        [np.full(len(w), nm in FLOAT) for nm, w in zip(names, parts, strict=True)]
+    )
+    xq = quantize_rows(xf)
+    want = np.where(is_float, xf.astype(np.float64) @ weights.T, xq @ weights.T)
+    bound = np.where(is_float, np.abs(xf) @ np.abs(weights.T), np.abs(xq) @ np.abs(weights.T))
+    types = [int(TYPES[nm][0]) for nm in names]
+    got = kern.ggml_linear(x, [torch.from_numpy(w) for w in parts], types, k)
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], len(weights))
+    got64 = got.double().numpy()
+    # float32 accumulation: a few ulps of the sum of |terms|; bfloat16 output: its rounding
+    tol = 1e-5 * bound + (np.abs(want) * 2**-8 if x.dtype == torch.bfloat16 else 0)
+    assert np.all(np.abs(got64 - want) <= tol + 1e-30), float(np.max(np.abs(got64 - want) - tol))
+    # against the float rows: only the int8 activations' error
+    exact = xf.astype(np.float64) @ weights.T
+    rel = np.linalg.norm(got64 - exact) / np.linalg.norm(exact)
+    assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_dequantize_and_get_rows_match_gguf_py(kern, name):
+    rng = np.random.default_rng(1)
+    k = 512
+    w = make_weights(name, 37, k, rng)
+    qtype = int(TYPES[name][0])
+    assert kern.ggml_row_bytes(qtype, k) == w.shape[1]
+    want = dequantize(name, w, k)
+    got = kern.ggml_dequantize(torch.from_numpy(w), qtype, k)
+    assert got.dtype == torch.float32 and got.shape == (37, k)
+    assert np.array_equal(got.numpy(), want, equal_nan=True)
+    ids = torch.tensor([5, 0, 36, 5, 17], dtype=torch.int64)
+    rows = kern.ggml_get_rows(torch.from_numpy(w), qtype, ids, k)
+    assert np.array_equal(rows.numpy(), want[ids.numpy()], equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("m", [1, 3, 8, 33, 512])
+def test_linear_each_type(kern, name, m):
+    rng = np.random.default_rng(m)
+    k = 768 if name not in K_SCALES else 512
+    w = make_weights(name, 45, k, rng)  # 45 outputs: two full tasks of 16 and a tail
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    check_linear(kern, x, [w], [name], k)
+
+
+@pytest.mark.parametrize("m", [1, 8, 33, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_mixed_parts(kern, m, dtype):
+    """q|k|v or gate|up as one call with the types a Q4_K_M file mixes (and every other)."""
+    rng = np.random.default_rng(100 + m)
+    k = 512
+    names = ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q5_K", "F16", "BF16", "F32"]
+    sizes = [48, 20, 17, 9, 3, 16, 5, 33, 4, 7, 2]
+    parts = [make_weights(nm, n, k, rng) for nm, n in zip(names, sizes, strict=True)]
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+    check_linear(kern, x, parts, names, k)
+
+
+def test_linear_rows_and_zero_rows(kern):
+    """Non-contiguous rows give the contiguous ones' result; a zero row gives zeros (its scale
+    is 0, not NaN); no rows give an empty result."""
+    rng = np.random.default_rng(7)
+    k = 256
+    w = torch.from_numpy(make_weights("Q4_K", 20, k, rng))
+    t = int(GT.Q4_K)
+    x = torch.from_numpy(rng.standard_normal((6, 2 * k)).astype(np.float32))[:, ::2]
+    assert torch.equal(
+        kern.ggml_linear(x, [w], [t], k), kern.ggml_linear(x.contiguous(), [w], [t], k)
+    )
+    x = x.contiguous()
+    x[2] = 0
+    y = kern.ggml_linear(x, [w], [t], k)
+    assert torch.equal(y[2], torch.zeros(20))
+    assert kern.ggml_linear(x[:0], [w], [t], k).shape == (0, 20)
+
+
+def test_bad_input_is_a_clear_error(kern):
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(make_weights("Q8_0", 4, 64, rng))
+    x = torch.zeros(2, 64)
+    q8 = int(GT.Q8_0)
+    with pytest.raises(ValueError, match="GGML type 99 is not supported"):
+        kern.ggml_linear(x, [w], [99], 64)
+    with pytest.raises(ValueError, match="bytes"):
+        kern.ggml_linear(x, [w], [int(GT.Q4_0)], 64)
+    with pytest.raises(ValueError, match="columns"):
+        kern.ggml_linear(torch.zeros(2, 32), [w], [q8], 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kern.ggml_row_bytes(int(GT.Q4_K), 64)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kern.ggml_linear(x.double(), [w], [q8], 64)
+    with pytest.raises(ValueError, match="parts"):
+        kern.ggml_linear(x, [w, w], [q8], 64)
+    with pytest.raises(IndexError, match="out of"):
+        kern.ggml_get_rows(w, q8, torch.tensor([4]), 64)
+
+
+@pytest.fixture(scope="module")
+def gemma_reader():
+    from model.load.packaged import GEMMA3_INSTALL, gemma3_270m_path, gemma3_installed
+
+    if not gemma3_installed():
+        reason = f"the Gemma-3-270M packages are not installed: {GEMMA3_INSTALL}"
+        if os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1":
+            pytest.fail(reason + " (CELLSERVE_REQUIRE_TOOLS=1)")
+        pytest.skip(reason)
+    return gguf.GGUFReader(gemma3_270m_path())
+
+
+def test_gemma3_gguf_tensors(kern, gemma_reader):
+    """The file's own tensors: layer 0's q|k|v (Q5_0, Q5_0, Q8_0), attn_output (Q4_K), ffn_down
+    (Q6_K) and rows of the Q8_0 embedding."""
+    tensors = {t.name: t for t in gemma_reader.tensors}
+
+    def part(name):
+        t = tensors[name]
+        return t.tensor_type.name, np.ascontiguousarray(t.data), int(t.shape[0])
+
+    rng = np.random.default_rng(11)
+    groups = [
+        ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"],
+        ["blk.0.attn_output.weight"],
+        ["blk.0.ffn_down.weight"],
+    ]
+    seen = set()
+    for names in groups:
+        got = [part(nm) for nm in names]
+        types, parts, k = [g[0] for g in got], [g[1] for g in got], got[0][2]
+        seen.update(types)
+        for ty, w in zip(types, parts, strict=True):
+            want = dequantize(ty, w, k)
+            assert np.array_equal(
+                kern.ggml_dequantize(torch.from_numpy(w), int(TYPES[ty][0]), k).numpy(), want
+            )
+        for m in (1, 9):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            check_linear(kern, x, parts, types, k)
+    assert seen == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    ty, emb, k = part("token_embd.weight")
+    ids = torch.tensor([2, 106, 262143, 2], dtype=torch.int64)
+    rows = kern.ggml_get_rows(torch.from_numpy(emb), int(TYPES[ty][0]), ids, k)
+    assert np.array_equal(rows.numpy(), dequantize(ty, emb[ids.numpy()], k))
