@@ -41,8 +41,10 @@ def query_tokens(seq: Sequence) -> np.ndarray:
 
 
 def is_reading(seq: Sequence) -> bool:
-    """A running sequence with prompt (or recomputed) tokens still to compute."""
-    return seq.state is SeqState.RUNNING and seq.seq_id >= 0 and not seq.is_decoding
+    """A running sequence with prompt (or recomputed) tokens still to compute, whose cells
+    outlive its prompt (an embedding request's leave with it: nobody waits for them)."""
+    running = seq.state is SeqState.RUNNING and seq.seq_id >= 0
+    return running and not seq.is_decoding and not seq.request.embed
 
 
 class Sharing:
@@ -97,7 +99,7 @@ class Sharing:
         """Where `reader`'s next prompt chunk must end so that the queued sequences sharing a
         prefix with it can take it (module NOTE); a large number when nothing stops it."""
         stop = 1 << 62
-        if not self.config.prefix_cache or self.memory.keeps_prefixes:
+        if not self.config.prefix_cache or self.memory.keeps_prefixes or not is_reading(reader):
             return stop
         tokens = np.asarray(reader.tokens, dtype=np.int64)
         for w in waiting:
