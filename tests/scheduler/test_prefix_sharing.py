@@ -193,3 +193,19 @@ def test_an_n_choice_waiter_forks_from_the_shared_prefix() -> None:
     assert sched.counters.prefix_running_hit_tokens == len(SYSTEM)
     for i in range(3):
         assert out.tokens[("many", i)] == reference_output(many, 1024, i, SPECS["hybrid"][1])[0]
+
+
+def test_a_waiter_does_not_hold_up_the_queue_behind_it() -> None:
+    sched, worker = make_sched(n_batch=512)
+    reader, waiter = chat("reader", 1), chat("waiter", 2)
+    other = make_request("other", prompt_len=30, seed=3)
+    for r in (reader, waiter, other):
+        sched.add_request(r)
+    outcome = Outcome()
+    step(sched, worker, outcome)
+    assert [s.req_id for s in sched.running] == ["reader", "other"]
+    assert [s.req_id for s in sched.waiting] == ["waiter"]
+    while sched.has_work:
+        step(sched, worker, outcome)
+    assert outcome.finish[("waiter", 0)].num_cached_tokens == len(SYSTEM)
+    assert_cold_outputs(outcome, [reader, waiter, other], "unified")
