@@ -2,9 +2,10 @@
 
 Each step fills a token budget (n_batch) with, in order: one decode token per running
 sequence whose context is computed, prompt chunks of sequences still reading, then new
-admissions (FCFS) while the memory has room. Room, shifts and prefix reuse are questions to
-the memory (kvcache/memory.py); n > 1 choices live in scheduler/choices.py. Not thread-safe:
-the engine holds a lock.
+admissions (FCFS, except that a request waiting for a prefix a running prompt is computing
+lets the others pass: scheduler/sharing.py) while the memory has room. Room, shifts and prefix
+reuse are questions to the memory (kvcache/memory.py); n > 1 choices live in
+scheduler/choices.py. Not thread-safe: the engine holds a lock.
 """
 
 from __future__ import annotations
