@@ -181,6 +181,12 @@ class Memory(ABC):
         """The longest m <= n such that a sequence given seq_id's [0, m) by seq_cp can go on
         at position m with every cell its rows need; 0 if none."""
 
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether usable_prefix(seq, m) stays m while seq computes past m (the unified cache);
+        a sliding-window pool prunes behind the window, a recurrent state moves on."""
+        return False
+
     # -- accounting ------------------------------------------------------------------------------
 
     @abstractmethod

@@ -88,6 +88,10 @@ class UnifiedMemory(Memory):
     def usable_prefix(self, seq_id: int, n: int) -> int:
         return max(0, min(n, self.cells.seq_pos_max(seq_id) + 1))
 
+    @property
+    def keeps_prefixes(self) -> bool:
+        return True
+
     def seq_num_cells(self, seq_id: int) -> int:
         return self.cells.seq_num_cells(seq_id)
 

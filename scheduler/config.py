@@ -21,6 +21,9 @@ class EngineConfig:
     context_shift: bool = True  # default for requests that do not say
     max_queue: int = 256  # waiting requests before submit raises QueueFullError
     prefix_cache: bool = True
+    # a new request waits for a running prompt's cells (scheduler/sharing.py) when they share
+    # at least this many tokens (a chat template's common header alone makes nobody wait)
+    prefix_wait_min: int = 32
     seed: int | None = None  # seeds the per-request random seeds (tests); None = OS entropy
     memory_spec: MemorySpec | None = None  # the model's; None: full attention everywhere
     # "auto": iSWA when the spec has sliding-window layers, else unified; "unified" keeps one
@@ -38,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"n_ctx_seq must be in [8, n_cells={self.n_cells}]: {self}")
         if self.state_checkpoints is not None and self.state_checkpoints < 0:
             raise ValueError(f"state_checkpoints must be >= 0: {self}")
+        if self.prefix_wait_min < 1:
+            raise ValueError(f"prefix_wait_min must be >= 1: {self}")
         if self.state_checkpoint_interval < 1:
             raise ValueError(f"state_checkpoint_interval must be >= 1: {self}")
         if self.memory not in ("auto", "unified", "iswa"):

@@ -27,6 +27,7 @@ class Holder:
 class PrefixMatch:
     seq_id: int  # -1: no match
     length: int
+    holder: bool = True  # False: a running sequence's computed cells (scheduler/sharing.py)
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

@@ -2,13 +2,15 @@
 
 Each step fills a token budget (n_batch) with, in order: one decode token per running
 sequence whose context is computed, prompt chunks of sequences still reading, then new
-admissions (FCFS) while the memory has room. Room, shifts and prefix reuse are questions to
-the memory (kvcache/memory.py); n > 1 choices live in scheduler/choices.py. Not thread-safe:
-the engine holds a lock.
+admissions (FCFS, except that a request waiting for a prefix a running prompt is computing
+lets the others pass: scheduler/sharing.py) while the memory has room. Room, shifts and prefix
+reuse are questions to the memory (kvcache/memory.py); n > 1 choices live in
+scheduler/choices.py. Not thread-safe: the engine holds a lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -25,6 +27,7 @@ from scheduler.prefix_cache import PrefixCache, PrefixMatch
 from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
+from scheduler.sharing import Sharing
 from scheduler.stats import Counters
 from scheduler.step import Step
 
@@ -43,6 +46,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache)
+        self.sharing = Sharing(self.prefix, memory, config)
+        # queued sequences looked at per step: waiters are skipped, the rest admitted FCFS
+        self._scan = max(config.n_seq_max, 1)
         self._requests: dict[str, list[Sequence]] = {}
         self._aborts: list[tuple[str, int | None]] = []
         self._events: list[Routed] = []
@@ -104,6 +110,7 @@ class Scheduler:
             if seq.state is not SeqState.RUNNING:
                 continue
             cap = min(seq.num_uncomputed, step.budget, n_ctx - seq.num_computed)
+            cap = min(cap, self._stop(seq) - seq.num_computed)
             if cap <= 0:
                 continue
             n = min(cap, self._n_free(step, evict=True))
@@ -113,9 +120,18 @@ class Scheduler:
                 n = 1
             step.add(seq, n)
 
-        while self.waiting and step.budget > 0 and self._admit(self.waiting[0], step):
-            seq = self.waiting.popleft()
+        i = 0
+        while i < min(len(self.waiting), self._scan) and step.budget > 0:
+            seq = self.waiting[i]
+            match = self._match(seq)
+            if self.sharing.waits(seq, self.running, match):
+                i += 1  # its prefix is being computed: it takes it in a later step
+                continue
+            if not self._admit(seq, step, match):
+                break
+            del self.waiting[i]
             cap = min(seq.num_uncomputed, step.budget, n_ctx - seq.num_computed)
+            cap = min(cap, self._stop(seq) - seq.num_computed)
             n = min(cap, self._n_free(step, evict=False))
             if n > 0:
                 step.add(seq, n)
@@ -297,13 +313,19 @@ class Scheduler:
             seq.num_preemptions += 1
             self.counters.num_preemptions += 1
 
-    def _admit(self, seq: Sequence, step: Step) -> bool:
-        """Gives `seq` (and its pending forks) seq ids and any cached prefix, if the memory
+    def _match(self, seq: Sequence) -> PrefixMatch:
+        """The computed prefix `seq` would start from: a holder's or a running sequence's."""
+        if not self.config.prefix_cache:
+            return PrefixMatch(-1, 0)
+        return self.sharing.match(seq, self.running)
+
+    def _stop(self, seq: Sequence) -> int:
+        """Where the prompt chunk of `seq` must end for the queued sequences that wait for it."""
+        return self.sharing.next_stop(seq, itertools.islice(self.waiting, self._scan))
+
+    def _admit(self, seq: Sequence, step: Step, match: PrefixMatch) -> bool:
+        """Gives `seq` (and its pending forks) seq ids and `match`'s prefix, if the memory
         can hold its whole uncomputed context beside what running prompts still need."""
-        match = PrefixMatch(-1, 0)
-        if self.config.prefix_cache:
-            tokens = np.asarray(seq.tokens[: seq.num_tokens - 1], dtype=np.int64)
-            match = self.prefix.match(tokens, self.memory.usable_prefix)
         # a context at its limit shifts before its last token is fed: it never needs more
         need = min(seq.num_tokens, self.config.n_ctx_seq)
         # tokens that running prompts will still take after this step's rows
@@ -313,20 +335,23 @@ class Scheduler:
             self._n_free(step, evict=False) - committed < need - match.length
             or self.seq_ids.num_free < seq.num_seq_ids
         ):
-            if self.seq_ids.drop_lru_holder(exclude=match.seq_id):
+            if self.seq_ids.drop_lru_holder(exclude=match.seq_id if match.holder else -1):
                 continue
-            if match.seq_id < 0:
+            if match.seq_id < 0 or not match.holder:
                 return False
             match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
 
         choices.take_seq_ids(seq, self.seq_ids)
         if match.length:
             self.memory.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
-            self.prefix.touch(match.seq_id)
+            if match.holder:
+                self.prefix.touch(match.seq_id)
         seq.num_computed = match.length
         if self.config.prefix_cache:
             self.counters.prefix_queried_tokens += seq.num_tokens
             self.counters.prefix_hit_tokens += match.length
+            if not match.holder:
+                self.counters.prefix_running_hit_tokens += match.length
         if seq.queue_time is None:
             seq.queue_time = time.monotonic() - seq.submit_time
             seq.num_cached = min(match.length, seq.num_prompt)

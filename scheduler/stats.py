@@ -11,6 +11,7 @@ class Counters:
 
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_running_hit_tokens: int = 0  # of prefix_hit_tokens: shared from running sequences
     num_context_shifts: int = 0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # tokens fed to the model that were not sampled just before

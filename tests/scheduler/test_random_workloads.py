@@ -44,6 +44,8 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
         n_ctx_seq=draw(st.integers(16, min(n_cells, 96))),
         prefix_cache=draw(st.booleans()),
         context_shift=draw(st.booleans()),
+        # small values make queued requests wait for running prompts' cells (sharing.py)
+        prefix_wait_min=draw(st.integers(1, 40)),
     )
 
 
@@ -149,6 +151,7 @@ def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int
     event(f"preempted: {c.num_preemptions > 0}")
     event(f"shifted: {c.num_context_shifts > 0}")
     event(f"prefix hit: {c.prefix_hit_tokens > 0}")
+    event(f"shared a running prefix: {sched.counters.prefix_running_hit_tokens > 0}")
     event(f"aborted: {any(e.reason == 'abort' for e in outcome.finish.values())}")
     holders = sched.prefix.seq_ids
     assert sched.num_free_seq_ids == config.n_seq_max - len(holders)

@@ -76,3 +76,15 @@ def test_preemption_keeps_greedy_and_seeded_outputs(tiny: LoadedModel) -> None:
     roomy, r_sched = serve(tiny, [workload()], n_cells=512, n_ctx_seq=40, prefix_cache=False)
     assert t_sched.counters.num_preemptions > 0 and r_sched.counters.num_preemptions == 0
     assert tight.tokens == roomy.tokens
+
+
+def test_a_burst_with_one_new_system_prompt_computes_it_once(tiny: LoadedModel) -> None:
+    system = make_prompt(400, seed=11)
+    burst = [request(f"q{i}", system + [1 + i] + make_prompt(19, seed=i), 6) for i in range(6)]
+    cfg: dict[str, object] = dict(n_cells=4096, n_ctx_seq=1024, n_batch=128)
+    warm, sched = serve(tiny, [burst], **cfg)
+    cold, cold_sched = serve(tiny, [burst], prefix_cache=False, **cfg)
+    assert sched.counters.num_prompt_tokens == 420 + 5 * 20
+    assert cold_sched.counters.num_prompt_tokens == 6 * 420
+    assert sched.counters.prefix_running_hit_tokens == 5 * 400
+    assert warm.tokens == cold.tokens

@@ -79,3 +79,15 @@ def test_prefix_reuse_and_context_shift_give_the_cold_output(gemma) -> None:
     unified, _, _ = serve(gemma, [[long]], "unified", n_ctx_seq=64)
     assert sched3.counters.num_context_shifts > 0
     assert shifted.tokens[("c", 0)] == unified.tokens[("c", 0)]
+
+
+def test_a_burst_shares_the_prefix_a_running_prompt_computes(gemma) -> None:
+    # the readers' chunks stop at the shared length, where the window pool still holds what
+    # the waiters' first rows read
+    system = make_prompt(50, seed=7)
+    burst = [request(f"q{i}", system + [1 + i] + make_prompt(5, seed=i), 8) for i in range(4)]
+    swa, sched, _ = serve(gemma, [burst], "iswa", prefix_wait_min=16)
+    assert sched.counters.prefix_running_hit_tokens == 3 * 50
+    assert sched.counters.num_prompt_tokens == 56 + 3 * 6
+    cold, _, _ = serve(gemma, [burst], "unified", prefix_cache=False)
+    assert swa.tokens == cold.tokens
