@@ -175,14 +175,22 @@ struct Fmt<Q8_0> {
   }
 };
 
-// the 6-bit scale and minimum of a K super-block's sub-block j (12 packed bytes)
-inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// a K super-block's 8 sub-block scales d * sc[j] (twice each: per 16) and minimums -dmin * mn[j]
+// from its 12 packed bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
+// (minimums); 4-7 in the nibbles of bytes 8-11 with their top 2 bits in bytes 0-7's top bits.
+// Four at a time in 32-bit words.
+inline void k_scales(const uint8_t* s, float d, float dmin, float* sc, float* mn) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t words[4] = {a & 0x3f3f3f3fu, ((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)),
+                             b & 0x3f3f3f3fu, (((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u))};
+  uint8_t bytes[16];  // scales 0-7, then minimums 0-7
+  std::memcpy(bytes, words, 16);
+  for (int j = 0; j < 8; ++j) {
+    sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(bytes[j]);
+    mn[j] = -(dmin * static_cast<float>(bytes[8 + j]));
   }
 }
 
@@ -200,12 +208,7 @@ struct Fmt<Q4_K> {
         q[64 * c + 32 + l] = static_cast<int8_t>(qs[32 * c + l] >> 4);
       }
     }
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      k_scale_min(scales, j, &s, &m);
-      sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
-      mn[j] = -(dmin * static_cast<float>(m));
-    }
+    k_scales(scales, d, dmin, sc, mn);
   }
 };
 
@@ -226,12 +229,7 @@ struct Fmt<Q5_K> {
             static_cast<int8_t>((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
       }
     }
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      k_scale_min(scales, j, &s, &m);
-      sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
-      mn[j] = -(dmin * static_cast<float>(m));
-    }
+    k_scales(scales, d, dmin, sc, mn);
   }
 };
 
@@ -313,20 +311,105 @@ struct Linear {
   int64_t row_tile;    // rows whose int8 values stay in L2 while a task's outputs pass
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-// one block's 32 values w (unsigned, or signed where kSigned) times 32 int8 activations: 8 lanes
-template <bool kSigned>
-inline __m256 dot32(__m256i w, __m256i x) {
-  if constexpr (kSigned) return dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-  return dot_u8s8(w, x);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CELLSERVE_GGML_ZMM 1
+using Acc = __m512;
+// 16 int32 lanes of 4 products of unsigned bytes u and signed bytes s (2 * |u * s| < 2^15)
+inline __m512i dot_u8s8_512(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
 }
 
-// output o of a quantized part over rows [r0, r1): decode each block once, apply it to every row
+// output o of a quantized part over rows [r0, r1): each step of 64 values or more (a K
+// super-block, or two 32-value blocks) decoded once, then applied to every row, 64 values an
+// instruction; the decoded sign moves onto the activations (masked negation); a 32-value block
+// left over takes 256-bit vectors.
 template <int64_t T>
 void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-            __m256* acc, float* macc) {
+            Acc* acc, float* macc) {
+  using F = Fmt<T>;
+  constexpr int64_t P = F::E >= 64 ? 1 : 64 / F::E;  // blocks a step
+  constexpr int64_t V = F::E * P, NV = V / 64, G = V / kQ;
+  constexpr bool kSigned = !F::kHasMin;
+  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / F::E, steps = nb / P;
+  alignas(64) int8_t q[V];
+  float sc[V / 16], mn[G];
+  for (int64_t r = 0; r < nr; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    macc[r] = 0.f;
+  }
+  const __m512i lane4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t st = 0; st < steps; ++st) {
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + (st + 4) * P * F::B), _MM_HINT_T0);
+    for (int64_t p = 0; p < P; ++p)
+      F::decode(wrow + (st * P + p) * F::B, q + p * F::E, sc + p * (F::E / 16), mn + p * (F::E / kQ));
+    __m512i w[NV];
+    __mmask64 neg[NV];
+    __m512 ws[NV];
+    for (int64_t i = 0; i < NV; ++i) {
+      const __m512i v = _mm512_load_si512(q + 64 * i);
+      if constexpr (kSigned) {
+        neg[i] = _mm512_movepi8_mask(v);
+        w[i] = _mm512_abs_epi8(v);
+      } else {
+        w[i] = v;
+      }
+      ws[i] = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * i)));
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g0 = (r0 + r) * groups + st * G;
+      const int8_t* xr = L.xq->q + g0 * kQ;
+      const float* xd = L.xq->d + g0;
+      __m512 a = acc[r];
+      for (int64_t i = 0; i < NV; ++i) {
+        __m512i xv = _mm512_loadu_si512(xr + 64 * i);
+        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, neg[i], zero, xv);
+        const __m512 d2 = _mm512_permutexvar_ps(
+            lane8, _mm512_castps128_ps512(
+                       _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xd + 2 * i)))));
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w[i], xv)), _mm512_mul_ps(ws[i], d2),
+                            a);
+      }
+      acc[r] = a;
+      if constexpr (F::kHasMin) {
+        const float* xs = L.xq->s + g0;
+        float mm = 0.f;
+        for (int64_t g = 0; g < G; ++g) mm += mn[g] * xs[g];
+        macc[r] += mm;
+      }
+    }
+  }
+  if (steps * P < nb) {  // one 32-value block left (P == 2, an odd count)
+    const int64_t blk = nb - 1;
+    F::decode(wrow + blk * F::B, q, sc, mn);
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i w = kSigned ? _mm256_abs_epi8(v) : v;
+    const __m256 ws = _mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0]));
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g = (r0 + r) * groups + blk;
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.xq->q + g * kQ));
+      if constexpr (kSigned) xv = _mm256_sign_epi8(xv, v);
+      const __m256 t = _mm256_mul_ps(dot_u8s8(w, xv), _mm256_mul_ps(ws, _mm256_set1_ps(L.xq->d[g])));
+      macc[r] += hsum8(t) + (F::kHasMin ? mn[0] * L.xq->s[g] : 0.f);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using Acc = __m256;
+// output o of a quantized part over rows [r0, r1): decode each block once, apply it to every row
+// (the decoded sign moves onto the activations: vpsignb)
+template <int64_t T>
+void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
+            Acc* acc, float* macc) {
   using F = Fmt<T>;
   constexpr int64_t S = F::E / kQ;  // 32-value groups per block
+  constexpr bool kSigned = !F::kHasMin;
   const int64_t groups = L.k / kQ, nr = r1 - r0;
   alignas(64) int8_t q[F::E];
   float sc[F::E / 16], mn[S];
@@ -337,10 +420,11 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
   for (int64_t b = 0; b < L.k / F::E; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(wrow + (b + 4) * F::B), _MM_HINT_T0);
     F::decode(wrow + b * F::B, q, sc, mn);
-    __m256i w[S];
+    __m256i w[S], sgn[S];
     __m256 ws[S];
     for (int64_t s = 0; s < S; ++s) {
-      w[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + s * kQ));
+      sgn[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + s * kQ));
+      w[s] = kSigned ? _mm256_abs_epi8(sgn[s]) : sgn[s];
       ws[s] = _mm256_set_m128(_mm_set1_ps(sc[2 * s + 1]), _mm_set1_ps(sc[2 * s]));
     }
     for (int64_t r = 0; r < nr; ++r) {
@@ -349,9 +433,9 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
       const float* xd = L.xq->d + g0;
       __m256 a = acc[r];
       for (int64_t s = 0; s < S; ++s) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + s * kQ));
-        a = _mm256_fmadd_ps(dot32<!F::kHasMin>(w[s], xv),
-                            _mm256_mul_ps(ws[s], _mm256_set1_ps(xd[s])), a);
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + s * kQ));
+        if constexpr (kSigned) xv = _mm256_sign_epi8(xv, sgn[s]);
+        a = _mm256_fmadd_ps(dot_u8s8(w[s], xv), _mm256_mul_ps(ws[s], _mm256_set1_ps(xd[s])), a);
       }
       acc[r] = a;
       if constexpr (F::kHasMin) {
@@ -365,10 +449,11 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
   for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]) + macc[r];
 }
 #else
+using Acc = float;  // 8 a row
 // portable C++: the same integers (8 lanes of 4 values a block of 32) and float32 scaling
 template <int64_t T>
 void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-            float* acc, float* macc) {
+            Acc* acc, float* macc) {
   using F = Fmt<T>;
   constexpr int64_t S = F::E / kQ;
   const int64_t groups = L.k / kQ, nr = r1 - r0;
@@ -419,14 +504,10 @@ void rows_f(const Linear& L, int64_t type, const uint8_t* wrow, int64_t r0, int6
 
 void run_task(const Linear& L, int64_t type, const uint8_t* w, int64_t row_bytes, int64_t o0,
               int64_t o1, int64_t col0) {
-  thread_local std::vector<float> accbuf, macc, wf;  // 8 lanes a row, 32-byte aligned
-  accbuf.resize(8 * L.row_tile + 8);
+  thread_local std::vector<float> accbuf, macc, wf;  // up to 16 lanes a row, 64-byte aligned
+  accbuf.resize(16 * L.row_tile + 16);
   const auto at = reinterpret_cast<uintptr_t>(accbuf.data());
-#if defined(__AVX2__) && defined(__FMA__)
-  auto* acc = reinterpret_cast<__m256*>((at + 31) & ~uintptr_t{31});
-#else
-  auto* acc = reinterpret_cast<float*>((at + 31) & ~uintptr_t{31});
-#endif
+  auto* acc = reinterpret_cast<Acc*>((at + 63) & ~uintptr_t{63});
   macc.resize(L.row_tile);
   if (!type_info(type).quantized) wf.resize(L.k);
   for (int64_t r0 = 0; r0 < L.m; r0 += L.row_tile) {

@@ -11,6 +11,7 @@ the dequantized weights (loose: the int8 rows' own error)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,7 +202,7 @@ def test_gemma3_gguf_tensors(kern, gemma_reader):
 
     def part(name):
         t = tensors[name]
-        return t.tensor_type.name, np.ascontiguousarray(t.data), int(t.shape[0])
+        return t.tensor_type.name, np.array(t.data), int(t.shape[0])
 
     rng = np.random.default_rng(11)
     groups = [
@@ -227,3 +228,70 @@ def test_gemma3_gguf_tensors(kern, gemma_reader):
     ids = torch.tensor([2, 106, 262143, 2], dtype=torch.int64)
     rows = kern.ggml_get_rows(torch.from_numpy(emb), int(TYPES[ty][0]), ids, k)
     assert np.array_equal(rows.numpy(), dequantize(ty, emb[ids.numpy()], k))
+
+
+def test_the_one_call_step_runs_ggml_linears(smollm_path, monkeypatch):
+    """StepLinear kind "ggml" in step_layers: SmolLM2's int8 linears (q8: int8 per 32 with a
+    float32 scale) handed to the step as GGUF blocks instead, each fused linear as two parts
+    (its first outputs as Q8_0 blocks of the same int8 values, the rest as F32 rows of the same
+    weights): the same greedy tokens and logits within the fp16 scales' rounding of the Python
+    layers on the q8 weights."""
+    from model import load_model
+    from model.layers.quant import quantize
+    from model.runner import native
+    from model.runner.worker import make_worker
+    from tests.model.factories import Driver
+
+    kernels = require_kernels()
+    loaded = load_model(smollm_path, dtype="float32")
+    quantize(loaded.transformer, "int8")
+    made = []
+    step_linear = native._step_linear
+
+    def as_ggml(kern: Any, lin: Any, dtype: torch.dtype) -> Any:
+        w = step_linear(kern, lin, dtype)
+        assert w.kind == "q8"
+        n, k = lin.q8.shape
+        scale = lin.q8_scale.half()
+        blocks = torch.cat(
+            [scale.view(torch.uint8).view(n, k // 32, 2), lin.q8.view(torch.uint8).view(n, -1, 32)],
+            dim=2,
+        ).reshape(n, k // 32 * 34)
+        rows = (lin.q8.float().view(n, -1, 32) * scale.float()[..., None]).reshape(n, k)
+        half = n // 2
+        g = kern.StepLinear()
+        g.kind = "ggml"
+        g.parts = [blocks[:half].contiguous(), rows[half:].contiguous().view(torch.uint8)]
+        g.types = [int(GT.Q8_0), int(GT.F32)]
+        g.bias = w.bias
+        made.append(g)
+        return g
+
+    monkeypatch.setattr(native, "_step_linear", as_ggml)
+    worker = make_worker(loaded, n_cells=512)
+    assert worker.paths.native is not None and made and kernels is not None
+    calls = []
+    layers = native.NativeDecoder.layers
+    monkeypatch.setattr(native.NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    prompts = [loaded.tokenizer.encode(t) for t in ("The sky is", "Water boils at 100 degrees")]
+
+    def run(tokens: list[list[int]] | None) -> tuple[torch.Tensor, list[list[int]]]:
+        """Prefill, then 4 decode steps of the given tokens (None: greedy)."""
+        driver = Driver(worker, worker.kv[0].n_cells, seed=3)
+        logits = driver.logits([driver.chunk(s, p) for s, p in enumerate(prompts)])
+        out, fed = [logits], []
+        for i in range(4):
+            last = logits.argmax(-1).tolist() if tokens is None else tokens[i]
+            fed.append(last)
+            logits = driver.logits([driver.chunk(s, [t]) for s, t in enumerate(last)])
+            out.append(logits)
+        return torch.stack(out), fed
+
+    ours, tokens = run(None)
+    assert len(calls) >= 4  # every decode step in the one C++ call
+    worker.paths.native = None
+    ref, _ = run(tokens)  # the same tokens: a near-tie must not fork the two texts
+    spread = float(ref.max() - ref.min())
+    # per linear, fp16 scales and (for the F32 half) float rows instead of int8 ones
+    assert float((ours - ref).abs().max()) < 5e-2 * spread
+    assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8

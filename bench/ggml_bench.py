@@ -1,0 +1,100 @@
+"""`python -m bench.ggml_bench [--threads N] [--seconds S]`: ggml_linear (model/kernels/
+ggml_blocks.cpp, a GGUF's own blocks) on this process's ISA path (CELLSERVE_ISA=avx2 forces
+the AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o) and an 8960x1536 (gate / up)
+matrix of Q4_K and of Q6_K, at 1, 8, 32 and 512 rows of float32 activations. Per case: ms per
+call (the median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read /
+time: a decode step reads each weight once), at 512 rows the multiply-adds per second. Speed
+does not depend on the weights' values: random bits with finite fp16 scales."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from model.kernels import isa
+
+SHAPES = ((1536, 1536), (8960, 1536))  # (outputs, inputs)
+ROWS = (1, 8, 32, 512)
+TYPES = {"Q4_K": (12, 144, (0, 2)), "Q6_K": (14, 210, (208,))}  # id, block bytes, fp16 offsets
+
+
+def random_blocks(torch: Any, type_name: str, n: int, k: int) -> Any:
+    """[n, row_bytes] uint8 of valid blocks: random bits, finite fp16 scales."""
+    _, nbytes, scales = TYPES[type_name]
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (n * k // 256, nbytes), dtype=torch.uint8, generator=gen)
+    for off in scales:
+        d = (torch.rand(len(blocks), generator=gen) * 0.01 + 1e-3).half()
+        blocks[:, off : off + 2] = d.view(torch.uint8).reshape(-1, 2)
+    return blocks.reshape(n, k // 256 * nbytes).contiguous()
+
+
+def time_call(fn: Any, seconds: float) -> tuple[float, float]:
+    """The median and the best seconds per call over repeats filling about `seconds` (at least
+    3): on a shared machine the best is the kernel's own speed, the median what it got."""
+    fn()  # warm: page in, thread pool up
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def run(threads: int = 2, seconds: float = 0.4) -> dict[str, Any]:
+    level = isa.apply_forced_isa()
+    import torch
+
+    from model.kernels import load_kernels
+
+    kern = load_kernels()
+    if kern is None or not hasattr(kern, "ggml_linear"):
+        raise SystemExit("the C++ kernels are not built (cellserve build-kernels)")
+    torch.set_num_threads(threads)
+    cases = []
+    for type_name, (type_id, _, _) in TYPES.items():
+        for n, k in SHAPES:
+            w = random_blocks(torch, type_name, n, k)
+            nbytes = w.numel()
+            for m in ROWS:
+                x = torch.randn(m, k)
+                med, best = time_call(
+                    lambda x=x, w=w, t=type_id, k=k: kern.ggml_linear(x, [w], [t], k), seconds
+                )
+                case: dict[str, Any] = {"type": type_name, "n": n, "k": k, "m": m}
+                case["ms"], case["best_ms"] = round(med * 1e3, 3), round(best * 1e3, 3)
+                if m == 1:  # bytes of weights per second (median, best)
+                    case["GB_s"] = [round(nbytes / t / 1e9, 2) for t in (med, best)]
+                else:  # multiply-adds per second
+                    case["GMAC_s"] = [round(m * n * k / t / 1e9, 1) for t in (med, best)]
+                cases.append(case)
+    return {
+        "cpu": isa.cpu_model(),
+        "isa": level,
+        "build": kern.LEVEL,
+        "threads": threads,
+        "cases": cases,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=0.4, help="time per case (median of repeats)")
+    args = ap.parse_args()
+    result = run(args.threads, args.seconds)
+    print(f"{result['cpu']}, {result['build']} build, {result['threads']} threads")
+    print("case                    median ms   best ms   (median, best)")
+    for c in result["cases"]:
+        unit, (a, b) = ("GB/s", c["GB_s"]) if "GB_s" in c else ("GMAC/s", c["GMAC_s"])
+        head = f"{c['type']} {c['n']:5d}x{c['k']} m={c['m']:4d}"
+        print(f"{head}: {c['ms']:9.3f} {c['best_ms']:9.3f}   {a:7.2f} {b:7.2f} {unit}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
