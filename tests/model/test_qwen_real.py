@@ -1,0 +1,77 @@
+"""The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M (model/load/packaged.py) on its own GGUF blocks
+(`--quant gguf`, model/layers/ggml.py): nothing dense is kept, and the logits stay close to the
+float32 reference of the same weights (dequantized, `--quant none --dtype float32`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.kernels import load_kernels
+from model.layers.ggml import BlockLinear, has_block_kernels, weight_bytes
+from model.load.packaged import QWEN25_CODER_05B
+from model.runner.worker import make_worker
+from model.serving import open_model
+from tests.model.factories import Driver
+from tests.model.test_forward import TEXTS
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def qwen_path():
+    if not QWEN25_CODER_05B.installed():
+        reason = f"Qwen2.5-Coder-0.5B is not installed: {QWEN25_CODER_05B.install}"
+        if os.environ.get("CELLSERVE_REQUIRE_TOOLS") == "1":
+            pytest.fail(reason + " (CELLSERVE_REQUIRE_TOOLS=1)")
+        pytest.skip(reason)
+    if not has_block_kernels(load_kernels()):
+        pytest.skip("the C++ kernels are not built (make install)")
+    return QWEN25_CODER_05B.path()
+
+
+def all_logits(opened, prompts: list[list[int]]) -> torch.Tensor:
+    worker = make_worker(opened.loaded, n_cells=2048)
+    out = []
+    for ids in prompts:
+        driver = Driver(worker, worker.storage.n_cells, seed=len(ids))
+        out.append(driver.logits([driver.chunk(0, ids, all_rows=True)]).float())
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_path):
+    opened = open_model(qwen_path, "cpu", dtype="float32", quant="none")
+    prompts = [opened.loaded.tokenizer.encode(t) for t in TEXTS]
+    return prompts, all_logits(opened, prompts)
+
+
+def test_the_default_serves_the_files_own_blocks_mapped(qwen_path):
+    opened = open_model(qwen_path, "cpu")
+    assert opened.runtime.quant == "gguf", opened.runtime.reason
+    model = opened.loaded.transformer
+    linears = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert len(linears) == 24 * 4 + 1  # wqkv, wo, w13, w2 a layer, and the head
+    mapped, owned = weight_bytes(model)
+    # every linear and the embedding table: views of the file (the norms and biases are owned)
+    assert mapped > 0.95 * qwen_path.stat().st_size
+    assert owned < 0.01 * mapped
+    worker = make_worker(opened.loaded, n_cells=256)
+    assert worker.paths.native is not None, worker.paths.describe()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "min_top1", "max_kl"), [("float32", 0.99, 0.002), ("bfloat16", 0.97, 0.01)]
+)
+def test_logits_stay_close_to_the_float32_reference(qwen_path, reference, dtype, min_top1, max_kl):
+    prompts, ref = reference
+    ours = all_logits(open_model(qwen_path, "cpu", dtype=dtype, quant="gguf"), prompts)
+    top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    kl = F.kl_div(
+        ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean"
+    ).item()
+    assert ours.shape == ref.shape and ours.shape[0] > 400
+    assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
