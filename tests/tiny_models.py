@@ -44,19 +44,22 @@ def write_tiny_llama(
     hidden_dim: int = 128,
     seed: int = 0,
     model_type: str = "llama",
+    head_dim: int | None = None,
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json of a random Llama (ChatML template) into `folder`; returns it.
-    model_type "qwen2" adds the q/k/v biases."""
+    model_type "qwen2" adds the q/k/v biases, "qwen3" the q/k norms (and a `head_dim` that
+    need not be dim / n_heads)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = _tiny_tokenizer()
     tok.save(str(folder / "tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_id = tok.token_to_id("<|im_end|>")
-    head_dim = dim // n_heads
+    head_dim = head_dim or dim // n_heads
+    archs = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     config = {
-        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [archs.get(model_type, "LlamaForCausalLM")],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": dim,
@@ -104,6 +107,11 @@ def write_tiny_llama(
             p + "mlp.up_proj.weight": rand(hidden_dim, dim),
             p + "mlp.down_proj.weight": rand(dim, hidden_dim),
         }
+        if model_type == "qwen3":
+            tensors |= {
+                p + "self_attn.q_norm.weight": 1.0 + rand(head_dim, scale=0.1),
+                p + "self_attn.k_norm.weight": 1.0 + rand(head_dim, scale=0.1),
+            }
         if model_type == "qwen2":
             tensors |= {
                 p + "self_attn.q_proj.bias": rand(n_heads * head_dim),
@@ -279,6 +287,9 @@ def write_tiny_gguf(
     writer.add_head_count_kv(n_kv)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim", config["hidden_size"] // n_heads) != config["hidden_size"] // n_heads:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     if spm_tokenizer:
         _add_spm_tokenizer(writer)
     else:
@@ -313,6 +324,9 @@ def write_tiny_gguf(
     for i in range(config["num_hidden_layers"]):
         for hf_name, gguf_name in hf_to_gguf.items():
             names[f"model.layers.{i}.{hf_name}"] = f"blk.{i}.{gguf_name}"
+        if arch == "qwen3":
+            names[f"model.layers.{i}.self_attn.q_norm.weight"] = f"blk.{i}.attn_q_norm.weight"
+            names[f"model.layers.{i}.self_attn.k_norm.weight"] = f"blk.{i}.attn_k_norm.weight"
         if arch == "qwen2":
             for proj in "qkv":
                 names[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = f"blk.{i}.attn_{proj}.bias"

@@ -43,10 +43,13 @@ LLAMA = BlockSpec()
 GEMMA3 = BlockSpec(
     norm_shift=1.0, activation="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=True
 )
+# Qwen3: Llama's block with an RMSNorm over each q and k head before RoPE, no q/k/v biases
+QWEN3 = BlockSpec(qk_norm=True)
 ARCH_BLOCKS: dict[str, BlockSpec] = {
     "llama": LLAMA,
     "mistral": LLAMA,
     "qwen2": LLAMA,
+    "qwen3": QWEN3,
     "gemma3": GEMMA3,
 }
 # Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base

@@ -29,7 +29,7 @@ from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
 from model.load.gguf_ssm import read_args as read_ssm_args
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3", *SSM_ARCHS)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", *SSM_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
 _PERMUTED_QK = ("llama", "granitehybrid")
 
@@ -156,7 +156,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
 # dense weights)
-BLOCK_ARCHS = ("llama", "qwen2", "gemma3")
+BLOCK_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
 BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
 

@@ -14,7 +14,14 @@ from model.arch import ARCH_BLOCKS, ModelArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
 from model.load.hf_ssm import SSM_MODEL_TYPES, read_ssm_args, read_ssm_weights
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text", *SSM_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    *SSM_MODEL_TYPES,
+)
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -41,6 +48,9 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+
+
+_QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 
 
 def read_json(file: Path) -> dict[str, Any]:
@@ -190,6 +200,7 @@ def read_weights(
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
     table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
+    table |= _QK_NORM_TENSORS
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from model import ModelLoadError, default_model_path, load_model
+from model.kernels import load_kernels
+from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
 from tests.model.factories import make_plan, prefill_chunk
 from tests.tiny_models import write_tiny_gguf, write_tiny_llama
@@ -67,6 +69,29 @@ def test_qwen2_qkv_bias_matches_transformers_and_its_gguf(tmp_path):
     assert float((our_logits(folder, ids) - want).abs().max()) < 1e-4
     gguf_path = write_tiny_gguf(tmp_path / "qwen.gguf", folder, arch="qwen2")
     assert float((our_logits(gguf_path, ids) - want).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_qk_norms_match_transformers_and_its_gguf(tmp_path, qtype):
+    """Qwen3: q/k RMSNorms per head before RoPE, no biases, head_dim 32 with dim 64 / 4 heads;
+    its GGUF through the dequantizing loader and (quantized) on its own blocks."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_llama(tmp_path / "qwen3", model_type="qwen3", head_dim=32, seed=5)
+    model = load_model(folder)
+    assert model.config.block.qk_norm and not model.config.qkv_bias
+    ids = model.tokenizer.encode(PROMPT)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    tol = 1e-4 if qtype == "F32" else 0.05 * float(want.abs().max())
+    assert float((our_logits(folder, ids) - want).abs().max()) < 1e-4
+    gguf_path = write_tiny_gguf(tmp_path / "qwen3.gguf", folder, arch="qwen3", qtype=qtype)
+    assert float((our_logits(gguf_path, ids) - want).abs().max()) < tol
+    if qtype != "F32" and has_block_kernels(load_kernels()):
+        blocks = make_worker(load_model(gguf_path, blocks=True), n_cells=64)
+        got = blocks.forward(make_plan([prefill_chunk(0, ids, 0, all_rows=True)]))
+        assert float((got - want).abs().max()) < tol
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 SPM_TEXTS = [

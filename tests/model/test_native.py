@@ -156,6 +156,9 @@ def test_a_write_cell_out_of_range_is_refused_before_any_write(quantized, monkey
 # architectures beyond Llama that the C++ step follows from their description alone.
 TINY = {
     "qwen2": lambda d: write_tiny_llama(d, dim=128, hidden_dim=256, model_type="qwen2"),
+    "qwen3": lambda d: write_tiny_llama(
+        d, dim=128, n_heads=2, hidden_dim=256, model_type="qwen3", head_dim=32
+    ),
     "gemma3": lambda d: write_tiny_gemma3(
         d, dim=128, n_heads=4, n_kv_heads=1, head_dim=32, hidden_dim=256, window=8
     ),
@@ -199,6 +202,8 @@ def test_other_architectures_run_their_description_natively(
         assert worker.paths.native.windows == [0, 8] and worker.paths.native.swa_rope
     elif arch == "granite":
         assert desc.rope is None and desc.residual_mult == 0.5
+    elif arch == "qwen3":
+        assert desc.qk_norm and not desc.qkv_bias and worker.paths.native.windows == [0]
     else:
         assert desc.qkv_bias and worker.paths.native.windows == [0]
     prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(12 + 5 * s)] for s in range(n_seq)]
