@@ -132,10 +132,12 @@ def write_tiny_gemma3(
     head_dim: int = 16,
     hidden_dim: int = 128,
     seed: int = 0,
+    linear_rope: float = 1.0,
 ) -> Path:
     """A random text-only Gemma 3 (gemma3_text) HF folder with write_tiny_llama's tokenizer:
     sliding layers of `window`, (1 + w) norms stored as w, q/k norms, query_pre_attn_scalar
-    different from head_dim."""
+    different from head_dim; `linear_rope` != 1 scales the global layers' RoPE linearly (the
+    4B and larger)."""
     folder = write_tiny_llama(folder, n_layers=len(layer_types), seed=seed)
     config = json.loads((folder / "config.json").read_text())
     vocab = config["vocab_size"]
@@ -151,7 +153,9 @@ def write_tiny_gemma3(
         sliding_window=window,
         layer_types=[f"{t}_attention" for t in layer_types],
         rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}
+            if linear_rope == 1.0
+            else {"rope_type": "linear", "factor": linear_rope, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
         query_pre_attn_scalar=24,

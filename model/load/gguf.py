@@ -7,6 +7,7 @@ of the mapping); otherwise every tensor is dequantized to the serving dtype."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,11 @@ def _gemma3_layers(args: ModelArgs, get: Any, path: Path) -> None:
     """Sliding windows, local RoPE and attention scale the way llama.cpp's gemma3 reads them
     (the GGUF stores only the window; transformers' Gemma3TextConfig defaults agree)."""
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ModelLoadError(
-            f"{path}: gemma3 RoPE scaling {scaling!r} (the 4B and larger models) is not supported."
-        )
+    if scaling == "linear":  # the 4B and larger: the global layers' positions / factor
+        factor = float(get("rope.scaling.factor"))
+        args.rope = replace(args.rope, freq_factors=(factor,) * (args.rope.dim // 2))
+    elif scaling not in ("none", None):
+        raise ModelLoadError(f"{path}: gemma3 RoPE scaling {scaling!r} is not supported.")
     args.windows = gemma3_windows(args.n_layers, int(get("attention.sliding_window")))
     args.rope_swa = RopeConfig(GEMMA3_LOCAL_ROPE_BASE, args.rope.dim, "neox")
     # NOTE: query_pre_attn_scalar is not in the file: head_dim, except for the 27B model

@@ -145,12 +145,35 @@ def _gemma3_layers(args: ModelArgs, config: dict[str, Any]) -> None:
     local = params.get("sliding_attention") or {
         "rope_theta": config.get("rope_local_base_freq", 10000.0)
     }
-    for p in (full, local, config.get("rope_scaling") or {}):
-        if p.get("rope_type", p.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {p.get('rope_type', p.get('type'))!r} is not supported")
-    args.rope = RopeConfig(float(full["rope_theta"]), args.head_dim, "neox")
+    # the 4B and larger: linear scaling of the global layers' positions (rope_scaling in older
+    # configs, rope_parameters.full_attention in newer ones); the local layers keep theirs
+    scaling = full if "rope_type" in full else (config.get("rope_scaling") or {})
+    factor = _linear_factor(scaling)
+    if _rope_kind(local) != "default":
+        raise ValueError(f"sliding-window rope scaling {_rope_kind(local)!r} is not supported")
+    args.rope = RopeConfig(
+        float(full["rope_theta"]),
+        args.head_dim,
+        "neox",
+        None if factor == 1.0 else (factor,) * (args.head_dim // 2),
+    )
     args.rope_swa = RopeConfig(float(local["rope_theta"]), args.head_dim, "neox")
     args.attn_scale = float(config.get("query_pre_attn_scalar", args.head_dim)) ** -0.5
+
+
+def _rope_kind(p: dict[str, Any]) -> str:
+    return str(p.get("rope_type", p.get("type", "default")))
+
+
+def _linear_factor(scaling: dict[str, Any]) -> float:
+    """Linear RoPE scaling (positions / factor: every inverse frequency / factor, llama.cpp's
+    freq_scale = 1 / factor) -> factor; 1.0 for none; other kinds are refused."""
+    kind = _rope_kind(scaling)
+    if kind == "default":
+        return 1.0
+    if kind != "linear":
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return float(scaling["factor"])
 
 
 def _freq_factors(scaling: dict[str, Any], theta: float, dim: int) -> tuple[float, ...] | None:

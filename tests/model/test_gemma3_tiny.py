@@ -99,3 +99,21 @@ def test_batch_invariant_worker_pads_both_ropes_and_every_window(tiny):
     padded = Driver(make_worker(tiny, n_cells=64, batch_invariant=True), 64, seed=5)
     for chunk in (ids, [17], [18]):
         assert_close(padded.logits([padded.chunk(0, chunk)]), plain.logits([plain.chunk(0, chunk)]))
+
+
+def test_linear_rope_scaling_of_the_global_layers_matches_transformers(tmp_path):
+    """Gemma 3 4B and larger: positions / factor on the global layers only."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_gemma3(tmp_path / "scaled", layer_types=("sliding", "full"), linear_rope=8)
+    loaded = load_model(folder)
+    assert loaded.config.rope.freq_factors == (8.0,) * 8
+    assert loaded.config.rope_swa is not None and loaded.config.rope_swa.freq_factors is None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = prompt(30, seed=2)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    driver = Driver(make_worker(loaded, n_cells=64), 64)
+    assert_close(driver.logits([driver.chunk(0, ids, all_rows=True)]), ref)
+    unscaled = load_model(write_tiny_gemma3(tmp_path / "plain", layer_types=("sliding", "full")))
+    plain = Driver(make_worker(unscaled, n_cells=64), 64)
+    assert not torch.allclose(plain.logits([plain.chunk(0, ids, all_rows=True)]), ref, atol=1e-3)
