@@ -25,7 +25,7 @@
 // lanes of 4 values, so that a per-16 scale is a per-lane one; scaled in float32:
 //   y[r, o] = sum_blocks sum_lanes scale[lane] * d_x[r, g] * dot + sum_g min[g] * s_x[r, g].
 // Tiling: tasks of kOutBlock outputs (parallel); within a task, tiles of rows (sized so that
-// their int8 rows stay in L2), within those each output's blocks decoded once into L1 and
+// their int8 rows stay in L1), within those each output's blocks decoded once into L1 and
 // applied to every row of the tile. The float kinds take the same tiling with a float row.
 #include "kernels.h"
 
@@ -308,7 +308,7 @@ struct Linear {
   const float* xf;     // the float32 rows (float kinds)
   int64_t m, k, n;     // rows, inputs, all outputs
   float* y;            // [m, n]
-  int64_t row_tile;    // rows whose int8 values stay in L2 while a task's outputs pass
+  int64_t row_tile;    // rows whose int8 values stay in L1 while a task's outputs pass
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -361,6 +361,8 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
       }
       ws[i] = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * i)));
     }
+    __m512 mn8 = _mm512_setzero_ps();
+    if constexpr (F::kHasMin && G == 8) mn8 = _mm512_zextps256_ps512(_mm256_loadu_ps(mn));
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t g0 = (r0 + r) * groups + st * G;
       const int8_t* xr = L.xq->q + g0 * kQ;
@@ -375,13 +377,15 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
         a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w[i], xv)), _mm512_mul_ps(ws[i], d2),
                             a);
       }
-      acc[r] = a;
-      if constexpr (F::kHasMin) {
+      if constexpr (F::kHasMin && G == 8) {  // K: the 8 minimums' terms in 8 of the lanes
+        a = _mm512_fmadd_ps(mn8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->s + g0)), a);
+      } else if constexpr (F::kHasMin) {
         const float* xs = L.xq->s + g0;
         float mm = 0.f;
         for (int64_t g = 0; g < G; ++g) mm += mn[g] * xs[g];
         macc[r] += mm;
       }
+      acc[r] = a;
     }
   }
   if (steps * P < nb) {  // one 32-value block left (P == 2, an odd count)
@@ -399,6 +403,124 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
     }
   }
   for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+}
+
+// Q4_K, the common case, decoded in registers (no buffer): its 128 bytes of nibbles as two
+// 64-byte vectors, whose low / high nibbles hold sub-blocks (0, 2) / (1, 3) and (4, 6) / (5, 7)
+// in 256-bit halves, put in order with one lane shuffle each; the 8 scales times the row's 8
+// activation scales in one multiply, spread to 16 lanes per pair of sub-blocks.
+template <>
+void rows_q<Q4_K>(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
+                  Acc* acc, float* macc) {
+  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / 256;
+  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i pair[4];  // lanes 0-7: sub-block 2i's factor, 8-15: 2i + 1's
+  for (int i = 0; i < 4; ++i) pair[i] = _mm512_set_epi32(
+      2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+      2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * 144;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 128), _MM_HINT_T0);
+    // k_scales' words, in registers: lanes 0-7 d * scale, 8-15 -dmin * minimum
+    uint32_t a4, b4, c4;
+    std::memcpy(&a4, blk + 4, 4);
+    std::memcpy(&b4, blk + 8, 4);
+    std::memcpy(&c4, blk + 12, 4);
+    const __m128i bytes = _mm_set_epi32(
+        static_cast<int>(((c4 >> 4) & 0x0f0f0f0fu) | ((b4 >> 2) & 0x30303030u)),
+        static_cast<int>(b4 & 0x3f3f3f3fu),
+        static_cast<int>((c4 & 0x0f0f0f0fu) | ((a4 >> 2) & 0x30303030u)),
+        static_cast<int>(a4 & 0x3f3f3f3fu));
+    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(fp16(blk)), _mm256_set1_ps(-fp16(blk + 2)), 1);
+    const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+    const __m512 s8 = sm;
+    const __m512 m8 = _mm512_zextps256_ps512(_mm512_extractf32x8_ps(sm, 1));
+    __m512i w[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      w[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // sub-blocks 4h, 4h + 1
+      w[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 4h + 2, 4h + 3
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g0 = (r0 + r) * groups + b * 8;
+      const int8_t* xr = L.xq->q + g0 * kQ;
+      const __m512 f = _mm512_mul_ps(s8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->d + g0)));
+      __m512 a = _mm512_fmadd_ps(m8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->s + g0)), acc[r]);
+      for (int i = 0; i < 4; ++i) {
+        const __m512i dot = dot_u8s8_512(w[i], _mm512_loadu_si512(xr + 64 * i));
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair[i], f), a);
+      }
+      acc[r] = a;
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]);
+  (void)macc;
+}
+
+// Q6_K decoded in registers: per half of 128 values, ql's 64 bytes hold sub-blocks (0, 1) in
+// their low nibbles and (2, 3) in their high ones, in order; qh's 32 bytes their top 2 bits
+// (bits 0-1, 2-3, 4-5, 6-7). Signed values (q - 32): the sign moves onto the activations.
+template <>
+void rows_q<Q6_K>(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
+                  Acc* acc, float* macc) {
+  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / 256;
+  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3),
+                off = _mm512_set1_epi8(32), zero = _mm512_setzero_si512();
+  const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512i quad[4];  // 4 lanes each of the per-16 scales 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i)
+    quad[i] = _mm512_set_epi32(4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 2, 4 * i + 2,
+                               4 * i + 2, 4 * i + 2, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1,
+                               4 * i, 4 * i, 4 * i, 4 * i);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * 210;
+    for (int l = 0; l < 4; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 210 + 64 * l), _MM_HINT_T0);
+    const __m512 s16 = _mm512_mul_ps(
+        _mm512_set1_ps(fp16(blk + 208)),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+    __m512i w[4];
+    __mmask64 neg[4];
+    __m512 ws[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      const __m512i v01 = _mm512_or_si512(
+          _mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(hb, two), 4));
+      const __m512i v23 = _mm512_or_si512(
+          _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), two), 4));
+      const __m512i s01 = _mm512_sub_epi8(v01, off), s23 = _mm512_sub_epi8(v23, off);
+      neg[2 * h] = _mm512_movepi8_mask(s01);
+      neg[2 * h + 1] = _mm512_movepi8_mask(s23);
+      w[2 * h] = _mm512_abs_epi8(s01);
+      w[2 * h + 1] = _mm512_abs_epi8(s23);
+    }
+    for (int i = 0; i < 4; ++i) ws[i] = _mm512_permutexvar_ps(quad[i], s16);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g0 = (r0 + r) * groups + b * 8;
+      const int8_t* xr = L.xq->q + g0 * kQ;
+      const __m512 d8 = _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->d + g0));
+      __m512 a = acc[r];
+      for (int i = 0; i < 4; ++i) {
+        __m512i xv = _mm512_loadu_si512(xr + 64 * i);
+        xv = _mm512_mask_sub_epi8(xv, neg[i], zero, xv);
+        const __m512 d2 = _mm512_permutexvar_ps(_mm512_add_epi32(lane8, _mm512_set1_epi32(2 * i)), d8);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w[i], xv)), _mm512_mul_ps(ws[i], d2), a);
+      }
+      acc[r] = a;
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]);
+  (void)macc;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 using Acc = __m256;
@@ -437,17 +559,70 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
         if constexpr (kSigned) xv = _mm256_sign_epi8(xv, sgn[s]);
         a = _mm256_fmadd_ps(dot_u8s8(w[s], xv), _mm256_mul_ps(ws[s], _mm256_set1_ps(xd[s])), a);
       }
-      acc[r] = a;
-      if constexpr (F::kHasMin) {
+      if constexpr (F::kHasMin && S == 8) {  // K: the 8 minimums' terms, one a lane
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(mn), _mm256_loadu_ps(L.xq->s + g0), a);
+      } else if constexpr (F::kHasMin) {
         const float* xs = L.xq->s + g0;
         float mm = 0.f;
         for (int64_t s = 0; s < S; ++s) mm += mn[s] * xs[s];
         macc[r] += mm;
       }
+      acc[r] = a;
     }
   }
   for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]) + macc[r];
 }
+
+// Q4_K decoded in registers: chunk c of 32 bytes holds sub-block 2c in its low nibbles, 2c + 1
+// in its high ones; the 8 scales and minimums converted together (k_scales' words).
+template <>
+void rows_q<Q4_K>(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
+                  Acc* acc, float* macc) {
+  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / 256;
+  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * 144;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 128), _MM_HINT_T0);
+    uint32_t a4, b4, c4;
+    std::memcpy(&a4, blk + 4, 4);
+    std::memcpy(&b4, blk + 8, 4);
+    std::memcpy(&c4, blk + 12, 4);
+    const __m128i bytes = _mm_set_epi32(
+        static_cast<int>(((c4 >> 4) & 0x0f0f0f0fu) | ((b4 >> 2) & 0x30303030u)),
+        static_cast<int>(b4 & 0x3f3f3f3fu),
+        static_cast<int>((c4 & 0x0f0f0f0fu) | ((a4 >> 2) & 0x30303030u)),
+        static_cast<int>(a4 & 0x3f3f3f3fu));
+    const __m256 s8 =
+        _mm256_mul_ps(_mm256_set1_ps(fp16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(-fp16(blk + 2)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+    __m256i w[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+      w[2 * c] = _mm256_and_si256(v, low4);
+      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t g0 = (r0 + r) * groups + b * 8;
+      const int8_t* xr = L.xq->q + g0 * kQ;
+      const __m256 f = _mm256_mul_ps(s8, _mm256_loadu_ps(L.xq->d + g0));
+      __m256 a = _mm256_fmadd_ps(m8, _mm256_loadu_ps(L.xq->s + g0), acc[r]);
+      for (int sb = 0; sb < 8; ++sb) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kQ * sb));
+        a = _mm256_fmadd_ps(dot_u8s8(w[sb], xv),
+                            _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(sb)), a);
+      }
+      acc[r] = a;
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]);
+  (void)macc;
+}
+// (Q6_K on AVX2 keeps the buffered decode: decoded in registers, its 8 signed and 8 absolute
+// vectors spill, and batches ran slower than through the buffer.)
 #else
 using Acc = float;  // 8 a row
 // portable C++: the same integers (8 lanes of 4 values a block of 32) and float32 scaling
@@ -575,8 +750,8 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
   TORCH_CHECK_VALUE(!any_q || k % kQ == 0, "ggml_linear: k must be a multiple of 32");
   Q8Rows rows{nullptr, nullptr, nullptr};
   if (any_q) rows = quantize_rows(x);
-  // rows per tile: their int8 values (k bytes a row) within ~256 KB of L2
-  const int64_t row_tile = std::clamp<int64_t>(262144 / k, 4, 64);
+  // rows per tile: their int8 values (k bytes a row) within ~32 KB of L1
+  const int64_t row_tile = std::clamp<int64_t>(32768 / k, 4, 64);
   const Linear L{&rows, any_f ? x.data_ptr<float>() : nullptr, m, k, n, y.data_ptr<float>(),
                  row_tile};
   std::vector<Task> tasks;
