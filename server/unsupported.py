@@ -1,6 +1,6 @@
 """Request fields that would change the output and that cellserve does not implement: a 400
 naming the field, never a silent ignore. Fields that do not change the output (`user`,
-`metadata`, `store: false`, `service_tier`, ...) are accepted; the README lists both."""
+`metadata`, `store: false`, `service_tier`, ...) are accepted; docs/api.md lists both."""
 
 from __future__ import annotations
 

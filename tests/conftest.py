@@ -31,7 +31,8 @@ LIVE_SETTINGS = {
     "drain_timeout": 5.0,
     "request_timeout": 120.0,
     # the reference mode: the API tests compare greedy texts across requests and batches, which
-    # holds bit for bit only without quantized weights (the CPU default, README "Weights");
+    # holds bit for bit only without quantized weights (the CPU default,
+    # docs/configuration.md "Weights");
     # tests/deploy/test_serve_startup.py serves the default setup
     "quant": "none",
     "dtype": "float32",

@@ -20,7 +20,7 @@ Q8_0/Q6_K; 4 bits would move the logits).
 weights with a scale per 32 along k, GGUF's Q8_0, times int8 activations per 32 in `int8_mm`:
 llama.cpp's Q8_0 x Q8_0); otherwise symmetric int8 per output channel through torch's
 `_weight_int8pack_mm` (bfloat16 rows: emulated, and slow, without AVX-512 BF16).
-Both change the logits a little (the server says so; README: accuracy). Batches of more than
+Both change the logits a little (the server says so; docs/performance.md). Batches of more than
 `small_rows` rows use a dense copy of the quantized weights instead (but int4 with float32
 rows: int4_gemm), prepacked for oneDNN (`pack_dense`): past ~4 rows the quantized CPU kernels
 lose to the bfloat16 GEMM on AVX-512, past ~32 int8_mm to the float32 one. That copy is

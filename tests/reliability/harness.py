@@ -146,8 +146,8 @@ def assert_openai_error(resp: httpx.Response, status: int, *words: str) -> dict:
 
 
 def record(name: str, values: dict) -> None:
-    """Keep measured numbers in tests/artifacts/reliability.json (ignored by git): the README's
-    Reliability table is filled from it."""
+    """Keep measured numbers in tests/artifacts/reliability.json (ignored by git): the table
+    of docs/reliability.md is filled from it."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / "reliability.json"
     data = json.loads(path.read_text()) if path.exists() else {}

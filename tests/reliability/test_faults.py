@@ -34,7 +34,8 @@ from tests.reliability.harness import ServerProcess, assert_openai_error, metric
 # NOTE: these tests compare each request's greedy text in a batch with its text alone: the
 # reference mode (unquantized float32), where a row's logits move ~1e-5 with the batch. The
 # default for a quantized GGUF (int4) takes other kernels above 4 rows, so there a text can
-# change with the batch (README, "Weights and what they change"; --batch-invariant fixes it).
+# change with the batch (docs/configuration.md, "Weights and what they change";
+# --batch-invariant fixes it).
 FAULT_FLAGS = [
     "--n-cells", "768", "--n-seq-max", "24", "--n-batch", "128", "--ctx-per-seq", "256",
     "--max-queue", "512", "--quant", "none", "--dtype", "float32",

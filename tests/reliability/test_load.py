@@ -19,7 +19,8 @@ NUM_DISTINCT = 24  # every output is checked: each request repeats one of these
 # ctx 72 < prompt (up to 64) + max_tokens (up to 24): the long ones context-shift;
 # 640 cells for 32 seq ids of up to 72 cells each: running sequences outgrow the cache.
 # Reference mode: with quantized weights (the CPU default) a row's logits depend on how many
-# rows share its step (README, "Weights"), so "equal to alone" holds only without them.
+# rows share its step (docs/configuration.md, "Weights"), so "equal to alone" holds only
+# without them.
 LOAD_FLAGS = [
     "--n-cells", "640", "--n-seq-max", "32", "--n-batch", "256", "--ctx-per-seq", "72",
     "--context-shift", "--max-queue", "1024", "--quant", "none", "--dtype", "float32",
