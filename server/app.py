@@ -21,8 +21,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server import (
     routes_chat,
     routes_completions,
+    routes_discovery,
     routes_embeddings,
     routes_misc,
+    routes_render,
     routes_responses,
 )
 from server.auth import check_api_key
@@ -178,6 +180,8 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_embeddings.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_misc.router)
+    app.include_router(routes_discovery.router)
+    app.include_router(routes_render.router)
     app.include_router(routes_misc.open_router)
     app.include_router(routes_misc.metrics_router(settings.protect_metrics))
     if importlib.util.find_spec("server.cache_map") is not None:
