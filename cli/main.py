@@ -50,6 +50,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("threads", int, "torch CPU threads for model steps (default: every core)"),
     ("api_key", str, "require 'Authorization: Bearer <key>'"),
     ("served_model_name", str, "model id in the API (default: the file name)"),
+    (
+        "kv_events_block_size",
+        int,
+        "positions per virtual KV block that routers see (vllm:cache_config_info block_size; "
+        "set it to the router's block size, e.g. llm-d's 64; default 16)",
+    ),
     ("max_queue", int, "waiting requests before 429"),
     ("max_tokens_limit", int, "largest max_tokens a request may ask for"),
     ("max_n", int, "largest n a request may ask for"),

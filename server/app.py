@@ -29,6 +29,7 @@ from server import (
 )
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
+from server.cache_config import cache_config_labels
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
 from server.metrics import Metrics
 from server.settings import Settings
@@ -103,6 +104,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
         return
     metrics.bind_engine(backend.engine.stats)
     metrics.set_runtime(backend.runtime)
+    metrics.set_cache_config(cache_config_labels(backend, settings))
     app.state.backend = backend
     mib = backend.cache_bytes / 2**20
     print(

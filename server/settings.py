@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     ctx_per_seq: int = Field(2048, ge=8)
     context_shift: bool = True
     prefix_cache: bool = True
+    # positions per virtual block of a cached prompt (server.cache_config): the block_size of
+    # vllm:cache_config_info; must equal the router's block size (llm-d's guides use 64)
+    kv_events_block_size: int = Field(16, ge=1, le=4096)
     # recurrent / hybrid models: state slots kept for prefix-cache checkpoints beside one per
     # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
     state_checkpoints: int | None = Field(None, ge=0)

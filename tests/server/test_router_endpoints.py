@@ -130,3 +130,16 @@ def test_render_rejects_what_generation_rejects(fake, path, body, param):
     assert rendered.json()["error"]["message"] == generated.json()["error"]["message"]
     if param is not None:
         assert rendered.json()["error"]["param"] == param
+
+
+def test_cache_config_info_gives_virtual_blocks_over_cells(fake):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = get(fake[0].url, "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (sample,) = families["vllm:cache_config_info"].samples
+    assert sample.value == 1.0
+    assert sample.labels["block_size"] == "16"  # the default --kv-events-block-size
+    assert sample.labels["num_gpu_blocks"] == str(4096 // 16)
+    assert sample.labels["n_cells"] == "4096"
+    assert sample.labels["enable_prefix_caching"] == "True"
