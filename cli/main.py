@@ -71,7 +71,8 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     (
         "kv_events_encoding",
         str,
-        "array (vLLM's array-like structs, llm-d reads them; default) | map (tagged maps)",
+        "array (vLLM's array-like structs, llm-d reads them; default) | map (tagged-map "
+        "events in the positional batch, vllm-router's wire format)",
     ),
     (
         "kv_events_config",

@@ -8,7 +8,9 @@ Encodings (--kv-events-encoding):
   EventBatch = [ts, events, data_parallel_rank]; BlockStored = ["BlockStored", block_hashes,
   parent_block_hash, token_ids, block_size, lora_id, medium]; BlockRemoved = ["BlockRemoved",
   block_hashes, medium]; AllBlocksCleared = ["AllBlocksCleared"].
-- "map": the newer tagged maps ({"ts", "events": [{"type": "BlockStored", ...}], ...}).
+- "map": the newer tagged maps inside the same positional batch, what vllm-router decodes:
+  [ts, [{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+  "block_size", "lora_id", "medium", "lora_name"}, {"type": "BlockRemoved", ...}], 0].
 Block hashes are unsigned 64-bit ints (scheduler.kv_blocks.block_hash); medium is "GPU" as
 vLLM names its device cache, whatever the device.
 
@@ -80,12 +82,14 @@ def encode_event(event: KVEvent, block_size: int, encoding: str) -> Any:
         fields, tag = {}, "AllBlocksCleared"
     if encoding == "array":
         return [tag, *fields.values()]
+    if tag == "BlockStored":
+        fields["lora_name"] = None
     return {"type": tag, **fields}
 
 
 def encode_batch(events: list[KVEvent], block_size: int, encoding: str, ts: float) -> bytes:
     body = [encode_event(e, block_size, encoding) for e in events]
-    batch: Any = [ts, body, 0] if encoding == "array" else {"ts": ts, "events": body}
+    batch = [ts, body, 0]
     import msgpack  # the kv-events extra: imported only when events are on
 
     return msgpack.packb(batch, use_bin_type=True)

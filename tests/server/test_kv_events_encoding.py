@@ -29,15 +29,20 @@ def test_array_encoding_is_vllms_array_like_structs():
     ]
 
 
-def test_map_encoding_is_tagged_maps():
-    batch = msgpack.unpackb(encode_batch(EVENTS, 2, "map", 1.0))
-    assert batch["ts"] == 1.0
-    assert [e["type"] for e in batch["events"]] == [
-        "BlockStored",
-        "BlockRemoved",
-        "AllBlocksCleared",
-    ]
-    assert batch["events"][0]["block_hashes"] == [7, 8] and batch["events"][0]["block_size"] == 2
+def test_map_encoding_is_tagged_maps_in_a_positional_batch():
+    ts, events, rank = msgpack.unpackb(encode_batch(EVENTS, 2, "map", 1.0))
+    assert (ts, rank) == (1.0, 0)  # the batch stays positional (vllm-router reads it so)
+    assert [e["type"] for e in events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert events[0] == {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 def test_vllm_config_json():
