@@ -51,6 +51,36 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("threads", int, "torch CPU threads for model steps (default: every core)"),
     ("api_key", str, "require 'Authorization: Bearer <key>'"),
     ("served_model_name", str, "model id in the API (default: the file name)"),
+    (
+        "kv_events_block_size",
+        int,
+        "positions per virtual KV block that routers see (vllm:cache_config_info block_size; "
+        "set it to the router's block size, e.g. llm-d's 64; default 16)",
+    ),
+    (
+        "kv_events_endpoint",
+        str,
+        "publish vLLM-style KV events on this ZMQ PUB address: one with '*' (tcp://*:5557), "
+        "'::', ipc:// or inproc:// is bound, any other is connected to (as vLLM does)",
+    ),
+    ("kv_events_topic", str, "ZMQ topic of the KV events (default kv@<host>:<port>@<model>)"),
+    (
+        "kv_events_replay_endpoint",
+        str,
+        "ZMQ ROUTER address (bound) where a late subscriber asks for past event batches",
+    ),
+    (
+        "kv_events_encoding",
+        str,
+        "array (vLLM's array-like structs, llm-d reads them; default) | map (tagged-map "
+        "events in the positional batch, vllm-router's wire format)",
+    ),
+    (
+        "kv_events_config",
+        str,
+        "vLLM's --kv-events-config JSON (endpoint, replay_endpoint, topic, buffer_steps, hwm, "
+        "max_queue_size); the --kv-events-* flags override it",
+    ),
     ("max_queue", int, "waiting requests before 429"),
     ("max_tokens_limit", int, "largest max_tokens a request may ask for"),
     ("max_n", int, "largest n a request may ask for"),

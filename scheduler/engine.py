@@ -17,6 +17,7 @@ from kvcache.memory import Memory
 from scheduler.config import EngineConfig
 from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
 from scheduler.isolate import describe, isolate, pending_only, without_pending
+from scheduler.kv_blocks import BlockLedger, KVEvent
 from scheduler.plan import BatchPlan, StepOutput, Worker
 from scheduler.request import Event, FinishEvent, Request
 from scheduler.scheduler import Routed, Scheduler
@@ -56,6 +57,7 @@ class Engine:
         self._stopping = False
         self._draining = False
         self._dead = False
+        self._publish_kv: Callable[[list[KVEvent]], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -79,6 +81,7 @@ class Engine:
             self._stopping = True
             events = self.scheduler.abort_all()
             self._dispatch(events)
+            self._publish_kv_events()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
@@ -168,6 +171,27 @@ class Engine:
                 self._streams.clear()
                 self._cond.notify_all()
 
+    def enable_kv_events(self, block_size: int, publish: Callable[[list[KVEvent]], None]) -> None:
+        """Announce the prefix cache's virtual blocks (scheduler.kv_blocks): `publish` gets
+        each step's events on the engine thread and must not block."""
+        with self._cond:
+            ledger = BlockLedger(block_size)
+            for sid in self.scheduler.prefix.seq_ids:
+                ledger.add(sid, self.scheduler.prefix.tokens(sid))
+            self.scheduler.prefix.ledger = ledger
+            self._publish_kv = publish
+
+    def _publish_kv_events(self) -> None:
+        ledger = self.scheduler.prefix.ledger
+        if self._publish_kv is None or ledger is None:
+            return
+        kv_events = ledger.take()
+        if kv_events:
+            try:
+                self._publish_kv(kv_events)
+            except Exception:  # noqa: BLE001 - a publisher's fault never stops the engine
+                log.exception("KV events publisher failed")
+
     def _step(self) -> bool:
         """One step; False when the engine stops."""
         with self._cond:
@@ -195,6 +219,7 @@ class Engine:
             else:
                 events = self.scheduler.fail_plan(error)
             self._dispatch(events)
+            self._publish_kv_events()
             self._cond.notify_all()
             t3 = time.perf_counter()
             if not plan.num_tokens and not events:

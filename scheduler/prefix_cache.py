@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler.kv_blocks import BlockLedger
+
 Usable = Callable[[int, int], int]
 
 
@@ -42,6 +44,7 @@ class PrefixCache:
     def __init__(self) -> None:
         self._holders: dict[int, Holder] = {}
         self._clock = 0
+        self.ledger: BlockLedger | None = None  # virtual blocks for KV events, when enabled
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -93,6 +96,11 @@ class PrefixCache:
         assert seq_id not in self._holders
         self._clock += 1
         self._holders[seq_id] = Holder(seq_id, tokens, self._clock)
+        if self.ledger is not None:
+            self.ledger.add(seq_id, tokens)
+
+    def tokens(self, seq_id: int) -> np.ndarray:
+        return self._holders[seq_id].tokens
 
     def touch(self, seq_id: int) -> None:
         self._clock += 1
@@ -100,6 +108,8 @@ class PrefixCache:
 
     def remove(self, seq_id: int) -> None:
         del self._holders[seq_id]
+        if self.ledger is not None:
+            self.ledger.remove(seq_id)
 
     def lru(self, exclude: int = -1) -> int:
         """The least recently used holder other than `exclude`, or -1."""

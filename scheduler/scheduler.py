@@ -179,6 +179,8 @@ class Scheduler:
 
     def clear_prefix_cache(self) -> None:
         self.seq_ids.clear_holders()
+        if self.prefix.ledger is not None:
+            self.prefix.ledger.cleared()
 
     # ---- placement ------------------------------------------------------------------------
 

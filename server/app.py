@@ -21,13 +21,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server import (
     routes_chat,
     routes_completions,
+    routes_discovery,
     routes_embeddings,
     routes_misc,
+    routes_render,
     routes_responses,
 )
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
+from server.cache_config import cache_config_labels
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
+from server.kv_events import start_kv_events
 from server.metrics import MemoryParts, Metrics, memory_breakdown
 from server.settings import Settings
 
@@ -92,6 +96,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
     metrics: Metrics = app.state.metrics
     try:
         backend = await asyncio.to_thread(factory, settings, metrics.on_step)
+        app.state.kv_events = start_kv_events(settings, backend)
         backend.engine.start()
     except Exception as exc:
         app.state.load_error = f"{type(exc).__name__}: {exc}"
@@ -105,6 +110,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
         backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
     )
     metrics.set_memory(parts)
+    metrics.set_cache_config(cache_config_labels(backend, settings))
     app.state.backend = backend
     mib = backend.cache_bytes / 2**20
     log.info(
@@ -139,6 +145,9 @@ async def _drain(app: FastAPI) -> None:
         state.load_task.cancel()
     if state.backend is not None:
         await asyncio.to_thread(state.backend.engine.shutdown, state.settings.drain_timeout)
+    if state.kv_events is not None:
+        state.kv_events.close()
+        state.kv_events = None
     # the engine has finished every request; let their responses reach the clients
     deadline = time.monotonic() + 5.0
     while state.num_in_flight > 0 and time.monotonic() < deadline:
@@ -164,6 +173,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.state.on_load_error = None  # called with the exception when the model cannot load
     app.state.load_task = None
     app.state.drain_task = None
+    app.state.kv_events = None  # server.kv_events.KVEventPublisher when enabled
     app.state.draining = False
     app.state.num_in_flight = 0
     app.state.started_at = int(time.time())
@@ -186,6 +196,8 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_embeddings.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_misc.router)
+    app.include_router(routes_discovery.router)
+    app.include_router(routes_render.router)
     app.include_router(routes_misc.open_router)
     app.include_router(routes_misc.metrics_router(settings.protect_metrics))
     if importlib.util.find_spec("server.cache_map") is not None:

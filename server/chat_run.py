@@ -10,6 +10,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from model.load.tool_prompt import HERMES
+from scheduler.request import Request as EngineRequest
 from server.backend import Backend
 from server.chat_reply import ReplyOptions
 from server.deps import check_model, log_request
@@ -48,6 +49,32 @@ async def start_chat(
 ) -> ChatRun:
     """Validate, render, tokenize (off the event loop) and submit; APIError on bad input
     (`prompt_param` names the conversation in it: /v1/responses calls it `input`)."""
+    engine_request, opts = await prepare_chat(body, req_id, backend, settings, prompt_param)
+    prompt_ids = engine_request.prompt_ids
+    log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
+    gen = Generation(
+        backend,
+        metrics,
+        [engine_request],
+        body.stop_list,
+        settings.request_timeout,
+        body.logprobs,
+        max_buffered=settings.stream_buffer,
+        prompt_param=prompt_param,
+    )
+    gen.submit()
+    return ChatRun(req_id, int(time.time()), gen, len(prompt_ids), opts)
+
+
+async def prepare_chat(
+    body: ChatCompletionRequest,
+    req_id: str,
+    backend: Backend,
+    settings: Settings,
+    prompt_param: str = "messages",
+) -> tuple[EngineRequest, ReplyOptions]:
+    """Everything start_chat does before it submits: the engine request it would submit
+    (also what /v1/chat/completions/render returns)."""
     check_model(body.model, backend)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -84,19 +111,7 @@ async def start_chat(
         prompt_param=prompt_param,
         grammar=grammar,
     )
-    log_request(settings, req_id, body.messages, len(prompt_ids), n=body.n, stream=body.stream)
-    gen = Generation(
-        backend,
-        metrics,
-        [engine_request],
-        body.stop_list,
-        settings.request_timeout,
-        body.logprobs,
-        max_buffered=settings.stream_buffer,
-        prompt_param=prompt_param,
-    )
-    gen.submit()
-    return ChatRun(req_id, int(time.time()), gen, len(prompt_ids), opts)
+    return engine_request, opts
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:

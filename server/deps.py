@@ -57,8 +57,13 @@ BackendDep = Annotated[Backend, Depends(get_backend)]
 EngineDep = Annotated[EngineClient, Depends(get_engine)]
 
 
+# sglang-router fills a request that names no model with this id before forwarding it
+# (its UNKNOWN_MODEL_ID); it means "no model given", not a model called "unknown".
+ROUTER_NO_MODEL = "unknown"
+
+
 def check_model(name: str | None, backend: Backend) -> None:
-    if name is not None and name != backend.model_name:
+    if name is not None and name not in (backend.model_name, ROUTER_NO_MODEL):
         raise APIError(
             404,
             f"the model {name!r} does not exist; this server serves {backend.model_name!r}",

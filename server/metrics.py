@@ -119,22 +119,18 @@ def _slot_gauges(s: EngineStats) -> Iterator[Metric]:
     yield from families.values()
 
 
-class _RuntimeCollector(Collector):
-    """cellserve_runtime_info 1, labelled with what the model runs with (ISA path, kernels,
-    dtype, quant): Backend.runtime."""
+class _InfoCollector(Collector):
+    """An info gauge: `name` 1, labelled; nothing until the labels are set."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = name, doc
         self.labels: dict[str, str] = {}
 
     def collect(self) -> Iterator[Metric]:
         if not self.labels:
             return
         keys = sorted(self.labels)
-        info = GaugeMetricFamily(
-            "cellserve_runtime_info",
-            "What the model runs with: ISA path, C++ kernels, dtype, quantization",
-            labels=keys,
-        )
+        info = GaugeMetricFamily(self.name, self.doc, labels=keys)
         info.add_metric([self.labels[k] for k in keys], 1.0)
         yield info
 
@@ -199,10 +195,19 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._stats_source: StatsSource = lambda: None
         self.registry.register(_EngineCollector(lambda: self._stats_source()))
-        self._runtime = _RuntimeCollector()
+        # what the model runs with (ISA path, kernels, dtype, quant): Backend.runtime
+        self._runtime = _InfoCollector(
+            "cellserve_runtime_info",
+            "What the model runs with: ISA path, C++ kernels, dtype, quantization",
+        )
         self.registry.register(self._runtime)
         self._memory = _MemoryCollector()
         self.registry.register(self._memory)
+        # vLLM's name and labels (server.cache_config): the cache geometry llm-d reads
+        self._cache_config = _InfoCollector(
+            "vllm:cache_config_info", "KV cache geometry: virtual blocks over cells"
+        )
+        self.registry.register(self._cache_config)
         r = self.registry
         self.requests = Counter(
             "cellserve_requests", "Finished choices by reason", ["finish_reason"], registry=r
@@ -236,6 +241,9 @@ class Metrics:
 
     def set_memory(self, parts: MemoryParts) -> None:
         self._memory.parts = parts
+
+    def set_cache_config(self, labels: dict[str, str]) -> None:
+        self._cache_config.labels = dict(labels)
 
     def on_step(self, step: StepStats) -> None:
         """Engine thread callback; prometheus_client metrics are thread-safe."""

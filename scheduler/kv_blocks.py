@@ -1,0 +1,113 @@
+"""Virtual KV blocks over the prefix cache, for routers that track blocks (vLLM's KV events).
+
+cellserve's cache has cells, not blocks. What a router can reuse is a prefix-cache holder's
+tokens (positions 0..n-1), so every `block_size` consecutive positions of a holder, from
+position 0, are one virtual block; a trailing partial block is not announced (vLLM announces
+only full blocks too). A block's hash chains its parent's: the same prefix gives the same
+hashes on every replica. Holders share blocks (a shared system prompt): a block is stored
+when its first holder appears and removed when its last holder goes, so at any time
+stored - removed = the blocks of the holders. Plain Python, called under the engine's lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+ROOT_HASH = 0
+
+
+def block_hash(parent: int, tokens: np.ndarray) -> int:
+    """Unsigned 64 bits of sha256(parent as 8 bytes big-endian || tokens as int64 LE)."""
+    h = hashlib.sha256(parent.to_bytes(8, "big"))
+    h.update(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    return int.from_bytes(h.digest()[:8], "big")
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]  # one chain, parent first
+    parent_block_hash: int | None  # None: the first block of a prompt
+    token_ids: list[int]  # block_size tokens per block, concatenated
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockLedger:
+    def __init__(self, block_size: int) -> None:
+        assert block_size >= 1
+        self.block_size = block_size
+        self._holder_blocks: dict[int, list[int]] = {}
+        self._refs: Counter[int] = Counter()  # block hash -> holders that hold it
+        self._events: list[KVEvent] = []
+
+    @property
+    def blocks(self) -> set[int]:
+        return set(self._refs)
+
+    def chain(self, tokens: np.ndarray) -> list[tuple[int, int | None, np.ndarray]]:
+        """(hash, parent hash, tokens) of each full block of `tokens`."""
+        out: list[tuple[int, int | None, np.ndarray]] = []
+        parent: int | None = None
+        bs = self.block_size
+        for start in range(0, tokens.shape[0] - bs + 1, bs):
+            chunk = tokens[start : start + bs]
+            h = block_hash(ROOT_HASH if parent is None else parent, chunk)
+            out.append((h, parent, chunk))
+            parent = h
+        return out
+
+    def add(self, seq_id: int, tokens: np.ndarray) -> None:
+        """`seq_id` became a holder of `tokens`: its blocks that no holder had are stored."""
+        assert seq_id not in self._holder_blocks
+        hashes: list[int] = []
+        run: BlockStored | None = None
+        for h, parent, chunk in self.chain(tokens):
+            hashes.append(h)
+            self._refs[h] += 1
+            if self._refs[h] > 1:
+                run = None
+                continue
+            if run is None:  # consecutive new blocks go out as one chain
+                run = BlockStored([], parent, [])
+                self._events.append(run)
+            run.block_hashes.append(h)
+            run.token_ids.extend(int(t) for t in chunk)
+        self._holder_blocks[seq_id] = hashes
+
+    def remove(self, seq_id: int) -> None:
+        """`seq_id` is no longer a holder: the blocks no other holder keeps are removed."""
+        gone = []
+        for h in self._holder_blocks.pop(seq_id, []):
+            self._refs[h] -= 1
+            if self._refs[h] == 0:
+                del self._refs[h]
+                gone.append(h)
+        if gone:
+            self._events.append(BlockRemoved(gone))
+
+    def cleared(self) -> None:
+        """Every holder was dropped (a cache reset): one AllBlocksCleared replaces the
+        removals it made."""
+        assert not self._holder_blocks
+        self._events = [e for e in self._events if not isinstance(e, BlockRemoved)]
+        self._events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVEvent]:
+        """The events since the last take, in order."""
+        events, self._events = self._events, []
+        return events
