@@ -57,7 +57,11 @@ def write_tiny_llama(
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_id = tok.token_to_id("<|im_end|>")
     head_dim = head_dim or dim // n_heads
-    archs = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    archs = {
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "smollm3": "SmolLM3ForCausalLM",
+    }
     config = {
         "architectures": [archs.get(model_type, "LlamaForCausalLM")],
         "model_type": model_type,
@@ -76,6 +80,8 @@ def write_tiny_llama(
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
     }
+    if model_type == "smollm3":  # its config's default pad id (128004) is past this vocab
+        config["pad_token_id"] = eos_id
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tok_config = {
         "bos_token": "<|im_start|>",
@@ -338,9 +344,9 @@ def write_tiny_gguf(
         if gguf_name in skip:
             continue
         w = tensors[hf_name].numpy().astype(np.float32)
-        if arch == "llama" and gguf_name.endswith("attn_q.weight"):
+        if arch in ("llama", "smollm3") and gguf_name.endswith("attn_q.weight"):
             w = _permute_for_gguf(w, n_heads)
-        elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
+        elif arch in ("llama", "smollm3") and gguf_name.endswith("attn_k.weight"):
             w = _permute_for_gguf(w, n_kv)
         if qtype == "F32" or w.ndim == 1:
             writer.add_tensor(gguf_name, w)

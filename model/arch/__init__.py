@@ -50,12 +50,21 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "qwen3": QWEN3,
+    "smollm3": LLAMA,  # Llama's block; no RoPE on every 4th layer (ModelArgs.nope_layers)
     "gemma3": GEMMA3,
 }
 # Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base
 # (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_SWA_PERIOD = 6  # every 6th layer is global: llama.cpp set_swa_pattern(6), HF layer_types
+
+
+SMOLLM3_NOPE_PERIOD = 4  # llama.cpp's n_no_rope_layer_step, transformers' no_rope_layer_interval
+
+
+def smollm3_nope_layers(n_layers: int, period: int = SMOLLM3_NOPE_PERIOD) -> tuple[bool, ...]:
+    """Per layer: True where SmolLM3 uses no RoPE ((i + 1) % period == 0)."""
+    return tuple((i + 1) % period == 0 for i in range(n_layers))
 
 
 def gemma3_windows(n_layers: int, window: int, period: int = GEMMA3_SWA_PERIOD) -> tuple[int, ...]:
@@ -166,6 +175,7 @@ class ModelArgs:
     ssm: SSMArgs | None = None
     ffn: bool = True  # False: Mamba2 (the block is h = x + mixer(norm(x)))
     nope: bool = False  # attention without any position encoding (Granite 4.0-H)
+    nope_layers: tuple[bool, ...] = ()  # per layer: True skips RoPE there (SmolLM3's every 4th)
     # Granite scalars: x = embed * embed_mult; h = x + residual_mult * sublayer(..);
     # logits = output(h) / logits_scaling
     embed_mult: float = 1.0
@@ -174,6 +184,9 @@ class ModelArgs:
 
     def mixer(self, layer: int) -> Mixer:
         return self.mixers[layer] if self.mixers else "attn"
+
+    def nope_layer(self, layer: int) -> bool:
+        return bool(self.nope_layers) and self.nope_layers[layer]
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -197,7 +210,7 @@ class ModelArgs:
         return LayerDesc(
             mixer=mixer,
             window=self.window(layer),
-            rope=None if self.nope or mixer != "attn" else rope,
+            rope=None if self.nope or mixer != "attn" or self.nope_layer(layer) else rope,
             swa_rope=rope is not self.rope,
             scale=self.scale if mixer == "attn" else 0.0,  # a Mamba2 model has no head_dim
             qkv_bias=self.qkv_bias,

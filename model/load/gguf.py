@@ -22,6 +22,7 @@ from model.arch import (
     ModelArgs,
     gemma3_windows,
     layer_weights,
+    smollm3_nope_layers,
     weight_shapes,
 )
 from model.errors import ModelLoadError
@@ -30,9 +31,9 @@ from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
 from model.load.gguf_ssm import read_args as read_ssm_args
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", *SSM_ARCHS)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *SSM_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
-_PERMUTED_QK = ("llama", "granitehybrid")
+_PERMUTED_QK = ("llama", "smollm3", "granitehybrid")
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -119,6 +120,8 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
     )
     if arch == "gemma3":
         _gemma3_layers(args, get, path)
+    if arch == "smollm3":  # llama.cpp: n_no_rope_layer_step = 4, not in the file
+        args.nope_layers = smollm3_nope_layers(args.n_layers)
     return args
 
 
@@ -158,7 +161,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
 # dense weights)
-BLOCK_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+BLOCK_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
 BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
 

@@ -10,7 +10,14 @@ import torch
 from safetensors import safe_open
 
 from kvcache.rope import RopeConfig
-from model.arch import ARCH_BLOCKS, ModelArgs, layer_weights, weight_shapes
+from model.arch import (
+    ARCH_BLOCKS,
+    SMOLLM3_NOPE_PERIOD,
+    ModelArgs,
+    layer_weights,
+    smollm3_nope_layers,
+    weight_shapes,
+)
 from model.errors import ModelLoadError
 from model.load.hf_ssm import SSM_MODEL_TYPES, read_ssm_args, read_ssm_weights
 
@@ -19,6 +26,7 @@ SUPPORTED_MODEL_TYPES = (
     "mistral",
     "qwen2",
     "qwen3",
+    "smollm3",
     "gemma3_text",
     *SSM_MODEL_TYPES,
 )
@@ -121,6 +129,17 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         )
         if model_type == "gemma3_text":
             _gemma3_layers(args, config)
+        if model_type == "smollm3":
+            uses_rope = config.get("no_rope_layers")  # 1: RoPE on that layer, 0: none
+            args.nope_layers = (
+                tuple(not bool(u) for u in uses_rope)
+                if uses_rope is not None
+                else smollm3_nope_layers(
+                    args.n_layers, int(config.get("no_rope_layer_interval", SMOLLM3_NOPE_PERIOD))
+                )
+            )
+            if len(args.nope_layers) != args.n_layers:
+                raise ValueError(f"no_rope_layers has {len(args.nope_layers)} entries")
         return args
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{folder}/config.json: bad or missing field ({e}).") from e

@@ -94,6 +94,24 @@ def test_qwen3_qk_norms_match_transformers_and_its_gguf(tmp_path, qtype):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_smollm3_nope_every_4th_layer_matches_transformers_and_its_gguf(tmp_path):
+    """SmolLM3: Llama's block, no RoPE on layers 3 and 7 of 8 (transformers' no_rope_layers,
+    llama.cpp's n_no_rope_layer_step 4); its GGUF has llama.cpp's permuted Q/K."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_llama(tmp_path / "smollm3", n_layers=8, model_type="smollm3", seed=7)
+    model = load_model(folder)
+    ropes = [model.config.layer_desc(i).rope is None for i in range(8)]
+    assert ropes == [False, False, False, True] * 2
+    ids = model.tokenizer.encode(PROMPT * 3)
+    tol = 1e-5 * 20  # 8 layers, logits up to ~20: float32 rounding, not position errors
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert float((our_logits(folder, ids) - want).abs().max()) < tol
+    gguf_path = write_tiny_gguf(tmp_path / "smollm3.gguf", folder, arch="smollm3")
+    assert float((our_logits(gguf_path, ids) - want).abs().max()) < tol
+
+
 SPM_TEXTS = [
     "hello world",
     "Hello World!",

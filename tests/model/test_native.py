@@ -159,6 +159,9 @@ TINY = {
     "qwen3": lambda d: write_tiny_llama(
         d, dim=128, n_heads=2, hidden_dim=256, model_type="qwen3", head_dim=32
     ),
+    "smollm3": lambda d: write_tiny_llama(
+        d, n_layers=4, dim=128, hidden_dim=256, model_type="smollm3"
+    ),
     "gemma3": lambda d: write_tiny_gemma3(
         d, dim=128, n_heads=4, n_kv_heads=1, head_dim=32, hidden_dim=256, window=8
     ),
@@ -202,6 +205,8 @@ def test_other_architectures_run_their_description_natively(
         assert worker.paths.native.windows == [0, 8] and worker.paths.native.swa_rope
     elif arch == "granite":
         assert desc.rope is None and desc.residual_mult == 0.5
+    elif arch == "smollm3":
+        assert loaded.config.layer_desc(3).rope is None and desc.rope is not None
     elif arch == "qwen3":
         assert desc.qk_norm and not desc.qkv_bias and worker.paths.native.windows == [0]
     else:
