@@ -94,6 +94,7 @@ async def collect(gen: Generation, request: Request, prefixes: list[str]) -> lis
             choice.text += delta.text
             choice.logprobs.extend(delta.logprobs)
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            choice.stop_string = delta.stop_string or choice.stop_string
     except GenerationTimeout as exc:
         raise APIError(504, str(exc), code="request_timeout") from exc
     except GenerationFailed as exc:
