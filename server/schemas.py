@@ -131,6 +131,7 @@ class CompletionRequest(SamplingBody):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
 
     prompt: Prompt
+    suffix: str | None = None  # fill-in-the-middle: the text after the insertion (server/fim.py)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True
