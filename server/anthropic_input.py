@@ -33,7 +33,9 @@ def _unsupported(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="unsupported_parameter")
 
 
-def _block_type(block: dict[str, Any], param: str) -> str:
+def _block_type(block: Any, param: str) -> str:
+    if not isinstance(block, dict):
+        raise APIError(400, f"{param}: a content block is an object", param=param)
     kind = block.get("type")
     if not isinstance(kind, str):
         raise APIError(400, f"{param}.type: a block needs a type", param=f"{param}.type")

@@ -24,6 +24,7 @@ from server import (
     routes_completions,
     routes_embeddings,
     routes_infill,
+    routes_llama,
     routes_misc,
     routes_responses,
 )
@@ -182,6 +183,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_responses.router)
     app.include_router(routes_anthropic.router)
     app.include_router(routes_infill.router)
+    app.include_router(routes_llama.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_misc.open_router)
     app.include_router(routes_misc.metrics_router(settings.protect_metrics))

@@ -140,10 +140,23 @@ class CompletionRequest(SamplingBody):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None  # llama.cpp's name for the prompt
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
+    add_special: bool | None = None  # llama.cpp's name for add_special_tokens
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None  # with messages: rendered as /v1/chat/completions does
+    chat_template_kwargs: dict[str, Any] | None = None
+    with_pieces: bool = False  # llama.cpp: tokens as {"id", "piece"}
+
+
+class ApplyTemplateRequest(_Body):
+    """llama.cpp's POST /apply-template: the chat prompt as text, not run."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

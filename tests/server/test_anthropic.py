@@ -290,6 +290,9 @@ def test_x_api_key_and_bearer_both_work(fake):
             *ASK, {"role": "assistant", "content": "The capital is"}]}, 400, "prefill"),
         ({"model": MODEL, "max_tokens": 5, "messages": ASK, "stop_sequences": list("abcde")},
          400, "stop_sequences"),
+        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [7]}]}]}, 400,
+         "messages.0.content.0.content.0"),
     ],
 )  # fmt: skip
 def test_bad_requests_answer_in_anthropics_error_shape(fake, body, status, where):
