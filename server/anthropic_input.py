@@ -1,10 +1,12 @@
 """A /v1/messages body -> the ChatCompletionRequest that the chat pipeline runs.
 
 `system` (a string or text blocks) becomes a system message. A user message's text blocks
-become a user message and each `tool_result` block a tool message; an assistant message's
-text blocks its content and its `tool_use` blocks its tool calls. `thinking` blocks sent back
-are skipped (the model re-reads the conversation; nothing is signed). `cache_control` marks
-are accepted and need nothing: the prefix cache reuses any prompt prefix it still holds.
+become a user message and each `tool_result` block a tool message; an assistant message's text
+blocks its content and its `tool_use` blocks its tool calls. A final assistant message is a
+prefill: the reply continues it (the chat pipeline's continue_final_message). `thinking`
+blocks sent back are skipped (the model re-reads the conversation; nothing is signed).
+`cache_control` marks are accepted and need nothing: the prefix cache reuses any prompt
+prefix it still holds.
 """
 
 from __future__ import annotations
@@ -145,12 +147,18 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             messages += _user_messages(m.content, param)
         else:
             messages.append(_assistant_message(m.content, param))
-    if messages[-1]["role"] == "assistant":
-        # NOTE: Anthropic continues a trailing assistant turn ("prefill"); the chat templates
-        # would close it and open another, so it is refused rather than answered differently
-        raise _unsupported(
-            f"messages.{len(body.messages) - 1}",
-            "a final assistant message (prefill) is not supported: end with a user turn",
+    final = messages[-1]
+    if final["role"] == "assistant" and (final.get("tool_calls") or not final["content"]):
+        raise APIError(
+            400,
+            "a final assistant message (prefill) must be text",
+            param=f"messages.{len(body.messages) - 1}.content",
+        )
+    if final["role"] == "assistant" and final["content"] != final["content"].rstrip():
+        raise APIError(  # Anthropic's own rule
+            400,
+            "final assistant content cannot end with trailing whitespace",
+            param=f"messages.{len(body.messages) - 1}.content",
         )
     return messages
 
@@ -192,7 +200,10 @@ def chat_tool_choice(choice: ToolChoice | None, tool_names: list[str]) -> str | 
 def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
     """What the prompt depends on: messages, tools, template kwargs (shared with count_tokens)."""
     reject_unsupported(body, MESSAGES_RULES)
-    chat: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    messages = chat_messages(body)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages}
+    if messages[-1]["role"] == "assistant":  # prefill: the reply continues it
+        chat |= {"add_generation_prompt": False, "continue_final_message": True}
     tools = chat_tools(body)
     if tools:
         chat["tools"] = tools

@@ -46,6 +46,11 @@ async def count_tokens(body: CountTokensRequest, backend: BackendDep) -> CountTo
     check_model(body.model, backend)
     chat = count_tokens_request(body)
     ids, _ = await run_in_threadpool(
-        tokenize_chat, backend, chat.messages, True, template_kwargs(chat)
+        tokenize_chat,
+        backend,
+        chat.messages,
+        chat.add_generation_prompt,
+        template_kwargs(chat),
+        chat.continue_final_message,
     )
     return CountTokensResponse(input_tokens=len(ids))

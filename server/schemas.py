@@ -116,6 +116,7 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the final assistant turn
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

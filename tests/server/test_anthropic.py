@@ -248,6 +248,32 @@ def test_thinking_blocks_sent_back_are_skipped(client, engine):
     assert "<|assistant|>Paris.\n<|user|>And Italy?" in prompt_text(engine)
 
 
+def test_a_final_assistant_message_is_continued(client, fake, engine):
+    prefill = [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]
+    msg = client.messages.create(model=MODEL, max_tokens=200, messages=prefill)
+    assert prompt_text(engine).endswith(
+        "<|user|>What is the capital of France?\n<|assistant|>It is"
+    )
+    assert msg.content[0].text == REPLY  # the continuation only, as Anthropic answers
+    count = client.messages.count_tokens(model=MODEL, messages=prefill)
+    assert count.input_tokens == msg.usage.input_tokens
+    # the same on /v1/chat/completions, vLLM's continue_final_message
+    chat = {"model": MODEL, "messages": [*ASK, {"role": "assistant", "content": "It is"}]}
+    headers = {"x-api-key": KEY}
+    both = httpx.post(
+        f"{fake[0]}/v1/chat/completions",
+        json={**chat, "continue_final_message": True},
+        headers=headers,
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    ok = httpx.post(
+        f"{fake[0]}/v1/chat/completions",
+        json={**chat, "continue_final_message": True, "add_generation_prompt": False},
+        headers=headers,
+    )
+    assert ok.status_code == 200 and prompt_text(engine).endswith("<|assistant|>It is")
+
+
 def test_x_api_key_and_bearer_both_work(fake):
     url = fake[0]
     body = {"model": MODEL, "max_tokens": 3, "messages": ASK}
@@ -287,7 +313,7 @@ def test_x_api_key_and_bearer_both_work(fake):
         ({"model": MODEL, "max_tokens": 5, "messages": ASK, "mcp_servers": [{"url": "x"}]},
          400, "mcp_servers"),
         ({"model": MODEL, "max_tokens": 5, "messages": [
-            *ASK, {"role": "assistant", "content": "The capital is"}]}, 400, "prefill"),
+            *ASK, {"role": "assistant", "content": "The capital is "}]}, 400, "whitespace"),
         ({"model": MODEL, "max_tokens": 5, "messages": ASK, "stop_sequences": list("abcde")},
          400, "stop_sequences"),
         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [

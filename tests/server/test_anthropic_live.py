@@ -77,3 +77,10 @@ def test_forced_tool_use_and_the_round_trip(client, model):
     )  # fmt: skip
     assert answer.stop_reason in ("end_turn", "max_tokens")
     assert answer.content[0].type == "text" and answer.content[0].text
+
+
+def test_a_prefill_is_continued(client, model):
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    msg = client.messages.create(model=model, max_tokens=8, messages=prefill, extra_body=GREEDY)
+    text = msg.content[0].text
+    assert "Paris" in text and not text.startswith("The capital")  # the continuation only
