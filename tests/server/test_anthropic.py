@@ -343,3 +343,22 @@ def test_sdk_errors_and_openai_routes_keep_their_shape(client, fake):
         headers={"x-api-key": KEY},
     )
     assert chat.status_code == 404 and chat.json()["error"]["code"] == "model_not_found"
+
+
+def test_langchain_chat_anthropic(fake, engine):
+    from langchain_anthropic import ChatAnthropic
+
+    llm = ChatAnthropic(
+        model=MODEL, base_url=fake[0], api_key=KEY, max_tokens=200, temperature=0, max_retries=0
+    )
+    answer = llm.invoke("What is the capital of France?")
+    assert answer.content == REPLY
+    assert answer.response_metadata["stop_reason"] == "end_turn"
+    assert engine.submitted[-1].sampling.temperature == 0
+    assert "".join(chunk.text for chunk in llm.stream("Capital of France?")) == REPLY
+    engine.reply = CALL
+    call = llm.bind_tools([WEATHER]).invoke("Weather in Paris?")
+    assert call.tool_calls == [
+        {"name": "get_weather", "args": {"city": "Paris"}, "id": call.tool_calls[0]["id"],
+         "type": "tool_call"}
+    ]  # fmt: skip
