@@ -4,6 +4,8 @@ its round trip."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import jsonschema
 import pytest
@@ -84,3 +86,23 @@ def test_a_prefill_is_continued(client, model):
     msg = client.messages.create(model=model, max_tokens=8, messages=prefill, extra_body=GREEDY)
     text = msg.content[0].text
     assert "Paris" in text and not text.startswith("The capital")  # the continuation only
+
+
+def test_output_config_format_is_enforced(client, model):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    msg = client.messages.create(
+        model=model,
+        max_tokens=40,
+        messages=ASK,
+        extra_body={
+            **GREEDY,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
+    )
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(msg.content[0].text), schema)
