@@ -362,3 +362,16 @@ def test_langchain_chat_anthropic(fake, engine):
         {"name": "get_weather", "args": {"city": "Paris"}, "id": call.tool_calls[0]["id"],
          "type": "tool_call"}
     ]  # fmt: skip
+
+
+def test_a_full_queue_is_a_rate_limit_error(client, fake, engine):
+    engine.max_running = 0
+    try:
+        body = {"model": MODEL, "max_tokens": 5, "messages": ASK, "stream": True}
+        resp = httpx.post(f"{fake[0]}/v1/messages", json=body, headers={"x-api-key": KEY})
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(anthropic.RateLimitError):
+            client.messages.create(model=MODEL, max_tokens=5, messages=ASK)
+    finally:
+        engine.max_running = 64

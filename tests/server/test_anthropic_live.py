@@ -1,6 +1,6 @@
 """/v1/messages against the real SmolLM2 with the official `anthropic` SDK: a greedy answer,
 the stream equal to it, count_tokens and the prefix cache's hit in usage, forced tool use and
-its round trip."""
+its round trip, a prefill, output_config.format."""
 
 from __future__ import annotations
 
