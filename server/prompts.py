@@ -63,7 +63,7 @@ def _cut_after_final(text: str, messages: list[ChatMessage]) -> str:
     """HF's continue_final_message: cut the rendered text after the final message's content."""
     final = messages[-1].text().strip() if messages else ""
     where = text.rfind(final) if final else -1
-    if messages[-1].role != "assistant" or where < 0:
+    if where < 0 or messages[-1].role != "assistant":
         raise APIError(
             400,
             "continuing the final message needs a final assistant message with text that the "
