@@ -19,10 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import (
+    routes_anthropic,
     routes_chat,
     routes_completions,
     routes_discovery,
     routes_embeddings,
+    routes_infill,
+    routes_llama,
     routes_misc,
     routes_render,
     routes_responses,
@@ -55,7 +58,8 @@ class RequestGuard:
         limit = self.max_body_bytes
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await error_response(413, BodyTooLargeError(limit).detail)(scope, receive, send)
+                too_large = error_response(413, BodyTooLargeError(limit).detail, path=scope["path"])
+                await too_large(scope, receive, send)
                 return
         received = 0
         started = False
@@ -80,7 +84,7 @@ class RequestGuard:
         except BodyTooLargeError as exc:
             if started:
                 raise
-            await error_response(413, exc.detail)(scope, receive, send)
+            await error_response(413, exc.detail, path=scope["path"])(scope, receive, send)
         finally:
             self.state.num_in_flight -= 1
 
@@ -195,6 +199,9 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_completions.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_anthropic.router)
+    app.include_router(routes_infill.router)
+    app.include_router(routes_llama.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_discovery.router)
     app.include_router(routes_render.router)

@@ -1,4 +1,4 @@
-"""Bearer-token check (OpenAI style: `Authorization: Bearer <key>`)."""
+"""API-key check: `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def check_api_key(request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="no_key")
+        token = request.headers.get("x-api-key", "")
+    if not token:
+        raise APIError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            code="no_key",
+        )
     if not hmac.compare_digest(token.strip().encode(), expected.get_secret_value().encode()):
         raise APIError(401, "incorrect API key", code="invalid_api_key")

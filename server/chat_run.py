@@ -81,9 +81,20 @@ async def prepare_chat(
     reject_unsupported(body, CHAT_RULES)
     reject_non_text_messages(body.messages)
     check_tool_choice(body.tools, body.tool_choice)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message needs add_generation_prompt: false",
+            param="continue_final_message",
+        )
     # NOTE: off the event loop: a long prompt takes a while to render and tokenize
     prompt_ids, n_keep = await run_in_threadpool(
-        tokenize_chat, backend, body.messages, body.add_generation_prompt, template_kwargs(body)
+        tokenize_chat,
+        backend,
+        body.messages,
+        body.add_generation_prompt,
+        template_kwargs(body),
+        body.continue_final_message,
     )
     opts = reply_options(backend, body, prompt_ids)
     spec = body_grammar_spec(body)

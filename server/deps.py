@@ -88,17 +88,24 @@ async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
         await asyncio.sleep(0.25)
 
 
-async def collect(gen: Generation, request: Request, prefixes: list[str]) -> list[ChoiceDelta]:
-    """Run to the end (non-streaming) and fold the deltas into one ChoiceDelta per choice,
-    its text starting with `prefixes[i]`; the request is aborted if the client goes away."""
+async def collect(
+    gen: Generation,
+    request: Request,
+    prefixes: list[str],
+    deltas: AsyncIterator[ChoiceDelta] | None = None,
+) -> list[ChoiceDelta]:
+    """Run to the end (non-streaming) and fold the deltas (`gen.deltas()`, or `deltas` made
+    from them) into one ChoiceDelta per choice, its text starting with `prefixes[i]`; the
+    request is aborted if the client goes away."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, gen))
     choices = [ChoiceDelta(i, prefix, []) for i, prefix in enumerate(prefixes)]
     try:
-        async for delta in gen.deltas():
+        async for delta in deltas or gen.deltas():
             choice = choices[delta.index]
             choice.text += delta.text
             choice.logprobs.extend(delta.logprobs)
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            choice.stop_string = delta.stop_string or choice.stop_string
     except GenerationTimeout as exc:
         raise APIError(504, str(exc), code="request_timeout") from exc
     except GenerationFailed as exc:
@@ -119,8 +126,10 @@ def dump_json(model: BaseModel) -> str:
 def sse_response(
     gen: Generation,
     chunks: Callable[[Generation], AsyncIterator[BaseModel]],
+    done: bool = True,
 ) -> EventSourceResponse:
-    """SSE stream of OpenAI chunks, then `data: [DONE]`; errors become an error chunk."""
+    """SSE stream of OpenAI chunks, then `data: [DONE]` (not with `done` False: llama.cpp's
+    own routes end without it); errors become an error chunk."""
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -134,7 +143,8 @@ def sse_response(
             yield json.dumps(error_body(503, str(exc), code="aborted"))
         finally:
             gen.cancel()
-        yield "[DONE]"
+        if done:
+            yield "[DONE]"
 
     async def client_gone(_: object) -> None:
         log.info("client gone: aborting %s", gen.requests[0].req_id)

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: every failure answers {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the API's own shape: OpenAI's {"error": {"message", "type", "param", "code"}}
+everywhere, Anthropic's {"type": "error", "error": {"type", "message"}} under /v1/messages."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+# Anthropic's error types (docs.anthropic.com, "Errors"); 503 (draining) reads as overloaded
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 class APIError(Exception):
@@ -55,13 +76,23 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def anthropic_error_body(status: int, message: str) -> dict:
+    fallback = "invalid_request_error" if status < 500 else "api_error"
+    err_type = _ANTHROPIC_TYPES.get(status, fallback)
+    return {"type": "error", "error": {"type": err_type, "message": message}}
+
+
 def error_response(
     status: int,
     message: str,
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to."""
+    if is_anthropic_path(path):
+        return JSONResponse(anthropic_error_body(status, message), status, headers=headers)
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
@@ -75,11 +106,12 @@ def _loc_to_param(loc: tuple) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        path = request.url.path
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         code = None
         if exc.status_code == 404 and message == "Not Found":
@@ -88,23 +120,29 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "the request body could not be decoded: send UTF-8 JSON"
             code = "invalid_json"
         headers = dict(exc.headers) if exc.headers else None
-        return error_response(exc.status_code, message, code=code, headers=headers)
+        return error_response(
+            exc.status_code, message, code=code, headers=headers, path=request.url.path
+        )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        path = request.url.path
         errors = exc.errors()
         if not errors:
-            return error_response(400, "invalid request")
+            return error_response(400, "invalid request", path=path)
         first = errors[0]
         if first.get("type") == "json_invalid":
-            return error_response(400, "request body is not valid JSON", code="invalid_json")
+            return error_response(
+                400, "request body is not valid JSON", code="invalid_json", path=path
+            )
         param = _loc_to_param(tuple(first.get("loc", ())))
         message = str(first.get("msg", "invalid value"))
         if param:
             message = f"{param}: {message}"
-        return error_response(400, message, param=param, code="invalid_value")
+        return error_response(400, message, param=param, code="invalid_value", path=path)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(500, f"internal server error: {type(exc).__name__}")
+        message = f"internal server error: {type(exc).__name__}"
+        return error_response(500, message, path=request.url.path)

@@ -53,6 +53,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    stop_string: str | None = None  # with finish_reason "stop": the stop string that matched
 
 
 @dataclass(slots=True)
@@ -235,7 +236,7 @@ class Generation:
             self.backend.engine.abort(self.requests[job].req_id, ev.index)
             self.usage_by_job[job].num_output[ev.index] = choice.num_tokens
             self.metrics.requests.labels(finish_reason="stop").inc()
-            return ChoiceDelta(index, text, [], "stop")
+            return ChoiceDelta(index, text, [], "stop", choice.stream.stop_string)
         logprobs = []
         if self.want_logprobs and ev.logprob is not None:
             logprobs.append(TokenLogprob(ev.token_id, ev.logprob, list(ev.top_logprobs or [])))
@@ -266,4 +267,4 @@ class Generation:
         text = choice.stream.finish()
         reason = "stop" if choice.stream.stopped else ev.reason
         self.metrics.requests.labels(finish_reason=reason).inc()
-        return ChoiceDelta(index, text, [], reason)
+        return ChoiceDelta(index, text, [], reason, choice.stream.stop_string)

@@ -29,9 +29,12 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> str:
     """`template_kwargs`: `tools` (OpenAI's list, as dicts) and chat_template_kwargs, passed
-    to the template as HF's apply_chat_template does."""
+    to the template as HF's apply_chat_template does. `continue_final`: the text ends right
+    after the final message's content, which the reply continues (HF's and vLLM's
+    continue_final_message; Anthropic's prefill)."""
     for i, m in enumerate(messages):
         if m.role not in KNOWN_ROLES:
             raise APIError(400, f"unknown role {m.role!r}", param=f"messages.{i}.role")
@@ -44,7 +47,7 @@ def render_chat(
             code="no_chat_template",
         )
     try:
-        return backend.chat_template.render(
+        text = backend.chat_template.render(
             dump_messages(messages),
             add_generation_prompt=add_generation_prompt,
             **(template_kwargs or {}),
@@ -53,6 +56,21 @@ def render_chat(
         raise APIError(
             400, f"the chat template rejected the messages: {exc}", param="messages"
         ) from exc
+    return _cut_after_final(text, messages) if continue_final else text
+
+
+def _cut_after_final(text: str, messages: list[ChatMessage]) -> str:
+    """HF's continue_final_message: cut the rendered text after the final message's content."""
+    final = messages[-1].text().strip() if messages else ""
+    where = text.rfind(final) if final else -1
+    if where < 0 or messages[-1].role != "assistant":
+        raise APIError(
+            400,
+            "continuing the final message needs a final assistant message with text that the "
+            "chat template shows",
+            param="messages",
+        )
+    return text[: where + len(final)]
 
 
 def tokenize_chat(
@@ -60,9 +78,10 @@ def tokenize_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> tuple[list[int], int]:
     """-> (prompt ids, length of the leading system segment: the default n_keep)."""
-    text = render_chat(backend, messages, add_generation_prompt, template_kwargs)
+    text = render_chat(backend, messages, add_generation_prompt, template_kwargs, continue_final)
     ids = encode_text(backend.tokenizer, text)
     n_system = 0
     while n_system < len(messages) and messages[n_system].role in ("system", "developer"):

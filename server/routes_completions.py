@@ -23,6 +23,7 @@ from server.deps import (
     sse_response,
 )
 from server.errors import APIError
+from server.fim import FimTokens, fim_tokens, fim_window, infill_ids
 from server.generation import Generation
 from server.logprobs import completion_logprobs
 from server.prompts import check_token_ids, encode_text, make_request
@@ -35,8 +36,11 @@ from server.unsupported import COMPLETION_RULES, reject_unsupported
 router = APIRouter(dependencies=[Depends(check_api_key)], tags=["openai"])
 
 
-def _prompts(backend: Backend, body: CompletionRequest) -> list[tuple[list[int], str]]:
-    """-> [(token ids, prompt text)] for each prompt of the batch."""
+def _prompts(
+    backend: Backend, body: CompletionRequest, fim: FimTokens | None
+) -> list[tuple[list[int], str]]:
+    """-> [(token ids, prompt text)] for each prompt of the batch; with `fim`, each text prompt
+    is the prefix of a fill-in-the-middle prompt before `body.suffix`."""
     prompt = body.prompt
     batch: list[str | list[int]]
     if isinstance(prompt, str):
@@ -49,8 +53,14 @@ def _prompts(backend: Backend, body: CompletionRequest) -> list[tuple[list[int],
         raise APIError(400, "prompt must not be empty", param="prompt")
     out = []
     for i, p in enumerate(batch):
-        if isinstance(p, str):
+        if isinstance(p, str) and fim is not None:
+            window = fim_window(backend.n_ctx_seq, body.max_tokens)
+            ids = infill_ids(backend.tokenizer, fim, p, body.suffix or "", [], "", window)
+            out.append((ids, p))
+        elif isinstance(p, str):
             out.append((encode_text(backend.tokenizer, p, body.add_special_tokens), p))
+        elif fim is not None:
+            raise APIError(400, "suffix needs text prompts, not token ids", param="suffix")
         else:
             check_token_ids(backend, p, f"prompt.{i}" if len(batch) > 1 else "prompt")
             out.append((p, backend.tokenizer.decode(p) if body.echo else ""))
@@ -64,7 +74,9 @@ async def completion_requests(
     prompt's (ids, text); also what /v1/completions/render returns. APIError on bad input."""
     check_model(body.model, backend)
     reject_unsupported(body, COMPLETION_RULES)
-    prompts = await run_in_threadpool(_prompts, backend, body)  # NOTE: off the event loop
+    # OpenAI's suffix: fill in the middle (an empty suffix is a plain completion, as llama.cpp)
+    fim = fim_tokens(backend.tokenizer, backend.model_name, "suffix") if body.suffix else None
+    prompts = await run_in_threadpool(_prompts, backend, body, fim)  # NOTE: off the event loop
     spec = body_grammar_spec(body)  # structured outputs: every prompt shares the grammar
     grammar = await compile_grammar(backend, spec) if spec is not None else None
     engine_requests = [
@@ -84,6 +96,8 @@ async def completion_requests(
         )
         for j, (ids, _) in enumerate(prompts)
     ]
+    for req in engine_requests if fim is not None else []:
+        req.stop_token_ids |= fim.stop_ids
     return engine_requests, prompts
 
 

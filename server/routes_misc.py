@@ -10,11 +10,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
+from server.backend import Backend
 from server.deps import BackendDep, EngineDep, MetricsDep, check_model
 from server.errors import APIError
 from server.prompts import check_token_ids, encode_text, tokenize_chat
 from server.schemas import DetokenizeRequest, TokenizeRequest
-from server.schemas_out import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from server.schemas_out import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    TokenPiece,
+)
 from server.unsupported import reject_non_text_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
@@ -40,7 +47,8 @@ async def get_model(model_id: str, backend: BackendDep, request: Request) -> Mod
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, backend: BackendDep) -> TokenizeResponse:
     check_model(body.model, backend)
-    if (body.prompt is None) == (body.messages is None):
+    prompt = body.prompt if body.prompt is not None else body.content
+    if (prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
         if not body.messages:
@@ -54,11 +62,20 @@ async def tokenize(body: TokenizeRequest, backend: BackendDep) -> TokenizeRespon
             tokenize_chat, backend, body.messages, body.add_generation_prompt, kwargs
         )
     else:
-        add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = await run_in_threadpool(
-            encode_text, backend.tokenizer, body.prompt or "", add_special
+        add_special = next(
+            (v for v in (body.add_special_tokens, body.add_special) if v is not None), True
         )
-    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=backend.n_ctx_seq)
+        tokens = await run_in_threadpool(encode_text, backend.tokenizer, prompt or "", add_special)
+    out = [_piece(backend, t) for t in tokens] if body.with_pieces else tokens
+    return TokenizeResponse(tokens=out, count=len(tokens), max_model_len=backend.n_ctx_seq)
+
+
+def _piece(backend: Backend, token_id: int) -> TokenPiece:
+    raw = backend.tokenizer.token_bytes(token_id)
+    try:
+        return TokenPiece(id=token_id, piece=raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return TokenPiece(id=token_id, piece=list(raw))
 
 
 @router.post("/detokenize")

@@ -116,6 +116,7 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the final assistant turn
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -131,6 +132,7 @@ class CompletionRequest(SamplingBody):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see server/unsupported.py
 
     prompt: Prompt
+    suffix: str | None = None  # fill-in-the-middle: the text after the insertion (server/fim.py)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True
@@ -139,10 +141,23 @@ class CompletionRequest(SamplingBody):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None  # llama.cpp's name for the prompt
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
+    add_special: bool | None = None  # llama.cpp's name for add_special_tokens
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None  # with messages: rendered as /v1/chat/completions does
+    chat_template_kwargs: dict[str, Any] | None = None
+    with_pieces: bool = False  # llama.cpp: tokens as {"id", "piece"}
+
+
+class ApplyTemplateRequest(_Body):
+    """llama.cpp's POST /apply-template: the chat prompt as text, not run."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

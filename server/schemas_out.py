@@ -197,8 +197,13 @@ class ModelList(_Out):
     data: list[ModelCard]
 
 
+class TokenPiece(_Out):
+    id: int
+    piece: str | list[int]  # llama.cpp: the text, or the bytes when they are not UTF-8
+
+
 class TokenizeResponse(_Out):
-    tokens: list[int]
+    tokens: list[int] | list[TokenPiece]
     count: int
     max_model_len: int
 

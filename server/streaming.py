@@ -28,6 +28,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None  # the stop string found, once found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text safe to emit, whether a stop string was found). After True, stop feeding."""
@@ -36,7 +37,7 @@ class StopMatcher:
         for stop in self.stops:
             i = buf.find(stop)
             if i >= 0 and (cut < 0 or i < cut):
-                cut = i
+                cut, self.matched = i, stop
         if cut >= 0:
             self._held = ""
             return buf[:cut], True
@@ -72,6 +73,11 @@ class TextStream:
         self._stops = StopMatcher(stops)
         self._skip_ids = skip_ids
         self.stopped = False
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self._stops.matched
 
     def add(self, token_id: int) -> str:
         """Text to emit for this token ('' while held back); sets `stopped` on a stop string."""

@@ -41,7 +41,6 @@ CHAT_RULES: dict[str, Rule] = {
 }
 COMPLETION_RULES: dict[str, Rule] = {
     **_COMMON,
-    "suffix": (given, "suffix (insertion) is not supported"),
     "best_of": (_best_of_above_n, "best_of other than n is not supported"),
 }
 

@@ -14,6 +14,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from model.load.chat_template import CHATML_TEMPLATE
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-Coder's fill-in-the-middle tokens (write_tiny_llama(fim=True))
+FIM_SPECIALS = (
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Hello world! How are you today? "
     "I am a tiny language model used in tests. 0123456789 + - * / = ( ) [ ] { } "
@@ -21,13 +30,13 @@ _CORPUS = (
 )
 
 
-def _tiny_tokenizer() -> Tokenizer:
+def _tiny_tokenizer(specials: tuple[str, ...] = TINY_SPECIALS) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=list(TINY_SPECIALS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -45,14 +54,15 @@ def write_tiny_llama(
     seed: int = 0,
     model_type: str = "llama",
     head_dim: int | None = None,
+    fim: bool = False,
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
     generation_config.json of a random Llama (ChatML template) into `folder`; returns it.
     model_type "qwen2" adds the q/k/v biases, "qwen3" the q/k norms (and a `head_dim` that
-    need not be dim / n_heads)."""
+    need not be dim / n_heads); `fim` adds FIM_SPECIALS to the vocabulary."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = _tiny_tokenizer()
+    tok = _tiny_tokenizer(TINY_SPECIALS + FIM_SPECIALS if fim else TINY_SPECIALS)
     tok.save(str(folder / "tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_id = tok.token_to_id("<|im_end|>")
@@ -279,11 +289,13 @@ def write_tiny_gguf(
     skip: tuple[str, ...] = (),
     spm_tokenizer: bool = False,
     qtype: str = "F32",
+    fim_ids: dict[str, int] | None = None,
 ) -> Path:
     """Convert a tiny HF folder (from write_tiny_llama) to GGUF the way llama.cpp does (F32,
     Q/K permuted, gpt2 tokenizer, or a small SentencePiece vocab with `spm_tokenizer`);
     `skip` leaves out tensors by GGUF name; `qtype` (F16, BF16, Q8_0, Q4_0, Q4_1, ...) is
-    the type of the 2-D weights, quantized with gguf.quants."""
+    the type of the 2-D weights, quantized with gguf.quants; `fim_ids` ("pre", "suf", ...)
+    are written as tokenizer.ggml.fim_*_token_id."""
     path, hf_folder = Path(path), Path(hf_folder)
     config = json.loads((hf_folder / "config.json").read_text())
     spec = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -308,12 +320,15 @@ def write_tiny_gguf(
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
-        writer.add_token_types([3 if t in TINY_SPECIALS else 1 for t in tokens])
+        specials = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
+        writer.add_token_types([3 if t in specials else 1 for t in tokens])
         merges = spec["model"]["merges"]
         writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
         writer.add_bos_token_id(config["bos_token_id"])
         writer.add_eos_token_id(config["eos_token_id"])
         writer.add_add_bos_token(False)
+    for kind, token_id in (fim_ids or {}).items():
+        writer.add_uint32(f"tokenizer.ggml.fim_{kind}_token_id", token_id)
     writer.add_chat_template(CHATML_TEMPLATE)
     tensors = load_file(str(hf_folder / "model.safetensors"))
     names = {

@@ -23,6 +23,16 @@ _SPLIT_RES = {"llama3": _LLAMA3_RE, "llama-bpe": _LLAMA3_RE, "qwen2": _QWEN2_RE}
 # Tokens llama.cpp treats as end-of-generation when present (llama_vocab::impl::load).
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+# fill-in-the-middle token ids in GGUF metadata (llama.cpp's LLM_KV_TOKENIZER_FIM_*_ID; the
+# older prefix/suffix/middle keys too)
+_FIM_KEYS = {
+    "pre": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+    "suf": ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+    "mid": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+    "pad": ("tokenizer.ggml.fim_pad_token_id",),
+    "rep": ("tokenizer.ggml.fim_rep_token_id",),
+    "sep": ("tokenizer.ggml.fim_sep_token_id",),
+}
 
 
 @lru_cache(maxsize=1)
@@ -49,6 +59,7 @@ class Tokenizer:
         byte_level: bool,
         special_ids: set[int],
         added_ids: set[int] | None = None,
+        fim_ids: dict[str, int] | None = None,
     ) -> None:
         self._tok = tok
         self.bos_id = bos_id
@@ -58,6 +69,9 @@ class Tokenizer:
         self.special_ids = special_ids
         self.added_ids = special_ids | (added_ids or set())  # matched whole, spelled verbatim
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # FIM ids the GGUF names ("pre", "suf", "mid", "pad", "rep", "sep"); server/fim.py
+        # looks the rest up in the vocabulary, as llama.cpp does
+        self.fim_ids = dict(fim_ids or {})
 
     @property
     def hf(self) -> HFTokenizer:
@@ -164,7 +178,13 @@ class Tokenizer:
         }
         eos_ids |= {vocab[t] for t in _EOG_TEXTS if t in vocab and vocab[t] in special_ids}
         added_ids = {i for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED}
-        return Tokenizer(tok, bos, eos, eos_ids, byte_level_vocab, special_ids, added_ids)
+        fim_ids = {
+            kind: int(fields[key])
+            for kind, keys in _FIM_KEYS.items()
+            for key in reversed(keys)  # the current key wins over the older one
+            if fields.get(key) is not None
+        }
+        return Tokenizer(tok, bos, eos, eos_ids, byte_level_vocab, special_ids, added_ids, fim_ids)
 
     @staticmethod
     def from_hf_dir(folder: Path) -> Tokenizer:

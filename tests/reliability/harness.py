@@ -145,6 +145,20 @@ def assert_openai_error(resp: httpx.Response, status: int, *words: str) -> dict:
     return err
 
 
+def assert_api_error(resp: httpx.Response, path: str, status: int, *words: str) -> dict:
+    """assert_openai_error, or Anthropic's shape under /v1/messages (server/errors.py)."""
+    if not path.startswith("/v1/messages"):
+        return assert_openai_error(resp, status, *words)
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    err = body["error"]
+    assert set(err) == {"type", "message"} and err["message"], err
+    for word in words:
+        assert word.lower() in err["message"].lower(), (word, err)
+    return err
+
+
 def record(name: str, values: dict) -> None:
     """Keep measured numbers in tests/artifacts/reliability.json (ignored by git): the table
     of docs/reliability.md is filled from it."""

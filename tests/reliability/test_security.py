@@ -14,7 +14,12 @@ import pytest
 import server.auth
 from server.settings import Settings
 from tests.reliability.clients import stream_request
-from tests.reliability.harness import REPO_ROOT, ServerProcess, assert_openai_error
+from tests.reliability.harness import (
+    REPO_ROOT,
+    ServerProcess,
+    assert_api_error,
+    assert_openai_error,
+)
 
 KEY = "sk-test-" + "7" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -86,7 +91,7 @@ def test_api_key_guards_every_endpoint_but_health_and_metrics(guarded_server):
     for method, path in guarded:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             resp = httpx.request(method, f"{url}{path}", json={}, headers=headers)
-            assert_openai_error(resp, 401, "key")
+            assert_api_error(resp, path, 401, "key")
         # headers only: some routes (the cell map's event stream) never end
         with httpx.stream(method, f"{url}{path}", json={}, headers=AUTH) as resp:
             assert resp.status_code != 401, (method, path)

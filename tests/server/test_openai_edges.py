@@ -122,7 +122,6 @@ REFUSED = [
     ("/v1/chat/completions", {"web_search_options": {"search_context_size": "low"}}, "w"),
     ("/v1/chat/completions", {"store": True}, "store"),
     ("/v1/chat/completions", {"logits_processors": ["m.P"]}, "logits_processors"),
-    ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
 ]
 
