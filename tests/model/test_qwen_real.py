@@ -75,3 +75,37 @@ def test_logits_stay_close_to_the_float32_reference(qwen_path, reference, dtype,
     ).item()
     assert ours.shape == ref.shape and ours.shape[0] > 400
     assert top1 >= min_top1 and kl <= max_kl, (top1, kl)
+
+
+def test_the_real_coder_fills_in_the_middle_and_chats(qwen_path):
+    """/infill and completions' suffix on the real Qwen2.5-Coder's FIM tokens, and a chat
+    through its own template, on the default setup (the file's blocks)."""
+    import httpx
+
+    from tests.live_server import start_server
+
+    live = start_server(model=str(qwen_path), n_cells=2048, ctx_per_seq=1024)
+    try:
+        # llama.cpp's llama-server /infill on the same file answers "math.pi * radius ** 2"
+        prefix = "import math\n\ndef area_of_circle(radius):\n    return "
+        suffix = "\n\n\nprint(area_of_circle(2.0))\n"
+        body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 24, "temperature": 0}
+        infill = httpx.post(f"{live.url}/infill", json=body, timeout=120)
+        assert infill.status_code == 200, infill.text
+        middle = infill.json()["content"]
+        assert middle.startswith("math.pi * radius ** 2"), middle
+        props = httpx.get(f"{live.url}/metrics").text
+        assert 'quant="gguf"' in props
+        chat = httpx.post(
+            f"{live.url}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "What is 2 + 3? Answer with a number."}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+            timeout=120,
+        )
+        assert chat.status_code == 200, chat.text
+        assert "5" in chat.json()["choices"][0]["message"]["content"]
+    finally:
+        live.stop()
