@@ -53,7 +53,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
 // model/quant.py QuantLinear.forward, by the linear's kind (kernels.h StepLinear).
 at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size) {
   auto with_bias = [&w](at::Tensor y) { return w.bias ? at::add(y, *w.bias) : y; };
-  if (w.kind == "ggml") return with_bias(ggml_linear(a, w.parts, w.types, a.size(1)));
+  if (w.kind == "ggml") {  // the bias added in place: y keeps the rows' dtype whatever the bias's
+    auto y = ggml_linear(a, w.parts, w.types, a.size(1));
+    return w.bias ? y.add_(*w.bias) : y;
+  }
   const bool small = a.size(0) <= w.small_rows;
   if (w.kind == "int4_f32") {
     TORCH_CHECK(a.scalar_type() == at::kFloat, "step_layers: int4_f32 takes float32 rows");
