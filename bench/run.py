@@ -324,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="default 1200, quick 480; with llama.cpp 2200, quick 600",
     )
     p.add_argument("--skip-micro", action="store_true")
+    p.add_argument(
+        "--micro",
+        default=None,
+        help="only these micro-benchmarks, comma-separated (e.g. bandwidth_bench)",
+    )
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument(
         "--server-args",
@@ -383,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"environment": environment(), "sizes": asdict(sizes)}
     report["micro"] = {}
     if not args.skip_micro:
-        for name in micro_benches():
+        names = micro_benches() if not args.micro else args.micro.split(",")
+        for name in names:
             print(f"== {name}", flush=True)
             report["micro"][name] = run_micro(name, out_dir)
             print(f"   {report['micro'][name]['status']}", flush=True)
