@@ -22,7 +22,7 @@ router = APIRouter(dependencies=[Depends(check_api_key)], tags=["llama.cpp"])
 
 @router.get("/props")
 async def props(backend: BackendDep, settings: SettingsDep, request: Request) -> dict[str, Any]:
-    sampling = SamplingParams()  # a request's defaults
+    sampling = SamplingParams()  # what a request gets when it sets nothing
     template = backend.chat_template
     return {
         "default_generation_settings": {
