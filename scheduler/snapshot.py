@@ -51,6 +51,7 @@ def engine_stats(
         cells_cached=cstats.used - int(num_running_cells),
         prefix_cache_queried_tokens=c.prefix_queried_tokens,
         prefix_cache_hit_tokens=c.prefix_hit_tokens,
+        prefix_cache_running_hit_tokens=c.prefix_running_hit_tokens,
         num_context_shifts=c.num_context_shifts,
         num_preemptions=c.num_preemptions,
         num_prompt_tokens=c.num_prompt_tokens,

@@ -57,6 +57,7 @@ class EngineStats:
     alive: bool
     draining: bool
     pools: list[PoolUsage] = field(default_factory=list)
+    prefix_cache_running_hit_tokens: int = 0  # cumulative; of the hits, from running sequences
 
     @property
     def cache_usage(self) -> float:

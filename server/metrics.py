@@ -63,6 +63,10 @@ class _EngineCollector(Collector):
                 "Prompt tokens served by the prefix cache",
                 s.prefix_cache_hit_tokens,
             ),
+            "cellserve_prefix_cache_running_hit_tokens": (
+                "Of the prefix-cache hits, tokens shared from running sequences",
+                s.prefix_cache_running_hit_tokens,
+            ),
             "cellserve_context_shifts": ("Context shifts applied", s.num_context_shifts),
             "cellserve_preemptions": ("Sequences preempted for cells", s.num_preemptions),
             "cellserve_prompt_tokens": ("Prompt tokens computed by the model", s.num_prompt_tokens),
