@@ -31,11 +31,11 @@ from typing import Any
 
 from bench.cli import run_benchmark
 from bench.loadgen import LoadConfig
+from bench.models import PACKAGED, decode_read_bytes, resolve_model
 from bench.report import format_table, plot_levels, write_json
 from bench.server_proc import REPO_ROOT, cellserve_process, llama_server, llamacpp_default
 from bench.summary import write_summary
 from bench.workloads import WorkloadSpec
-from model.load.packaged import PACKAGED
 
 MICRO_BENCHES = (
     "cache_bench",
@@ -284,33 +284,6 @@ def default_budget_s(quick: bool, with_llamacpp: bool) -> float:
     if with_llamacpp:
         return 600.0 if quick else 2200.0
     return 480.0 if quick else 1200.0
-
-
-def decode_read_bytes(model_path: pathlib.Path | None) -> int | None:
-    """The bytes of weights one decode token reads in a GGUF: every layer's and the output
-    head's (the embedding table only where it is the head: one row otherwise)."""
-    from model.load.gguf_file import GGUFFile
-    from model.load.loader import default_model_path
-
-    try:
-        f = GGUFFile(model_path or default_model_path())
-    except Exception:  # noqa: BLE001  (a folder or an unreadable file: no figure)
-        return None
-    read = sum(t.n_bytes for t in f.tensors if t.name.startswith("blk."))
-    head = f.tensor("output.weight") or f.tensor("token_embd.weight")
-    return read + (head.n_bytes if head is not None else 0)
-
-
-def resolve_model(name: str | None) -> pathlib.Path | None:
-    """--model: None (the default model), a packaged model's name, or a path."""
-    if name is None:
-        return None
-    if name in PACKAGED:
-        return PACKAGED[name].path()
-    path = pathlib.Path(name)
-    if not path.exists():
-        raise SystemExit(f"--model {name}: no such file, and not one of {', '.join(PACKAGED)}")
-    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
