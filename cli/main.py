@@ -39,6 +39,15 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "float32 | bfloat16 | float16 (default on CPU: bfloat16 where the CPU computes it "
         "natively (AVX-512 BF16, AMX), else float32)",
     ),
+    (
+        "spec_type",
+        str,
+        "speculative decoding: none (default) | ngram (prompt lookup: the continuation of the "
+        "latest earlier occurrence of the last tokens, verified in one step; llama.cpp's "
+        "ngram-simple is accepted too). Lossless: the same tokens as without it",
+    ),
+    ("draft_max", int, "speculative decoding: tokens drafted per sequence and step (default 16)"),
+    ("draft_min", int, "speculative decoding: shorter proposals are not verified (default 0)"),
     ("device", str, "cpu | cuda | auto"),
     (
         "quant",
@@ -101,16 +110,27 @@ _FLAGS: list[tuple[str, type | None, str]] = [
 ]
 
 
+# llama.cpp's spellings of the same flags
+_ALIASES = {
+    "draft_max": ("--spec-draft-n-max",),
+    "draft_min": ("--spec-draft-n-min",),
+}
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
     for name, kind, help_text in _FLAGS:
-        flag = "--" + name.replace("_", "-")
+        flags = ("--" + name.replace("_", "-"), *_ALIASES.get(name, ()))
         if kind is None:
             p.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                *flags,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
             )
         else:
-            p.add_argument(flag, type=kind, default=None, help=help_text)
+            p.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
 
 
 def build_settings(args: argparse.Namespace) -> Settings:

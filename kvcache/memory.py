@@ -101,6 +101,14 @@ class Memory(ABC):
     def group_pools(self) -> tuple[int, ...]:
         """Per layer group of `spec.groups`: the index of the pool its layers read and write."""
 
+    @property
+    def tail_rollback(self) -> bool:
+        """Whether seq_rm(seq, p, -1) of rows the last apply placed leaves everything the
+        sequence's next row needs (speculative decoding's rollback of rejected drafts). False
+        where a step's apply already dropped older data for good: a recurrent state, and
+        sliding-window pools pruned against the new newest position."""
+        return False
+
     # -- a step: plan, then apply --------------------------------------------------------------
 
     @abstractmethod

@@ -31,6 +31,10 @@ class UnifiedMemory(Memory):
     def group_pools(self) -> tuple[int, ...]:
         return tuple(0 for _ in self._windows)
 
+    @property
+    def tail_rollback(self) -> bool:
+        return True
+
     def n_free(self) -> int:
         return self.cells.n_cells - self.cells.used
 

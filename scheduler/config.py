@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvcache.make import make_memory
 from kvcache.memory import Memory
 from kvcache.spec import MemorySpec
+from scheduler.speculative import SpecConfig
 
 MemoryKind = Literal["auto", "unified", "iswa"]
 
@@ -33,6 +34,7 @@ class EngineConfig:
     # per seq id (None: n_seq_max), and the positions between the checkpoints a prompt takes
     state_checkpoints: int | None = None
     state_checkpoint_interval: int = 256
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding
 
     def validate(self) -> None:
         if self.n_cells < 1 or self.n_seq_max < 1 or self.n_batch < 1 or self.max_queue < 0:
@@ -45,6 +47,7 @@ class EngineConfig:
             raise ValueError(f"prefix_wait_min must be >= 1: {self}")
         if self.state_checkpoint_interval < 1:
             raise ValueError(f"state_checkpoint_interval must be >= 1: {self}")
+        self.spec.validate()
         if self.memory not in ("auto", "unified", "iswa"):
             raise ValueError(f"memory must be auto, unified or iswa, got {self.memory!r}")
 

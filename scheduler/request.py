@@ -27,6 +27,9 @@ class Request:
     # (the last prompt token's final-norm hidden state) and generates nothing; n must be 1
     embed: bool = False
     grammar: Grammar | None = None  # structured output: every choice's tokens follow it
+    # speculative decoding: tokens drafted per step at most (None: the engine's draft_max;
+    # 0: never; scheduler/speculative.py)
+    draft_max: int | None = None
 
 
 @dataclass(slots=True)

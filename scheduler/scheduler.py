@@ -28,6 +28,7 @@ from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, Token
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
 from scheduler.sharing import Sharing
+from scheduler.speculative import Speculator, accepted_count, draft_rows
 from scheduler.stats import Counters
 from scheduler.step import Step
 
@@ -47,6 +48,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache)
         self.sharing = Sharing(self.prefix, memory, config)
+        self.spec = Speculator(config.spec, rollback=memory.tail_rollback)
         # queued sequences looked at per step: waiters are skipped, the rest admitted FCFS
         self._scan = max(config.n_seq_max, 1)
         self._requests: dict[str, list[Sequence]] = {}
@@ -93,7 +95,9 @@ class Scheduler:
         step = self._step = Step(self.config.n_batch)
         n_ctx = self.config.n_ctx_seq
 
-        for seq in [s for s in self.running if s.is_decoding]:
+        decoding = [s for s in self.running if s.is_decoding]
+        spec_budget = self.spec.step_budget(len(decoding))
+        for seq in decoding:
             if step.budget == 0:
                 break
             if seq.state is not SeqState.RUNNING:
@@ -101,7 +105,11 @@ class Scheduler:
             if seq.num_computed >= n_ctx and not self._shift(seq, step):
                 continue
             if self._make_room(1, seq, step):
-                step.add(seq, 1)
+                drafts = self._draft(seq, step, spec_budget) if spec_budget else []
+                step.add(seq, 1 + len(drafts))
+                if drafts:
+                    step.drafts[id(seq)] = drafts
+                    spec_budget -= len(drafts)
         step.num_decode = len(step.rows)
 
         for seq in [s for s in self.running if not s.is_decoding]:
@@ -145,13 +153,22 @@ class Scheduler:
         assert len(out.token_ids) == len(plan.samples), "one sampled id per SampleRow"
         self.counters.num_steps += 1
         sampled = self._step.sampled
-        for i, (sample, seq) in enumerate(zip(plan.samples, sampled, strict=True)):
+        i = 0
+        while i < len(plan.samples):
+            sample, seq = plan.samples[i], sampled[i]
+            drafts = self._step.drafts.get(id(seq))
+            if drafts is not None:  # its k + 1 rows' samples are samples[i : i + k + 1]
+                if seq.state is SeqState.RUNNING:
+                    self._verify(seq, drafts, plan.samples, out, i)
+                i += len(drafts) + 1
+                continue
+            i += 1
             if seq.state is not SeqState.RUNNING:
                 continue
             if sample.embed:
-                self._finish_embedding(seq, out, i)
+                self._finish_embedding(seq, out, i - 1)
                 continue
-            self._append_token(seq, sample, out, i)
+            self._append_token(seq, sample, out, i - 1)
         self._step = Step(0)
         events, self._events = self._events, []
         return events
@@ -194,7 +211,12 @@ class Scheduler:
         start = 0
         for seq, n in rows:
             p0 = seq.num_computed
-            token_ids[start : start + n] = seq.tokens[p0 : p0 + n]
+            drafts = step.drafts.get(id(seq))
+            if drafts:  # the last sampled token, then the drafted ones
+                token_ids[start] = seq.tokens[p0]
+                token_ids[start + 1 : start + n] = drafts
+            else:
+                token_ids[start : start + n] = seq.tokens[p0 : p0 + n]
             positions[start : start + n] = np.arange(p0, p0 + n)
             seq_ids[start : start + n] = seq.seq_id
             seqs.append(SeqBatch(seq.seq_id, start, start + n))
@@ -205,6 +227,13 @@ class Scheduler:
 
         samples: list[SampleRow] = []
         for (seq, n), sb in zip(rows, seqs, strict=True):
+            drafts = step.drafts.get(id(seq))
+            if drafts:  # every row sampled; the drafts count once verified (_verify)
+                seq.num_computed += 1
+                for row in draft_rows(seq, sb.start, drafts):
+                    samples.append(row)
+                    step.sampled.append(seq)
+                continue
             if seq.num_generated == 0 or seq.num_uncomputed > 1:
                 self.counters.num_prompt_tokens += n
             else:
@@ -253,6 +282,41 @@ class Scheduler:
         out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")
+
+    def _draft(self, seq: Sequence, step: Step, budget: int) -> list[int]:
+        """Speculative decoding: the tokens `seq` drafts this step (its one decode row is
+        planned): within the step's and the memory's room (drafts never evict nor preempt),
+        before its context limit and its max_tokens."""
+        req = seq.request
+        k = min(
+            budget,
+            self.spec.limit(seq),
+            step.budget - 1,
+            self._n_free(step, evict=False) - 1,
+            self.config.n_ctx_seq - 1 - seq.num_computed,
+            req.max_tokens - seq.num_generated - 1,
+        )
+        return self.spec.propose(seq, k)
+
+    def _verify(
+        self, seq: Sequence, drafts: list[int], samples: list[SampleRow], out: StepOutput, i: int
+    ) -> None:
+        """A drafted sequence's k + 1 samples (from samples[i]): the accepted drafts and the
+        target's next token are appended one by one (stop conditions apply to each); the
+        rejected drafts' cells are removed."""
+        p = seq.num_computed  # its drafts sit at positions p .. p + k - 1
+        k = len(drafts)
+        a = accepted_count(drafts, out.token_ids[i : i + k])
+        if a < k:
+            self.memory.seq_rm(seq.seq_id, p + a, -1)
+        emitted = 0
+        for j in range(a + 1):
+            seq.num_computed = p + j  # the cells of every token but the one appended now
+            self._append_token(seq, samples[i + j], out, i + j)
+            emitted += 1
+            if seq.state is not SeqState.RUNNING:
+                break  # finished: retiring the seq id cuts its cells to num_computed
+        self.spec.record(seq, k, a, emitted)
 
     def _finish_embedding(self, seq: Sequence, out: StepOutput, i: int) -> None:
         vector = out.embeddings[i] if out.embeddings is not None else None

@@ -45,6 +45,7 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     parent: Sequence | None = None  # set on a choice that waits in its parent's `forks`
     constraint: Constraint | None = None  # the request's grammar; has consumed output_ids
+    spec_k: int = -1  # speculative decoding: tokens it may draft next (-1: not drafted yet)
 
     @property
     def req_id(self) -> str:

@@ -52,6 +52,7 @@ def engine_stats(
         prefix_cache_queried_tokens=c.prefix_queried_tokens,
         prefix_cache_hit_tokens=c.prefix_hit_tokens,
         prefix_cache_running_hit_tokens=c.prefix_running_hit_tokens,
+        spec=sched.spec.snapshot(),
         num_context_shifts=c.num_context_shifts,
         num_preemptions=c.num_preemptions,
         num_prompt_tokens=c.num_prompt_tokens,

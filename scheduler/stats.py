@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.speculative import SpecStats
+
 
 @dataclass(slots=True)
 class Counters:
@@ -58,6 +60,7 @@ class EngineStats:
     draining: bool
     pools: list[PoolUsage] = field(default_factory=list)
     prefix_cache_running_hit_tokens: int = 0  # cumulative; of the hits, from running sequences
+    spec: SpecStats | None = None  # speculative decoding's counters; None when it is off
 
     @property
     def cache_usage(self) -> float:

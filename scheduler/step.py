@@ -17,6 +17,9 @@ class Step:
     sampled: list[Sequence] = field(default_factory=list)
     in_plan: list[Sequence] = field(default_factory=list)
     _ids: set[int] = field(default_factory=set)  # id() of the sequences in `rows`
+    # speculative decoding: id() of a decode row's sequence -> the tokens it drafted (its
+    # row count in `rows` is 1 + len(drafts))
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.rows.append((seq, n))

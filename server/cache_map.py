@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from sse_starlette.sse import EventSourceResponse
 
 from kvcache.cells import FREE, SHARED
+from scheduler.speculative import SpecStats
 from scheduler.stats import CellMapSnapshot, PoolMap, SlotInfo
 from server.auth import check_api_key
 from server.deps import EngineDep
@@ -108,6 +109,18 @@ def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
         "num_running": int(stats.num_running),
         "num_steps": int(stats.num_steps),
         "pools": [_pool_row(p) for p in snap.pools],
+        "speculative": None if stats.spec is None else _spec_row(stats.spec),
+    }
+
+
+def _spec_row(spec: SpecStats) -> dict[str, Any]:
+    """Speculative decoding's counters (scheduler/speculative.py), cumulative."""
+    return {
+        "num_drafts": spec.num_drafts,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "num_emitted_tokens": spec.num_emitted_tokens,
+        "acceptance_lengths": list(spec.acceptance_lengths),
     }
 
 

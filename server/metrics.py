@@ -12,10 +12,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from scheduler.speculative import SpecStats
 from scheduler.stats import EngineStats, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -74,6 +80,47 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
+        if s.spec is not None:
+            yield from _spec_metrics(s.spec)
+
+
+def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
+    """Speculative decoding (scheduler/speculative.py), under vLLM's spec_decode names and
+    cellserve's: rounds (a drafted sequence verified), drafted / accepted / emitted tokens,
+    acceptances per draft position, and the accepted length of each round."""
+    totals = {
+        "num_drafts": ("Speculation rounds: a drafted sequence verified", spec.num_drafts),
+        "num_draft_tokens": ("Draft tokens verified", spec.num_draft_tokens),
+        "num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+    }
+    for key, (doc, value) in totals.items():
+        for prefix in ("vllm:spec_decode_", "cellserve_spec_decode_"):
+            yield CounterMetricFamily(prefix + key, doc, value=float(value))
+    yield CounterMetricFamily(
+        "cellserve_spec_decode_num_emitted_tokens",
+        "Tokens emitted by speculation rounds (accepted drafts + the target's own token)",
+        value=float(spec.num_emitted_tokens),
+    )
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, per position in the draft",
+        labels=["position"],
+    )
+    for pos, n in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([str(pos)], float(n))
+    yield per_pos
+    cumulative, buckets = 0, []
+    for length, n in enumerate(spec.acceptance_lengths):
+        cumulative += n
+        buckets.append((str(float(length)), float(cumulative)))
+    buckets.append(("+Inf", float(cumulative)))
+    total = sum(length * n for length, n in enumerate(spec.acceptance_lengths))
+    yield HistogramMetricFamily(
+        "cellserve_spec_decode_acceptance_length",
+        "Draft tokens accepted per speculation round",
+        buckets=buckets,
+        sum_value=float(total),
+    )
 
 
 def _pool_gauges(s: EngineStats) -> Iterator[Metric]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
+from scheduler.speculative import SPEC_TYPES, SpecConfig
 from scheduler.stats import StepStats
 from server.backend import Backend
 from server.settings import Settings
@@ -22,6 +23,29 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def log_speculation(config: EngineConfig, memory: Any) -> None:
+    spec = config.spec
+    if spec.kind == "none":
+        return
+    if not memory.tail_rollback:
+        log.warning(
+            "speculative decoding (%s) is off: this model's memory (%s) cannot forget a "
+            "sequence's last tokens once a step placed them (a recurrent state, or sliding-window "
+            "cells pruned against the drafts), which verification needs",
+            spec.kind,
+            type(memory).__name__,
+        )
+        return
+    log.info(
+        "speculative decoding: %s, up to %d drafted tokens per sequence and step (min %d), "
+        "only while fewer than %d sequences decode",
+        spec.kind,
+        spec.draft_max,
+        spec.draft_min,
+        spec.step_rows,
+    )
 
 
 def load_backend(
@@ -65,6 +89,7 @@ def load_backend(
         memory_spec=loaded.config.memory_spec,
         state_checkpoints=settings.state_checkpoints,
         state_checkpoint_interval=settings.state_checkpoint_interval,
+        spec=SpecConfig(SPEC_TYPES[settings.spec_type], settings.draft_max, settings.draft_min),
     )
     config.validate()
     # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
@@ -74,6 +99,7 @@ def load_backend(
     for pool in memory.pools:
         unit = "state slots" if pool.kind == "slots" else f"cells (window {pool.window})"
         log.info("memory pool %s: %d %s", pool.name, pool.cells.n_cells, unit)
+    log_speculation(config, memory)
     worker = make_worker(
         loaded,
         settings.n_cells,

@@ -171,4 +171,5 @@ def make_request(
         n_keep=min(n_keep, len(prompt_ids)),
         context_shift=body.context_shift,
         grammar=grammar,
+        draft_max=body.draft_max,
     )

@@ -53,6 +53,18 @@ class SamplingBody(_Body):
     guided_grammar: str | None = None
     grammar: str | None = None  # llama.cpp: GBNF
     json_schema: dict[str, Any] | None = None  # llama.cpp
+    # speculative decoding (scheduler/speculative.py): false opts this request out; llama.cpp's
+    # n_draft and "speculative.n_max" cap its drafted tokens per step (0: none)
+    speculative: bool | None = None
+    n_draft: int | None = Field(None, ge=0, le=256)
+    speculative_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
+
+    @property
+    def draft_max(self) -> int | None:
+        """The request's cap on drafted tokens; None: the server's --draft-max."""
+        if self.speculative is False:
+            return 0
+        return self.speculative_n_max if self.speculative_n_max is not None else self.n_draft
 
     @field_validator("stop")
     @classmethod

@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
     state_checkpoints: int | None = Field(None, ge=0)
     state_checkpoint_interval: int = Field(256, ge=1)
+    # speculative decoding (scheduler/speculative.py): "ngram" drafts by prompt lookup
+    # (llama.cpp's ngram-simple); none = off (llama.cpp's default too)
+    spec_type: Literal["none", "ngram", "ngram-simple"] = "none"
+    draft_max: int = Field(16, ge=0, le=256)  # tokens one sequence drafts per step at most
+    draft_min: int = Field(0, ge=0, le=256)  # shorter proposals are not verified
     # None: the fast setup for this machine (model.load.loader.choose_runtime): bfloat16 where the
     # CPU computes it natively, else float32; a quantized GGUF served int4 / int8 on CPU.
     # --quant none --dtype float32 is the reference (the logits of the unquantized model).

@@ -97,6 +97,8 @@ function main() {
     prefixHits: $("prefix-hits"),
     contextShifts: $("context-shifts"),
     preemptions: $("preemptions"),
+    specBox: $("spec-box"),
+    specAccepted: $("spec-accepted"),
     mapSize: $("map-size"),
     legend: $("legend"),
     tbody: document.querySelector("#seq-table tbody"),

@@ -25,6 +25,16 @@ function renderCounters(els, s) {
     `${fmt(p.hit_tokens)} / ${fmt(p.queried_tokens)} (${percent(p.hit_tokens, p.queried_tokens)})`;
   els.contextShifts.textContent = fmt(s.num_context_shifts);
   els.preemptions.textContent = fmt(s.num_preemptions);
+  // speculative decoding, when the server runs it: drafted tokens accepted, and tokens per
+  // verification round (accepted drafts + the model's own)
+  const sd = s.speculative;
+  els.specBox.hidden = !sd;
+  if (sd) {
+    const perRound = sd.num_drafts ? (sd.num_emitted_tokens / sd.num_drafts).toFixed(2) : "–";
+    els.specAccepted.textContent =
+      `${fmt(sd.num_accepted_tokens)} / ${fmt(sd.num_draft_tokens)} ` +
+      `(${percent(sd.num_accepted_tokens, sd.num_draft_tokens)}) · ${perRound} tokens/round`;
+  }
   els.mapSize.textContent =
     `${fmt(s.n_cells)} cells · head ${fmt(s.head)} · ${s.num_running} running · ` +
     `${s.num_waiting} waiting`;

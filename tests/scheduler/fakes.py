@@ -82,8 +82,14 @@ class FakeStates:
 
 
 class FakeWorker:
-    def __init__(self, n_cells: int, fail_when: Callable[[BatchPlan], bool] | None = None) -> None:
+    def __init__(
+        self,
+        n_cells: int,
+        fail_when: Callable[[BatchPlan], bool] | None = None,
+        model: Callable[..., int] | None = None,
+    ) -> None:
         self.n_cells = n_cells  # at least the largest pool
+        self.model = next_token if model is None else model  # next_token's signature
         self.token: list[np.ndarray] = []  # per group: the token each cell holds
         self.k_pos: list[np.ndarray] = []  # per group: the position its K is rotated for
         self.states = FakeStates()  # the recurrent group's, if any
@@ -134,7 +140,7 @@ class FakeWorker:
                 assert (self.k_pos[g][cells] == seen).all(), "K rotated to its position"
                 contexts.append(self.token[g][cells])
             hashes = () if state_hashes is None else (int(state_hashes[sample.row]),)
-            out.append(next_token(contexts, sample, hashes))
+            out.append(self.model(contexts, sample, hashes))
         return StepOutput(token_ids=out)
 
 

@@ -1,0 +1,189 @@
+"""Speculative decoding inside continuous batching: which sequences draft, how many tokens,
+what they propose (n-gram / prompt lookup), and what the verification accepted.
+
+A drafted sequence feeds its last token and k drafted tokens as k + 1 rows at consecutive
+positions (a prompt chunk's causal mask over them), and every row is sampled. Row j is sampled
+exactly as output index num_generated + j would be without speculation: the same
+(seed, output_index) random stream (scheduler/plan.py SampleRow), the same history (the
+drafts before it) and the same processors. Token j + 1 is accepted while row j's sample equals
+draft j; the first sample that differs is emitted as the correction and the rest is dropped,
+the rejected drafts' cells with `seq_rm(seq, p_accept, -1)`.
+
+NOTE: lossless at every temperature: the emitted token of each position IS the target's sample
+for it (a draft only decides how many positions one forward verifies). For proposals that are
+points (an n-gram continuation, a draft model's argmax) this is speculative sampling's rule
+with q = a point mass: d is accepted with probability p(d), else the token comes from p
+without d, renormalised. With a seed, the text is the same as without speculation token for
+token, up to the floating-point differences of computing a row in a batch of k + 1
+(--batch-invariant removes those).
+
+Not speculated: structured outputs (a grammar's mask depends on the tokens before it), and
+memories that cannot forget a sequence's tail (recurrent / hybrid states, and the iSWA pools,
+which prune the cells that leave the window when the drafts are placed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from scheduler.plan import SampleRow
+from scheduler.sequence import Sequence, make_sample_row
+
+SpecType = Literal["none", "ngram"]
+SPEC_TYPES: dict[str, SpecType] = {  # llama.cpp's spellings too
+    "none": "none",
+    "ngram": "ngram",
+    "ngram-simple": "ngram",
+}
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    kind: SpecType = "none"
+    draft_max: int = 16  # tokens drafted for one sequence in one step
+    draft_min: int = 0  # a proposal shorter than this is not verified (llama.cpp's --draft-min)
+    ngram_min: int = 2  # n-gram lookup: the shortest suffix of the context that is matched
+    ngram_max: int = 4  # ... and the longest (tried first)
+    # drafted rows a step may add while few sequences decode: draft tokens of one step
+    # <= step_rows - (decoding sequences), so under load nothing is drafted (steps that are
+    # already compute-bound would only get slower)
+    step_rows: int = 17
+
+    def validate(self) -> None:
+        if self.kind not in ("none", "ngram"):
+            raise ValueError(f"spec type must be one of {sorted(SPEC_TYPES)}, got {self.kind!r}")
+        if not 0 <= self.draft_min <= self.draft_max or self.draft_max > 256:
+            raise ValueError(
+                f"need 0 <= draft_min ({self.draft_min}) <= draft_max ({self.draft_max}) <= 256"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max: {self}")
+        if self.step_rows < 0:
+            raise ValueError(f"step_rows must be >= 0: {self}")
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Cumulative (vLLM's spec_decode counters): rounds = drafted sequences verified."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted drafts + the target's own token of each round
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: rounds accepting draft i
+    acceptance_lengths: list[int] = field(default_factory=list)  # [a]: rounds accepting a
+
+
+def ngram_propose(tokens: Seq[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the
+    context's last n tokens (n from n_max down to n_min); [] without one."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    size = arr.shape[0]
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        # start i of a match: arr[i:i + n] == the last n, with i + n < size (something follows)
+        hit = arr[: size - n] == arr[size - n]
+        for j in range(1, n):
+            hit &= arr[j : size - n + j] == arr[size - n + j]
+        found = np.flatnonzero(hit)
+        if found.size:
+            i = int(found[-1]) + n
+            return arr[i : i + k].tolist()
+    return []
+
+
+class Speculator:
+    """The scheduler's drafting policy and statistics."""
+
+    def __init__(self, config: SpecConfig, rollback: bool) -> None:
+        config.validate()
+        self.config = config
+        # a memory that cannot forget a tail (scheduler passes memory support) never drafts
+        self.enabled = config.kind != "none" and config.draft_max > 0 and rollback
+        self.stats = SpecStats(
+            accepted_per_pos=[0] * config.draft_max,
+            acceptance_lengths=[0] * (config.draft_max + 1),
+        )
+
+    def snapshot(self) -> SpecStats | None:
+        """A copy of the counters; None when speculation is off."""
+        if not self.enabled:
+            return None
+        s = self.stats
+        return replace(
+            s,
+            accepted_per_pos=list(s.accepted_per_pos),
+            acceptance_lengths=list(s.acceptance_lengths),
+        )
+
+    def step_budget(self, num_decoding: int) -> int:
+        """Draft tokens the next step may take."""
+        if not self.enabled:
+            return 0
+        return max(0, self.config.step_rows - num_decoding)
+
+    def limit(self, seq: Sequence) -> int:
+        """How many tokens `seq` may draft now: the request's cap, then what its recent
+        acceptance earned (doubling after a fully accepted round, else one more than the
+        last round accepted)."""
+        req = seq.request
+        if seq.constraint is not None or req.embed:
+            return 0
+        cap = self.config.draft_max if req.draft_max is None else min(req.draft_max, 256)
+        if seq.spec_k < 0:
+            seq.spec_k = cap
+        return min(cap, seq.spec_k)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        c = self.config
+        drafts = ngram_propose(seq.tokens, c.ngram_min, c.ngram_max, k)
+        return drafts if len(drafts) >= max(c.draft_min, 1) else []
+
+    def record(self, seq: Sequence, k: int, accepted: int, emitted: int) -> None:
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += k
+        s.num_accepted_tokens += accepted
+        s.num_emitted_tokens += emitted
+        for i in range(min(accepted, len(s.accepted_per_pos))):
+            s.accepted_per_pos[i] += 1
+        s.acceptance_lengths[min(accepted, len(s.acceptance_lengths) - 1)] += 1
+        cap = self.config.draft_max
+        seq.spec_k = min(cap, 2 * k) if accepted == k else accepted + 1
+
+
+def draft_rows(seq: Sequence, start: int, drafts: list[int]) -> list[SampleRow]:
+    """The k + 1 sample rows of a drafted sequence whose rows start at `start`: row j is
+    sampled as output index num_generated + j (its history holds the drafts before it)."""
+    first = make_sample_row(seq, start)
+    req = seq.request
+    out = []
+    for j in range(len(drafts) + 1):
+        history = None if first.history is None else first.history + drafts[:j]
+        n_out = seq.num_generated + j
+        suppress = first.suppress_ids
+        if suppress and n_out >= req.min_tokens:
+            suppress = ()
+        out.append(
+            replace(
+                first,
+                row=start + j,
+                output_index=n_out,
+                history=history,
+                suppress_ids=suppress,
+            )
+        )
+    return out
+
+
+def accepted_count(drafts: list[int], sampled: Seq[int]) -> int:
+    """Drafts accepted: while row j's sample equals draft j."""
+    a = 0
+    while a < len(drafts) and int(sampled[a]) == drafts[a]:
+        a += 1
+    return a
