@@ -1,0 +1,93 @@
+"""Speculative decoding through the real server (`--spec-type ngram`) on a tiny random Llama:
+the same completions as a request that opts out, streamed and not, and /metrics and the cell
+map count the drafts."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.live_server import start_server
+from tests.server.test_prefix_sharing_server import scrape
+from tests.tiny_models import write_tiny_llama
+
+PROMPT = "Hello world! How are you today? " * 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+    live = start_server(model=str(folder), n_cells=2048, spec_type="ngram", draft_max=8)
+    yield live
+    live.stop()
+
+
+def complete(url: str, **extra: object) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, **extra}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_speculated_text_is_the_plain_text(server) -> None:  # noqa: ANN001
+    url = server.url
+    before = scrape(url)
+    spec = complete(url)
+    after = scrape(url)
+    plain = complete(url, speculative=False)
+    after_plain = scrape(url)
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec["usage"]["completion_tokens"] == 40
+    drafts = after["vllm:spec_decode_num_drafts_total"] - before.get(
+        "vllm:spec_decode_num_drafts_total", 0.0
+    )
+    accepted = after["cellserve_spec_decode_num_accepted_tokens_total"] - before.get(
+        "cellserve_spec_decode_num_accepted_tokens_total", 0.0
+    )
+    assert drafts > 0 and accepted >= 0
+    # the opted-out request drafted nothing
+    assert (
+        after_plain["vllm:spec_decode_num_drafts_total"]
+        == after["vllm:spec_decode_num_drafts_total"]
+    )
+    assert (
+        after["cellserve_spec_decode_acceptance_length_count"]
+        == after["vllm:spec_decode_num_drafts_total"]
+    )
+    # llama.cpp's per-request cap, and a streamed request, give the same text too
+    capped = complete(url, **{"speculative.n_max": 2})
+    assert capped["choices"][0]["text"] == plain["choices"][0]["text"]
+    streamed = ""
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["text"]
+    assert streamed == plain["choices"][0]["text"]
+    cells = httpx.get(f"{url}/v1/cache/cells").json()["speculative"]
+    now = scrape(url)
+    assert cells["num_drafts"] == now["vllm:spec_decode_num_drafts_total"]
+    assert cells["num_accepted_tokens"] == now["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+def test_a_bad_draft_cap_is_a_400(server) -> None:  # noqa: ANN001
+    resp = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "n_draft": -1},
+        timeout=60,
+    )
+    assert resp.status_code == 400 and "n_draft" in resp.text
+
+
+def test_llama_cpp_flag_spellings() -> None:
+    from cli.main import build_settings, make_parser
+
+    args = make_parser().parse_args(
+        ["serve", "--spec-type", "ngram-simple", "--spec-draft-n-max", "6", "--draft-min", "2"]
+    )
+    s = build_settings(args)
+    assert (s.spec_type, s.draft_max, s.draft_min) == ("ngram-simple", 6, 2)
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--spec-draft-n-max"])
