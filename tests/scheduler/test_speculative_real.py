@@ -28,9 +28,7 @@ def workload() -> list[Request]:
     for i in range(6):
         phrase = make_prompt(6 + i, seed=i)
         sampling = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.7, seed=i)
-        reqs.append(
-            Request(f"r{i}", phrase * 4, sampling=sampling, max_tokens=48, ignore_eos=True)
-        )
+        reqs.append(Request(f"r{i}", phrase * 4, sampling=sampling, max_tokens=48, ignore_eos=True))
     return reqs
 
 
