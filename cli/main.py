@@ -43,8 +43,15 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "spec_type",
         str,
         "speculative decoding: none (default) | ngram (prompt lookup: the continuation of the "
-        "latest earlier occurrence of the last tokens, verified in one step; llama.cpp's "
-        "ngram-simple is accepted too). Lossless: the same tokens as without it",
+        "latest earlier occurrence of the last tokens) | draft (a draft model's greedy tokens, "
+        "the default with --model-draft); llama.cpp's ngram-simple / draft-simple too. "
+        "Lossless: the same tokens as without it",
+    ),
+    (
+        "model_draft",
+        str,
+        "speculative decoding's draft model: a GGUF file or HF folder with the target's "
+        "tokenizer (e.g. a 0.5B for a 1.5B), loaded like the target with its own KV cache",
     ),
     ("draft_max", int, "speculative decoding: tokens drafted per sequence and step (default 16)"),
     ("draft_min", int, "speculative decoding: shorter proposals are not verified (default 0)"),
@@ -112,6 +119,7 @@ _FLAGS: list[tuple[str, type | None, str]] = [
 
 # llama.cpp's spellings of the same flags
 _ALIASES = {
+    "model_draft": ("-md",),
     "draft_max": ("--spec-draft-n-max",),
     "draft_min": ("--spec-draft-n-min",),
 }

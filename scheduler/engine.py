@@ -22,6 +22,7 @@ from scheduler.plan import BatchPlan, StepOutput, Worker
 from scheduler.request import Event, FinishEvent, Request
 from scheduler.scheduler import Routed, Scheduler
 from scheduler.snapshot import engine_stats, pool_maps, slot_infos
+from scheduler.speculative import Drafter
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo, StepStats
 
 __all__ = ["Engine", "EngineConfig", "Worker"]
@@ -43,12 +44,14 @@ class Engine:
         config: EngineConfig,
         on_step: Callable[[StepStats], None] | None = None,
         memory: Memory | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        """`memory`: the one the worker's storage was built for; None: built from config."""
+        """`memory`: the one the worker's storage was built for; None: built from config.
+        `drafter`: the draft model of speculative decoding (config.spec.kind "draft")."""
         self.worker = worker
         self.config = config
         self.on_step = on_step
-        self.scheduler = Scheduler(config, memory)
+        self.scheduler = Scheduler(config, memory, drafter)
         # a recurrent model's worker says what one state slot costs (/metrics, the cell map)
         self.state_bytes_per_slot = int(getattr(worker, "state_bytes_per_slot", 0) or 0)
         self._cond = threading.Condition()

@@ -28,7 +28,7 @@ from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, Token
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
 from scheduler.sharing import Sharing
-from scheduler.speculative import Speculator, accepted_count, draft_rows
+from scheduler.speculative import Drafter, Speculator, accepted_count, draft_rows
 from scheduler.stats import Counters
 from scheduler.step import Step
 
@@ -36,7 +36,9 @@ Routed = tuple[str, Event]  # (req_id, event)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, memory: Memory | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, memory: Memory | None = None, drafter: Drafter | None = None
+    ) -> None:
         config.validate()
         self.config = config
         if memory is None:
@@ -48,7 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache)
         self.sharing = Sharing(self.prefix, memory, config)
-        self.spec = Speculator(config.spec, rollback=memory.tail_rollback)
+        self.spec = Speculator(config.spec, memory.tail_rollback, drafter)
         # queued sequences looked at per step: waiters are skipped, the rest admitted FCFS
         self._scan = max(config.n_seq_max, 1)
         self._requests: dict[str, list[Sequence]] = {}
@@ -95,9 +97,7 @@ class Scheduler:
         step = self._step = Step(self.config.n_batch)
         n_ctx = self.config.n_ctx_seq
 
-        decoding = [s for s in self.running if s.is_decoding]
-        spec_budget = self.spec.step_budget(len(decoding))
-        for seq in decoding:
+        for seq in [s for s in self.running if s.is_decoding]:
             if step.budget == 0:
                 break
             if seq.state is not SeqState.RUNNING:
@@ -105,12 +105,10 @@ class Scheduler:
             if seq.num_computed >= n_ctx and not self._shift(seq, step):
                 continue
             if self._make_room(1, seq, step):
-                drafts = self._draft(seq, step, spec_budget) if spec_budget else []
-                step.add(seq, 1 + len(drafts))
-                if drafts:
-                    step.drafts[id(seq)] = drafts
-                    spec_budget -= len(drafts)
+                step.add(seq, 1)
         step.num_decode = len(step.rows)
+        if self.spec.enabled:
+            self._add_drafts(step)
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if step.budget == 0:
@@ -283,20 +281,33 @@ class Scheduler:
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")
 
-    def _draft(self, seq: Sequence, step: Step, budget: int) -> list[int]:
-        """Speculative decoding: the tokens `seq` drafts this step (its one decode row is
-        planned): within the step's and the memory's room (drafts never evict nor preempt),
-        before its context limit and its max_tokens."""
-        req = seq.request
-        k = min(
-            budget,
-            self.spec.limit(seq),
-            step.budget - 1,
-            self._n_free(step, evict=False) - 1,
-            self.config.n_ctx_seq - 1 - seq.num_computed,
-            req.max_tokens - seq.num_generated - 1,
-        )
-        return self.spec.propose(seq, k)
+    def _add_drafts(self, step: Step) -> None:
+        """Speculative decoding: the decode rows' sequences draft, in order, within the
+        step's draft budget, its token budget and the memory's free cells (drafts never evict
+        nor preempt), before their context limit and their max_tokens."""
+        budget = self.spec.step_budget(step.num_decode)
+        room = min(step.budget, self._n_free(step, evict=False))
+        asks: list[tuple[int, Sequence, int]] = []  # (index in step.rows, seq, k)
+        for index, (seq, _) in enumerate(step.rows[: step.num_decode]):
+            k = min(
+                budget,
+                room,
+                self.spec.limit(seq),
+                self.config.n_ctx_seq - 1 - seq.num_computed,
+                seq.request.max_tokens - seq.num_generated - 1,
+            )
+            if k > 0:
+                asks.append((index, seq, k))
+                budget -= k
+                room -= k
+        if not asks:
+            return
+        live = {s.seq_id for s in self.running}
+        proposals = self.spec.propose([(seq, k) for _, seq, k in asks], live)
+        for (index, seq, _), drafts in zip(asks, proposals, strict=True):
+            if drafts:
+                step.extend(index, len(drafts))
+                step.drafts[id(seq)] = drafts
 
     def _verify(
         self, seq: Sequence, drafts: list[int], samples: list[SampleRow], out: StepOutput, i: int

@@ -26,19 +26,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
 from scheduler.plan import SampleRow
 from scheduler.sequence import Sequence, make_sample_row
 
-SpecType = Literal["none", "ngram"]
+SpecType = Literal["none", "ngram", "draft"]
 SPEC_TYPES: dict[str, SpecType] = {  # llama.cpp's spellings too
     "none": "none",
     "ngram": "ngram",
     "ngram-simple": "ngram",
+    "draft": "draft",
+    "draft-simple": "draft",
 }
+
+
+class Drafter(Protocol):
+    """A draft model beside the target (model/runner/draft.py; fakes in tests)."""
+
+    def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
+        """asks: (seq_id, the sequence's tokens, k) -> up to k greedy draft tokens each.
+        `live`: the seq ids in use; whatever the drafter keeps for others may go."""
+        ...
 
 
 @dataclass(slots=True)
@@ -54,7 +65,7 @@ class SpecConfig:
     step_rows: int = 17
 
     def validate(self) -> None:
-        if self.kind not in ("none", "ngram"):
+        if self.kind not in ("none", "ngram", "draft"):
             raise ValueError(f"spec type must be one of {sorted(SPEC_TYPES)}, got {self.kind!r}")
         if not 0 <= self.draft_min <= self.draft_max or self.draft_max > 256:
             raise ValueError(
@@ -98,10 +109,13 @@ def ngram_propose(tokens: Seq[int], n_min: int, n_max: int, k: int) -> list[int]
 class Speculator:
     """The scheduler's drafting policy and statistics."""
 
-    def __init__(self, config: SpecConfig, rollback: bool) -> None:
+    def __init__(self, config: SpecConfig, rollback: bool, drafter: Drafter | None = None) -> None:
         config.validate()
+        if config.kind == "draft" and drafter is None:
+            raise ValueError("speculative decoding of type draft needs a draft model")
         self.config = config
-        # a memory that cannot forget a tail (scheduler passes memory support) never drafts
+        self.drafter = drafter
+        # a memory that cannot forget a tail (Memory.tail_rollback) never drafts
         self.enabled = config.kind != "none" and config.draft_max > 0 and rollback
         self.stats = SpecStats(
             accepted_per_pos=[0] * config.draft_max,
@@ -137,12 +151,15 @@ class Speculator:
             seq.spec_k = cap
         return min(cap, seq.spec_k)
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        if k <= 0:
-            return []
+    def propose(self, asks: list[tuple[Sequence, int]], live: set[int]) -> list[list[int]]:
+        """Up to k draft tokens for each (seq, k); a proposal shorter than draft_min is []."""
         c = self.config
-        drafts = ngram_propose(seq.tokens, c.ngram_min, c.ngram_max, k)
-        return drafts if len(drafts) >= max(c.draft_min, 1) else []
+        if self.drafter is not None and c.kind == "draft":
+            got = self.drafter.propose([(s.seq_id, s.tokens, k) for s, k in asks], live)
+        else:
+            got = [ngram_propose(s.tokens, c.ngram_min, c.ngram_max, k) for s, k in asks]
+        shortest = max(c.draft_min, 1)
+        return [d[:k] if len(d) >= shortest else [] for d, (_, k) in zip(got, asks, strict=True)]
 
     def record(self, seq: Sequence, k: int, accepted: int, emitted: int) -> None:
         s = self.stats

@@ -27,6 +27,13 @@ class Step:
         self.budget -= n
         self._ids.add(id(seq))
 
+    def extend(self, index: int, n: int) -> None:
+        """n more rows for the sequence of rows[index]."""
+        seq, m = self.rows[index]
+        self.rows[index] = (seq, m + n)
+        self.num_scheduled += n
+        self.budget -= n
+
     def has(self, seq: Sequence) -> bool:
         """`seq` has rows this step (so it is never preempted in it)."""
         return id(seq) in self._ids

@@ -9,7 +9,7 @@ from typing import Any
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.speculative import SPEC_TYPES, SpecConfig
+from scheduler.speculative import SpecConfig
 from scheduler.stats import StepStats
 from server.backend import Backend
 from server.settings import Settings
@@ -46,6 +46,31 @@ def log_speculation(config: EngineConfig, memory: Any) -> None:
         spec.draft_min,
         spec.step_rows,
     )
+
+
+def load_draft_model(settings: Settings, target: Any, device: str, threads: int) -> Any:
+    """Speculative decoding's draft model (model/runner/draft.py), or ModelLoadError."""
+    from model.errors import ModelLoadError
+    from model.runner.draft import load_draft
+
+    if not settings.model_draft:
+        raise ModelLoadError("--spec-type draft needs a draft model: --model-draft PATH")
+    try:
+        draft = load_draft(
+            settings.model_draft,
+            target,
+            device,
+            settings.dtype,
+            settings.quant,
+            settings.n_cells,
+            settings.n_seq_max,
+            settings.n_batch,
+            threads if device == "cpu" else None,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"--model-draft {settings.model_draft}: {exc}") from exc
+    log.info("draft model: %s (%s cells)", draft.name, settings.n_cells)
+    return draft
 
 
 def load_backend(
@@ -89,7 +114,7 @@ def load_backend(
         memory_spec=loaded.config.memory_spec,
         state_checkpoints=settings.state_checkpoints,
         state_checkpoint_interval=settings.state_checkpoint_interval,
-        spec=SpecConfig(SPEC_TYPES[settings.spec_type], settings.draft_max, settings.draft_min),
+        spec=SpecConfig(settings.spec_kind, settings.draft_max, settings.draft_min),
     )
     config.validate()
     # the scheduler's memory and the worker's storage from one spec: iSWA for a model with
@@ -100,6 +125,9 @@ def load_backend(
         unit = "state slots" if pool.kind == "slots" else f"cells (window {pool.window})"
         log.info("memory pool %s: %d %s", pool.name, pool.cells.n_cells, unit)
     log_speculation(config, memory)
+    drafter = None
+    if config.spec.kind == "draft" and memory.tail_rollback:
+        drafter = load_draft_model(settings, loaded, device, threads)
     worker = make_worker(
         loaded,
         settings.n_cells,
@@ -115,7 +143,7 @@ def load_backend(
     if wrap_worker is not None:
         worker = wrap_worker(worker)
     return Backend(
-        engine=Engine(worker, config, on_step=on_step, memory=memory),
+        engine=Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter),
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         model_name=settings.served_model_name or loaded.name,

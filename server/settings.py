@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler.speculative import SPEC_TYPES
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CELLSERVE_", extra="ignore")
@@ -35,8 +37,9 @@ class Settings(BaseSettings):
     state_checkpoints: int | None = Field(None, ge=0)
     state_checkpoint_interval: int = Field(256, ge=1)
     # speculative decoding (scheduler/speculative.py): "ngram" drafts by prompt lookup
-    # (llama.cpp's ngram-simple); none = off (llama.cpp's default too)
-    spec_type: Literal["none", "ngram", "ngram-simple"] = "none"
+    # (llama.cpp's ngram-simple), "draft" with model_draft (implied by it); none = off
+    spec_type: Literal["none", "ngram", "ngram-simple", "draft", "draft-simple"] | None = None
+    model_draft: str | None = None  # a GGUF file or HF folder with the target's tokenizer
     draft_max: int = Field(16, ge=0, le=256)  # tokens one sequence drafts per step at most
     draft_min: int = Field(0, ge=0, le=256)  # shorter proposals are not verified
     # None: the fast setup for this machine (model.load.loader.choose_runtime): bfloat16 where the
@@ -62,6 +65,13 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_prompts: bool = False  # prompts are never logged unless this is on
     cors_allow_origins: str = ""  # comma-separated origins (or "*"); "" = no CORS headers
+
+    @property
+    def spec_kind(self) -> str:
+        """The speculation type in effect: a draft model implies "draft"."""
+        if self.spec_type is None:
+            return "draft" if self.model_draft else "none"
+        return SPEC_TYPES[self.spec_type]
 
     @property
     def cors_origins(self) -> list[str]:

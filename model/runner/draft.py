@@ -1,0 +1,205 @@
+"""The draft model of speculative decoding (scheduler/speculative.py's Drafter): a second model
+with its own worker and its own memory (built from its own spec: it may be another
+architecture), driven from the engine thread inside the scheduler's step.
+
+Its cache mirrors each target sequence by seq id, lazily: `held[seq_id]` is the tokens its
+cells hold at positions 0..n-1. Asked to draft for a sequence, it keeps the longest common
+prefix of what it holds and the sequence's tokens (seq_rm of the rest: the drafts the target
+rejected, a context shift, a seq id that now serves another request), feeds the remainder in
+one chunk, then its own greedy tokens one row at a time, every asking sequence in one batch
+per row. Seq ids no longer in use are forgotten at the next call; a full cache forgets the
+other sequences first.
+
+NOTE: the draft's proposals are its argmax, points: the verification (the target sampling each
+row as usual) is lossless whatever they are, and the draft's memory is never shared with the
+target's prefix cache: a request served from the target's prefix cache still computes its
+prompt in the draft (at the draft's size) before its first proposal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache.memory import Memory
+from model.load.loader import LoadedModel
+from model.load.tokenizer import Tokenizer
+from model.runner.worker import ModelWorker
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class DraftModel:
+    def __init__(
+        self,
+        worker: ModelWorker,
+        memory: Memory,
+        n_batch: int,
+        vocab_limit: int | None = None,
+        name: str = "draft",
+    ) -> None:
+        if not memory.tail_rollback:
+            raise ValueError(
+                f"the draft model's memory ({type(memory).__name__}) cannot forget a "
+                "sequence's last tokens: a recurrent or hybrid model cannot be the draft"
+            )
+        self.worker = worker
+        self.memory = memory
+        self.n_batch = n_batch
+        # ids the target can read: a draft token past them ends the proposal
+        self.vocab_limit = vocab_limit
+        self.name = name
+        self.held: dict[int, list[int]] = {}
+        self.num_forwards = 0  # draft model steps run (stats, tests)
+
+    def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
+        for sid in [s for s in self.held if s not in live]:
+            self._forget(sid)
+        drafts: list[list[int]] = [[] for _ in asks]
+        # catch-up: each asking sequence feeds what its cells lack (at least its last token,
+        # whose logits give the first draft) as long as the step's budget and the memory last
+        feeds: list[tuple[int, list[int], int, bool]] = []  # (ask index, tokens, position, sample)
+        budget = self.n_batch
+        asking = {s for s, _, _ in asks}
+        for i, (sid, tokens, _) in enumerate(asks):
+            keep = min(common_prefix(self.held.get(sid, []), tokens), len(tokens) - 1)
+            self._cut(sid, keep)
+            rest = tokens[keep:]
+            planned = self.n_batch - budget
+            n = min(len(rest), budget, self._room(asking) - planned)
+            if n <= 0:
+                continue
+            feeds.append((i, rest[:n], keep, n == len(rest)))
+            self.held[sid] = tokens[: keep + n]
+            budget -= n
+        active = self._run(asks, feeds)
+        self._take(active, drafts)
+        # one row per still-drafting sequence: its newest draft in, the next one out
+        while active:
+            rows: list[tuple[int, list[int], int, bool]] = []
+            for i, token in active.items():
+                sid, _, k = asks[i]
+                if len(drafts[i]) >= k or self._room(asking) - len(rows) < 1:
+                    continue
+                rows.append((i, [token], len(self.held[sid]), True))
+                self.held[sid] = self.held[sid] + [token]
+            active = self._take(self._run(asks, rows), drafts)
+        return drafts
+
+    def _take(self, got: dict[int, int], drafts: list[list[int]]) -> dict[int, int]:
+        """Appends each new draft token; -> those still drafting (a token past the target's
+        vocabulary ends its proposal, without it)."""
+        keep = {}
+        for i, token in got.items():
+            if self.vocab_limit is not None and token >= self.vocab_limit:
+                continue
+            drafts[i].append(token)
+            keep[i] = token
+        return keep
+
+    def _run(
+        self, asks: list[tuple[int, list[int], int]], feeds: list[tuple[int, list[int], int, bool]]
+    ) -> dict[int, int]:
+        """One forward of the draft over `feeds` -> {ask index: greedy token} of the sampled
+        ones."""
+        if not feeds:
+            return {}
+        token_ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _, _ in feeds])
+        positions = np.concatenate(
+            [np.arange(p, p + len(t), dtype=np.int64) for _, t, p, _ in feeds]
+        )
+        seqs, samples, sampled, start = [], [], [], 0
+        for i, tokens, _, sample in feeds:
+            sid = asks[i][0]
+            seqs.append(SeqBatch(sid, start, start + len(tokens)))
+            if sample:
+                samples.append(SampleRow(start + len(tokens) - 1, GREEDY, 0, 0, 0))
+                sampled.append(i)
+            start += len(tokens)
+        seq_ids = np.concatenate([np.full(sb.end - sb.start, sb.seq_id) for sb in seqs])
+        mplan = self.memory.plan(positions, seq_ids)
+        assert mplan is not None, "room was checked"
+        self.memory.apply(mplan)
+        views = [self.memory.views(sb.seq_id, positions[sb.start : sb.end]) for sb in seqs]
+        groups = group_batches(self.memory, mplan, views, self.memory.take_pending())
+        plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples)
+        out = self.worker.execute(plan)
+        self.num_forwards += 1
+        return dict(zip(sampled, out.token_ids, strict=True))
+
+    def _room(self, keep: set[int]) -> int:
+        """Free cells; when the memory is full, after forgetting the sequences not in `keep`
+        (planned rows are the caller's to subtract)."""
+        if self.memory.n_free() < self.n_batch:
+            for other in [s for s in self.held if s not in keep]:
+                self._forget(other)
+        return self.memory.n_free()
+
+    def _cut(self, sid: int, n: int) -> None:
+        held = self.held.get(sid)
+        if held is not None and len(held) > n:
+            self.memory.seq_rm(sid, n, -1)
+            self.held[sid] = held[:n]
+
+    def _forget(self, sid: int) -> None:
+        self.memory.seq_rm(sid, -1, -1)
+        del self.held[sid]
+
+
+def check_vocab(target: Tokenizer, draft: Tokenizer) -> None:
+    """The draft must speak the target's tokens (llama.cpp's check: sizes within 128, the
+    same text for every id both have, the same BOS / EOS); ValueError says where not."""
+    if abs(target.vocab_size - draft.vocab_size) > 128:
+        raise ValueError(
+            f"the draft's vocabulary has {draft.vocab_size} tokens, the target's "
+            f"{target.vocab_size}: they must share a tokenizer"
+        )
+    if (target.bos_id, target.eos_id) != (draft.bos_id, draft.eos_id):
+        raise ValueError(
+            f"the draft's BOS / EOS ids {draft.bos_id} / {draft.eos_id} differ from the "
+            f"target's {target.bos_id} / {target.eos_id}"
+        )
+    for i in range(min(target.vocab_size, draft.vocab_size)):
+        if target.id_to_token(i) != draft.id_to_token(i):
+            raise ValueError(
+                f"token {i} is {target.id_to_token(i)!r} in the target and "
+                f"{draft.id_to_token(i)!r} in the draft: they must share a tokenizer"
+            )
+
+
+def load_draft(
+    path: str,
+    target: LoadedModel,
+    device: str,
+    dtype: str | None,
+    quant: str | None,
+    n_cells: int,
+    n_seq_max: int,
+    n_batch: int,
+    threads: int | None,
+) -> DraftModel:
+    """Open the draft model like the target (the same device and runtime choices), check its
+    tokenizer against the target's, and give it a unified cache of n_cells (sliding-window
+    layers masked: its tail must be removable) with the target's seq ids."""
+    from kvcache.make import make_memory
+    from model.runner.worker import make_worker
+    from model.serving import open_model
+
+    opened = open_model(path, device, dtype, quant)
+    loaded = opened.loaded
+    check_vocab(target.tokenizer, loaded.tokenizer)
+    try:
+        memory = make_memory(loaded.config.memory_spec, n_cells, n_seq_max, n_batch, "unified")
+    except ValueError as exc:
+        raise ValueError(f"{path} cannot be a draft model: {exc}") from exc
+    worker = make_worker(loaded, n_cells, opened.runtime.dtype, device, threads=threads)
+    limit = min(target.config.vocab_size, loaded.config.vocab_size)
+    return DraftModel(worker, memory, n_batch, vocab_limit=limit, name=loaded.name)

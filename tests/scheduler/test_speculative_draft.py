@@ -1,0 +1,99 @@
+"""Speculative decoding with a draft model (model/runner/draft.py) on tiny random Llamas: the
+draft's own cache mirrors the target's sequences, its greedy tokens are verified in one target
+step, and the text is the target's alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcache.make import make_memory
+from model.load.loader import LoadedModel, load_model
+from model.runner.draft import DraftModel, check_vocab
+from model.runner.worker import make_worker
+from scheduler.plan import SamplingParams
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from scheduler.speculative import SpecConfig
+from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+from tests.tiny_models import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    root = Path(tmp_path_factory.mktemp("tiny"))
+    return {
+        "target": load_model(write_tiny_llama(root / "t", n_layers=2, seed=0)),
+        "other": load_model(write_tiny_llama(root / "o", n_layers=1, seed=5)),
+        "fim": load_model(write_tiny_llama(root / "f", fim=True)),
+    }
+
+
+def workload() -> list[Request]:
+    out = []
+    for i in range(5):
+        sampling = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
+        prompt = make_prompt(20 + 5 * i, seed=i)
+        out.append(Request(f"r{i}", prompt, sampling=sampling, max_tokens=40, ignore_eos=True))
+    return out
+
+
+def serve(
+    models: dict[str, LoadedModel], kind: str, draft: str = "target", **cfg: object
+) -> tuple[Outcome, Scheduler, DraftModel | None]:
+    base: dict[str, object] = dict(n_cells=1024, n_ctx_seq=128, n_batch=64)
+    config = make_config(**{**base, **cfg}, spec=SpecConfig(kind=kind))
+    drafter = None
+    if kind == "draft":
+        d = models[draft]
+        memory = make_memory(d.config.memory_spec, 1024, config.n_seq_max, 64, "unified")
+        drafter = DraftModel(make_worker(d, 1024), memory, 64)
+    sched = Scheduler(config, drafter=drafter)
+    worker = make_worker(models["target"], config.n_cells)
+    outcome = Outcome()
+    for batch in [[r] for r in workload()] + [workload()]:  # one at a time, then together
+        for r in batch:
+            r.req_id += f"-{outcome.num_steps}"
+            sched.add_request(r)
+        while sched.has_work:
+            step(sched, worker, outcome)  # type: ignore[arg-type]
+    return outcome, sched, drafter
+
+
+def test_the_target_as_its_own_draft_is_accepted_and_changes_nothing(models) -> None:  # noqa: ANN001
+    plain, _, _ = serve(models, "none")
+    spec, sched, drafter = serve(models, "draft")
+    assert list(spec.tokens.values()) == list(plain.tokens.values())
+    s = sched.spec.stats
+    assert drafter is not None and drafter.num_forwards > 0
+    # greedy rows take every draft of an identical model; sampled rows only some
+    assert s.num_accepted_tokens > 0.5 * s.num_draft_tokens
+    assert spec.num_steps < 0.6 * plain.num_steps
+
+
+def test_another_draft_model_changes_nothing_either(models) -> None:  # noqa: ANN001
+    plain, _, _ = serve(models, "none")
+    spec, sched, drafter = serve(models, "draft", draft="other")
+    assert list(spec.tokens.values()) == list(plain.tokens.values())
+    assert sched.spec.stats.num_drafts > 0
+    # finished sequences' draft cells go at the next proposal; a finished engine holds none
+    # beyond the sequences still known to the draft
+    assert drafter is not None
+    used = drafter.memory.pools[0].cells.stats().used
+    assert used == sum(len(t) for t in drafter.held.values())
+
+
+def test_through_preemption_and_context_shift(models) -> None:  # noqa: ANN001
+    tight: dict[str, object] = dict(n_cells=100, n_ctx_seq=48, prefix_cache=False)
+    plain, p_sched, _ = serve(models, "none", **tight)
+    spec, s_sched, _ = serve(models, "draft", **tight)
+    assert list(spec.tokens.values()) == list(plain.tokens.values())
+    assert s_sched.counters.num_context_shifts > 0 and s_sched.counters.num_preemptions > 0
+    assert s_sched.spec.stats.num_accepted_tokens > 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused(models) -> None:  # noqa: ANN001
+    check_vocab(models["target"].tokenizer, models["other"].tokenizer)
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        check_vocab(models["target"].tokenizer, models["fim"].tokenizer)
