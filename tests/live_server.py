@@ -85,7 +85,12 @@ def start_server(
     if not wait:
         return live
     try:
-        wait_ready(live.url, ready_timeout, thread.is_alive)
+        # a failed load keeps the thread serving 503: stop waiting once the app says so
+        wait_ready(
+            live.url,
+            ready_timeout,
+            lambda: thread.is_alive() and not getattr(app.state, "load_error", None),
+        )
     except Exception:
         live.stop()
         if app.state.load_error:

@@ -91,3 +91,23 @@ def test_llama_cpp_flag_spellings() -> None:
     assert (s.spec_type, s.draft_max, s.draft_min) == ("ngram-simple", 6, 2)
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--spec-draft-n-max"])
+
+
+def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
+    target = write_tiny_llama(tmp_path / "target", seed=0)
+    draft = write_tiny_llama(tmp_path / "draft", n_layers=1, seed=3)
+    live = start_server(model=str(target), n_cells=1024, model_draft=str(draft))
+    try:
+        spec = complete(live.url)
+        plain = complete(live.url, speculative=False)
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert scrape(live.url)["vllm:spec_decode_num_drafts_total"] > 0
+    finally:
+        live.stop()
+
+
+def test_a_draft_with_another_tokenizer_fails_the_start_with_the_reason(tmp_path) -> None:  # noqa: ANN001
+    target = write_tiny_llama(tmp_path / "target")
+    other = write_tiny_llama(tmp_path / "fim", fim=True)
+    with pytest.raises(RuntimeError, match="--model-draft .*must share a tokenizer"):
+        start_server(model=str(target), n_cells=512, model_draft=str(other))
