@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint",
         choices=("completions", "chat"),
         default=None,
-        help="default: chat for multi-turn, completions otherwise",
+        help="default: chat for multi-turn and code-edit, completions otherwise",
     )
     p.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
     p.add_argument("--api-key", default=None)
@@ -156,7 +156,8 @@ def run_benchmark(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    endpoint = args.endpoint or ("chat" if args.workload == "multi-turn" else "completions")
+    chat_default = args.workload in ("multi-turn", "code-edit")
+    endpoint = args.endpoint or ("chat" if chat_default else "completions")
     concurrencies: list[int | None] = list(args.concurrency or [])
     if not concurrencies:
         concurrencies = [None] if math.isfinite(args.request_rate) else [8]

@@ -2,7 +2,10 @@
 
 Every workload is a list of `Session`s. A session is one system prompt (may be empty) and
 one or more user turns sent one after another, each resending the growing history
-(multi-turn); `random` and `shared-prefix` sessions have a single turn.
+(multi-turn); `random` and `shared-prefix` sessions have a single turn. `code-edit` asks to
+rename a variable in a generated Python function of about input_len tokens and return the whole
+function: an answer that repeats most of its prompt (speculative decoding's case; send it to
+the chat endpoint without ignore_eos).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "code-edit")
 
 # Plain lowercase words: most are one token in BPE vocabularies, which keeps the
 # calibration short. Immutable on purpose.
@@ -92,6 +95,38 @@ class PromptBuilder:
         return best[1], best[2]
 
 
+_STATEMENTS = (
+    "{a} = {b} * {n} + {c}",
+    "if {a} > {n}:\n        {b} = {b} - {a}",
+    "{a} = sorted({b}, key=lambda item: item[{n}])",
+    "for {a} in range({n}):\n        {b} += {a} * {c}",
+    "{a} = [value * {n} for value in {b} if value]",
+    "while {a} < {n}:\n        {a} += {c}",
+    "{a} = dict(zip({b}, {c}))",
+    "{a} = max({b}, {c}, {n})",
+)
+
+
+def code_edit_turn(rng: random.Random, n_tokens: int) -> tuple[str, str, str]:
+    """(the request, the old name, the new name): a Python function of about `n_tokens`
+    tokens (~4 characters a token) and the instruction to rename one of its variables."""
+    names = rng.sample(WORDS, 6)
+    body = [f"    {name} = {rng.randrange(2, 99)}" for name in names[:3]]
+    while sum(len(line) for line in body) < 4 * n_tokens:
+        a, b, c = (rng.choice(names) for _ in range(3))
+        line = rng.choice(_STATEMENTS).format(a=a, b=b, c=c, n=rng.randrange(2, 99))
+        body.append("    " + line)
+    old = names[0]
+    new = f"{old}_{rng.choice(WORDS)}"
+    head = f"def compute_{names[4]}_{names[5]}({names[1]}, {names[2]}):"
+    code = "\n".join([head, *body, f"    return {old}"])
+    prompt = (
+        f"Rename the variable `{old}` to `{new}` in this Python function. Reply with the "
+        f"whole updated function in one code block and nothing else.\n\n```python\n{code}\n```"
+    )
+    return prompt, old, new
+
+
 def build_sessions(
     spec: WorkloadSpec, builder: PromptBuilder, system: tuple[str, int] | None = None
 ) -> list[Session]:
@@ -104,6 +139,11 @@ def build_sessions(
     n_turns = spec.turns if spec.name == "multi-turn" else 1
     sessions = []
     for _ in range(spec.num_prompts):
+        if spec.name == "code-edit":
+            text = code_edit_turn(builder.rng, spec.input_len)[0]
+            count = builder.count_tokens(text) if builder.count_tokens else len(text) // 4
+            sessions.append(Session("", [text], 0, [count]))
+            continue
         turns = [builder.text(spec.input_len) for _ in range(n_turns)]
         sessions.append(
             Session(system_text, [t for t, _ in turns], system_tokens, [n for _, n in turns])
