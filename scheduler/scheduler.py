@@ -28,7 +28,7 @@ from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, Token
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
 from scheduler.sharing import Sharing
-from scheduler.speculative import Drafter, Speculator, accepted_count, draft_rows
+from scheduler.speculative import Drafter, Speculator, accepted_count, draft_rows, grammar_cut
 from scheduler.stats import Counters
 from scheduler.step import Step
 
@@ -304,7 +304,8 @@ class Scheduler:
             return
         live = {s.seq_id for s in self.running}
         proposals = self.spec.propose([(seq, k) for _, seq, k in asks], live)
-        for (index, seq, _), drafts in zip(asks, proposals, strict=True):
+        for (index, seq, _), proposal in zip(asks, proposals, strict=True):
+            drafts = grammar_cut(seq, proposal)
             if drafts:
                 step.extend(index, len(drafts))
                 step.drafts[id(seq)] = drafts

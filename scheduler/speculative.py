@@ -17,9 +17,12 @@ without d, renormalised. With a seed, the text is the same as without speculatio
 token, up to the floating-point differences of computing a row in a batch of k + 1
 (--batch-invariant removes those).
 
-Not speculated: structured outputs (a grammar's mask depends on the tokens before it), and
-memories that cannot forget a sequence's tail (recurrent / hybrid states, and the iSWA pools,
-which prune the cells that leave the window when the drafts are placed).
+Structured outputs: a grammar cuts a proposal at its first token the grammar rejects (or
+after the one that completes it), and each drafted row is sampled under the mask of a copy of
+the matcher that has consumed the drafts before it.
+
+Not speculated: memories that cannot forget a sequence's tail (recurrent / hybrid states, and
+the iSWA pools, which prune the cells that leave the window when the drafts are placed).
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ class Speculator:
         acceptance earned (doubling after a fully accepted round, else one more than the
         last round accepted)."""
         req = seq.request
-        if seq.constraint is not None or req.embed:
+        if req.embed:
             return 0
         cap = self.config.draft_max if req.draft_max is None else min(req.draft_max, 256)
         if seq.spec_k < 0:
@@ -174,11 +177,31 @@ class Speculator:
         seq.spec_k = min(cap, 2 * k) if accepted == k else accepted + 1
 
 
+def grammar_cut(seq: Sequence, drafts: list[int]) -> list[int]:
+    """The drafts a structured output's grammar admits: up to the first it rejects, and none
+    after the one that completes it."""
+    if seq.constraint is None or not drafts:
+        return drafts
+    probe = seq.constraint.fork()
+    for j, token in enumerate(drafts):
+        if probe.advance(token) is not None:
+            return drafts[:j]
+        if probe.is_done:
+            return drafts[: j + 1]
+    return drafts
+
+
 def draft_rows(seq: Sequence, start: int, drafts: list[int]) -> list[SampleRow]:
     """The k + 1 sample rows of a drafted sequence whose rows start at `start`: row j is
-    sampled as output index num_generated + j (its history holds the drafts before it)."""
+    sampled as output index num_generated + j (its history holds the drafts before it, its
+    grammar's matcher has consumed them)."""
     first = make_sample_row(seq, start)
     req = seq.request
+    constraints = [seq.constraint]
+    for token in drafts if seq.constraint is not None else []:
+        after = constraints[-1].fork()  # type: ignore[union-attr]
+        after.advance(token)  # admitted: grammar_cut checked every draft
+        constraints.append(after)
     out = []
     for j in range(len(drafts) + 1):
         history = None if first.history is None else first.history + drafts[:j]
@@ -193,6 +216,7 @@ def draft_rows(seq: Sequence, start: int, drafts: list[int]) -> list[SampleRow]:
                 output_index=n_out,
                 history=history,
                 suppress_ids=suppress,
+                constraint=constraints[j] if seq.constraint is not None else None,
             )
         )
     return out

@@ -272,3 +272,37 @@ def test_masked_rows_sample_only_allowed_tokens(
     assert out[0] == max(allowed, key=lambda t: float(logits[0, t]))  # the best allowed one
     assert out[-1] == int(logits[-1].argmax())  # the unconstrained row is untouched
     assert len(set(out[1:-1])) > 1  # sampled, not forced to one token
+
+
+def test_speculative_drafts_follow_the_grammar(
+    smollm: LoadedModel, compiler: GrammarCompiler
+) -> None:
+    """n-gram drafts of a constrained request are cut where the grammar rejects them and
+    verified under the matcher that consumed the drafts before them: the same JSON as
+    without speculation, greedy and seeded."""
+    from scheduler.speculative import SpecConfig
+
+    example = '{"name": "Ann", "age": 30, "color": "red"}'
+
+    def workload() -> list[Request]:
+        out = []
+        for i, topic in enumerate(TOPICS[:3]):
+            sampling = SamplingParams(temperature=0.0 if i != 1 else 0.8, seed=i)
+            prompt = chat_prompt(smollm, f"Describe {topic} as JSON like {example} {example}")
+            out.append(
+                Request(
+                    f"s{i}",
+                    prompt,
+                    sampling,
+                    max_tokens=60,
+                    stop_token_ids=frozenset(smollm.tokenizer.eos_ids),
+                    grammar=compiler.compile(GrammarSpec.json_schema(PERSON)),
+                )
+            )
+        return out
+
+    plain, _ = serve(smollm, [[r] for r in workload()])
+    spec, sched = serve(smollm, [[r] for r in workload()], spec=SpecConfig(kind="ngram"))
+    assert spec.tokens == plain.tokens
+    assert_people(smollm, spec, [(f"s{i}", 0) for i in range(3)])
+    assert sched.spec.stats.num_accepted_tokens > 0
