@@ -28,7 +28,7 @@ from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, Token
 from scheduler.seq_ids import SeqIds
 from scheduler.sequence import SeqState, Sequence, make_sample_row
 from scheduler.sharing import Sharing
-from scheduler.speculative import Drafter, Speculator, accepted_count, draft_rows, grammar_cut
+from scheduler.speculative import Drafter, Speculator, draft_rows
 from scheduler.stats import Counters
 from scheduler.step import Step
 
@@ -107,8 +107,9 @@ class Scheduler:
             if self._make_room(1, seq, step):
                 step.add(seq, 1)
         step.num_decode = len(step.rows)
-        if self.spec.enabled:
-            self._add_drafts(step)
+        if self.spec.enabled:  # drafts never evict nor preempt
+            free = self._n_free(step, evict=False)
+            self.spec.add_drafts(step, free, n_ctx, {s.seq_id for s in self.running})
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if step.budget == 0:
@@ -157,7 +158,9 @@ class Scheduler:
             drafts = self._step.drafts.get(id(seq))
             if drafts is not None:  # its k + 1 rows' samples are samples[i : i + k + 1]
                 if seq.state is SeqState.RUNNING:
-                    self._verify(seq, drafts, plan.samples, out, i)
+                    self.spec.verify(
+                        seq, drafts, plan.samples, out, i, self.memory, self._append_token
+                    )
                 i += len(drafts) + 1
                 continue
             i += 1
@@ -280,55 +283,6 @@ class Scheduler:
         out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")
-
-    def _add_drafts(self, step: Step) -> None:
-        """Speculative decoding: the decode rows' sequences draft, in order, within the
-        step's draft budget, its token budget and the memory's free cells (drafts never evict
-        nor preempt), before their context limit and their max_tokens."""
-        budget = self.spec.step_budget(step.num_decode)
-        room = min(step.budget, self._n_free(step, evict=False))
-        asks: list[tuple[int, Sequence, int]] = []  # (index in step.rows, seq, k)
-        for index, (seq, _) in enumerate(step.rows[: step.num_decode]):
-            k = min(
-                budget,
-                room,
-                self.spec.limit(seq),
-                self.config.n_ctx_seq - 1 - seq.num_computed,
-                seq.request.max_tokens - seq.num_generated - 1,
-            )
-            if k > 0:
-                asks.append((index, seq, k))
-                budget -= k
-                room -= k
-        if not asks:
-            return
-        live = {s.seq_id for s in self.running}
-        proposals = self.spec.propose([(seq, k) for _, seq, k in asks], live)
-        for (index, seq, _), proposal in zip(asks, proposals, strict=True):
-            drafts = grammar_cut(seq, proposal)
-            if drafts:
-                step.extend(index, len(drafts))
-                step.drafts[id(seq)] = drafts
-
-    def _verify(
-        self, seq: Sequence, drafts: list[int], samples: list[SampleRow], out: StepOutput, i: int
-    ) -> None:
-        """A drafted sequence's k + 1 samples (from samples[i]): the accepted drafts and the
-        target's next token are appended one by one (stop conditions apply to each); the
-        rejected drafts' cells are removed."""
-        p = seq.num_computed  # its drafts sit at positions p .. p + k - 1
-        k = len(drafts)
-        a = accepted_count(drafts, out.token_ids[i : i + k])
-        if a < k:
-            self.memory.seq_rm(seq.seq_id, p + a, -1)
-        emitted = 0
-        for j in range(a + 1):
-            seq.num_computed = p + j  # the cells of every token but the one appended now
-            self._append_token(seq, samples[i + j], out, i + j)
-            emitted += 1
-            if seq.state is not SeqState.RUNNING:
-                break  # finished: retiring the seq id cuts its cells to num_computed
-        self.spec.record(seq, k, a, emitted)
 
     def _finish_embedding(self, seq: Sequence, out: StepOutput, i: int) -> None:
         vector = out.embeddings[i] if out.embeddings is not None else None

@@ -27,14 +27,17 @@ the iSWA pools, which prune the cells that leave the window when the drafts are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 import numpy as np
 
-from scheduler.plan import SampleRow
-from scheduler.sequence import Sequence, make_sample_row
+from kvcache.memory import Memory
+from scheduler.plan import SampleRow, StepOutput
+from scheduler.sequence import SeqState, Sequence, make_sample_row
+from scheduler.step import Step
 
 SpecType = Literal["none", "ngram", "draft"]
 SPEC_TYPES: dict[str, SpecType] = {  # llama.cpp's spellings too
@@ -163,6 +166,61 @@ class Speculator:
             got = [ngram_propose(s.tokens, c.ngram_min, c.ngram_max, k) for s, k in asks]
         shortest = max(c.draft_min, 1)
         return [d[:k] if len(d) >= shortest else [] for d, (_, k) in zip(got, asks, strict=True)]
+
+    def add_drafts(self, step: Step, free: int, n_ctx: int, live: set[int]) -> None:
+        """The decode rows' sequences draft, in order, within the step's draft budget, its
+        token budget and `free` cells, before their context limit and their max_tokens;
+        a grammar cuts its sequence's proposal. `live`: the seq ids in use."""
+        budget = self.step_budget(step.num_decode)
+        room = min(step.budget, free)
+        asks: list[tuple[int, Sequence, int]] = []  # (index in step.rows, seq, k)
+        for index, (seq, _) in enumerate(step.rows[: step.num_decode]):
+            k = min(
+                budget,
+                room,
+                self.limit(seq),
+                n_ctx - 1 - seq.num_computed,
+                seq.request.max_tokens - seq.num_generated - 1,
+            )
+            if k > 0:
+                asks.append((index, seq, k))
+                budget -= k
+                room -= k
+        if not asks:
+            return
+        proposals = self.propose([(seq, k) for _, seq, k in asks], live)
+        for (index, seq, _), proposal in zip(asks, proposals, strict=True):
+            drafts = grammar_cut(seq, proposal)
+            if drafts:
+                step.extend(index, len(drafts))
+                step.drafts[id(seq)] = drafts
+
+    def verify(
+        self,
+        seq: Sequence,
+        drafts: list[int],
+        samples: list[SampleRow],
+        out: StepOutput,
+        i: int,
+        memory: Memory,
+        append: Callable[[Sequence, SampleRow, StepOutput, int], None],
+    ) -> None:
+        """A drafted sequence's k + 1 samples (from samples[i]): the rejected drafts' cells
+        go, then the accepted drafts and the target's own token are appended one by one by
+        `append` (the scheduler's: stop conditions apply to each)."""
+        p = seq.num_computed  # its drafts sit at positions p .. p + k - 1
+        k = len(drafts)
+        a = accepted_count(drafts, out.token_ids[i : i + k])
+        if a < k:
+            memory.seq_rm(seq.seq_id, p + a, -1)
+        emitted = 0
+        for j in range(a + 1):
+            seq.num_computed = p + j  # the cells of every token but the one appended now
+            append(seq, samples[i + j], out, i + j)
+            emitted += 1
+            if seq.state is not SeqState.RUNNING:
+                break  # finished: retiring the seq id cuts its cells to num_computed
+        self.record(seq, k, a, emitted)
 
     def record(self, seq: Sequence, k: int, accepted: int, emitted: int) -> None:
         s = self.stats
