@@ -109,7 +109,8 @@ class Scheduler:
         step.num_decode = len(step.rows)
         if self.spec.enabled:  # drafts never evict nor preempt
             free = self._n_free(step, evict=False)
-            self.spec.add_drafts(step, free, n_ctx, {s.seq_id for s in self.running})
+            live = {s.seq_id for s in self.running} | set(self.prefix.seq_ids)
+            self.spec.add_drafts(step, free, n_ctx, live)
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if step.budget == 0:

@@ -5,15 +5,16 @@ architecture), driven from the engine thread inside the scheduler's step.
 Its cache mirrors each target sequence by seq id, lazily: `held[seq_id]` is the tokens its
 cells hold at positions 0..n-1. Asked to draft for a sequence, it keeps the longest common
 prefix of what it holds and the sequence's tokens (seq_rm of the rest: the drafts the target
-rejected, a context shift, a seq id that now serves another request), feeds the remainder in
-one chunk, then its own greedy tokens one row at a time, every asking sequence in one batch
-per row. Seq ids no longer in use are forgotten at the next call; a full cache forgets the
-other sequences first.
+rejected, a context shift, a seq id that now serves another request), or, where another
+seq id holds a longer one (an n > 1 fork's parent, the prefix-cache holder a request was
+served from), shares that one's cells with seq_cp; it feeds the remainder in one chunk, then
+its own greedy tokens one row at a time, every asking sequence in one batch per row. Seq ids
+no longer in use (neither running nor prefix-cache holders) are forgotten at the next call; a
+full cache forgets the sequences that are not drafting first.
 
 NOTE: the draft's proposals are its argmax, points: the verification (the target sampling each
-row as usual) is lossless whatever they are, and the draft's memory is never shared with the
-target's prefix cache: a request served from the target's prefix cache still computes its
-prompt in the draft (at the draft's size) before its first proposal.
+row as usual) is lossless whatever they are. The draft's cells are its own: what it shares
+between seq ids is only what it computed itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from model.runner.worker import ModelWorker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
 
 GREEDY = SamplingParams(temperature=0.0)
+SHARE_MIN = 16  # tokens another seq id's cells must add before they are shared
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -59,6 +61,7 @@ class DraftModel:
         self.name = name
         self.held: dict[int, list[int]] = {}
         self.num_forwards = 0  # draft model steps run (stats, tests)
+        self.num_rows = 0  # tokens fed to the draft model
 
     def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
         for sid in [s for s in self.held if s not in live]:
@@ -70,7 +73,7 @@ class DraftModel:
         budget = self.n_batch
         asking = {s for s, _, _ in asks}
         for i, (sid, tokens, _) in enumerate(asks):
-            keep = min(common_prefix(self.held.get(sid, []), tokens), len(tokens) - 1)
+            keep = min(self._share(sid, tokens), len(tokens) - 1)
             self._cut(sid, keep)
             rest = tokens[keep:]
             planned = self.n_batch - budget
@@ -133,6 +136,7 @@ class DraftModel:
         plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples)
         out = self.worker.execute(plan)
         self.num_forwards += 1
+        self.num_rows += plan.num_tokens
         return dict(zip(sampled, out.token_ids, strict=True))
 
     def _room(self, keep: set[int]) -> int:
@@ -142,6 +146,25 @@ class DraftModel:
             for other in [s for s in self.held if s not in keep]:
                 self._forget(other)
         return self.memory.n_free()
+
+    def _share(self, sid: int, tokens: list[int]) -> int:
+        """How much of `tokens` sid's cells hold, after taking another seq id's cells
+        (seq_cp) where that one holds more of them."""
+        have = common_prefix(self.held.get(sid, []), tokens)
+        if len(tokens) - have <= SHARE_MIN:
+            return have
+        best, best_n = -1, have + SHARE_MIN
+        for other, held in self.held.items():
+            n = common_prefix(held, tokens) if other != sid else 0
+            if n > best_n:
+                best, best_n = other, n
+        if best < 0:
+            return have
+        if sid in self.held:
+            self._forget(sid)
+        self.memory.seq_cp(best, sid, 0, best_n)
+        self.held[sid] = tokens[:best_n]
+        return best_n
 
     def _cut(self, sid: int, n: int) -> None:
         held = self.held.get(sid)
