@@ -50,7 +50,8 @@ async def chat_completions(
     choices = []
     for r in results:
         message, reason = whole_reply(r.text, r.finish_reason or "stop", run.opts)
-        logprobs = chat_logprobs(backend.tokenizer, r.logprobs) if body.logprobs else None
+        as_ids = body.return_tokens_as_token_ids
+        logprobs = chat_logprobs(backend.tokenizer, r.logprobs, as_ids) if body.logprobs else None
         choices.append(
             ChatChoice(index=r.index, message=message, logprobs=logprobs, finish_reason=reason)
         )
@@ -84,7 +85,8 @@ async def _chunks(
         yield chunk(i, ChatDelta(role="assistant", content=""))
     async for d in gen.deltas():
         reply = replies[d.index]
-        lp = chat_logprobs(tok, d.logprobs) if body.logprobs and d.logprobs else None
+        as_ids = body.return_tokens_as_token_ids
+        lp = chat_logprobs(tok, d.logprobs, as_ids) if body.logprobs and d.logprobs else None
         pieces = reply.feed(d.text) if d.text else []
         if lp is not None and not pieces:
             pieces = [ChatDelta(content="")]

@@ -134,7 +134,12 @@ async def completions(
         CompletionChoice(
             index=r.index,
             text=r.text,
-            logprobs=completion_logprobs(backend.tokenizer, r.logprobs, len(echoes[r.index]))
+            logprobs=completion_logprobs(
+                backend.tokenizer,
+                r.logprobs,
+                len(echoes[r.index]),
+                body.return_tokens_as_token_ids,
+            )
             if want_logprobs
             else None,
             finish_reason=r.finish_reason,
@@ -169,7 +174,13 @@ async def _chunks(
             yield chunk(i, echo)
     async for d in gen.deltas():
         if d.text or d.logprobs:
-            lp = completion_logprobs(tok, d.logprobs, offsets[d.index]) if want_logprobs else None
+            lp = (
+                completion_logprobs(
+                    tok, d.logprobs, offsets[d.index], body.return_tokens_as_token_ids
+                )
+                if want_logprobs
+                else None
+            )
             offsets[d.index] += len(d.text)
             yield chunk(d.index, d.text, lp)
         if d.finish_reason is not None:

@@ -56,6 +56,9 @@ class SamplingBody(_Body):
     # speculative decoding (scheduler/speculative.py): false opts this request out; llama.cpp's
     # n_draft and "speculative.n_max" cap its drafted tokens per step (0: none)
     speculative: bool | None = None
+    # vLLM: logprobs name their tokens "token_id:<id>" (tokens that are not whole UTF-8 text
+    # alone, or that share a text, stay apart)
+    return_tokens_as_token_ids: bool = False
     n_draft: int | None = Field(None, ge=0, le=256)
     speculative_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
 

@@ -130,6 +130,35 @@ def test_logprobs_are_sensible(client, model):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(x <= 0 for x in lp.token_logprobs)
+    # vLLM's return_tokens_as_token_ids: the same tokens, named by id
+    by_id = client.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=4,
+        logprobs=3,
+        temperature=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    ids = by_id.choices[0].logprobs.tokens
+    assert (
+        all(t.startswith("token_id:") for t in ids)
+        and by_id.choices[0].text == comp.choices[0].text
+    )
+    decoded = httpx.post(
+        f"{client.base_url}".removesuffix("/v1/") + "/detokenize",
+        json={"tokens": [int(t.split(":")[1]) for t in ids]},
+    ).json()
+    assert decoded["prompt"] == comp.choices[0].text
+    chat = client.chat.completions.create(
+        model=model,
+        messages=FRANCE,
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
 
 
 def test_sixteen_concurrent_streams_then_cells_back(live_server, model):
