@@ -71,6 +71,12 @@ class ISWAMemory(Memory):
     def group_pools(self) -> tuple[int, ...]:
         return self._group_pools
 
+    @property
+    def tail_rollback(self) -> bool:
+        """NOTE: apply prunes against each sequence's newest position BEFORE the step's rows,
+        so removing rows the last step placed leaves every cell the next row reads."""
+        return True
+
     # -- a step ------------------------------------------------------------------------------
 
     def n_free(self) -> int:

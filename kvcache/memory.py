@@ -105,8 +105,7 @@ class Memory(ABC):
     def tail_rollback(self) -> bool:
         """Whether seq_rm(seq, p, -1) of rows the last apply placed leaves everything the
         sequence's next row needs (speculative decoding's rollback of rejected drafts). False
-        where a step's apply already dropped older data for good: a recurrent state, and
-        sliding-window pools pruned against the new newest position."""
+        where a step's apply already consumed them for good: a recurrent state."""
         return False
 
     # -- a step: plan, then apply --------------------------------------------------------------

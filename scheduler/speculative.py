@@ -21,8 +21,9 @@ Structured outputs: a grammar cuts a proposal at its first token the grammar rej
 after the one that completes it), and each drafted row is sampled under the mask of a copy of
 the matcher that has consumed the drafts before it.
 
-Not speculated: memories that cannot forget a sequence's tail (recurrent / hybrid states, and
-the iSWA pools, which prune the cells that leave the window when the drafts are placed).
+Not speculated: memories that cannot forget a sequence's tail (Memory.tail_rollback: recurrent
+and hybrid states, which consume the drafts for good). The iSWA memory can: its pools prune
+against a sequence's newest position before a step's rows, never against the drafts.
 """
 
 from __future__ import annotations

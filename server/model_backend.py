@@ -32,8 +32,8 @@ def log_speculation(config: EngineConfig, memory: Any) -> None:
     if not memory.tail_rollback:
         log.warning(
             "speculative decoding (%s) is off: this model's memory (%s) cannot forget a "
-            "sequence's last tokens once a step placed them (a recurrent state, or sliding-window "
-            "cells pruned against the drafts), which verification needs",
+            "sequence's last tokens once a step consumed them (a recurrent state), which "
+            "verification needs",
             spec.kind,
             type(memory).__name__,
         )

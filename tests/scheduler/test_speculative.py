@@ -153,11 +153,22 @@ def test_no_drafts_under_load_or_when_the_request_opts_out() -> None:
     assert sched.spec.stats.num_drafts == 0
 
 
-def test_memories_without_tail_rollback_never_draft() -> None:
+def test_sliding_window_memory_rolls_back_too() -> None:
+    # the fake worker checks that every row sees exactly its window after each rollback
     from kvcache.spec import Attention, MemorySpec
 
     spec = MemorySpec.of([Attention(2, 8), Attention(2, 8, window=8)])
-    out, sched = serve(_workload(), "ngram", periodic, memory_spec=spec, memory="iswa")
+    plain, _ = serve(_workload(0.8), "none", periodic, memory_spec=spec, memory="iswa")
+    out, sched = serve(_workload(0.8), "ngram", periodic, memory_spec=spec, memory="iswa")
+    assert sched.spec.enabled and out.tokens == plain.tokens
+    assert 0 < sched.spec.stats.num_accepted_tokens < sched.spec.stats.num_draft_tokens
+
+
+def test_recurrent_memories_never_draft() -> None:
+    from kvcache.spec import Attention, MemorySpec, Recurrent
+
+    spec = MemorySpec.of([Recurrent(((3, 8), (2, 4, 4))), Attention(2, 8)])
+    out, sched = serve(_workload(), "ngram", periodic, memory_spec=spec)
     assert not sched.spec.enabled and sched.spec.snapshot() is None
-    plain, _ = serve(_workload(), "none", periodic, memory_spec=spec, memory="iswa")
+    plain, _ = serve(_workload(), "none", periodic, memory_spec=spec)
     assert out.tokens == plain.tokens
