@@ -45,7 +45,11 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     parent: Sequence | None = None  # set on a choice that waits in its parent's `forks`
     constraint: Constraint | None = None  # the request's grammar; has consumed output_ids
-    spec_k: int = -1  # speculative decoding: tokens it may draft next (-1: not drafted yet)
+    # speculative decoding (scheduler/speculative.py): tokens it may draft next (-1: not
+    # drafted yet); after rounds that accepted nothing, decode steps it sits out
+    spec_k: int = -1
+    spec_skip: int = 0
+    spec_misses: int = 0  # consecutive rounds that accepted nothing
 
     @property
     def req_id(self) -> str:

@@ -59,6 +59,9 @@ class Drafter(Protocol):
         ...
 
 
+MAX_SKIP = 32  # decode steps a sequence whose drafts keep failing waits at most
+
+
 @dataclass(slots=True)
 class SpecConfig:
     kind: SpecType = "none"
@@ -149,13 +152,17 @@ class Speculator:
     def limit(self, seq: Sequence) -> int:
         """How many tokens `seq` may draft now: the request's cap, then what its recent
         acceptance earned (doubling after a fully accepted round, else one more than the
-        last round accepted)."""
+        last round accepted; after n rounds in a row that accepted nothing, it sits out
+        2^(n-1) decode steps, at most MAX_SKIP)."""
         req = seq.request
         if req.embed:
             return 0
         cap = self.config.draft_max if req.draft_max is None else min(req.draft_max, 256)
         if seq.spec_k < 0:
             seq.spec_k = cap
+        if seq.spec_skip > 0:
+            seq.spec_skip -= 1
+            return 0
         return min(cap, seq.spec_k)
 
     def propose(self, asks: list[tuple[Sequence, int]], live: set[int]) -> list[list[int]]:
@@ -234,6 +241,9 @@ class Speculator:
         s.acceptance_lengths[min(accepted, len(s.acceptance_lengths) - 1)] += 1
         cap = self.config.draft_max
         seq.spec_k = min(cap, 2 * k) if accepted == k else accepted + 1
+        # a round that accepted nothing cost rows for nothing: sit out 1, 2, 4 ... 32 steps
+        seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
+        seq.spec_skip = min(1 << (seq.spec_misses - 1), MAX_SKIP) if seq.spec_misses else 0
 
 
 def grammar_cut(seq: Sequence, drafts: list[int]) -> list[int]:

@@ -116,7 +116,11 @@ def test_rejected_drafts_are_rolled_back_exactly() -> None:
     out, sched = serve(make, "ngram", spec_kw=dict(ngram_min=1), n_ctx_seq=256)
     for req in make():
         assert out.tokens[(req.req_id, 0)] == reference_output(req, 256)[0]
-    assert sched.spec.stats.num_draft_tokens > sched.spec.stats.num_accepted_tokens
+    stats = sched.spec.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens
+    # rounds that accepted nothing make their sequence sit out steps: far fewer rounds than
+    # the 180 decode rows
+    assert stats.acceptance_lengths[0] > 0 and stats.num_drafts < 60
 
 
 def test_through_preemption_context_shift_and_forks() -> None:
