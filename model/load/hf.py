@@ -14,6 +14,7 @@ from model.arch import (
     ARCH_BLOCKS,
     SMOLLM3_NOPE_PERIOD,
     ModelArgs,
+    MoEArgs,
     layer_weights,
     smollm3_nope_layers,
     weight_shapes,
@@ -28,8 +29,12 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3",
     "smollm3",
     "gemma3_text",
+    "qwen3_moe",
+    "olmoe",
     *SSM_MODEL_TYPES,
 )
+# model_type -> its model.arch.ARCH_BLOCKS key (llama.cpp's architecture name), where they differ
+_BLOCK_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -59,6 +64,9 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
 
 
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
+_MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
+_EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
 
 
 def read_json(file: Path) -> dict[str, Any]:
@@ -125,8 +133,10 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             rope=RopeConfig(theta, rope_dim, "neox", _freq_factors(scaling, theta, rope_dim)),
             n_ctx_train=int(config.get("max_position_embeddings", 2048)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            block=ARCH_BLOCKS[str(model_type).removesuffix("_text")],
+            block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
         )
+        if model_type in ("qwen3_moe", "olmoe"):
+            _moe_layers(args, config)
         if model_type == "gemma3_text":
             _gemma3_layers(args, config)
         if model_type == "smollm3":
@@ -143,6 +153,26 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         return args
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{folder}/config.json: bad or missing field ({e}).") from e
+
+
+def _moe_layers(args: ModelArgs, config: dict[str, Any]) -> None:
+    """The experts' sizes and routing; Qwen3-MoE's dense layers (mlp_only_layers, and with
+    decoder_sparse_step s only every s-th layer sparse) keep intermediate_size."""
+    if config.get("clip_qkv") is not None:
+        raise ValueError("clip_qkv is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
+    olmoe = config["model_type"] == "olmoe"
+    args.moe = MoEArgs(
+        # transformers 5 writes num_local_experts (its attribute map for num_experts)
+        n_experts=int(config.get("num_experts") or config["num_local_experts"]),
+        n_used=int(config["num_experts_per_tok"]),
+        expert_dim=int(config["intermediate_size" if olmoe else "moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+    )
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step", 1))
+    args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
 
 
 def _gemma3_layers(args: ModelArgs, config: dict[str, Any]) -> None:
@@ -242,12 +272,18 @@ def read_weights(
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
     table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
-    table |= _QK_NORM_TENSORS
-    for i in range(args.n_layers):
-        for ours in layer_weights(args, i):
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
+    table |= _QK_NORM_TENSORS | _MOE_TENSORS
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
+    for i in range(args.n_layers):
+        for ours in layer_weights(args, i):
+            if ours in _EXPERT_PROJ:
+                assert args.moe is not None
+                theirs = f"model.layers.{i}.mlp.experts.{{}}.{_EXPERT_PROJ[ours]}.weight"
+                stacked = _stack_experts(raw, theirs, args.moe.n_experts, expected[ours], folder)
+                weights[f"layers.{i}.{ours}"] = stacked.to(dtype)
+                continue
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
     for ours, theirs in names.items():
         if theirs not in raw:
             raise ModelLoadError(f"{folder}: tensor {theirs} is missing.")
@@ -260,3 +296,20 @@ def read_weights(
         weights[ours] = w.to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])
     return weights
+
+
+def _stack_experts(
+    raw: dict[str, torch.Tensor], pattern: str, n_experts: int, want: tuple[int, ...], folder: Path
+) -> torch.Tensor:
+    """Each expert's [out, in] tensor (`pattern` formatted with its index) -> [E, out, in]."""
+    parts = []
+    for e in range(n_experts):
+        name = pattern.format(e)
+        if name not in raw:
+            raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+        if tuple(raw[name].shape) != want[1:]:
+            raise ModelLoadError(
+                f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {want[1:]}."
+            )
+        parts.append(raw.pop(name))
+    return torch.stack(parts)

@@ -68,6 +68,10 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py)"
+        if any(d.moe for d in descs):
+            return None, "mixture-of-experts MLPs run in Python (model/layers/moe.py)"
+        if any(d.qk_norm_full for d in descs):
+            return None, "q/k norms over the whole projection (OLMoE) run in Python"
         if any(
             d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
             for d in descs

@@ -1,0 +1,234 @@
+"""Mixture-of-experts models (model/layers/moe.py): tiny random Qwen3-MoE and OLMoE built by
+transformers, against transformers (logits, greedy decoding), through their GGUFs (float, and
+on the file's own Q8_0 / Q4_0 blocks), int4 experts, the real scheduler, and the real server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from model import load_model
+from model.kernels import load_kernels
+from model.layers.ggml import BlockLinear, has_block_kernels
+from model.layers.moe import MoEFeedForward
+from model.layers.quant import QuantLinear, dequantize_int4, quantize, quantize_int4
+from model.load.loader import LoadedModel
+from model.runner.worker import make_worker
+from scheduler.plan import SamplingParams
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from tests.live_server import start_server
+from tests.model.factories import Driver, make_plan, prefill_chunk
+from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
+from tests.tiny_moe import write_tiny_moe, write_tiny_moe_gguf
+
+PROMPT = "Hello world! How are you today? The quick brown fox"
+MOE_TYPES = ["qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module", params=MOE_TYPES)
+def folder(request, tmp_path_factory):
+    return write_tiny_moe(tmp_path_factory.mktemp(request.param) / "hf", request.param, seed=1)
+
+
+@pytest.fixture(scope="module")
+def hf_model(folder):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    worker = make_worker(loaded, n_cells=128)
+    return worker.forward(make_plan([prefill_chunk(0, ids, 0, all_rows=True)]))
+
+
+def reference(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0]
+
+
+def test_description_read_from_the_config(folder):
+    args = load_model(folder).config
+    assert args.moe is not None and (args.moe.n_experts, args.moe.n_used) == (8, 2)
+    assert args.moe.expert_dim == 32
+    assert args.moe.norm_topk_prob == (args.arch == "qwen3_moe")  # OLMoE does not renormalize
+    assert args.block.qk_norm and args.block.qk_norm_full == (args.arch == "olmoe")
+    assert all(args.layer_desc(i).moe for i in range(args.n_layers))
+
+
+def test_logits_match_transformers(folder, hf_model):
+    loaded = load_model(folder)
+    ids = loaded.tokenizer.encode(PROMPT)
+    want = reference(hf_model, ids)
+    assert float((logits(loaded, ids) - want).abs().max()) < 1e-4 * float(want.abs().max())
+    layer = loaded.transformer.layers[0].feed_forward
+    assert isinstance(layer, MoEFeedForward)
+    assert int(layer.expert_rows.sum()) == len(ids) * 2  # every row took 2 experts
+
+
+def test_dense_layers_between_sparse_ones_match_transformers(tmp_path):
+    """Qwen3-MoE's mlp_only_layers: layer 1 of 3 is a dense MLP of intermediate_size."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_moe(tmp_path / "mixed", n_layers=3, mlp_only_layers=[1], seed=2)
+    loaded = load_model(folder)
+    assert [loaded.config.layer_desc(i).moe for i in range(3)] == [True, False, True]
+    ids = loaded.tokenizer.encode(PROMPT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = reference(hf, ids)
+    assert float((logits(loaded, ids) - want).abs().max()) < 1e-4
+
+
+def test_greedy_decoding_matches_transformers_generate(folder, hf_model):
+    ids = make_prompt(11, seed=4)
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    driver = Driver(make_worker(load_model(folder), n_cells=64), 64, seed=1)
+    tokens = driver.step([driver.chunk(0, ids)])
+    while len(tokens) < 16:
+        tokens += driver.step([driver.chunk(0, [tokens[-1]])])
+    assert tokens == out[0, len(ids) :].tolist()
+
+
+def test_float_gguf_matches_transformers(folder, hf_model, tmp_path):
+    """llama.cpp's layout: ffn_gate_inp and the experts stacked [n_expert, out, in], through
+    the dequantizing loader and (F32 rows) on the file's own blocks, one expert a view."""
+    path = write_tiny_moe_gguf(tmp_path / "moe.gguf", folder)
+    loaded = load_model(path)
+    ids = loaded.tokenizer.encode(PROMPT)
+    want = reference(hf_model, ids)
+    tol = 1e-4 * float(want.abs().max())
+    assert float((logits(loaded, ids) - want).abs().max()) < tol
+    if has_block_kernels(load_kernels()):
+        blocks = load_model(path, blocks=True)
+        expert = blocks.transformer.layers[0].feed_forward.experts[3].w13
+        assert isinstance(expert, BlockLinear) and expert.out_features == 2 * 32
+        assert float((logits(blocks, ids) - want).abs().max()) < tol
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_gguf_blocks_match_its_dequantized_weights(folder, tmp_path, qtype):
+    """The file's own blocks (int8 activations per 32, as llama.cpp) against the same weights
+    dequantized to float32. Stated tolerance: 90% of the rows within 5% of the largest logit,
+    90% of the argmaxes equal; a row past it is one whose int8-rounded activations flipped an
+    expert choice (routing is discontinuous), which moves that row by more."""
+    if not has_block_kernels(load_kernels()):
+        pytest.skip("the C++ block kernels are not built")
+    path = write_tiny_moe_gguf(tmp_path / f"moe-{qtype}.gguf", folder, qtype=qtype)
+    dense = load_model(path)
+    ids = dense.tokenizer.encode(PROMPT)
+    want = logits(dense, ids)
+    got = logits(load_model(path, blocks=True), ids)
+    row_err = (got - want).abs().amax(-1) / float(want.abs().max())
+    assert float((row_err < 0.05).float().mean()) >= 0.9, row_err
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
+def naive_moe(layer: MoEFeedForward, x: torch.Tensor, experts: list) -> torch.Tensor:
+    """Row by row, slot by slot: sum_j w_j * expert_j(x) with `experts` callables."""
+    top, idx = layer.route(x)
+    out = torch.zeros_like(x)
+    for r in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            out[r] += top[r, j] * experts[int(idx[r, j])](x[r : r + 1])[0]
+    return out
+
+
+def dense_expert(w13: torch.Tensor, w2: torch.Tensor):
+    def run(x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ w13.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+    return run
+
+
+@pytest.mark.parametrize("n_rows", [3, 40])
+def test_rows_grouped_by_expert_equal_the_row_by_row_sum(folder, n_rows):
+    layer = load_model(folder).transformer.layers[1].feed_forward
+    x = torch.randn(n_rows, 64, generator=torch.Generator().manual_seed(n_rows))
+    experts = [dense_expert(e.w13.weight, e.w2.weight) for e in layer.experts]
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), naive_moe(layer, x, experts), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_rows", [3, 40])  # int4_mm below small_rows, int4_gemm past it
+def test_int4_experts_equal_their_dequantized_weights(folder, n_rows):
+    """quantize(.., "int4") swaps each expert's linears for QuantLinears (the router stays
+    float); the layer then computes the row-by-row sum over the int4 grid's weights up to the
+    kernels' int8 activation rounding (~0.5% of a linear's largest output, each; measured
+    2.3% of the layer's through gate, up and down: the tolerance is 5%)."""
+    loaded = load_model(folder)
+    float_layer = loaded.transformer.layers[0].feed_forward
+
+    def on_grid(w: torch.Tensor) -> torch.Tensor:  # bfloat16 scales, as QuantLinear keeps
+        q, scales_zeros = quantize_int4(w.float())
+        return dequantize_int4(q, scales_zeros.bfloat16().float())
+
+    grid = [dense_expert(on_grid(e.w13.weight), on_grid(e.w2.weight)) for e in float_layer.experts]
+    quantize(loaded.transformer, "int4")
+    layer = loaded.transformer.layers[0].feed_forward
+    assert isinstance(layer.experts[0].w13, QuantLinear)
+    assert type(layer.router) is torch.nn.Parameter  # the router stays float
+    x = torch.randn(n_rows, 64, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        got, want = layer(x), naive_moe(layer, x, grid)
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
+def test_the_one_call_step_falls_back_to_torch_with_the_reason(folder):
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels are not built")
+    loaded = load_model(folder)
+    quantize(loaded.transformer, "int4")  # a model the one-call step would otherwise take
+    paths = make_worker(loaded, n_cells=64).paths
+    assert paths.native is None
+    assert "mixture-of-experts" in paths.why["one-call step"]
+    assert "mixture-of-experts" in paths.describe()
+
+
+def serve(loaded: LoadedModel, reqs: list[Request]) -> Outcome:
+    config = make_config(
+        n_cells=512, n_seq_max=8, n_batch=64, n_ctx_seq=256, memory_spec=loaded.config.memory_spec
+    )
+    worker = make_worker(loaded, config.n_cells)
+    sched, outcome = Scheduler(config, config.make_memory()), Outcome()
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work:
+        step(sched, worker, outcome)  # type: ignore[arg-type]
+    return outcome
+
+
+def test_concurrent_sequences_each_equal_alone(folder):
+    """Batched steps route each row on its own: a row's experts and output do not depend on
+    the other rows of its step (prompt chunks and decodes mixed by the real scheduler)."""
+    loaded = load_model(folder)
+    greedy = SamplingParams(temperature=0.0)
+    reqs = [
+        Request(f"r{i}", make_prompt(n, seed=i), max_tokens=10, ignore_eos=True, sampling=greedy)
+        for i, n in enumerate([3, 30, 90, 12, 55])
+    ]
+    together = serve(loaded, reqs)
+    for r in reqs:
+        alone = serve(
+            loaded,
+            [Request(r.req_id, r.prompt_ids, max_tokens=10, ignore_eos=True, sampling=greedy)],
+        )
+        assert together.tokens[(r.req_id, 0)] == alone.tokens[(r.req_id, 0)], r.req_id
+
+
+def test_the_server_answers_with_a_moe_model(tmp_path):
+    folder = write_tiny_moe(tmp_path / "served", seed=3)
+    server = start_server(model=str(folder), n_cells=256, dtype="float32", quant="none")
+    try:
+        body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    finally:
+        server.stop()
