@@ -209,6 +209,9 @@ def write_tiny_gemma3(
     return folder
 
 
+_PERMUTED = ("llama", "smollm3", "granitemoe")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs
+
+
 def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's LlamaModel.permute (HF rotate-half -> interleaved)."""
     return (
@@ -365,9 +368,9 @@ def write_tiny_gguf(
     for gguf_name, w in arrays.items():
         if gguf_name in skip:
             continue
-        if arch in ("llama", "smollm3") and gguf_name.endswith("attn_q.weight"):
+        if arch in _PERMUTED and gguf_name.endswith("attn_q.weight"):
             w = _permute_for_gguf(w, n_heads)
-        elif arch in ("llama", "smollm3") and gguf_name.endswith("attn_k.weight"):
+        elif arch in _PERMUTED and gguf_name.endswith("attn_k.weight"):
             w = _permute_for_gguf(w, n_kv)
         if qtype == "F32" or w.ndim == 1 or gguf_name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(gguf_name, w)

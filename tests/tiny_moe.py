@@ -1,5 +1,5 @@
-"""Tiny random mixture-of-experts models built and saved by transformers (Qwen3-MoE, OLMoE),
-and their GGUFs in llama.cpp's layout (experts stacked into 3-D ffn_*_exps tensors)."""
+"""Tiny random mixture-of-experts models built and saved by transformers (Qwen3-MoE, OLMoE,
+GraniteMoE), and their GGUFs in llama.cpp's layout (experts stacked into 3-D ffn_*_exps tensors)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
 # HF expert projection -> llama.cpp's stacked tensor
 WEIGHT_SCALE, ROUTER_SCALE = 0.1, 1.0
+# Granite's scalars, away from 1 so that a missed one shows
+GRANITE_MULTIPLIERS = dict(
+    embedding_multiplier=3.0,
+    residual_multiplier=0.6,
+    attention_multiplier=0.25,
+    logits_scaling=2.5,
+)
 _EXPERT_TENSORS = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
@@ -33,10 +40,12 @@ def write_tiny_moe(
     **config_kw: object,
 ) -> Path:
     """A random Qwen3MoeForCausalLM ("qwen3_moe": dim 64, 4 heads of 32, 2 K/V heads, q/k norms
-    per head, norm_topk_prob) or OlmoeForCausalLM ("olmoe": q/k norms over the whole projection,
-    no renormalization) saved by transformers, with write_tiny_llama's tokenizer and ChatML
-    template. Weights ~ N(0, 0.1), the router's N(0, 1), norms 1 + N(0, 0.1): routing far from
-    ties (a quantized path picks the same experts), unlike the models' own tiny init.
+    per head, norm_topk_prob), OlmoeForCausalLM ("olmoe": q/k norms over the whole projection,
+    no renormalization) or GraniteMoeForCausalLM ("granitemoe": Llama's attention, fused
+    gate|up experts, GRANITE_MULTIPLIERS) saved by transformers, with write_tiny_llama's
+    tokenizer and ChatML template. Weights ~ N(0, 0.1), the router's N(0, 1), norms
+    1 + N(0, 0.1): routing far from ties (a quantized path picks the same experts), unlike the
+    models' own tiny init.
     `config_kw` overrides config fields (mlp_only_layers, ...)."""
     import transformers
 
@@ -70,13 +79,19 @@ def write_tiny_moe(
     elif model_type == "olmoe":
         config = transformers.OlmoeConfig(**common, intermediate_size=expert_dim, **config_kw)
         model = transformers.OlmoeForCausalLM(config)
+    elif model_type == "granitemoe":
+        config = transformers.GraniteMoeConfig(
+            **common, intermediate_size=expert_dim, **(GRANITE_MULTIPLIERS | config_kw)
+        )
+        model = transformers.GraniteMoeForCausalLM(config)
     else:
-        raise ValueError(f"model_type {model_type!r}: qwen3_moe or olmoe")
+        raise ValueError(f"model_type {model_type!r}: qwen3_moe, olmoe or granitemoe")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            scale = ROUTER_SCALE if name.endswith("mlp.gate.weight") else WEIGHT_SCALE
+            router = name.endswith(("mlp.gate.weight", "router.layer.weight"))
+            scale = ROUTER_SCALE if router else WEIGHT_SCALE
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
     model.save_pretrained(folder)
     return folder
@@ -89,7 +104,9 @@ def write_tiny_moe_gguf(path: str | Path, folder: str | Path, qtype: str = "F32"
     write_tiny_gguf's."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    arch = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe"}[config["model_type"]]
+    arch = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}[
+        config["model_type"]
+    ]
     tensors = load_file(str(folder / "model.safetensors"))
     n_experts = config.get("num_experts") or config["num_local_experts"]
 
@@ -98,8 +115,22 @@ def write_tiny_moe_gguf(path: str | Path, folder: str | Path, qtype: str = "F32"
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if arch == "granitemoe":  # GraniteMoeModel's set_gguf_parameters
+            writer.add_attention_scale(config["attention_multiplier"])
+            writer.add_embedding_scale(config["embedding_multiplier"])
+            writer.add_residual_scale(config["residual_multiplier"])
+            writer.add_logit_scale(config["logits_scaling"])
         out = {}
         for i in range(config["num_hidden_layers"]):
+            if arch == "granitemoe":  # input_linear [E, 2 f, d]: the gates, then the ups
+                p = f"model.layers.{i}.block_sparse_moe."
+                gate_up = tensors[p + "input_linear.weight"].numpy()
+                f = gate_up.shape[1] // 2
+                out[f"blk.{i}.ffn_gate_inp.weight"] = tensors[p + "router.layer.weight"].numpy()
+                out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :f]
+                out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, f:]
+                out[f"blk.{i}.ffn_down_exps.weight"] = tensors[p + "output_linear.weight"].numpy()
+                continue
             p = f"model.layers.{i}.mlp."
             out[f"blk.{i}.ffn_gate_inp.weight"] = tensors[p + "gate.weight"].numpy()
             for proj, name in _EXPERT_TENSORS.items():

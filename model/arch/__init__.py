@@ -57,6 +57,7 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "gemma3": GEMMA3,
     "qwen3moe": QWEN3,  # Qwen3's block, the MLP a mixture of experts (ModelArgs.moe)
     "olmoe": OLMOE,
+    "granitemoe": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
 }
 # Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base
 # (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).

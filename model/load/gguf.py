@@ -34,11 +34,11 @@ from model.load.gguf_ssm import read_args as read_ssm_args
 
 # mixture-of-experts architectures (model/layers/moe.py); llama.cpp's qwen3moe normalizes the
 # top-k weights (build_moe_ffn norm_w), its olmoe does not
-MOE_ARCHS = ("qwen3moe", "olmoe")
-_NORM_TOPK = {"qwen3moe": True, "olmoe": False}
+MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe")
+_NORM_TOPK = {"qwen3moe": True, "olmoe": False, "granitemoe": True}
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *SSM_ARCHS, *MOE_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
-_PERMUTED_QK = ("llama", "smollm3", "granitehybrid")
+_PERMUTED_QK = ("llama", "smollm3", "granitehybrid", "granitemoe")
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -138,6 +138,11 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
             expert_dim=int(get("expert_feed_forward_length", args.hidden_dim)),
             norm_topk_prob=bool(get("expert_weights_norm", _NORM_TOPK[arch])),
         )
+    if arch == "granitemoe":  # llama.cpp: 0 (absent) means not scaled
+        args.attn_scale = float(get("attention.scale", 0.0)) or None
+        args.embed_mult = float(get("embedding_scale", 0.0)) or 1.0
+        args.residual_mult = float(get("residual_scale", 0.0)) or 1.0
+        args.logits_scaling = float(get("logit_scale", 0.0)) or 1.0
     return args
 
 

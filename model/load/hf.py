@@ -31,6 +31,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "qwen3_moe",
     "olmoe",
+    "granitemoe",
     *SSM_MODEL_TYPES,
 )
 # model_type -> its model.arch.ARCH_BLOCKS key (llama.cpp's architecture name), where they differ
@@ -135,7 +136,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
         )
-        if model_type in ("qwen3_moe", "olmoe"):
+        if model_type in ("qwen3_moe", "olmoe", "granitemoe"):
             _moe_layers(args, config)
         if model_type == "gemma3_text":
             _gemma3_layers(args, config)
@@ -162,14 +163,21 @@ def _moe_layers(args: ModelArgs, config: dict[str, Any]) -> None:
         raise ValueError("clip_qkv is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
-    olmoe = config["model_type"] == "olmoe"
+    model_type = config["model_type"]
+    qwen = model_type == "qwen3_moe"
     args.moe = MoEArgs(
         # transformers 5 writes num_local_experts (its attribute map for num_experts)
         n_experts=int(config.get("num_experts") or config["num_local_experts"]),
         n_used=int(config["num_experts_per_tok"]),
-        expert_dim=int(config["intermediate_size" if olmoe else "moe_intermediate_size"]),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        expert_dim=int(config["moe_intermediate_size" if qwen else "intermediate_size"]),
+        # Granite: softmax over the top-k logits, the same as renormalizing the top-k of all
+        norm_topk_prob=model_type == "granitemoe" or bool(config.get("norm_topk_prob", False)),
     )
+    if model_type == "granitemoe":
+        args.attn_scale = float(config.get("attention_multiplier", 1.0))
+        args.embed_mult = float(config.get("embedding_multiplier", 1.0))
+        args.residual_mult = float(config.get("residual_multiplier", 1.0))
+        args.logits_scaling = float(config.get("logits_scaling", 1.0))
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1))
     args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
@@ -273,10 +281,16 @@ def read_weights(
         names["output"] = "lm_head.weight"
     table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
     table |= _QK_NORM_TENSORS | _MOE_TENSORS
+    if args.arch == "granitemoe":
+        table["moe_router"] = "block_sparse_moe.router.layer.weight"
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
+            if ours in _EXPERT_PROJ and args.arch == "granitemoe":
+                w = _granite_experts(raw, i, ours, expected[ours], folder)
+                weights[f"layers.{i}.{ours}"] = w.to(dtype)
+                continue
             if ours in _EXPERT_PROJ:
                 assert args.moe is not None
                 theirs = f"model.layers.{i}.mlp.experts.{{}}.{_EXPERT_PROJ[ours]}.weight"
@@ -313,3 +327,23 @@ def _stack_experts(
             )
         parts.append(raw.pop(name))
     return torch.stack(parts)
+
+
+def _granite_experts(
+    raw: dict[str, torch.Tensor], layer: int, kind: str, want: tuple[int, ...], folder: Path
+) -> torch.Tensor:
+    """GraniteMoE's experts: input_linear [E, 2 f, d] holds the gates then the ups,
+    output_linear [E, d, f] the down projections."""
+    p = f"model.layers.{layer}.block_sparse_moe."
+    name = p + ("output_linear.weight" if kind == "w2_exps" else "input_linear.weight")
+    if name not in raw:
+        raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+    w = raw[name]
+    full = want if kind == "w2_exps" else (want[0], 2 * want[1], want[2])
+    if tuple(w.shape) != full:
+        raise ModelLoadError(
+            f"{folder}: tensor {name} has shape {tuple(w.shape)}, expected {full}."
+        )
+    if kind == "w2_exps":
+        return w
+    return w[:, : want[1]] if kind == "w1_exps" else w[:, want[1] :]

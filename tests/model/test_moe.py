@@ -1,6 +1,7 @@
-"""Mixture-of-experts models (model/layers/moe.py): tiny random Qwen3-MoE and OLMoE built by
-transformers, against transformers (logits, greedy decoding), through their GGUFs (float, and
-on the file's own Q8_0 / Q4_0 blocks), int4 experts, the real scheduler, and the real server."""
+"""Mixture-of-experts models (model/layers/moe.py): tiny random Qwen3-MoE, OLMoE and GraniteMoE
+built by transformers, against transformers (logits, greedy decoding), through their GGUFs
+(float, and on the file's own Q8_0 / Q4_0 blocks), int4 experts, the real scheduler, and the
+real server."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from scheduler.scheduler import Scheduler
 from tests.live_server import start_server
 from tests.model.factories import Driver, make_plan, prefill_chunk
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
-from tests.tiny_moe import write_tiny_moe, write_tiny_moe_gguf
+from tests.tiny_moe import GRANITE_MULTIPLIERS, write_tiny_moe, write_tiny_moe_gguf
 
 PROMPT = "Hello world! How are you today? The quick brown fox"
-MOE_TYPES = ["qwen3_moe", "olmoe"]
+MOE_TYPES = ["qwen3_moe", "olmoe", "granitemoe"]
 
 
 @pytest.fixture(scope="module", params=MOE_TYPES)
@@ -52,9 +53,13 @@ def test_description_read_from_the_config(folder):
     args = load_model(folder).config
     assert args.moe is not None and (args.moe.n_experts, args.moe.n_used) == (8, 2)
     assert args.moe.expert_dim == 32
-    assert args.moe.norm_topk_prob == (args.arch == "qwen3_moe")  # OLMoE does not renormalize
-    assert args.block.qk_norm and args.block.qk_norm_full == (args.arch == "olmoe")
+    assert args.moe.norm_topk_prob == (args.arch != "olmoe")  # OLMoE does not renormalize
+    assert args.block.qk_norm == (args.arch != "granitemoe")
+    assert args.block.qk_norm_full == (args.arch == "olmoe")
     assert all(args.layer_desc(i).moe for i in range(args.n_layers))
+    if args.arch == "granitemoe":
+        got = (args.embed_mult, args.residual_mult, args.attn_scale, args.logits_scaling)
+        assert got == tuple(GRANITE_MULTIPLIERS.values())
 
 
 def test_logits_match_transformers(folder, hf_model):
