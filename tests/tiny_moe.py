@@ -76,7 +76,8 @@ def write_tiny_moe(
             **config_kw,
         )
         model = transformers.Qwen3MoeForCausalLM(config)
-    elif model_type == "olmoe":
+    elif model_type == "olmoe":  # no GQA, as OLMoE-1B-7B (llama.cpp's olmoe assumes it)
+        common["num_key_value_heads"] = common["num_attention_heads"]
         config = transformers.OlmoeConfig(**common, intermediate_size=expert_dim, **config_kw)
         model = transformers.OlmoeForCausalLM(config)
     elif model_type == "granitemoe":
