@@ -77,3 +77,9 @@ class MoEFeedForward(nn.Module):
                 start += count
         ys *= top.reshape(-1).index_select(0, order)[:, None]
         return x.new_zeros(n, x.shape[1]).index_add_(0, rows, ys)
+
+
+def expert_load(model: nn.Module) -> list[list[int]]:
+    """Per MoE layer (in order), the (row, slot) pairs each expert took so far; [] for a dense
+    model. Read from another thread while steps run: each layer's counts are one copy."""
+    return [m.expert_rows.tolist() for m in model.modules() if isinstance(m, MoEFeedForward)]

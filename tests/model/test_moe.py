@@ -252,6 +252,12 @@ def test_the_server_answers_with_a_moe_model(tmp_path, fmt):
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
+        # the expert load: every token computed (the prompt, 7 fed-back choices) took 2 experts
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        rows = [ln for ln in metrics.splitlines() if ln.startswith("cellserve_moe_expert_rows_")]
+        assert len(rows) == 2 * 8  # 2 layers x 8 experts
+        layer0 = sum(float(ln.split()[-1]) for ln in rows if 'layer="0"' in ln)
+        assert layer0 == 2 * (out["usage"]["prompt_tokens"] + 7)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
