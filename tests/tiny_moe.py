@@ -66,27 +66,24 @@ def write_tiny_moe(
         pad_token_id=base["eos_token_id"],
         tie_word_embeddings=model_type == "qwen3_moe",
     )
-    if model_type == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **common,
-            head_dim=32,
-            intermediate_size=96,  # the dense layers' (mlp_only_layers)
-            moe_intermediate_size=expert_dim,
-            norm_topk_prob=True,
-            **config_kw,
-        )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    elif model_type == "olmoe":  # no GQA, as OLMoE-1B-7B (llama.cpp's olmoe assumes it)
+    if model_type == "olmoe":  # no GQA, as OLMoE-1B-7B (llama.cpp's olmoe assumes it)
         common["num_key_value_heads"] = common["num_attention_heads"]
-        config = transformers.OlmoeConfig(**common, intermediate_size=expert_dim, **config_kw)
-        model = transformers.OlmoeForCausalLM(config)
-    elif model_type == "granitemoe":
-        config = transformers.GraniteMoeConfig(
-            **common, intermediate_size=expert_dim, **(GRANITE_MULTIPLIERS | config_kw)
-        )
-        model = transformers.GraniteMoeForCausalLM(config)
+    if model_type == "qwen3_moe":
+        extra = dict(head_dim=32, moe_intermediate_size=expert_dim, norm_topk_prob=True)
+        extra["intermediate_size"] = 96  # the dense layers' (mlp_only_layers)
     else:
-        raise ValueError(f"model_type {model_type!r}: qwen3_moe, olmoe or granitemoe")
+        extra = dict(intermediate_size=expert_dim)
+    if model_type == "granitemoe":
+        extra |= GRANITE_MULTIPLIERS
+    classes = {
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+    }
+    if model_type not in classes:
+        raise ValueError(f"model_type {model_type!r}: one of {', '.join(classes)}")
+    config_cls, model_cls = classes[model_type]
+    model = model_cls(config_cls(**(common | extra | config_kw)))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
