@@ -15,12 +15,14 @@ from model.layers.ggml import BlockLinear, has_block_kernels
 from model.layers.moe import MoEFeedForward
 from model.layers.quant import QuantLinear, dequantize_int4, quantize, quantize_int4
 from model.load.loader import LoadedModel
+from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.live_server import start_server
-from tests.model.factories import Driver, make_plan, prefill_chunk
+from tests.model.factories import Driver, make_plan, prefill_chunk, require_kernels
+from tests.model.test_native import decode, prompt_kernel_runs
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
 from tests.tiny_moe import GRANITE_MULTIPLIERS, write_tiny_moe, write_tiny_moe_gguf
 
@@ -193,16 +195,51 @@ def test_int4_experts_equal_their_dequantized_weights(folder, n_rows):
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
 
 
-def test_the_one_call_step_falls_back_to_torch_with_the_reason(folder):
-    kernels = load_kernels()
-    if kernels is None:
-        pytest.skip("the C++ kernels are not built")
-    loaded = load_model(folder)
+NATIVE_CASES = [
+    (m, d, q, n)
+    for m in ("qwen3_moe", "granitemoe")
+    for d in ("bfloat16", "float32")
+    for q, n in (("int4", 1), ("int4", 10), ("int8", 3), ("gguf", 3))
+]
+
+
+@pytest.mark.parametrize("model_type, dtype, quant, n_seq", NATIVE_CASES)
+def test_the_one_call_step_runs_moe_layers_as_the_python_ones(
+    tmp_path, model_type, dtype, quant, n_seq, monkeypatch
+):
+    """step.cpp moe_ffn: the same routing, grouping and kernels as MoEFeedForward, so the
+    logits are bit for bit the Python layers' (10 sequences: past small_rows, int4_gemm and
+    the dense copies; "gguf": a Q8_0 file's own blocks)."""
+    require_kernels()
+    folder = write_tiny_moe(tmp_path / model_type, model_type, seed=1)
+    if quant == "gguf":
+        path = write_tiny_moe_gguf(tmp_path / "moe.gguf", folder, qtype="Q8_0")
+        loaded = load_model(path, dtype=dtype, blocks=True)
+    else:
+        loaded = load_model(folder, dtype=dtype)
+        quantize(loaded.transformer, quant)
+    worker = make_worker(loaded, n_cells=512)
+    assert worker.paths.native is not None, worker.paths.describe()
+    prompts = [make_prompt(9 + 5 * s, seed=s) for s in range(n_seq)]
+    calls = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    load = loaded.transformer.layers[0].feed_forward.expert_rows
+    native = decode(worker, prompts, steps=6)
+    assert len(calls) == 6 + prompt_kernel_runs(worker)
+    assert int(load.sum()) == 2 * (sum(map(len, prompts)) + 6 * n_seq)  # counted in C++ too
+    worker.paths.native = None
+    assert torch.equal(native, decode(worker, prompts, steps=6))
+
+
+def test_olmoe_falls_back_to_torch_with_the_reason(tmp_path):
+    """Its q/k norms span the whole projection; step.cpp normalizes per head."""
+    require_kernels()
+    loaded = load_model(write_tiny_moe(tmp_path / "olmoe", "olmoe"))
     quantize(loaded.transformer, "int4")  # a model the one-call step would otherwise take
     paths = make_worker(loaded, n_cells=64).paths
     assert paths.native is None
-    assert "mixture-of-experts" in paths.why["one-call step"]
-    assert "mixture-of-experts" in paths.describe()
+    assert "whole projection" in paths.why["one-call step"] and "OLMoE" in paths.describe()
 
 
 def serve(loaded: LoadedModel, reqs: list[Request]) -> Outcome:
