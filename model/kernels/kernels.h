@@ -122,6 +122,7 @@ struct StepLinear {
 // (absent optionals: the description has no such part).
 struct StepLayer {
   at::Tensor attn_norm, ffn_norm;
+  // q_norm / k_norm: [head_dim] per head, or [n_heads * head_dim] / [n_kv * head_dim] (OLMoE)
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;
   StepLinear wqkv, wo, w13, w2;
   at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, head_dim] of its pool

@@ -273,9 +273,11 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     auto qkv = mm(normed, layer.wqkv);  // [n, width]
     TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
                 width);
-    if (layer.q_norm && layer.k_norm) {
-      norm_heads_(qkv, 0, n_heads, hd, *layer.q_norm, eps);
-      norm_heads_(qkv, n_heads * hd, n_kv, hd, *layer.k_norm, eps);
+    if (layer.q_norm && layer.k_norm) {  // per head, or (OLMoE) over the whole projection
+      const bool whole = layer.q_norm->numel() != hd;
+      norm_heads_(qkv, 0, whole ? 1 : n_heads, whole ? n_heads * hd : hd, *layer.q_norm, eps);
+      norm_heads_(qkv, n_heads * hd, whole ? 1 : n_kv, whole ? n_kv * hd : hd, *layer.k_norm,
+                  eps);
     }
     if (layer.rope >= 0) {
       auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});

@@ -10,8 +10,9 @@ fused RMSNorm / SiLU-mul / RoPE kernels the Python layers call too through Forwa
 the attention kernels, and raw passes for the K/V writes and residual adds that give torch's
 bits), so the logits equal the Python path's bit for bit: tests/model/test_native.py, for
 Llama (SmolLM2), Qwen2 (q/k/v biases) and Gemma 3 (q/k norms, post norms, GeGLU, sliding
-windows over their own pool, two RoPE bases), and a mixture-of-experts MLP (step.cpp moe_ffn, as
-model/layers/moe.py: tests/model/test_moe.py). An architecture described in model/arch.py runs
+windows over their own pool, two RoPE bases), and the mixture-of-experts MLP (step.cpp
+moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
+(tests/model/test_moe.py). An architecture described in model/arch.py runs
 here without C++ of its own; recurrent (Mamba2) layers stay in Python. It takes decode steps,
 prompt chunks and steps that mix both, wherever every attention group of every window has the
 C++ kernels' cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16;
@@ -70,8 +71,6 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py)"
-        if any(d.qk_norm_full for d in descs):
-            return None, "q/k norms over the whole projection (OLMoE) run in Python"
         if any(
             d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
             for d in descs

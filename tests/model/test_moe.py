@@ -197,7 +197,7 @@ def test_int4_experts_equal_their_dequantized_weights(folder, n_rows):
 
 NATIVE_CASES = [
     (m, d, q, n)
-    for m in ("qwen3_moe", "granitemoe")
+    for m in MOE_TYPES
     for d in ("bfloat16", "float32")
     for q, n in (("int4", 1), ("int4", 10), ("int8", 3), ("gguf", 3))
 ]
@@ -209,7 +209,8 @@ def test_the_one_call_step_runs_moe_layers_as_the_python_ones(
 ):
     """step.cpp moe_ffn: the same routing, grouping and kernels as MoEFeedForward, so the
     logits are bit for bit the Python layers' (10 sequences: past small_rows, int4_gemm and
-    the dense copies; "gguf": a Q8_0 file's own blocks)."""
+    the dense copies; "gguf": a Q8_0 file's own blocks); OLMoE's q/k norms over the whole
+    projection too."""
     require_kernels()
     folder = write_tiny_moe(tmp_path / model_type, model_type, seed=1)
     if quant == "gguf":
@@ -230,16 +231,6 @@ def test_the_one_call_step_runs_moe_layers_as_the_python_ones(
     assert int(load.sum()) == 2 * (sum(map(len, prompts)) + 6 * n_seq)  # counted in C++ too
     worker.paths.native = None
     assert torch.equal(native, decode(worker, prompts, steps=6))
-
-
-def test_olmoe_falls_back_to_torch_with_the_reason(tmp_path):
-    """Its q/k norms span the whole projection; step.cpp normalizes per head."""
-    require_kernels()
-    loaded = load_model(write_tiny_moe(tmp_path / "olmoe", "olmoe"))
-    quantize(loaded.transformer, "int4")  # a model the one-call step would otherwise take
-    paths = make_worker(loaded, n_cells=64).paths
-    assert paths.native is None
-    assert "whole projection" in paths.why["one-call step"] and "OLMoE" in paths.describe()
 
 
 def serve(loaded: LoadedModel, reqs: list[Request]) -> Outcome:
