@@ -11,6 +11,8 @@ import torch
 
 from bench.server_proc import llama_server, llamacpp_default
 from model import load_model
+from model.kernels import load_kernels
+from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
 from tests.model.factories import Driver
 from tests.scheduler.fakes import make_prompt
@@ -28,6 +30,8 @@ def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtyp
     binary = llamacpp_default()
     if not binary.is_file():
         pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    if qtype != "F32" and not has_block_kernels(load_kernels()):
+        pytest.skip("the C++ block kernels are not built")
     folder = write_tiny_moe(tmp_path / model_type, model_type, seed=1)
     path = write_tiny_moe_gguf(tmp_path / f"{model_type}.gguf", folder, qtype=qtype)
     worker = make_worker(load_model(path, blocks=qtype != "F32"), n_cells=64)
