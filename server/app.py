@@ -110,6 +110,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
         return
     metrics.bind_engine(backend.engine.stats)
     metrics.set_runtime(backend.runtime)
+    metrics.bind_expert_load(backend.expert_load)
     parts = MemoryParts(
         backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
     )

@@ -48,6 +48,8 @@ class Backend:
     # weights mapped from the model file / held in process memory (/metrics cellserve_memory_bytes)
     weights_mapped_bytes: int = 0
     weights_owned_bytes: int = 0
+    # per MoE layer, the rows each expert took (/metrics cellserve_moe_expert_rows); None: dense
+    expert_load: Callable[[], list[list[int]]] | None = None
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

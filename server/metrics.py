@@ -170,6 +170,27 @@ def _slot_gauges(s: EngineStats) -> Iterator[Metric]:
     yield from families.values()
 
 
+class _ExpertCollector(Collector):
+    """A mixture-of-experts model's expert load: per layer and expert, the tokens routed to it
+    (each token counts once for each of its top-k experts)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[list[int]]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        family = CounterMetricFamily(
+            "cellserve_moe_expert_rows",
+            "Tokens routed to each expert of each MoE layer (top-k: k per token)",
+            labels=["layer", "expert"],
+        )
+        for layer, counts in enumerate(self.source()):
+            for expert, n in enumerate(counts):
+                family.add_metric([str(layer), str(expert)], float(n))
+        yield family
+
+
 class _InfoCollector(Collector):
     """An info gauge: `name` 1, labelled; nothing until the labels are set."""
 
@@ -254,6 +275,8 @@ class Metrics:
         self.registry.register(self._runtime)
         self._memory = _MemoryCollector()
         self.registry.register(self._memory)
+        self._experts = _ExpertCollector()
+        self.registry.register(self._experts)
         # vLLM's name and labels (server.cache_config): the cache geometry llm-d reads
         self._cache_config = _InfoCollector(
             "vllm:cache_config_info", "KV cache geometry: virtual blocks over cells"
@@ -289,6 +312,9 @@ class Metrics:
 
     def set_runtime(self, labels: dict[str, str]) -> None:
         self._runtime.labels = dict(labels)
+
+    def bind_expert_load(self, source: Callable[[], list[list[int]]] | None) -> None:
+        self._experts.source = source
 
     def set_memory(self, parts: MemoryParts) -> None:
         self._memory.parts = parts

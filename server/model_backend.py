@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from scheduler.config import EngineConfig
@@ -82,6 +83,7 @@ def load_backend(
     import torch
 
     from model.layers.ggml import weight_bytes
+    from model.layers.moe import expert_load
     from model.runner.grammar import GrammarCompiler
     from model.runner.worker import make_worker
     from model.serving import open_model
@@ -163,4 +165,7 @@ def load_backend(
         },
         weights_mapped_bytes=mapped,
         weights_owned_bytes=owned,
+        expert_load=(
+            partial(expert_load, loaded.transformer) if loaded.config.moe is not None else None
+        ),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -208,6 +209,9 @@ def write_tiny_gemma3(
     return folder
 
 
+_PERMUTED = ("llama", "smollm3", "granitemoe")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs
+
+
 def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's LlamaModel.permute (HF rotate-half -> interleaved)."""
     return (
@@ -290,12 +294,14 @@ def write_tiny_gguf(
     spm_tokenizer: bool = False,
     qtype: str = "F32",
     fim_ids: dict[str, int] | None = None,
+    extra: Callable[[gguf.GGUFWriter], dict[str, np.ndarray]] | None = None,
 ) -> Path:
     """Convert a tiny HF folder (from write_tiny_llama) to GGUF the way llama.cpp does (F32,
     Q/K permuted, gpt2 tokenizer, or a small SentencePiece vocab with `spm_tokenizer`);
     `skip` leaves out tensors by GGUF name; `qtype` (F16, BF16, Q8_0, Q4_0, Q4_1, ...) is
     the type of the 2-D weights, quantized with gguf.quants; `fim_ids` ("pre", "suf", ...)
-    are written as tokenizer.ggml.fim_*_token_id."""
+    are written as tokenizer.ggml.fim_*_token_id; `extra` writes more metadata and returns
+    more tensors by GGUF name (tests/tiny_moe.py: the experts)."""
     path, hf_folder = Path(path), Path(hf_folder)
     config = json.loads((hf_folder / "config.json").read_text())
     spec = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -307,7 +313,8 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_freq_base(config["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("head_dim", config["hidden_size"] // n_heads) != config["hidden_size"] // n_heads:
         writer.add_key_length(config["head_dim"])
@@ -334,6 +341,7 @@ def write_tiny_gguf(
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
     }
     hf_to_gguf = {
         "input_layernorm.weight": "attn_norm.weight",
@@ -349,21 +357,22 @@ def write_tiny_gguf(
     for i in range(config["num_hidden_layers"]):
         for hf_name, gguf_name in hf_to_gguf.items():
             names[f"model.layers.{i}.{hf_name}"] = f"blk.{i}.{gguf_name}"
-        if arch == "qwen3":
+        if f"model.layers.{i}.self_attn.q_norm.weight" in tensors:
             names[f"model.layers.{i}.self_attn.q_norm.weight"] = f"blk.{i}.attn_q_norm.weight"
             names[f"model.layers.{i}.self_attn.k_norm.weight"] = f"blk.{i}.attn_k_norm.weight"
         if arch == "qwen2":
             for proj in "qkv":
                 names[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = f"blk.{i}.attn_{proj}.bias"
-    for hf_name, gguf_name in names.items():
+    arrays = {g: tensors[h].numpy().astype(np.float32) for h, g in names.items() if h in tensors}
+    arrays |= extra(writer) if extra is not None else {}
+    for gguf_name, w in arrays.items():
         if gguf_name in skip:
             continue
-        w = tensors[hf_name].numpy().astype(np.float32)
-        if arch in ("llama", "smollm3") and gguf_name.endswith("attn_q.weight"):
+        if arch in _PERMUTED and gguf_name.endswith("attn_q.weight"):
             w = _permute_for_gguf(w, n_heads)
-        elif arch in ("llama", "smollm3") and gguf_name.endswith("attn_k.weight"):
+        elif arch in _PERMUTED and gguf_name.endswith("attn_k.weight"):
             w = _permute_for_gguf(w, n_kv)
-        if qtype == "F32" or w.ndim == 1:
+        if qtype == "F32" or w.ndim == 1 or gguf_name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(gguf_name, w)
         else:
             kind = gguf.GGMLQuantizationType[qtype]

@@ -35,6 +35,7 @@ class BlockSpec:
     norm_shift: float = 0.0  # RMSNorm scales by (norm_shift + w): Gemma's (1 + w) is 1.0
     activation: Activation = "silu"  # of the gate: SiLU (SwiGLU) or tanh-GELU (GeGLU)
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
+    qk_norm_full: bool = False  # with qk_norm: over the whole q and k projections (OLMoE)
     post_norms: bool = False  # norms on the attention and MLP outputs (Gemma 2/3)
     embed_scale: bool = False  # token embeddings times sqrt(dim), rounded to the model dtype
 
@@ -45,6 +46,8 @@ GEMMA3 = BlockSpec(
 )
 # Qwen3: Llama's block with an RMSNorm over each q and k head before RoPE, no q/k/v biases
 QWEN3 = BlockSpec(qk_norm=True)
+# OLMoE: the q and k RMSNorms span the whole projection (n_heads * head_dim), not one head
+OLMOE = BlockSpec(qk_norm=True, qk_norm_full=True)
 ARCH_BLOCKS: dict[str, BlockSpec] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -52,6 +55,9 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "qwen3": QWEN3,
     "smollm3": LLAMA,  # Llama's block; no RoPE on every 4th layer (ModelArgs.nope_layers)
     "gemma3": GEMMA3,
+    "qwen3moe": QWEN3,  # Qwen3's block, the MLP a mixture of experts (ModelArgs.moe)
+    "olmoe": OLMOE,
+    "granitemoe": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
 }
 # Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base
 # (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).
@@ -110,11 +116,25 @@ class SSMArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEArgs:
+    """A sparse mixture-of-experts MLP (model/layers/moe.py; transformers' Qwen3MoeSparseMoeBlock,
+    llama.cpp's build_moe_ffn with softmax gating): p = softmax(router x) over n_experts; the
+    n_used largest, divided by their sum when `norm_topk_prob`, weight the outputs of those
+    experts, each a gated MLP of width `expert_dim`."""
+
+    n_experts: int
+    n_used: int  # experts per token (num_experts_per_tok, expert_used_count)
+    expert_dim: int  # moe_intermediate_size, expert_feed_forward_length
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True, slots=True)
 class LayerDesc:
     """What one block computes (model/layers/decoder.py Block; model/runner/native.py's C++ step):
 
     h = x + m * [post_attn_norm](mixer(attn_norm(x)))
     out = h + m * [post_ffn_norm](w2(act(w1 f) * w3 f)), f = ffn_norm(h)   (only with `ffn`)
+    `moe`: the MLP is ModelArgs.moe's mixture of experts (model/layers/moe.py) instead.
 
     mixer "attn": qkv = wqkv x [+ bqkv]; [q_norm, k_norm per head]; RoPE (`rope`; None: NoPE);
     K/V into the cells of the layer's pool (window 0: the full pool, W: the window's); attention
@@ -128,8 +148,10 @@ class LayerDesc:
     scale: float  # softmax scale (0.0 on a mamba2 layer)
     qkv_bias: bool
     qk_norm: bool
+    qk_norm_full: bool
     post_norms: bool
     ffn: bool
+    moe: bool
     activation: Activation
     norm_shift: float
     residual_mult: float
@@ -138,6 +160,8 @@ class LayerDesc:
     def weights(self) -> tuple[str, ...]:
         """The weight kinds this block reads (layers.{i}.<kind>)."""
         ffn = ["ffn_norm", "w1", "w3", "w2"] if self.ffn else []
+        if self.ffn and self.moe:
+            ffn = ["ffn_norm", "moe_router", "w1_exps", "w3_exps", "w2_exps"]
         if self.mixer == "mamba2":
             kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
             return tuple([*kinds, "ssm_out", *ffn])
@@ -181,6 +205,13 @@ class ModelArgs:
     embed_mult: float = 1.0
     residual_mult: float = 1.0
     logits_scaling: float = 1.0
+    # mixture of experts: the experts' sizes, and per layer whether its MLP is the mixture
+    # (() every layer; Qwen3-MoE's mlp_only_layers and decoder_sparse_step make dense ones)
+    moe: MoEArgs | None = None
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe is not None and (not self.moe_layers or self.moe_layers[layer])
 
     def mixer(self, layer: int) -> Mixer:
         return self.mixers[layer] if self.mixers else "attn"
@@ -215,8 +246,10 @@ class ModelArgs:
             scale=self.scale if mixer == "attn" else 0.0,  # a Mamba2 model has no head_dim
             qkv_bias=self.qkv_bias,
             qk_norm=block.qk_norm,
+            qk_norm_full=block.qk_norm_full,
             post_norms=block.post_norms,
             ffn=self.ffn,
+            moe=self.is_moe(layer),
             activation=block.activation,
             norm_shift=block.norm_shift,
             residual_mult=self.residual_mult,
@@ -240,6 +273,7 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Expected shape of each weight kind (the last part of its name)."""
     d, f = args.dim, args.hidden_dim
     q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    full = args.block.qk_norm_full
     return {
         "tok_embeddings": (args.vocab_size, d),
         "output": (args.vocab_size, d),
@@ -248,8 +282,8 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "ffn_norm": (d,),
         "post_attn_norm": (d,),
         "post_ffn_norm": (d,),
-        "q_norm": (args.head_dim,),
-        "k_norm": (args.head_dim,),
+        "q_norm": (q_dim if full else args.head_dim,),
+        "k_norm": (kv_dim if full else args.head_dim,),
         "wq": (q_dim, d),
         "wk": (kv_dim, d),
         "wv": (kv_dim, d),
@@ -261,6 +295,21 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "w3": (f, d),
         "w2": (d, f),
         **_ssm_shapes(args),
+        **_moe_shapes(args),
+    }
+
+
+def _moe_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The router and the experts' gate, up and down weights stacked [n_experts, out, in]."""
+    m = args.moe
+    if m is None:
+        return {}
+    e, d, f = m.n_experts, args.dim, m.expert_dim
+    return {
+        "moe_router": (e, d),
+        "w1_exps": (e, f, d),
+        "w3_exps": (e, f, d),
+        "w2_exps": (e, d, f),
     }
 
 

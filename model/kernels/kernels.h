@@ -122,6 +122,7 @@ struct StepLinear {
 // (absent optionals: the description has no such part).
 struct StepLayer {
   at::Tensor attn_norm, ffn_norm;
+  // q_norm / k_norm: [head_dim] per head, or [n_heads * head_dim] / [n_kv * head_dim] (OLMoE)
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;
   StepLinear wqkv, wo, w13, w2;
   at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, head_dim] of its pool
@@ -129,6 +130,13 @@ struct StepLayer {
   int64_t rope = 0;             // which rope table pair rotates it; -1: NoPE
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;
+  // a mixture-of-experts MLP (model/layers/moe.py MoEFeedForward) instead of w13 / w2: the
+  // router [n_experts, dim] in x's dtype, each expert's gate|up and down linears, and the
+  // module's expert_rows [n_experts] int64 (counted in place)
+  std::optional<at::Tensor> router, expert_rows;
+  std::vector<StepLinear> experts_w13, experts_w2;
+  int64_t n_used = 0;  // experts per row
+  bool norm_topk = false;
 };
 // model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt

@@ -337,7 +337,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("groups", &StepLayer::groups)
       .def_readwrite("rope", &StepLayer::rope)
       .def_readwrite("gelu", &StepLayer::gelu)
-      .def_readwrite("residual_mult", &StepLayer::residual_mult);
+      .def_readwrite("residual_mult", &StepLayer::residual_mult)
+      .def_readwrite("router", &StepLayer::router)
+      .def_readwrite("expert_rows", &StepLayer::expert_rows)
+      .def_readwrite("experts_w13", &StepLayer::experts_w13)
+      .def_readwrite("experts_w2", &StepLayer::experts_w2)
+      .def_readwrite("n_used", &StepLayer::n_used)
+      .def_readwrite("norm_topk", &StepLayer::norm_topk);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)

@@ -178,6 +178,19 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                 "step_layers: a layer's K/V cache must be contiguous, of one shape, in x's "
                 "dtype");
     n_cells[layer.groups] = std::min(n_cells[layer.groups], k.size(1));
+    if (layer.router) {
+      const int64_t n_experts = layer.router->size(0);
+      TORCH_CHECK(layer.router->scalar_type() == x.scalar_type() && layer.router->dim() == 2 &&
+                      layer.router->size(1) == x.size(1) && layer.expert_rows &&
+                      layer.expert_rows->scalar_type() == at::kLong &&
+                      layer.expert_rows->is_contiguous() &&
+                      layer.expert_rows->numel() == n_experts &&
+                      static_cast<int64_t>(layer.experts_w13.size()) == n_experts &&
+                      static_cast<int64_t>(layer.experts_w2.size()) == n_experts &&
+                      0 < layer.n_used && layer.n_used <= n_experts,
+                  "step_layers: a MoE layer needs a router [n_experts, dim] in x's dtype, "
+                  "expert_rows, n_experts gate|up and down linears, 0 < n_used <= n_experts");
+    }
   }
   for (int64_t i = 0; i < n_groups; ++i) {
     const int64_t* cp = groups[i].write_cells.data_ptr<int64_t>();
@@ -185,6 +198,46 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
       TORCH_CHECK(cp[r] >= 0 && cp[r] < n_cells[i], "step_layers: write_cells[", r, "] = ",
                   cp[r], " is not in [0, ", n_cells[i], ")");
   }
+}
+
+// model/layers/moe.py MoEFeedForward.forward on h [n, dim] (SwiGLU experts): softmax routing
+// in float32, the top n_used (renormalized with norm_topk) in h's dtype; the (row, slot) pairs
+// grouped by expert in a stable counting sort (the permutation of the Python layer's stable
+// argsort), each chosen expert once over all its rows, the weighted outputs added back per row
+// in ascending expert order (index_add_); layer.expert_rows counts the pairs.
+at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_size) {
+  const int64_t n = h.size(0), k = layer.n_used;
+  const int64_t n_experts = static_cast<int64_t>(layer.experts_w13.size());
+  auto logits = at::linear(h, *layer.router);  // [n, n_experts]
+  auto probs = at::softmax(logits, -1, at::kFloat);
+  auto [top, idx] = at::topk(probs, k, -1);
+  if (layer.norm_topk) top = top / top.sum(-1, true);
+  top = top.to(h.scalar_type());
+  idx = idx.contiguous();
+  const int64_t* e_of = idx.data_ptr<int64_t>();
+  std::vector<int64_t> counts(n_experts, 0), start(n_experts + 1, 0);
+  for (int64_t i = 0; i < n * k; ++i) ++counts[e_of[i]];
+  for (int64_t e = 0; e < n_experts; ++e) start[e + 1] = start[e] + counts[e];
+  auto order = at::empty({n * k}, idx.options());
+  int64_t* op = order.data_ptr<int64_t>();
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n * k; ++i) op[fill[e_of[i]]++] = i;
+  int64_t* load = layer.expert_rows->data_ptr<int64_t>();
+  for (int64_t e = 0; e < n_experts; ++e) load[e] += counts[e];
+  auto rows = at::floor_divide(order, k);
+  auto xs = h.index_select(0, rows);  // [n k, dim], expert by expert
+  auto ys = at::empty_like(xs);
+  for (int64_t e = 0; e < n_experts; ++e) {
+    if (!counts[e]) continue;
+    auto gate_up = quant_linear(xs.slice(0, start[e], start[e + 1]), layer.experts_w13[e],
+                                group_size)
+                       .contiguous();
+    auto gated = at::empty({counts[e], gate_up.size(1) / 2}, h.options());
+    silu_mul_into(gate_up, gated);
+    ys.slice(0, start[e], start[e + 1]).copy_(quant_linear(gated, layer.experts_w2[e], group_size));
+  }
+  ys.mul_(top.reshape(-1).index_select(0, order).unsqueeze(1));
+  return at::zeros_like(h).index_add_(0, rows, ys);
 }
 
 }  // namespace
@@ -220,9 +273,11 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     auto qkv = mm(normed, layer.wqkv);  // [n, width]
     TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
                 width);
-    if (layer.q_norm && layer.k_norm) {
-      norm_heads_(qkv, 0, n_heads, hd, *layer.q_norm, eps);
-      norm_heads_(qkv, n_heads * hd, n_kv, hd, *layer.k_norm, eps);
+    if (layer.q_norm && layer.k_norm) {  // per head, or (OLMoE) over the whole projection
+      const bool whole = layer.q_norm->numel() != hd;
+      norm_heads_(qkv, 0, whole ? 1 : n_heads, whole ? n_heads * hd : hd, *layer.q_norm, eps);
+      norm_heads_(qkv, n_heads * hd, whole ? 1 : n_kv, whole ? n_kv * hd : hd, *layer.k_norm,
+                  eps);
     }
     if (layer.rope >= 0) {
       auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
@@ -241,6 +296,11 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     }
     add_residual_(x, a, layer.residual_mult);
     rms_norm_into(x, layer.ffn_norm, eps, normed);
+    if (layer.router) {
+      auto out = moe_ffn(normed, layer, group_size);
+      add_residual_(x, out, layer.residual_mult);
+      continue;
+    }
     auto gate_up = mm(normed, layer.w13);  // [n, 2 ffn]: gate, up
     const int64_t f = gate_up.size(1) / 2;
     at::Tensor hidden;

@@ -23,6 +23,7 @@ from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
 from model.layers.blocks import FeedForward, Linear, RMSNorm
 from model.layers.ggml import BlockEmbedding, BlockWeight, make_linear
 from model.layers.mamba2 import Mamba2Mixer
+from model.layers.moe import MoEFeedForward
 
 __all__ = [
     "Attention",
@@ -65,6 +66,7 @@ class Attention(nn.Module):
         self.scale = desc.scale
         self.sdpa_scale = args.attn_scale  # None: SDPA's own head_dim ** -0.5
         self.q_norm = self.k_norm = None
+        self.qk_norm_full = desc.qk_norm_full
         if desc.qk_norm:
             shift, eps = desc.norm_shift, args.norm_eps
             self.q_norm = RMSNorm(weights[prefix + "q_norm"], eps, shift)
@@ -84,7 +86,14 @@ class Attention(nn.Module):
         qk = qkv[:, : (h + h_kv) * hd].view(n, h + h_kv, hd)
         if self.q_norm is not None and self.k_norm is not None:
             fused = batch.fused
-            qk = torch.cat((self.q_norm(qk[:, :h], fused), self.k_norm(qk[:, h:], fused)), dim=1)
+            if self.qk_norm_full:  # OLMoE: over the whole projections [n, h * hd], [n, h_kv * hd]
+                q, k = qkv[:, : h * hd], qkv[:, h * hd : (h + h_kv) * hd]
+                qk = torch.cat((self.q_norm(q, fused), self.k_norm(k, fused)), dim=1)
+                qk = qk.view(n, h + h_kv, hd)
+            else:
+                qk = torch.cat(
+                    (self.q_norm(qk[:, :h], fused), self.k_norm(qk[:, h:], fused)), dim=1
+                )
         rope_c, rope_s = batch.rope_c, batch.rope_s
         if self.swa_rope:
             assert batch.rope_swa is not None, "the worker builds rope_swa for rope_swa models"
@@ -176,7 +185,8 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """One layer as its model.arch.LayerDesc describes it: h = x + m * [post_attn_norm](mixer(
     attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
-    mixer is Attention, or Mamba2Mixer on a "mamba2" layer; no MLP half without `ffn` (Mamba2).
+    mixer is Attention, or Mamba2Mixer on a "mamba2" layer; no MLP half without `ffn` (Mamba2);
+    the MLP is MoEFeedForward on a `moe` layer (model/layers/moe.py).
     model/runner/native.py's C++ step reads the same desc and the same modules' weights."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
@@ -192,10 +202,15 @@ class Block(nn.Module):
             if desc.mixer == "mamba2"
             else Attention(args, weights, prefix, layer)
         )
-        self.ffn_norm = self.feed_forward = None
+        self.ffn_norm = None
+        self.feed_forward: FeedForward | MoEFeedForward | None = None
         if desc.ffn:
             self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, desc.norm_shift)
-            self.feed_forward = FeedForward(weights, prefix, desc.activation)
+            self.feed_forward = (
+                MoEFeedForward(args, weights, prefix, desc.activation)
+                if desc.moe
+                else FeedForward(weights, prefix, desc.activation)
+            )
         self.post_attention_norm = self.post_ffn_norm = None
         if desc.post_norms:
             self.post_attention_norm = RMSNorm(
@@ -221,7 +236,8 @@ class Transformer(nn.Module):
     """`weights` (HF layout, serving dtype): tok_embeddings, output, norm, and per layer
     layers.{i}.{...} of model.arch.layer_weights(args): attn_norm, wq, wk, wv, [bq, bk, bv],
     [q_norm, k_norm], wo, [post_attn_norm], ffn_norm, w1 (gate), w3 (up), w2, [post_ffn_norm];
-    a mamba2 layer has the ssm_* weights instead of the attention ones."""
+    a mamba2 layer has the ssm_* weights instead of the attention ones, a moe layer moe_router
+    and w1_exps, w3_exps, w2_exps (each indexable by expert) instead of w1, w3, w2."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()

@@ -136,7 +136,7 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
         if isinstance(module, BlockEmbedding):
             blocks = [module.weight]
         for w in blocks or ():
-            ptr = w.data.untyped_storage().data_ptr()
+            ptr = w.data.data_ptr()  # NOTE: the experts of a 3-D tensor share one storage
             if ptr not in seen:
                 seen.add(ptr)
                 if w.mapped:

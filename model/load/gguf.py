@@ -20,6 +20,7 @@ from model.arch import (
     ARCH_BLOCKS,
     GEMMA3_LOCAL_ROPE_BASE,
     ModelArgs,
+    MoEArgs,
     gemma3_windows,
     layer_weights,
     smollm3_nope_layers,
@@ -31,9 +32,13 @@ from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
 from model.load.gguf_ssm import read_args as read_ssm_args
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *SSM_ARCHS)
+# mixture-of-experts architectures (model/layers/moe.py); llama.cpp's qwen3moe normalizes the
+# top-k weights (build_moe_ffn norm_w), its olmoe does not
+MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe")
+_NORM_TOPK = {"qwen3moe": True, "olmoe": False, "granitemoe": True}
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *SSM_ARCHS, *MOE_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
-_PERMUTED_QK = ("llama", "smollm3", "granitehybrid")
+_PERMUTED_QK = ("llama", "smollm3", "granitehybrid", "granitemoe")
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -52,6 +57,10 @@ _LAYER_TENSORS = {
     "k_norm": "attn_k_norm.weight",
     "post_attn_norm": "post_attention_norm.weight",
     "post_ffn_norm": "post_ffw_norm.weight",
+    "moe_router": "ffn_gate_inp.weight",
+    "w1_exps": "ffn_gate_exps.weight",  # [n_expert, n_ff_exp, n_embd] (ggml: reversed)
+    "w3_exps": "ffn_up_exps.weight",
+    "w2_exps": "ffn_down_exps.weight",  # [n_expert, n_embd, n_ff_exp]
     **SSM_TENSORS,
 }
 
@@ -122,6 +131,18 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         _gemma3_layers(args, get, path)
     if arch == "smollm3":  # llama.cpp: n_no_rope_layer_step = 4, not in the file
         args.nope_layers = smollm3_nope_layers(args.n_layers)
+    if arch in MOE_ARCHS:  # every layer sparse, as llama.cpp builds them
+        args.moe = MoEArgs(
+            n_experts=int(get("expert_count")),
+            n_used=int(get("expert_used_count")),
+            expert_dim=int(get("expert_feed_forward_length", args.hidden_dim)),
+            norm_topk_prob=bool(get("expert_weights_norm", _NORM_TOPK[arch])),
+        )
+    if arch == "granitemoe":  # llama.cpp: 0 (absent) means not scaled
+        args.attn_scale = float(get("attention.scale", 0.0)) or None
+        args.embed_mult = float(get("embedding_scale", 0.0)) or 1.0
+        args.residual_mult = float(get("residual_scale", 0.0)) or 1.0
+        args.logits_scaling = float(get("logit_scale", 0.0)) or 1.0
     return args
 
 
@@ -161,9 +182,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
 # dense weights)
-BLOCK_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
+BLOCK_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *MOE_ARCHS)
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
 BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
+EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
 
 
 def read_weights(
@@ -191,11 +213,14 @@ def read_weights(
     for ours, theirs in names.items():
         info = _tensor_info(reader, theirs, path)
         kind = ours.rsplit(".", 1)[-1]
+        if blocks and kind in EXPERT_KINDS:
+            weights[ours] = _expert_blocks(info, expected[kind], path)
+            continue
         if blocks and kind in BLOCK_KINDS:
             weights[ours] = _block_weight(info, args, kind, expected[kind], path)
             continue
         try:
-            w = _dequantize(info)
+            w = _dequantize(info).reshape(tuple(reversed(info.shape)))
         except Exception as e:
             raise ModelLoadError(
                 f"{path}: tensor {theirs} of type {info.tensor_type.name} cannot be "
@@ -236,3 +261,24 @@ def _block_weight(
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(rows)
     return BlockWeight(data, info.type_id, (int(shape[0]), int(shape[1])), info.name, mapped)
+
+
+def _expert_blocks(info: GGUFTensor, want: tuple[int, ...], path: Path) -> list[BlockWeight]:
+    """A 3-D ffn_*_exps tensor [E, n, k] -> E BlockWeights, expert e's rows [e n, (e + 1) n)
+    of the mapping (views: no copy)."""
+    shape = tuple(reversed(info.shape))
+    if shape != want:
+        raise ModelLoadError(f"{path}: tensor {info.name} has shape {shape}, expected {want}.")
+    if info.type_id not in GGML_TYPES.values():
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} is {info.tensor_type.name}; the block kernels take "
+            f"{', '.join(GGML_TYPES)} (--quant int4 / int8 / none re-quantize it)."
+        )
+    n_experts, n, k = (int(d) for d in shape)
+    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        rows = torch.from_numpy(info.rows())
+    return [
+        BlockWeight(rows[e * n : (e + 1) * n], info.type_id, (n, k), f"{info.name}[{e}]")
+        for e in range(n_experts)
+    ]

@@ -14,6 +14,7 @@ from model.arch import (
     ARCH_BLOCKS,
     SMOLLM3_NOPE_PERIOD,
     ModelArgs,
+    MoEArgs,
     layer_weights,
     smollm3_nope_layers,
     weight_shapes,
@@ -28,8 +29,13 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3",
     "smollm3",
     "gemma3_text",
+    "qwen3_moe",
+    "olmoe",
+    "granitemoe",
     *SSM_MODEL_TYPES,
 )
+# model_type -> its model.arch.ARCH_BLOCKS key (llama.cpp's architecture name), where they differ
+_BLOCK_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -59,6 +65,9 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
 
 
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
+_MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
+_EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
 
 
 def read_json(file: Path) -> dict[str, Any]:
@@ -125,8 +134,10 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             rope=RopeConfig(theta, rope_dim, "neox", _freq_factors(scaling, theta, rope_dim)),
             n_ctx_train=int(config.get("max_position_embeddings", 2048)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            block=ARCH_BLOCKS[str(model_type).removesuffix("_text")],
+            block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
         )
+        if model_type in ("qwen3_moe", "olmoe", "granitemoe"):
+            _moe_layers(args, config)
         if model_type == "gemma3_text":
             _gemma3_layers(args, config)
         if model_type == "smollm3":
@@ -143,6 +154,33 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         return args
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{folder}/config.json: bad or missing field ({e}).") from e
+
+
+def _moe_layers(args: ModelArgs, config: dict[str, Any]) -> None:
+    """The experts' sizes and routing; Qwen3-MoE's dense layers (mlp_only_layers, and with
+    decoder_sparse_step s only every s-th layer sparse) keep intermediate_size."""
+    if config.get("clip_qkv") is not None:
+        raise ValueError("clip_qkv is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
+    model_type = config["model_type"]
+    qwen = model_type == "qwen3_moe"
+    args.moe = MoEArgs(
+        # transformers 5 writes num_local_experts (its attribute map for num_experts)
+        n_experts=int(config.get("num_experts") or config["num_local_experts"]),
+        n_used=int(config["num_experts_per_tok"]),
+        expert_dim=int(config["moe_intermediate_size" if qwen else "intermediate_size"]),
+        # Granite: softmax over the top-k logits, the same as renormalizing the top-k of all
+        norm_topk_prob=model_type == "granitemoe" or bool(config.get("norm_topk_prob", False)),
+    )
+    if model_type == "granitemoe":
+        args.attn_scale = float(config.get("attention_multiplier", 1.0))
+        args.embed_mult = float(config.get("embedding_multiplier", 1.0))
+        args.residual_mult = float(config.get("residual_multiplier", 1.0))
+        args.logits_scaling = float(config.get("logits_scaling", 1.0))
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step", 1))
+    args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
 
 
 def _gemma3_layers(args: ModelArgs, config: dict[str, Any]) -> None:
@@ -242,12 +280,24 @@ def read_weights(
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
     table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
-    table |= _QK_NORM_TENSORS
-    for i in range(args.n_layers):
-        for ours in layer_weights(args, i):
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
+    table |= _QK_NORM_TENSORS | _MOE_TENSORS
+    if args.arch == "granitemoe":
+        table["moe_router"] = "block_sparse_moe.router.layer.weight"
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
+    for i in range(args.n_layers):
+        for ours in layer_weights(args, i):
+            if ours in _EXPERT_PROJ and args.arch == "granitemoe":
+                w = _granite_experts(raw, i, ours, expected[ours], folder)
+                weights[f"layers.{i}.{ours}"] = w.to(dtype)
+                continue
+            if ours in _EXPERT_PROJ:
+                assert args.moe is not None
+                theirs = f"model.layers.{i}.mlp.experts.{{}}.{_EXPERT_PROJ[ours]}.weight"
+                stacked = _stack_experts(raw, theirs, args.moe.n_experts, expected[ours], folder)
+                weights[f"layers.{i}.{ours}"] = stacked.to(dtype)
+                continue
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
     for ours, theirs in names.items():
         if theirs not in raw:
             raise ModelLoadError(f"{folder}: tensor {theirs} is missing.")
@@ -260,3 +310,40 @@ def read_weights(
         weights[ours] = w.to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])
     return weights
+
+
+def _stack_experts(
+    raw: dict[str, torch.Tensor], pattern: str, n_experts: int, want: tuple[int, ...], folder: Path
+) -> torch.Tensor:
+    """Each expert's [out, in] tensor (`pattern` formatted with its index) -> [E, out, in]."""
+    parts = []
+    for e in range(n_experts):
+        name = pattern.format(e)
+        if name not in raw:
+            raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+        if tuple(raw[name].shape) != want[1:]:
+            raise ModelLoadError(
+                f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {want[1:]}."
+            )
+        parts.append(raw.pop(name))
+    return torch.stack(parts)
+
+
+def _granite_experts(
+    raw: dict[str, torch.Tensor], layer: int, kind: str, want: tuple[int, ...], folder: Path
+) -> torch.Tensor:
+    """GraniteMoE's experts: input_linear [E, 2 f, d] holds the gates then the ups,
+    output_linear [E, d, f] the down projections."""
+    p = f"model.layers.{layer}.block_sparse_moe."
+    name = p + ("output_linear.weight" if kind == "w2_exps" else "input_linear.weight")
+    if name not in raw:
+        raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+    w = raw[name]
+    full = want if kind == "w2_exps" else (want[0], 2 * want[1], want[2])
+    if tuple(w.shape) != full:
+        raise ModelLoadError(
+            f"{folder}: tensor {name} has shape {tuple(w.shape)}, expected {full}."
+        )
+    if kind == "w2_exps":
+        return w
+    return w[:, : want[1]] if kind == "w1_exps" else w[:, want[1] :]

@@ -59,7 +59,8 @@ def weight_type(path: str | Path) -> str | None:
         return None
     counts: dict[str, int] = {}
     for t in reader.tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+        # 2-D linears and 3-D expert stacks (ffn_*_exps: most of a MoE model's bytes)
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) in (2, 3):
             name = t.tensor_type.name
             counts[name] = counts.get(name, 0) + int(t.n_elements)
     return max(counts, key=lambda k: counts[k]) if counts else None
@@ -131,7 +132,7 @@ def block_servable(path: str | Path) -> tuple[bool, str]:
             t.tensor_type.name
             for t in reader.tensors
             if t.name.startswith("blk.")
-            and len(t.shape) == 2
+            and len(t.shape) in (2, 3)
             and t.type_id not in GGML_TYPES.values()
         }
     )

@@ -10,7 +10,9 @@ fused RMSNorm / SiLU-mul / RoPE kernels the Python layers call too through Forwa
 the attention kernels, and raw passes for the K/V writes and residual adds that give torch's
 bits), so the logits equal the Python path's bit for bit: tests/model/test_native.py, for
 Llama (SmolLM2), Qwen2 (q/k/v biases) and Gemma 3 (q/k norms, post norms, GeGLU, sliding
-windows over their own pool, two RoPE bases). An architecture described in model/arch.py runs
+windows over their own pool, two RoPE bases), and the mixture-of-experts MLP (step.cpp
+moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
+(tests/model/test_moe.py). An architecture described in model/arch.py runs
 here without C++ of its own; recurrent (Mamba2) layers stay in Python. It takes decode steps,
 prompt chunks and steps that mix both, wherever every attention group of every window has the
 C++ kernels' cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16;
@@ -38,6 +40,7 @@ from kvcache.storage import GroupedKVStorage, KVStorage
 from model.layers.batch import DecodeGroup, PromptGroup
 from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
 from model.layers.ggml import BlockLinear
+from model.layers.moe import MoEFeedForward
 from model.layers.quant import INT4_GROUP, QuantLinear
 
 
@@ -91,8 +94,17 @@ class NativeDecoder:
                 ("post_ffn_norm", block.post_ffn_norm),
             ):
                 setattr(layer, name, None if norm is None else norm.weight.detach())
-            for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
-                setattr(layer, name, _step_linear(kernels, lin, model.dtype))
+            if isinstance(ffn, MoEFeedForward):  # step.cpp moe_ffn
+                layer.wqkv = _step_linear(kernels, attn.wqkv, model.dtype)
+                layer.wo = _step_linear(kernels, attn.wo, model.dtype)
+                layer.router = ffn.router.detach().to(model.dtype)
+                layer.expert_rows = ffn.expert_rows
+                layer.experts_w13 = [_step_linear(kernels, e.w13, model.dtype) for e in ffn.experts]
+                layer.experts_w2 = [_step_linear(kernels, e.w2, model.dtype) for e in ffn.experts]
+                layer.n_used, layer.norm_topk = ffn.n_used, ffn.norm_topk_prob
+            else:
+                for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
+                    setattr(layer, name, _step_linear(kernels, lin, model.dtype))
             layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
             layer.groups = windows.index(desc.window)
             layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
@@ -170,8 +182,11 @@ _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # step_layers: a decode group of
 
 
 def _linears(block: Block) -> tuple[Any, ...]:
+    """The block's linears: attention's, then the MLP's (a MoE layer's: every expert's)."""
     a, f = block.attention, block.feed_forward
     assert f is not None
+    if isinstance(f, MoEFeedForward):
+        return (a.wqkv, a.wo, *(lin for e in f.experts for lin in (e.w13, e.w2)))
     return (a.wqkv, a.wo, f.w13, f.w2)
 
 

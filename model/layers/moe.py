@@ -1,0 +1,85 @@
+"""The sparse mixture-of-experts MLP (model.arch.MoEArgs): Qwen3-MoE, OLMoE.
+
+Routing as transformers' Qwen3MoeTopKRouter and llama.cpp's build_moe_ffn (softmax gating):
+logits = router x in the model dtype, p = softmax(logits) in float32, the top n_used of p
+(divided by their sum with norm_topk_prob), cast back to the model dtype. Each expert is a gated
+MLP w2(act(w1 x) * w3 x) on the shared Linear kinds (model/layers/ggml.py make_linear): float
+weights, model/layers/quant.py's QuantLinear after `quantize`, or a GGUF's own blocks (one
+expert's rows of the 3-D ffn_*_exps tensor, a view of the mapping). The router stays float:
+llama.cpp's quantize keeps ffn_gate_inp unquantized too.
+
+A step's rows are grouped by expert: every (row, slot) pair is sorted by its expert, so each
+active expert runs once over all the rows routed to it (its weights read once per step), and
+the weighted outputs are added back per row in ascending expert order (transformers' order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.arch import Activation, ModelArgs
+from model.layers.blocks import FeedForward
+
+
+class MoEFeedForward(nn.Module):
+    """sum over the row's top-k experts e of weight_e * expert_e(x); `expert_rows` counts the
+    (row, slot) pairs each expert took since the model was built (the expert load)."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: dict[str, Any],
+        prefix: str,
+        activation: Activation = "silu",
+    ) -> None:
+        super().__init__()
+        moe = args.moe
+        assert moe is not None, "a MoE layer needs ModelArgs.moe"
+        self.n_experts, self.n_used = moe.n_experts, moe.n_used
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.router = nn.Parameter(weights[prefix + "moe_router"], requires_grad=False)  # [E, d]
+        w1, w3, w2 = (weights[prefix + k] for k in ("w1_exps", "w3_exps", "w2_exps"))
+        self.experts = nn.ModuleList(
+            FeedForward({"w1": w1[e], "w3": w3[e], "w2": w2[e]}, "", activation)
+            for e in range(self.n_experts)
+        )
+        self.register_buffer(
+            "expert_rows", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, d] -> (weights [n, k] in x's dtype, experts [n, k] int64)."""
+        logits = F.linear(x, self.router.to(x.dtype))  # [n, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, experts = torch.topk(probs, self.n_used, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
+        n, k = x.shape[0], self.n_used
+        top, experts = self.route(x)
+        flat = experts.reshape(-1)  # [n * k]
+        order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
+        rows = order // k
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        self.expert_rows += counts
+        xs = x.index_select(0, rows)  # [n * k, d], expert by expert
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, count in enumerate(counts.tolist()):
+            if count:
+                ys[start : start + count] = self.experts[e](xs[start : start + count], fused)
+                start += count
+        ys *= top.reshape(-1).index_select(0, order)[:, None]
+        return x.new_zeros(n, x.shape[1]).index_add_(0, rows, ys)
+
+
+def expert_load(model: nn.Module) -> list[list[int]]:
+    """Per MoE layer (in order), the (row, slot) pairs each expert took so far; [] for a dense
+    model. Read from another thread while steps run: each layer's counts are one copy."""
+    return [m.expert_rows.tolist() for m in model.modules() if isinstance(m, MoEFeedForward)]
