@@ -617,6 +617,22 @@ void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
   o.d = d;
 }
 
+#if defined(__AVX512VNNI__)
+// k_micro's layout: vpackssdw of two chunks' vpdpbusd sums (int32 lane L of chunk i: values
+// 4L..4L+3 of it, the 16 4i + L / 4) -> int16 lane 8c + e: chunk 2h's lane 4c + e (e < 4) or
+// 2h + 1's lane 4c + e - 4: the 16 8h + c or 8h + 4 + c
+inline void make_scv(KBlk& o) {
+  const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)));
+  const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
+                                     16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i c = _mm512_srli_epi16(q, 3);
+  const __m512i e4 = _mm512_and_si512(_mm512_srli_epi16(q, 2), _mm512_set1_epi16(1));  // e >= 4
+  const __m512i idx = _mm512_add_epi16(c, _mm512_slli_epi16(e4, 2));
+  for (int h = 0; h < 2; ++h)
+    _mm512_store_si512(o.scv + 32 * h, _mm512_permutexvar_epi16(
+                                           _mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), sc));
+}
+#else
 inline void make_scv(KBlk& o) {
   const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)));
   const __m512i lane = _mm512_srli_epi16(
@@ -627,6 +643,7 @@ inline void make_scv(KBlk& o) {
     _mm512_store_si512(o.scv + 32 * i, _mm512_permutexvar_epi16(
                                            _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * i)), lane), sc));
 }
+#endif
 #elif defined(__AVX2__)
 template <>
 void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
@@ -788,15 +805,16 @@ Q8K quantize_rows_k(const float* x, int64_t m, int64_t k) {
 // over nkb super-blocks of buf (output j's at buf + j * kKB); facc[j * nr + r] accumulates.
 constexpr int64_t kKB = 8;  // super-blocks decoded at a time
 #if defined(CELLSERVE_GGML_ZMM)
+#if defined(__AVX512VNNI__)
+// per pair of 64-value chunks and (output, row): two vpdpbusd (int32 sums of 4 values: at most
+// 4 * 63 * 127 < 2^15), one vpackssdw (exact) and one vpdpwssd by the scales (make_scv's layout)
+constexpr int kNO = 4, kMR = 2;
+#else
 constexpr int kNO = 4, kMR = 3;
+#endif
 using KAcc = __m512;
 inline __m512i madd_scaled(__m512i acc, __m512i w, __m512i x, __m512i s) {
-  const __m512i p = _mm512_maddubs_epi16(w, x);
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, p, s);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
-#endif
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), s));
 }
 template <int NO, int MR>
 void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
@@ -808,6 +826,25 @@ void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const flo
     __m512i ia[NO][MR];
     for (int j = 0; j < NO; ++j)
       for (int r = 0; r < MR; ++r) ia[j][r] = _mm512_setzero_si512();
+#if defined(__AVX512VNNI__)
+    for (int h = 0; h < 2; ++h) {
+      __m512i x0[MR], x1[MR];
+      for (int r = 0; r < MR; ++r) {
+        x0[r] = _mm512_loadu_si512(x + r * k + 256 * b + 128 * h);
+        x1[r] = _mm512_loadu_si512(x + r * k + 256 * b + 128 * h + 64);
+      }
+      for (int j = 0; j < NO; ++j) {
+        const KBlk& w = buf[j * kKB + b];
+        const __m512i w0 = _mm512_load_si512(w.u + 128 * h), w1 = _mm512_load_si512(w.u + 128 * h + 64);
+        const __m512i s = _mm512_load_si512(w.scv + 32 * h);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0[r]);
+          const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1[r]);
+          ia[j][r] = _mm512_dpwssd_epi32(ia[j][r], _mm512_packs_epi32(t0, t1), s);
+        }
+      }
+    }
+#else
     for (int i = 0; i < 4; ++i) {
       __m512i xv[MR];
       for (int r = 0; r < MR; ++r) xv[r] = _mm512_loadu_si512(x + r * k + 256 * b + 64 * i);
@@ -818,6 +855,7 @@ void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const flo
         for (int r = 0; r < MR; ++r) ia[j][r] = madd_scaled(ia[j][r], wv, xv[r], s);
       }
     }
+#endif
     for (int j = 0; j < NO; ++j) {
       const KBlk& w = buf[j * kKB + b];
       const __m512 mw = _mm512_load_ps(w.mw);
