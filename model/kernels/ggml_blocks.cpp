@@ -19,16 +19,14 @@
 // - K-quants (Q4_K, Q5_K, Q6_K; every build): each activation row quantized per 256 values,
 //   each super-block's sum exact in int32 with its integer scales, one float FMA per super-block
 //   and (output, row); register tiles of outputs x rows (see "the K-quants" below).
-// - the 32-value kinds on AVX2 / AVX-512 (Q8_0 with AVX-512 VNNI only): rows per 32 values
+// - the 32-value kinds on AVX2 / AVX-512: rows per 32 values
 //   (quantize_rows_q8, int4.cpp: d = max|x| / 127 and s = d * the sum of the int8 values),
 //   unsigned decoded blocks (w = d * u + mn), the same register tiles (see "the 32-value kinds").
-// - otherwise (the portable build's 32-value kinds; Q8_0 without VNNI): rows_q below, per 32
-//   values: each weight block decoded into int8 values with a float scale per 16 values and, for
-//   the kinds with a minimum (Q4_1, Q5_1), a float minimum per 32; the offsets of Q4_0 / Q5_0
-//   taken into the decoded values, which are then signed (|q| <= 128: vpsignb moves the sign onto
-//   the activations, as llama.cpp's AVX2 Q8_0 dot does). Per 32 values the dot product is exact
-//   in int32 (vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2, plain C++ otherwise),
-//   in 8 lanes of 4 values, scaled in float32:
+// - the portable build's 32-value kinds: rows_q below, in plain C++, per 32 values: each
+//   weight block decoded into int8 values with a float scale per 16 values and, for the kinds
+//   with a minimum (Q4_1, Q5_1), a float minimum per 32 (the offsets of Q4_0 / Q5_0 taken into
+//   the signed values); per 32 values the dot product exact in int32 in 8 lanes of 4 values,
+//   scaled in float32:
 //   y[r, o] = sum_blocks sum_lanes scale[lane] * d_x[r, g] * dot + sum_g min[g] * s_x[r, g];
 //   tiled: tasks of kOutBlock outputs (parallel); within a task, tiles of rows (sized so that
 //   their int8 rows stay in L1), within those each output's blocks decoded once into L1 and
@@ -322,150 +320,8 @@ struct Linear {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define CELLSERVE_GGML_ZMM 1
-using Acc = __m512;
-// 16 int32 lanes of 4 products of unsigned bytes u and signed bytes s (2 * |u * s| < 2^15)
-inline __m512i dot_u8s8_512(__m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
 #endif
-}
 
-// output o of a quantized part over rows [r0, r1): each step of 64 values or more (a K
-// super-block, or two 32-value blocks) decoded once, then applied to every row, 64 values an
-// instruction; the decoded sign moves onto the activations (masked negation); a 32-value block
-// left over takes 256-bit vectors.
-template <int64_t T>
-void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-            Acc* acc, float* macc) {
-  using F = Fmt<T>;
-  constexpr int64_t P = F::E >= 64 ? 1 : 64 / F::E;  // blocks a step
-  constexpr int64_t V = F::E * P, NV = V / 64, G = V / kQ;
-  constexpr bool kSigned = !F::kHasMin;
-  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / F::E, steps = nb / P;
-  alignas(64) int8_t q[V];
-  float sc[V / 16], mn[G];
-  for (int64_t r = 0; r < nr; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    macc[r] = 0.f;
-  }
-  const __m512i lane4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t st = 0; st < steps; ++st) {
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + (st + 4) * P * F::B), _MM_HINT_T0);
-    for (int64_t p = 0; p < P; ++p)
-      F::decode(wrow + (st * P + p) * F::B, q + p * F::E, sc + p * (F::E / 16), mn + p * (F::E / kQ));
-    __m512i w[NV];
-    __mmask64 neg[NV];
-    __m512 ws[NV];
-    for (int64_t i = 0; i < NV; ++i) {
-      const __m512i v = _mm512_load_si512(q + 64 * i);
-      if constexpr (kSigned) {
-        neg[i] = _mm512_movepi8_mask(v);
-        w[i] = _mm512_abs_epi8(v);
-      } else {
-        w[i] = v;
-      }
-      ws[i] = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * i)));
-    }
-    __m512 mn8 = _mm512_setzero_ps();
-    if constexpr (F::kHasMin && G == 8) mn8 = _mm512_zextps256_ps512(_mm256_loadu_ps(mn));
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + st * G;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const float* xd = L.xq->d + g0;
-      __m512 a = acc[r];
-      for (int64_t i = 0; i < NV; ++i) {
-        __m512i xv = _mm512_loadu_si512(xr + 64 * i);
-        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, neg[i], zero, xv);
-        const __m512 d2 = _mm512_permutexvar_ps(
-            lane8, _mm512_castps128_ps512(
-                       _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xd + 2 * i)))));
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w[i], xv)), _mm512_mul_ps(ws[i], d2),
-                            a);
-      }
-      if constexpr (F::kHasMin && G == 8) {  // K: the 8 minimums' terms in 8 of the lanes
-        a = _mm512_fmadd_ps(mn8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->s + g0)), a);
-      } else if constexpr (F::kHasMin) {
-        const float* xs = L.xq->s + g0;
-        float mm = 0.f;
-        for (int64_t g = 0; g < G; ++g) mm += mn[g] * xs[g];
-        macc[r] += mm;
-      }
-      acc[r] = a;
-    }
-  }
-  if (steps * P < nb) {  // one 32-value block left (P == 2, an odd count)
-    const int64_t blk = nb - 1;
-    F::decode(wrow + blk * F::B, q, sc, mn);
-    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
-    const __m256i w = kSigned ? _mm256_abs_epi8(v) : v;
-    const __m256 ws = _mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0]));
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g = (r0 + r) * groups + blk;
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.xq->q + g * kQ));
-      if constexpr (kSigned) xv = _mm256_sign_epi8(xv, v);
-      const __m256 t = _mm256_mul_ps(dot_u8s8(w, xv), _mm256_mul_ps(ws, _mm256_set1_ps(L.xq->d[g])));
-      macc[r] += hsum8(t) + (F::kHasMin ? mn[0] * L.xq->s[g] : 0.f);
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-using Acc = __m256;
-// output o of a quantized part over rows [r0, r1): decode each block once, apply it to every row
-// (the decoded sign moves onto the activations: vpsignb)
-template <int64_t T>
-void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-            Acc* acc, float* macc) {
-  using F = Fmt<T>;
-  constexpr int64_t S = F::E / kQ;  // 32-value groups per block
-  constexpr bool kSigned = !F::kHasMin;
-  const int64_t groups = L.k / kQ, nr = r1 - r0;
-  alignas(64) int8_t q[F::E];
-  float sc[F::E / 16], mn[S];
-  for (int64_t r = 0; r < nr; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
-  }
-  for (int64_t b = 0; b < L.k / F::E; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + (b + 4) * F::B), _MM_HINT_T0);
-    F::decode(wrow + b * F::B, q, sc, mn);
-    __m256i w[S], sgn[S];
-    __m256 ws[S];
-    for (int64_t s = 0; s < S; ++s) {
-      sgn[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + s * kQ));
-      w[s] = kSigned ? _mm256_abs_epi8(sgn[s]) : sgn[s];
-      ws[s] = _mm256_set_m128(_mm_set1_ps(sc[2 * s + 1]), _mm_set1_ps(sc[2 * s]));
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + b * S;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const float* xd = L.xq->d + g0;
-      __m256 a = acc[r];
-      for (int64_t s = 0; s < S; ++s) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + s * kQ));
-        if constexpr (kSigned) xv = _mm256_sign_epi8(xv, sgn[s]);
-        a = _mm256_fmadd_ps(dot_u8s8(w[s], xv), _mm256_mul_ps(ws[s], _mm256_set1_ps(xd[s])), a);
-      }
-      if constexpr (F::kHasMin && S == 8) {  // K: the 8 minimums' terms, one a lane
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(mn), _mm256_loadu_ps(L.xq->s + g0), a);
-      } else if constexpr (F::kHasMin) {
-        const float* xs = L.xq->s + g0;
-        float mm = 0.f;
-        for (int64_t s = 0; s < S; ++s) mm += mn[s] * xs[s];
-        macc[r] += mm;
-      }
-      acc[r] = a;
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]) + macc[r];
-}
-
-#else
 using Acc = float;  // 8 a row
 // portable C++: the same integers (8 lanes of 4 values a block of 32) and float32 scaling
 template <int64_t T>
@@ -505,7 +361,6 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
     y_col[(r0 + r) * L.n] = t + macc[r];
   }
 }
-#endif
 
 // ---- the K-quants (Q4_K, Q5_K, Q6_K): activations per 256, integer super-blocks, register tiles
 //
@@ -1005,8 +860,10 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 //
 // Each block decoded (vectorized, a pair of blocks at a time) into 32 unsigned values u, its
 // scale d and a minimum mn with w = d * u + mn: Q4_0 u = q, mn = -8d; Q5_0 u = q, mn = -16d;
-// Q4_1 / Q5_1 their own m; Q8_0 u = q + 128, mn = -128d (vpdpbusd only: 255 * 127 pairs would
-// saturate vpmaddubsw, so without VNNI Q8_0 keeps rows_q). Per block and (output, row): the
+// Q4_1 / Q5_1 their own m; Q8_0 with VNNI u = q + 128, mn = -128d (vpdpbusd: 255 * 127 pairs
+// would saturate vpmaddubsw), without u = |q| and the sign of q moved onto the activations
+// (vpsignb / a masked negation per output and row, as llama.cpp's AVX2 Q8_0 dot). Per block and
+// (output, row): the
 // exact int32 dot of u and the row's int8 values, times d * d_x, in float; the minimums' term
 // sum_g mn[g] * s_x[g] (s_x: d_x * the sum of the block's int8 values) as one float dot product
 // per (output, row) at the end. Tiles of kNO32 outputs x kMR32 rows, float accumulators in
@@ -1017,7 +874,14 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 struct QPair {
   alignas(64) uint8_t u[64];  // block 2p's 32 values, then 2p + 1's
   alignas(64) float ws[16];   // lanes 0-7: block 2p's d, 8-15: 2p + 1's
+  alignas(64) int8_t sg[64];  // Q8_0 without VNNI: q, whose sign moves onto the activations
 };
+
+#if defined(__AVX512VNNI__)
+constexpr bool kQ8Signed = false;
+#else
+constexpr bool kQ8Signed = true;
+#endif
 
 inline float h2f(const uint8_t* p) {
   uint16_t bits;
@@ -1056,6 +920,9 @@ inline __m256i dec32(const uint8_t* b, float& d, float& mn) {
   } else if constexpr (T == Q5_1) {
     d = h2f(b), mn = h2f(b + 2);
     return _mm256_or_si256(nib32(b + 8), bit5(b + 4));
+  } else if constexpr (kQ8Signed) {  // Q8_0: its signed values (dec_pair takes |q| and the sign)
+    d = h2f(b), mn = 0.f;
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else {  // Q8_0
     d = h2f(b), mn = -128.f * d;
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
@@ -1068,11 +935,17 @@ template <int64_t T>
 inline void dec_pair(const uint8_t* row, int64_t p, int64_t nb, QPair& o, float* mn) {
   constexpr int64_t B = Fmt<T>::B;
   float d0, d1 = 0.f, m1 = 0.f;
-  const __m256i u0 = dec32<T>(row + 2 * p * B, d0, mn[2 * p]);
+  __m256i u0 = dec32<T>(row + 2 * p * B, d0, mn[2 * p]);
   __m256i u1 = _mm256_setzero_si256();
   if (2 * p + 1 < nb) {
     u1 = dec32<T>(row + (2 * p + 1) * B, d1, m1);
     mn[2 * p + 1] = m1;
+  }
+  if constexpr (T == Q8_0 && kQ8Signed) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.sg), u0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.sg + 32), u1);
+    u0 = _mm256_abs_epi8(u0);
+    u1 = _mm256_abs_epi8(u1);
   }
 #if defined(CELLSERVE_GGML_ZMM)
   _mm512_store_si512(o.u, _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1));
@@ -1103,7 +976,7 @@ inline QAcc qacc_zero() { return _mm512_setzero_ps(); }
 inline float qacc_sum(QAcc a) { return _mm512_reduce_add_ps(a); }
 // rows [0, MR) (x: row 0 at pair p0, rows k apart; xd: row 0's d at block 2 p0, rows groups
 // apart) times outputs [0, NO) over np pairs of buf (output j's at buf + j * kKB32)
-template <int NO, int MR>
+template <int NO, int MR, bool S>
 void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, int64_t k,
              const float* xd, int64_t groups, QAcc* facc, int64_t nr) {
   const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -1124,11 +997,15 @@ void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, i
       const QPair& w = buf[j * kKB32 + p];
       const __m512i wv = _mm512_load_si512(w.u);
       const __m512 ws = _mm512_load_ps(w.ws);
+      __mmask64 neg = 0;
+      if constexpr (S) neg = _mm512_movepi8_mask(_mm512_load_si512(w.sg));
       for (int r = 0; r < MR; ++r) {
 #if defined(__AVX512VNNI__)
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[r]);
 #else
-        const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(wv, xv[r]), _mm512_set1_epi16(1));
+        __m512i xr = xv[r];
+        if constexpr (S) xr = _mm512_mask_sub_epi8(xr, neg, _mm512_setzero_si512(), xr);
+        const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(wv, xr), _mm512_set1_epi16(1));
 #endif
         f[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[r]), f[j][r]);
       }
@@ -1142,7 +1019,7 @@ constexpr int kNO32 = 2, kMR32 = 2;
 using QAcc = __m256;
 inline QAcc qacc_zero() { return _mm256_setzero_ps(); }
 inline float qacc_sum(QAcc a) { return hsum8(a); }
-template <int NO, int MR>
+template <int NO, int MR, bool S>
 void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, int64_t k,
              const float* xd, int64_t groups, QAcc* facc, int64_t nr) {
   __m256 f[NO][MR];
@@ -1162,8 +1039,11 @@ void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, i
         const QPair& w = buf[j * kKB32 + p];
         const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + 32 * h));
         const __m256 ws = _mm256_broadcast_ss(w.ws + 8 * h);
+        __m256i sg = _mm256_setzero_si256();
+        if constexpr (S) sg = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.sg + 32 * h));
         for (int r = 0; r < MR; ++r) {
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv[r]), ones);
+          const __m256i xr = S ? _mm256_sign_epi8(xv[r], sg) : xv[r];
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xr), ones);
           f[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, xs[r]), f[j][r]);
         }
       }
@@ -1174,14 +1054,14 @@ void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, i
 }
 #endif
 
-template <int NO>
+template <int NO, bool S>
 inline void q_micro_rows(int mr, const QPair* buf, int64_t np, int64_t half_last, const int8_t* x,
                          int64_t k, const float* xd, int64_t groups, QAcc* facc, int64_t nr) {
   switch (mr) {
-    case 1: return q_micro<NO, 1>(buf, np, half_last, x, k, xd, groups, facc, nr);
-    case 2: if constexpr (kMR32 >= 2) return q_micro<NO, 2>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
-    case 3: if constexpr (kMR32 >= 3) return q_micro<NO, 3>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
-    case 4: if constexpr (kMR32 >= 4) return q_micro<NO, 4>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
+    case 1: return q_micro<NO, 1, S>(buf, np, half_last, x, k, xd, groups, facc, nr);
+    case 2: if constexpr (kMR32 >= 2) return q_micro<NO, 2, S>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
+    case 3: if constexpr (kMR32 >= 3) return q_micro<NO, 3, S>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
+    case 4: if constexpr (kMR32 >= 4) return q_micro<NO, 4, S>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
   }
 }
 
@@ -1192,6 +1072,7 @@ template <int64_t T>
 void q_task(const Q8Rows& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
+  constexpr bool S = T == Q8_0 && kQ8Signed;
   const int64_t groups = k / kQ, npairs = (groups + 1) / 2;
   thread_local std::vector<QPair> bufv(kNO32 * kKB32);
   thread_local std::vector<float> mnv;
@@ -1220,10 +1101,10 @@ void q_task(const Q8Rows& X, int64_t m, int64_t k, int64_t n, float* y, int64_t 
           const float* xd = X.d + row * groups + 2 * p0;
           QAcc* f = facc + rr;
           switch (no) {
-            case 1: q_micro_rows<1>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
-            case 2: if constexpr (kNO32 >= 2) q_micro_rows<2>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
-            case 3: if constexpr (kNO32 >= 3) q_micro_rows<3>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
-            case 4: if constexpr (kNO32 >= 4) q_micro_rows<4>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 1: q_micro_rows<1, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 2: if constexpr (kNO32 >= 2) q_micro_rows<2, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 3: if constexpr (kNO32 >= 3) q_micro_rows<3, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 4: if constexpr (kNO32 >= 4) q_micro_rows<4, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
           }
         }
       }
@@ -1352,9 +1233,7 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
         case Q4_1: q_task<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q5_0: q_task<Q5_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q5_1: q_task<Q5_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-#if defined(__AVX512VNNI__)
         case Q8_0: q_task<Q8_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-#endif
 #endif
         default: run_task(L, type, wp, w.size(1), task.o0, task.o1, c0);
       }
