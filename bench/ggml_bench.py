@@ -1,7 +1,9 @@
 """`python -m bench.ggml_bench [--threads N] [--seconds S]`: ggml_linear (model/kernels/
 ggml_blocks.cpp, a GGUF's own blocks) on this process's ISA path (CELLSERVE_ISA=avx2 forces
 the AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o) and an 8960x1536 (gate / up)
-matrix of Q4_K and of Q6_K, at 1, 8, 32 and 512 rows of float32 activations. Per case: ms per
+matrix of Q4_K and of Q6_K, and SmolLM2-135M's, a 576x576 and a 1536x576 matrix of the 32-value
+kinds (Q4_1: its GGUF's type; Q4_0, Q5_0, Q8_0: in Q4_K_M files), at 1, 8, 32 and 512 rows of
+float32 activations (--types and --rows narrow it). Per case: ms per
 call (the median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read /
 time: a decode step reads each weight once), at 512 rows the multiply-adds per second. Speed
 does not depend on the weights' values: random bits with finite fp16 scales."""
@@ -16,20 +18,29 @@ from typing import Any
 
 from model.kernels import isa
 
-SHAPES = ((1536, 1536), (8960, 1536))  # (outputs, inputs)
 ROWS = (1, 8, 32, 512)
-TYPES = {"Q4_K": (12, 144, (0, 2)), "Q6_K": (14, 210, (208,))}  # id, block bytes, fp16 offsets
+QWEN_SHAPES = ((1536, 1536), (8960, 1536))  # (outputs, inputs)
+SMOL_SHAPES = ((576, 576), (1536, 576))
+# name: id, values a block, block bytes, fp16 offsets, shapes
+TYPES = {
+    "Q4_K": (12, 256, 144, (0, 2), QWEN_SHAPES),
+    "Q6_K": (14, 256, 210, (208,), QWEN_SHAPES),
+    "Q4_1": (3, 32, 20, (0, 2), SMOL_SHAPES),
+    "Q4_0": (2, 32, 18, (0,), SMOL_SHAPES),
+    "Q5_0": (6, 32, 22, (0,), SMOL_SHAPES),
+    "Q8_0": (8, 32, 34, (0,), SMOL_SHAPES),
+}
 
 
 def random_blocks(torch: Any, type_name: str, n: int, k: int) -> Any:
     """[n, row_bytes] uint8 of valid blocks: random bits, finite fp16 scales."""
-    _, nbytes, scales = TYPES[type_name]
+    _, elems, nbytes, scales, _ = TYPES[type_name]
     gen = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (n * k // 256, nbytes), dtype=torch.uint8, generator=gen)
+    blocks = torch.randint(0, 256, (n * k // elems, nbytes), dtype=torch.uint8, generator=gen)
     for off in scales:
         d = (torch.rand(len(blocks), generator=gen) * 0.01 + 1e-3).half()
         blocks[:, off : off + 2] = d.view(torch.uint8).reshape(-1, 2)
-    return blocks.reshape(n, k // 256 * nbytes).contiguous()
+    return blocks.reshape(n, k // elems * nbytes).contiguous()
 
 
 def time_call(fn: Any, seconds: float) -> tuple[float, float]:
@@ -45,7 +56,12 @@ def time_call(fn: Any, seconds: float) -> tuple[float, float]:
     return statistics.median(times), min(times)
 
 
-def run(threads: int = 2, seconds: float = 0.4) -> dict[str, Any]:
+def run(
+    threads: int = 2,
+    seconds: float = 0.4,
+    types: tuple[str, ...] = tuple(TYPES),
+    rows: tuple[int, ...] = ROWS,
+) -> dict[str, Any]:
     level = isa.apply_forced_isa()
     import torch
 
@@ -56,11 +72,12 @@ def run(threads: int = 2, seconds: float = 0.4) -> dict[str, Any]:
         raise SystemExit("the C++ kernels are not built (cellserve build-kernels)")
     torch.set_num_threads(threads)
     cases = []
-    for type_name, (type_id, _, _) in TYPES.items():
-        for n, k in SHAPES:
+    for type_name in types:
+        type_id, _, _, _, shapes = TYPES[type_name]
+        for n, k in shapes:
             w = random_blocks(torch, type_name, n, k)
             nbytes = w.numel()
-            for m in ROWS:
+            for m in rows:
                 x = torch.randn(m, k)
                 med, best = time_call(
                     lambda x=x, w=w, t=type_id, k=k: kern.ggml_linear(x, [w], [t], k), seconds
@@ -85,8 +102,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=0.4, help="time per case (median of repeats)")
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated: " + ", ".join(TYPES))
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
     args = ap.parse_args()
-    result = run(args.threads, args.seconds)
+    types = tuple(t.strip() for t in args.types.split(",") if t.strip())
+    for t in types:
+        if t not in TYPES:
+            ap.error(f"--types: {t!r} is not one of {', '.join(TYPES)}")
+    rows = tuple(int(r) for r in args.rows.split(",") if r.strip())
+    result = run(args.threads, args.seconds, types, rows)
     print(f"{result['cpu']}, {result['build']} build, {result['threads']} threads")
     print("case                    median ms   best ms   (median, best)")
     for c in result["cases"]:

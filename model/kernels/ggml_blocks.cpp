@@ -15,18 +15,23 @@
 //   Q6_K (14): 256, 210 ql[128], qh[64], int8 scales[16], d: w = d * scales[i / 16] * (q - 32)
 //   F32 (0), F16 (1), BF16 (30): one value per "block".
 //
-// The integer path: each activation row is quantized to int8 per 32 values (quantize_rows_q8,
-// int4.cpp: d = max|x| / 127 and s = d * the sum of the int8 values), each weight block is
-// decoded into int8 values with a float scale per 16 values and, for the kinds with a minimum
-// (Q4_1, Q5_1, Q4_K, Q5_K), a float minimum per 32; the offsets of Q4_0 / Q5_0 / Q6_K are taken
-// into the decoded values, which are then signed (|q| <= 128: vpsignb moves the sign onto the
-// activations, as llama.cpp's AVX2 Q8_0 dot does). Per 32 values the dot product is exact in
-// int32 (vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2, plain C++ otherwise), in 8
-// lanes of 4 values, so that a per-16 scale is a per-lane one; scaled in float32:
-//   y[r, o] = sum_blocks sum_lanes scale[lane] * d_x[r, g] * dot + sum_g min[g] * s_x[r, g].
-// Tiling: tasks of kOutBlock outputs (parallel); within a task, tiles of rows (sized so that
-// their int8 rows stay in L1), within those each output's blocks decoded once into L1 and
-// applied to every row of the tile. The float kinds take the same tiling with a float row.
+// The integer paths (activations in int8, as llama.cpp's q8_0 / q8_K):
+// - K-quants (Q4_K, Q5_K, Q6_K; every build): each activation row quantized per 256 values,
+//   each super-block's sum exact in int32 with its integer scales, one float FMA per super-block
+//   and (output, row); register tiles of outputs x rows (see "the K-quants" below).
+// - the 32-value kinds on AVX2 / AVX-512: rows per 32 values
+//   (quantize_rows_q8, int4.cpp: d = max|x| / 127 and s = d * the sum of the int8 values),
+//   unsigned decoded blocks (w = d * u + mn), the same register tiles (see "the 32-value kinds").
+// - the portable build's 32-value kinds: rows_q below, in plain C++, per 32 values: each
+//   weight block decoded into int8 values with a float scale per 16 values and, for the kinds
+//   with a minimum (Q4_1, Q5_1), a float minimum per 32 (the offsets of Q4_0 / Q5_0 taken into
+//   the signed values); per 32 values the dot product exact in int32 in 8 lanes of 4 values,
+//   scaled in float32:
+//   y[r, o] = sum_blocks sum_lanes scale[lane] * d_x[r, g] * dot + sum_g min[g] * s_x[r, g];
+//   tiled: tasks of kOutBlock outputs (parallel); within a task, tiles of rows (sized so that
+//   their int8 rows stay in L1), within those each output's blocks decoded once into L1 and
+//   applied to every row of the tile.
+// The float kinds take rows_q's tiling with a float row.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -55,6 +60,8 @@ enum GgmlType : int64_t {
   Q6_K = 14,
   BF16 = 30,
 };
+
+inline bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 struct TypeInfo {
   int64_t elems, bytes;
@@ -313,317 +320,8 @@ struct Linear {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define CELLSERVE_GGML_ZMM 1
-using Acc = __m512;
-// 16 int32 lanes of 4 products of unsigned bytes u and signed bytes s (2 * |u * s| < 2^15)
-inline __m512i dot_u8s8_512(__m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
 #endif
-}
 
-// output o of a quantized part over rows [r0, r1): each step of 64 values or more (a K
-// super-block, or two 32-value blocks) decoded once, then applied to every row, 64 values an
-// instruction; the decoded sign moves onto the activations (masked negation); a 32-value block
-// left over takes 256-bit vectors.
-template <int64_t T>
-void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-            Acc* acc, float* macc) {
-  using F = Fmt<T>;
-  constexpr int64_t P = F::E >= 64 ? 1 : 64 / F::E;  // blocks a step
-  constexpr int64_t V = F::E * P, NV = V / 64, G = V / kQ;
-  constexpr bool kSigned = !F::kHasMin;
-  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / F::E, steps = nb / P;
-  alignas(64) int8_t q[V];
-  float sc[V / 16], mn[G];
-  for (int64_t r = 0; r < nr; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    macc[r] = 0.f;
-  }
-  const __m512i lane4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t st = 0; st < steps; ++st) {
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + (st + 4) * P * F::B), _MM_HINT_T0);
-    for (int64_t p = 0; p < P; ++p)
-      F::decode(wrow + (st * P + p) * F::B, q + p * F::E, sc + p * (F::E / 16), mn + p * (F::E / kQ));
-    __m512i w[NV];
-    __mmask64 neg[NV];
-    __m512 ws[NV];
-    for (int64_t i = 0; i < NV; ++i) {
-      const __m512i v = _mm512_load_si512(q + 64 * i);
-      if constexpr (kSigned) {
-        neg[i] = _mm512_movepi8_mask(v);
-        w[i] = _mm512_abs_epi8(v);
-      } else {
-        w[i] = v;
-      }
-      ws[i] = _mm512_permutexvar_ps(lane4, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * i)));
-    }
-    __m512 mn8 = _mm512_setzero_ps();
-    if constexpr (F::kHasMin && G == 8) mn8 = _mm512_zextps256_ps512(_mm256_loadu_ps(mn));
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + st * G;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const float* xd = L.xq->d + g0;
-      __m512 a = acc[r];
-      for (int64_t i = 0; i < NV; ++i) {
-        __m512i xv = _mm512_loadu_si512(xr + 64 * i);
-        if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, neg[i], zero, xv);
-        const __m512 d2 = _mm512_permutexvar_ps(
-            lane8, _mm512_castps128_ps512(
-                       _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xd + 2 * i)))));
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w[i], xv)), _mm512_mul_ps(ws[i], d2),
-                            a);
-      }
-      if constexpr (F::kHasMin && G == 8) {  // K: the 8 minimums' terms in 8 of the lanes
-        a = _mm512_fmadd_ps(mn8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->s + g0)), a);
-      } else if constexpr (F::kHasMin) {
-        const float* xs = L.xq->s + g0;
-        float mm = 0.f;
-        for (int64_t g = 0; g < G; ++g) mm += mn[g] * xs[g];
-        macc[r] += mm;
-      }
-      acc[r] = a;
-    }
-  }
-  if (steps * P < nb) {  // one 32-value block left (P == 2, an odd count)
-    const int64_t blk = nb - 1;
-    F::decode(wrow + blk * F::B, q, sc, mn);
-    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
-    const __m256i w = kSigned ? _mm256_abs_epi8(v) : v;
-    const __m256 ws = _mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0]));
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g = (r0 + r) * groups + blk;
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L.xq->q + g * kQ));
-      if constexpr (kSigned) xv = _mm256_sign_epi8(xv, v);
-      const __m256 t = _mm256_mul_ps(dot_u8s8(w, xv), _mm256_mul_ps(ws, _mm256_set1_ps(L.xq->d[g])));
-      macc[r] += hsum8(t) + (F::kHasMin ? mn[0] * L.xq->s[g] : 0.f);
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
-}
-
-// Q4_K, the common case, decoded in registers (no buffer): its 128 bytes of nibbles as two
-// 64-byte vectors, whose low / high nibbles hold sub-blocks (0, 2) / (1, 3) and (4, 6) / (5, 7)
-// in 256-bit halves, put in order with one lane shuffle each; the 8 scales times the row's 8
-// activation scales in one multiply, spread to 16 lanes per pair of sub-blocks.
-template <>
-void rows_q<Q4_K>(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-                  Acc* acc, float* macc) {
-  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / 256;
-  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512i pair[4];  // lanes 0-7: sub-block 2i's factor, 8-15: 2i + 1's
-  for (int i = 0; i < 4; ++i) pair[i] = _mm512_set_epi32(
-      2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
-      2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 128), _MM_HINT_T0);
-    // k_scales' words, in registers: lanes 0-7 d * scale, 8-15 -dmin * minimum
-    uint32_t a4, b4, c4;
-    std::memcpy(&a4, blk + 4, 4);
-    std::memcpy(&b4, blk + 8, 4);
-    std::memcpy(&c4, blk + 12, 4);
-    const __m128i bytes = _mm_set_epi32(
-        static_cast<int>(((c4 >> 4) & 0x0f0f0f0fu) | ((b4 >> 2) & 0x30303030u)),
-        static_cast<int>(b4 & 0x3f3f3f3fu),
-        static_cast<int>((c4 & 0x0f0f0f0fu) | ((a4 >> 2) & 0x30303030u)),
-        static_cast<int>(a4 & 0x3f3f3f3fu));
-    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(fp16(blk)), _mm256_set1_ps(-fp16(blk + 2)), 1);
-    const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
-    const __m512 s8 = sm;
-    const __m512 m8 = _mm512_zextps256_ps512(_mm512_extractf32x8_ps(sm, 1));
-    __m512i w[4];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
-      const __m512i lo = _mm512_and_si512(v, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      w[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // sub-blocks 4h, 4h + 1
-      w[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 4h + 2, 4h + 3
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + b * 8;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const __m512 f = _mm512_mul_ps(s8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->d + g0)));
-      __m512 a = _mm512_fmadd_ps(m8, _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->s + g0)), acc[r]);
-      for (int i = 0; i < 4; ++i) {
-        const __m512i dot = dot_u8s8_512(w[i], _mm512_loadu_si512(xr + 64 * i));
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair[i], f), a);
-      }
-      acc[r] = a;
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]);
-  (void)macc;
-}
-
-// Q6_K decoded in registers: per half of 128 values, ql's 64 bytes hold sub-blocks (0, 1) in
-// their low nibbles and (2, 3) in their high ones, in order; qh's 32 bytes their top 2 bits
-// (bits 0-1, 2-3, 4-5, 6-7). Signed values (q - 32): the sign moves onto the activations.
-template <>
-void rows_q<Q6_K>(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-                  Acc* acc, float* macc) {
-  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / 256;
-  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3),
-                off = _mm512_set1_epi8(32), zero = _mm512_setzero_si512();
-  const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512i quad[4];  // 4 lanes each of the per-16 scales 4i .. 4i + 3
-  for (int i = 0; i < 4; ++i)
-    quad[i] = _mm512_set_epi32(4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 3, 4 * i + 2, 4 * i + 2,
-                               4 * i + 2, 4 * i + 2, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1,
-                               4 * i, 4 * i, 4 * i, 4 * i);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * 210;
-    for (int l = 0; l < 4; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 210 + 64 * l), _MM_HINT_T0);
-    const __m512 s16 = _mm512_mul_ps(
-        _mm512_set1_ps(fp16(blk + 208)),
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
-    __m512i w[4];
-    __mmask64 neg[4];
-    __m512 ws[4];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-      const __m512i v01 = _mm512_or_si512(
-          _mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(hb, two), 4));
-      const __m512i v23 = _mm512_or_si512(
-          _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), two), 4));
-      const __m512i s01 = _mm512_sub_epi8(v01, off), s23 = _mm512_sub_epi8(v23, off);
-      neg[2 * h] = _mm512_movepi8_mask(s01);
-      neg[2 * h + 1] = _mm512_movepi8_mask(s23);
-      w[2 * h] = _mm512_abs_epi8(s01);
-      w[2 * h + 1] = _mm512_abs_epi8(s23);
-    }
-    for (int i = 0; i < 4; ++i) ws[i] = _mm512_permutexvar_ps(quad[i], s16);
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + b * 8;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const __m512 d8 = _mm512_zextps256_ps512(_mm256_loadu_ps(L.xq->d + g0));
-      __m512 a = acc[r];
-      for (int i = 0; i < 4; ++i) {
-        __m512i xv = _mm512_loadu_si512(xr + 64 * i);
-        xv = _mm512_mask_sub_epi8(xv, neg[i], zero, xv);
-        const __m512 d2 = _mm512_permutexvar_ps(_mm512_add_epi32(lane8, _mm512_set1_epi32(2 * i)), d8);
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w[i], xv)), _mm512_mul_ps(ws[i], d2), a);
-      }
-      acc[r] = a;
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = _mm512_reduce_add_ps(acc[r]);
-  (void)macc;
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-using Acc = __m256;
-// output o of a quantized part over rows [r0, r1): decode each block once, apply it to every row
-// (the decoded sign moves onto the activations: vpsignb)
-template <int64_t T>
-void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-            Acc* acc, float* macc) {
-  using F = Fmt<T>;
-  constexpr int64_t S = F::E / kQ;  // 32-value groups per block
-  constexpr bool kSigned = !F::kHasMin;
-  const int64_t groups = L.k / kQ, nr = r1 - r0;
-  alignas(64) int8_t q[F::E];
-  float sc[F::E / 16], mn[S];
-  for (int64_t r = 0; r < nr; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
-  }
-  for (int64_t b = 0; b < L.k / F::E; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + (b + 4) * F::B), _MM_HINT_T0);
-    F::decode(wrow + b * F::B, q, sc, mn);
-    __m256i w[S], sgn[S];
-    __m256 ws[S];
-    for (int64_t s = 0; s < S; ++s) {
-      sgn[s] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + s * kQ));
-      w[s] = kSigned ? _mm256_abs_epi8(sgn[s]) : sgn[s];
-      ws[s] = _mm256_set_m128(_mm_set1_ps(sc[2 * s + 1]), _mm_set1_ps(sc[2 * s]));
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + b * S;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const float* xd = L.xq->d + g0;
-      __m256 a = acc[r];
-      for (int64_t s = 0; s < S; ++s) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + s * kQ));
-        if constexpr (kSigned) xv = _mm256_sign_epi8(xv, sgn[s]);
-        a = _mm256_fmadd_ps(dot_u8s8(w[s], xv), _mm256_mul_ps(ws[s], _mm256_set1_ps(xd[s])), a);
-      }
-      if constexpr (F::kHasMin && S == 8) {  // K: the 8 minimums' terms, one a lane
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(mn), _mm256_loadu_ps(L.xq->s + g0), a);
-      } else if constexpr (F::kHasMin) {
-        const float* xs = L.xq->s + g0;
-        float mm = 0.f;
-        for (int64_t s = 0; s < S; ++s) mm += mn[s] * xs[s];
-        macc[r] += mm;
-      }
-      acc[r] = a;
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]) + macc[r];
-}
-
-// Q4_K decoded in registers: chunk c of 32 bytes holds sub-block 2c in its low nibbles, 2c + 1
-// in its high ones; the 8 scales and minimums converted together (k_scales' words).
-template <>
-void rows_q<Q4_K>(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
-                  Acc* acc, float* macc) {
-  const int64_t groups = L.k / kQ, nr = r1 - r0, nb = L.k / 256;
-  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * 144;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * 144 + 128), _MM_HINT_T0);
-    uint32_t a4, b4, c4;
-    std::memcpy(&a4, blk + 4, 4);
-    std::memcpy(&b4, blk + 8, 4);
-    std::memcpy(&c4, blk + 12, 4);
-    const __m128i bytes = _mm_set_epi32(
-        static_cast<int>(((c4 >> 4) & 0x0f0f0f0fu) | ((b4 >> 2) & 0x30303030u)),
-        static_cast<int>(b4 & 0x3f3f3f3fu),
-        static_cast<int>((c4 & 0x0f0f0f0fu) | ((a4 >> 2) & 0x30303030u)),
-        static_cast<int>(a4 & 0x3f3f3f3fu));
-    const __m256 s8 =
-        _mm256_mul_ps(_mm256_set1_ps(fp16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-    const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(-fp16(blk + 2)),
-                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-    __m256i w[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      w[2 * c] = _mm256_and_si256(v, low4);
-      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t g0 = (r0 + r) * groups + b * 8;
-      const int8_t* xr = L.xq->q + g0 * kQ;
-      const __m256 f = _mm256_mul_ps(s8, _mm256_loadu_ps(L.xq->d + g0));
-      __m256 a = _mm256_fmadd_ps(m8, _mm256_loadu_ps(L.xq->s + g0), acc[r]);
-      for (int sb = 0; sb < 8; ++sb) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kQ * sb));
-        a = _mm256_fmadd_ps(dot_u8s8(w[sb], xv),
-                            _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(sb)), a);
-      }
-      acc[r] = a;
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = hsum8(acc[r]);
-  (void)macc;
-}
-// (Q6_K on AVX2 keeps the buffered decode: decoded in registers, its 8 signed and 8 absolute
-// vectors spill, and batches ran slower than through the buffer.)
-#else
 using Acc = float;  // 8 a row
 // portable C++: the same integers (8 lanes of 4 values a block of 32) and float32 scaling
 template <int64_t T>
@@ -663,6 +361,760 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
     y_col[(r0 + r) * L.n] = t + macc[r];
   }
 }
+
+// ---- the K-quants (Q4_K, Q5_K, Q6_K): activations per 256, integer super-blocks, register tiles
+//
+// As llama.cpp's q8_K: each activation row quantized per 256 values (one super-block) with one
+// float d = max|x| / 127 and, per 16 values, mx = d * the sum of their int8 values. A weight
+// super-block is decoded into unsigned values u (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, in order),
+// an integer scale per 16 values sc (Q4_K/Q5_K: the 6-bit scale of its 32, Q6_K: its int8 scale)
+// and a float "minimum" per 16 mw (Q4_K/Q5_K: -dmin * the 6-bit minimum; Q6_K: -32 * d * sc, its
+// offset), so that per super-block
+//   y[r, o] += d_w * d_x * sum_j sc[j] * dot16(u_j, xq_j) + sum_j mw[j] * mx[j]
+// with the first sum exact in int32: vpmaddubsw (u * xq pairs: 2 * 63 * 127 < 2^15) then
+// vpdpwssd by the scales (AVX-512 VNNI; vpmaddwd + vpaddd otherwise), one float FMA per
+// super-block and (output, row). Register tiles of kNO outputs x kMR rows (float accumulators in
+// registers over the super-blocks): each loaded activation vector feeds kNO outputs, each decoded
+// weight vector kMR rows. The weights are decoded once per tile of rows into an L1 buffer of
+// kKB super-blocks of kNO outputs.
+
+struct Q8K {
+  const int8_t* q;  // [m, k]
+  const float* d;   // [m, k / 256]
+  const float* mx;  // [m, k / 16]: d * the sum of each 16 int8 values
+};
+
+// one decoded super-block
+struct KBlk {
+  alignas(64) uint8_t u[256];
+  alignas(64) int16_t scv[128];  // per pair of values (an int16 lane of vpmaddubsw): its scale
+  alignas(64) float mw[16];
+  alignas(64) int16_t sc[16];
+  float d;
+};
+
+// a K super-block's 12 packed scale bytes -> 8 scales, then 8 minimums (6 bits each)
+inline void k_scale_bytes(const uint8_t* s, uint8_t* bytes) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t words[4] = {a & 0x3f3f3f3fu, ((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)),
+                             b & 0x3f3f3f3fu, (((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u))};
+  std::memcpy(bytes, words, 16);
+}
+
+// Q4_K / Q5_K: sc, mw and d from the block's header (plain C++: Q5_K and the portable build)
+inline void k_mins(const uint8_t* blk, KBlk& o) {
+  uint8_t bytes[16];
+  k_scale_bytes(blk + 4, bytes);
+  const float dmin = fp16(blk + 2);
+  for (int j = 0; j < 16; ++j) {
+    o.sc[j] = bytes[j / 2];
+    o.mw[j] = -(dmin * static_cast<float>(bytes[8 + j / 2]));
+  }
+  o.d = fp16(blk);
+}
+
+template <int64_t T>
+void dec_k(const uint8_t* blk, KBlk& o);
+
+template <>
+void dec_k<Q5_K>(const uint8_t* blk, KBlk& o) {
+  float sc[16], mn[8];
+  Fmt<Q5_K>::decode(blk, reinterpret_cast<int8_t*>(o.u), sc, mn);
+  k_mins(blk, o);
+}
+
+#if defined(CELLSERVE_GGML_ZMM)
+// 512-bit stores: the micro-kernel's 512-bit loads of them forward from the store buffer
+template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {  // 64 bytes: sub-blocks 4h, 4h + 2 low, 4h + 1, 4h + 3 high
+    const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+    const __m512i lo = _mm512_and_si512(v, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    _mm512_store_si512(o.u + 128 * h, _mm512_shuffle_i64x2(lo, hi, 0x44));
+    _mm512_store_si512(o.u + 128 * h + 64, _mm512_shuffle_i64x2(lo, hi, 0xEE));
+  }
+  uint8_t bytes[16];
+  k_scale_bytes(blk + 4, bytes);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i sc2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  const __m128i mn2 =
+      _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepu8_epi16(sc2));
+  _mm512_store_ps(o.mw, _mm512_mul_ps(_mm512_set1_ps(-fp16(blk + 2)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn2))));
+  o.d = fp16(blk);
+}
+
+template <>
+void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    const __m512i v01 = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                        _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
+    const __m512i v23 = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), three), 4));
+    _mm512_store_si512(o.u + 128 * h, v01);
+    _mm512_store_si512(o.u + 128 * h + 64, v23);
+  }
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepi8_epi16(s));
+  const float d = fp16(blk + 208);
+  _mm512_store_ps(o.mw, _mm512_mul_ps(_mm512_set1_ps(-32.f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s))));
+  o.d = d;
+}
+
+#if defined(__AVX512VNNI__)
+// k_micro's layout: vpackssdw of two chunks' vpdpbusd sums (int32 lane L of chunk i: values
+// 4L..4L+3 of it, the 16 4i + L / 4) -> int16 lane 8c + e: chunk 2h's lane 4c + e (e < 4) or
+// 2h + 1's lane 4c + e - 4: the 16 8h + c or 8h + 4 + c
+inline void make_scv(KBlk& o) {
+  const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)));
+  const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
+                                     16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i c = _mm512_srli_epi16(q, 3);
+  const __m512i e4 = _mm512_and_si512(_mm512_srli_epi16(q, 2), _mm512_set1_epi16(1));  // e >= 4
+  const __m512i idx = _mm512_add_epi16(c, _mm512_slli_epi16(e4, 2));
+  for (int h = 0; h < 2; ++h)
+    _mm512_store_si512(o.scv + 32 * h, _mm512_permutexvar_epi16(
+                                           _mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), sc));
+}
+#else
+inline void make_scv(KBlk& o) {
+  const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)));
+  const __m512i lane = _mm512_srli_epi16(
+      _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                       12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      3);
+  for (int i = 0; i < 4; ++i)
+    _mm512_store_si512(o.scv + 32 * i, _mm512_permutexvar_epi16(
+                                           _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * i)), lane), sc));
+}
+#endif
+#elif defined(__AVX2__)
+template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 64 * c), _mm256_and_si256(v, low4));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 64 * c + 32),
+                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  }
+  uint8_t bytes[16];
+  k_scale_bytes(blk + 4, bytes);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i sc2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+  const __m128i mn2 =
+      _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepu8_epi16(sc2));
+  const __m256 nd = _mm256_set1_ps(-fp16(blk + 2));
+  _mm256_store_ps(o.mw, _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn2))));
+  _mm256_store_ps(o.mw + 8,
+                  _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn2, 8)))));
+  o.d = fp16(blk);
+}
+
+template <>
+void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    uint8_t* u = o.u + 128 * h;
+    auto hi = [&](int shift) {
+      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4);
+    };
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u), _mm256_or_si256(_mm256_and_si256(l0, low4), hi(0)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32),
+                       _mm256_or_si256(_mm256_and_si256(l1, low4), hi(2)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u + 64),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), hi(4)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u + 96),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), hi(6)));
+  }
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepi8_epi16(s));
+  const float d = fp16(blk + 208);
+  const __m256 nd = _mm256_set1_ps(-32.f * d);
+  _mm256_store_ps(o.mw, _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s))));
+  _mm256_store_ps(o.mw + 8,
+                  _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)))));
+  o.d = d;
+}
+
+inline void make_scv(KBlk& o) {
+  for (int i = 0; i < 8; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.scv + 16 * i),
+                       _mm256_set_m128i(_mm_set1_epi16(o.sc[2 * i + 1]), _mm_set1_epi16(o.sc[2 * i])));
+}
+#else
+template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  const uint8_t* qs = blk + 16;
+  for (int c = 0; c < 4; ++c) {
+    for (int l = 0; l < 32; ++l) {
+      o.u[64 * c + l] = qs[32 * c + l] & 0x0F;
+      o.u[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+  }
+  k_mins(blk, o);
+}
+
+template <>
+void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+  float sc[16];
+  Fmt<Q6_K>::decode(blk, reinterpret_cast<int8_t*>(o.u), sc, nullptr);
+  for (int i = 0; i < 256; ++i) o.u[i] = static_cast<uint8_t>(static_cast<int8_t>(o.u[i]) + 32);
+  const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+  const float d = fp16(blk + 208);
+  for (int j = 0; j < 16; ++j) {
+    o.sc[j] = scales[j];
+    o.mw[j] = -32.f * d * static_cast<float>(scales[j]);
+  }
+  o.d = d;
+}
+
+inline void make_scv(KBlk&) {}  // the portable kernel reads sc
+#endif
+
+// the activation rows per 256: q, d, mx (Q8K)
+#if defined(__AVX2__)
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 32; ++i) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), abs_mask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const float dd = amax / 127.f;
+  *d = dd;
+  for (int g = 0; g < 8; ++g) {  // 32 values: 4 vectors
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * g + 8 * i), inv));
+    mx[2 * g] = dd * static_cast<float>(hsum_i32(_mm256_add_epi32(i32[0], i32[1])));
+    mx[2 * g + 1] = dd * static_cast<float>(hsum_i32(_mm256_add_epi32(i32[2], i32[3])));
+    const __m256i w16a = _mm256_packs_epi32(i32[0], i32[1]), w16b = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * g), b8);
+  }
+}
+#else
+void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
+  float amax = 0.f;
+  for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const float dd = amax / 127.f;
+  *d = dd;
+  for (int g = 0; g < 16; ++g) {
+    int32_t sum = 0;
+    for (int j = 16 * g; j < 16 * g + 16; ++j) {
+      const auto v = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+      q[j] = v;
+      sum += v;
+    }
+    mx[g] = dd * static_cast<float>(sum);
+  }
+}
+#endif
+
+// x [m, k] float32 -> this thread's Q8K buffers (valid until its next call)
+Q8K quantize_rows_k(const float* x, int64_t m, int64_t k) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> f;
+  const int64_t nb = k / 256;
+  q.resize(m * k);
+  f.resize(m * nb * 17);
+  // pointers, not the thread_local vectors, into the workers (each thread has its own)
+  int8_t* qp = q.data();
+  float* d = f.data();
+  float* mx = f.data() + m * nb;
+  at::parallel_for(0, m * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) quantize_block_k(x + b * 256, qp + b * 256, d + b, mx + 16 * b);
+  });
+  return {qp, d, mx};
+}
+
+// the register micro-kernels: rows [0, MR) of a tile (x: row 0 at super-block 0 of the chunk,
+// rows k apart; xd, xm: row 0's d and mx at it, rows nb and k / 16 apart) times outputs [0, NO)
+// over nkb super-blocks of buf (output j's at buf + j * kKB); facc[j * nr + r] accumulates.
+constexpr int64_t kKB = 8;  // super-blocks decoded at a time
+#if defined(CELLSERVE_GGML_ZMM)
+#if defined(__AVX512VNNI__)
+// per pair of 64-value chunks and (output, row): two vpdpbusd (int32 sums of 4 values: at most
+// 4 * 63 * 127 < 2^15), one vpackssdw (exact) and one vpdpwssd by the scales (make_scv's layout)
+constexpr int kNO = 4, kMR = 2;
+#else
+constexpr int kNO = 4, kMR = 3;
+#endif
+using KAcc = __m512;
+inline __m512i madd_scaled(__m512i acc, __m512i w, __m512i x, __m512i s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), s));
+}
+template <int NO, int MR>
+void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
+             const float* xm, KAcc* facc, int64_t nr) {
+  __m512 f[NO][MR];
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) f[j][r] = facc[j * nr + r];
+  for (int64_t b = 0; b < nkb; ++b) {
+    __m512i ia[NO][MR];
+    for (int j = 0; j < NO; ++j)
+      for (int r = 0; r < MR; ++r) ia[j][r] = _mm512_setzero_si512();
+#if defined(__AVX512VNNI__)
+    for (int h = 0; h < 2; ++h) {
+      __m512i x0[MR], x1[MR];
+      for (int r = 0; r < MR; ++r) {
+        x0[r] = _mm512_loadu_si512(x + r * k + 256 * b + 128 * h);
+        x1[r] = _mm512_loadu_si512(x + r * k + 256 * b + 128 * h + 64);
+      }
+      for (int j = 0; j < NO; ++j) {
+        const KBlk& w = buf[j * kKB + b];
+        const __m512i w0 = _mm512_load_si512(w.u + 128 * h), w1 = _mm512_load_si512(w.u + 128 * h + 64);
+        const __m512i s = _mm512_load_si512(w.scv + 32 * h);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0[r]);
+          const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1[r]);
+          ia[j][r] = _mm512_dpwssd_epi32(ia[j][r], _mm512_packs_epi32(t0, t1), s);
+        }
+      }
+    }
+#else
+    for (int i = 0; i < 4; ++i) {
+      __m512i xv[MR];
+      for (int r = 0; r < MR; ++r) xv[r] = _mm512_loadu_si512(x + r * k + 256 * b + 64 * i);
+      for (int j = 0; j < NO; ++j) {
+        const KBlk& w = buf[j * kKB + b];
+        const __m512i wv = _mm512_load_si512(w.u + 64 * i);
+        const __m512i s = _mm512_load_si512(w.scv + 32 * i);
+        for (int r = 0; r < MR; ++r) ia[j][r] = madd_scaled(ia[j][r], wv, xv[r], s);
+      }
+    }
+#endif
+    for (int j = 0; j < NO; ++j) {
+      const KBlk& w = buf[j * kKB + b];
+      const __m512 mw = _mm512_load_ps(w.mw);
+      for (int r = 0; r < MR; ++r) {
+        f[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j][r]), _mm512_set1_ps(w.d * xd[r * nb + b]), f[j][r]);
+        f[j][r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xm + r * (k / 16) + 16 * b), f[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) facc[j * nr + r] = f[j][r];
+}
+inline KAcc kacc_zero() { return _mm512_setzero_ps(); }
+inline float kacc_sum(KAcc a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kNO = 2, kMR = 2;
+using KAcc = __m256;
+template <int NO, int MR>
+void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
+             const float* xm, KAcc* facc, int64_t nr) {
+  __m256 f[NO][MR];
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) f[j][r] = facc[j * nr + r];
+  for (int64_t b = 0; b < nkb; ++b) {
+    __m256i ia[NO][MR];
+    for (int j = 0; j < NO; ++j)
+      for (int r = 0; r < MR; ++r) ia[j][r] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      __m256i xv[MR];
+      for (int r = 0; r < MR; ++r)
+        xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * k + 256 * b + 32 * i));
+      for (int j = 0; j < NO; ++j) {
+        const KBlk& w = buf[j * kKB + b];
+        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + 32 * i));
+        const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.scv + 16 * i));
+        for (int r = 0; r < MR; ++r)
+          ia[j][r] = _mm256_add_epi32(ia[j][r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv[r]), s));
+      }
+    }
+    for (int j = 0; j < NO; ++j) {
+      const KBlk& w = buf[j * kKB + b];
+      const __m256 mw0 = _mm256_load_ps(w.mw), mw1 = _mm256_load_ps(w.mw + 8);
+      for (int r = 0; r < MR; ++r) {
+        const float* m = xm + r * (k / 16) + 16 * b;
+        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[j][r]), _mm256_set1_ps(w.d * xd[r * nb + b]), f[j][r]);
+        a = _mm256_fmadd_ps(mw0, _mm256_loadu_ps(m), a);
+        f[j][r] = _mm256_fmadd_ps(mw1, _mm256_loadu_ps(m + 8), a);
+      }
+    }
+  }
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) facc[j * nr + r] = f[j][r];
+}
+inline KAcc kacc_zero() { return _mm256_setzero_ps(); }
+inline float kacc_sum(KAcc a) { return hsum8(a); }
+#else
+constexpr int kNO = 1, kMR = 1;
+using KAcc = float;
+template <int NO, int MR>
+void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
+             const float* xm, KAcc* facc, int64_t nr) {
+  for (int64_t b = 0; b < nkb; ++b) {
+    for (int j = 0; j < NO; ++j) {
+      const KBlk& w = buf[j * kKB + b];
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = x + r * k + 256 * b;
+        int32_t tot = 0;
+        for (int g = 0; g < 16; ++g) {
+          int32_t s = 0;
+          for (int l = 16 * g; l < 16 * g + 16; ++l) s += static_cast<int32_t>(w.u[l]) * xr[l];
+          tot += w.sc[g] * s;
+        }
+        float mm = 0.f;
+        for (int g = 0; g < 16; ++g) mm += w.mw[g] * xm[r * (k / 16) + 16 * b + g];
+        facc[j * nr + r] += static_cast<float>(tot) * (w.d * xd[r * nb + b]) + mm;
+      }
+    }
+  }
+}
+inline KAcc kacc_zero() { return 0.f; }
+inline float kacc_sum(KAcc a) { return a; }
+#endif
+
+template <int NO>
+inline void k_micro_rows(int mr, const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k,
+                         const float* xd, int64_t nb, const float* xm, KAcc* facc, int64_t nr) {
+  static_assert(kMR <= 4);
+  switch (mr) {
+    case 1: return k_micro<NO, 1>(buf, nkb, x, k, xd, nb, xm, facc, nr);
+    case 2: if constexpr (kMR >= 2) return k_micro<NO, 2>(buf, nkb, x, k, xd, nb, xm, facc, nr); break;
+    case 3: if constexpr (kMR >= 3) return k_micro<NO, 3>(buf, nkb, x, k, xd, nb, xm, facc, nr); break;
+    case 4: if constexpr (kMR >= 4) return k_micro<NO, 4>(buf, nkb, x, k, xd, nb, xm, facc, nr); break;
+  }
+}
+
+constexpr int64_t kKTile = 64;  // rows a tile at most
+
+// a task's outputs [o0, o1) of a K part over every row: per tile of rows (their int8 values in
+// L1), per kNO outputs, per kKB super-blocks: those blocks decoded once into buf, then the
+// tile's rows kMR at a time through the micro-kernel
+template <int64_t T>
+void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
+            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  const int64_t nb = k / 256;
+  thread_local std::vector<KBlk> bufv(kNO * kKB);
+  KBlk* buf = bufv.data();
+  alignas(64) KAcc facc[kNO * kKTile];
+  for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
+    const int64_t nr = std::min(m, r0 + row_tile) - r0;
+    for (int64_t og = o0; og < o1; og += kNO) {
+      const int no = static_cast<int>(std::min<int64_t>(kNO, o1 - og));
+      for (int64_t i = 0; i < no * nr; ++i) facc[i] = kacc_zero();
+      for (int64_t b0 = 0; b0 < nb; b0 += kKB) {
+        const int64_t nkb = std::min(kKB, nb - b0);
+        for (int j = 0; j < no; ++j) {
+          const uint8_t* row = w + (og + j) * row_bytes;
+          for (int64_t b = 0; b < nkb; ++b) {
+            const uint8_t* blk = row + (b0 + b) * B;
+            for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 4 * B + l);
+            dec_k<T>(blk, buf[j * kKB + b]);
+            make_scv(buf[j * kKB + b]);
+          }
+        }
+        for (int64_t rr = 0; rr < nr; rr += kMR) {
+          const int mr = static_cast<int>(std::min<int64_t>(kMR, nr - rr));
+          const int64_t row = r0 + rr;
+          const int8_t* x = X.q + row * k + b0 * 256;
+          const float* xd = X.d + row * nb + b0;
+          const float* xm = X.mx + row * (k / 16) + b0 * 16;
+          KAcc* f = facc + rr;
+          switch (no) {
+            case 1: k_micro_rows<1>(mr, buf, nkb, x, k, xd, nb, xm, f, nr); break;
+            case 2: if constexpr (kNO >= 2) k_micro_rows<2>(mr, buf, nkb, x, k, xd, nb, xm, f, nr); break;
+            case 3: if constexpr (kNO >= 3) k_micro_rows<3>(mr, buf, nkb, x, k, xd, nb, xm, f, nr); break;
+            case 4: if constexpr (kNO >= 4) k_micro_rows<4>(mr, buf, nkb, x, k, xd, nb, xm, f, nr); break;
+          }
+        }
+      }
+      for (int j = 0; j < no; ++j)
+        for (int64_t r = 0; r < nr; ++r) y[(r0 + r) * n + col0 + og + j] = kacc_sum(facc[j * nr + r]);
+    }
+  }
+}
+
+// ---- the 32-value kinds (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on AVX2 / AVX-512: register tiles ----
+//
+// Each block decoded (vectorized, a pair of blocks at a time) into 32 unsigned values u, its
+// scale d and a minimum mn with w = d * u + mn: Q4_0 u = q, mn = -8d; Q5_0 u = q, mn = -16d;
+// Q4_1 / Q5_1 their own m; Q8_0 with VNNI u = q + 128, mn = -128d (vpdpbusd: 255 * 127 pairs
+// would saturate vpmaddubsw), without u = |q| and the sign of q moved onto the activations
+// (vpsignb / a masked negation per output and row, as llama.cpp's AVX2 Q8_0 dot). Per block and
+// (output, row): the
+// exact int32 dot of u and the row's int8 values, times d * d_x, in float; the minimums' term
+// sum_g mn[g] * s_x[g] (s_x: d_x * the sum of the block's int8 values) as one float dot product
+// per (output, row) at the end. Tiles of kNO32 outputs x kMR32 rows, float accumulators in
+// registers; the blocks decoded once per tile of rows into an L1 buffer of kKB32 pairs.
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define CELLSERVE_GGML_TILE32 1
+
+struct QPair {
+  alignas(64) uint8_t u[64];  // block 2p's 32 values, then 2p + 1's
+  alignas(64) float ws[16];   // lanes 0-7: block 2p's d, 8-15: 2p + 1's
+  alignas(64) int8_t sg[64];  // Q8_0 without VNNI: q, whose sign moves onto the activations
+};
+
+#if defined(__AVX512VNNI__)
+constexpr bool kQ8Signed = false;
+#else
+constexpr bool kQ8Signed = true;
+#endif
+
+inline float h2f(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+inline __m256i nib32(const uint8_t* qs) {  // 16 bytes of nibbles -> 32 values in order
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i f = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(a, 4), f), _mm_and_si128(a, f));
+}
+
+inline __m256i bit5(const uint8_t* qhp) {  // bit j of 32 -> 0x10 in byte j
+  uint32_t qh;
+  std::memcpy(&qh, qhp, 4);
+  const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                       2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), idx);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits), _mm256_set1_epi8(0x10));
+}
+
+// one block -> u, d, mn
+template <int64_t T>
+inline __m256i dec32(const uint8_t* b, float& d, float& mn) {
+  if constexpr (T == Q4_0) {
+    d = h2f(b), mn = -8.f * d;
+    return nib32(b + 2);
+  } else if constexpr (T == Q4_1) {
+    d = h2f(b), mn = h2f(b + 2);
+    return nib32(b + 4);
+  } else if constexpr (T == Q5_0) {
+    d = h2f(b), mn = -16.f * d;
+    return _mm256_or_si256(nib32(b + 6), bit5(b + 2));
+  } else if constexpr (T == Q5_1) {
+    d = h2f(b), mn = h2f(b + 2);
+    return _mm256_or_si256(nib32(b + 8), bit5(b + 4));
+  } else if constexpr (kQ8Signed) {  // Q8_0: its signed values (dec_pair takes |q| and the sign)
+    d = h2f(b), mn = 0.f;
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else {  // Q8_0
+    d = h2f(b), mn = -128.f * d;
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+// blocks [2p, 2p + 2) of a row (the second only where 2p + 1 < nb: else zeros) -> o, mn
+template <int64_t T>
+inline void dec_pair(const uint8_t* row, int64_t p, int64_t nb, QPair& o, float* mn) {
+  constexpr int64_t B = Fmt<T>::B;
+  float d0, d1 = 0.f, m1 = 0.f;
+  __m256i u0 = dec32<T>(row + 2 * p * B, d0, mn[2 * p]);
+  __m256i u1 = _mm256_setzero_si256();
+  if (2 * p + 1 < nb) {
+    u1 = dec32<T>(row + (2 * p + 1) * B, d1, m1);
+    mn[2 * p + 1] = m1;
+  }
+  if constexpr (T == Q8_0 && kQ8Signed) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.sg), u0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.sg + 32), u1);
+    u0 = _mm256_abs_epi8(u0);
+    u1 = _mm256_abs_epi8(u1);
+  }
+#if defined(CELLSERVE_GGML_ZMM)
+  _mm512_store_si512(o.u, _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1));
+  _mm512_store_ps(o.ws, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+#else
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.u), u0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 32), u1);
+  o.ws[0] = d0;
+  o.ws[8] = d1;
+#endif
+}
+
+// sum_g mn[g] * s[g]
+inline float min_dot(const float* mn, const float* s, int64_t groups) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(s + g), a);
+  float t = hsum8(a);
+  for (; g < groups; ++g) t += mn[g] * s[g];
+  return t;
+}
+
+constexpr int64_t kKB32 = 16;  // pairs decoded at a time
+#if defined(CELLSERVE_GGML_ZMM)
+constexpr int kNO32 = 4, kMR32 = 4;
+using QAcc = __m512;
+inline QAcc qacc_zero() { return _mm512_setzero_ps(); }
+inline float qacc_sum(QAcc a) { return _mm512_reduce_add_ps(a); }
+// rows [0, MR) (x: row 0 at pair p0, rows k apart; xd: row 0's d at block 2 p0, rows groups
+// apart) times outputs [0, NO) over np pairs of buf (output j's at buf + j * kKB32)
+template <int NO, int MR, bool S>
+void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, int64_t k,
+             const float* xd, int64_t groups, QAcc* facc, int64_t nr) {
+  const __m512i lane8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 f[NO][MR];
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) f[j][r] = facc[j * nr + r];
+  for (int64_t p = 0; p < np; ++p) {
+    const __mmask64 mask = (half_last && p == np - 1) ? 0xFFFFFFFFull : ~0ull;
+    __m512i xv[MR];
+    __m512 xs[MR];
+    for (int r = 0; r < MR; ++r) {
+      xv[r] = _mm512_maskz_loadu_epi8(mask, x + r * k + 64 * p);
+      xs[r] = _mm512_permutexvar_ps(
+          lane8, _mm512_castps128_ps512(_mm_castpd_ps(
+                     _mm_load_sd(reinterpret_cast<const double*>(xd + r * groups + 2 * p)))));
+    }
+    for (int j = 0; j < NO; ++j) {
+      const QPair& w = buf[j * kKB32 + p];
+      const __m512i wv = _mm512_load_si512(w.u);
+      const __m512 ws = _mm512_load_ps(w.ws);
+      __mmask64 neg = 0;
+      if constexpr (S) neg = _mm512_movepi8_mask(_mm512_load_si512(w.sg));
+      for (int r = 0; r < MR; ++r) {
+#if defined(__AVX512VNNI__)
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[r]);
+#else
+        __m512i xr = xv[r];
+        if constexpr (S) xr = _mm512_mask_sub_epi8(xr, neg, _mm512_setzero_si512(), xr);
+        const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(wv, xr), _mm512_set1_epi16(1));
+#endif
+        f[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs[r]), f[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) facc[j * nr + r] = f[j][r];
+}
+#else
+constexpr int kNO32 = 2, kMR32 = 2;
+using QAcc = __m256;
+inline QAcc qacc_zero() { return _mm256_setzero_ps(); }
+inline float qacc_sum(QAcc a) { return hsum8(a); }
+template <int NO, int MR, bool S>
+void q_micro(const QPair* buf, int64_t np, int64_t half_last, const int8_t* x, int64_t k,
+             const float* xd, int64_t groups, QAcc* facc, int64_t nr) {
+  __m256 f[NO][MR];
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) f[j][r] = facc[j * nr + r];
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t p = 0; p < np; ++p) {
+    const int halves = (half_last && p == np - 1) ? 1 : 2;
+    for (int h = 0; h < halves; ++h) {
+      __m256i xv[MR];
+      __m256 xs[MR];
+      for (int r = 0; r < MR; ++r) {
+        xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * k + 64 * p + 32 * h));
+        xs[r] = _mm256_broadcast_ss(xd + r * groups + 2 * p + h);
+      }
+      for (int j = 0; j < NO; ++j) {
+        const QPair& w = buf[j * kKB32 + p];
+        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + 32 * h));
+        const __m256 ws = _mm256_broadcast_ss(w.ws + 8 * h);
+        __m256i sg = _mm256_setzero_si256();
+        if constexpr (S) sg = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.sg + 32 * h));
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xr = S ? _mm256_sign_epi8(xv[r], sg) : xv[r];
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xr), ones);
+          f[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, xs[r]), f[j][r]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NO; ++j)
+    for (int r = 0; r < MR; ++r) facc[j * nr + r] = f[j][r];
+}
+#endif
+
+template <int NO, bool S>
+inline void q_micro_rows(int mr, const QPair* buf, int64_t np, int64_t half_last, const int8_t* x,
+                         int64_t k, const float* xd, int64_t groups, QAcc* facc, int64_t nr) {
+  switch (mr) {
+    case 1: return q_micro<NO, 1, S>(buf, np, half_last, x, k, xd, groups, facc, nr);
+    case 2: if constexpr (kMR32 >= 2) return q_micro<NO, 2, S>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
+    case 3: if constexpr (kMR32 >= 3) return q_micro<NO, 3, S>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
+    case 4: if constexpr (kMR32 >= 4) return q_micro<NO, 4, S>(buf, np, half_last, x, k, xd, groups, facc, nr); break;
+  }
+}
+
+constexpr int64_t kQTile = 64;
+
+// a task's outputs [o0, o1) of a 32-value part over every row (k_task's loops, pairs of blocks)
+template <int64_t T>
+void q_task(const Q8Rows& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
+            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  constexpr bool S = T == Q8_0 && kQ8Signed;
+  const int64_t groups = k / kQ, npairs = (groups + 1) / 2;
+  thread_local std::vector<QPair> bufv(kNO32 * kKB32);
+  thread_local std::vector<float> mnv;
+  mnv.resize(kNO32 * groups + 1);
+  QPair* buf = bufv.data();
+  alignas(64) QAcc facc[kNO32 * kQTile];
+  for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
+    const int64_t nr = std::min(m, r0 + row_tile) - r0;
+    for (int64_t og = o0; og < o1; og += kNO32) {
+      const int no = static_cast<int>(std::min<int64_t>(kNO32, o1 - og));
+      for (int64_t i = 0; i < no * nr; ++i) facc[i] = qacc_zero();
+      for (int64_t p0 = 0; p0 < npairs; p0 += kKB32) {
+        const int64_t np = std::min(kKB32, npairs - p0);
+        const int64_t half_last = (p0 + np == npairs) && (groups % 2);
+        for (int j = 0; j < no; ++j) {
+          const uint8_t* row = w + (og + j) * row_bytes;
+          for (int64_t p = 0; p < np; ++p) {
+            __builtin_prefetch(row + std::min((2 * (p0 + p) + 8) * B, row_bytes - 1));
+            dec_pair<T>(row, p0 + p, groups, buf[j * kKB32 + p], mnv.data() + j * groups);
+          }
+        }
+        for (int64_t rr = 0; rr < nr; rr += kMR32) {
+          const int mr = static_cast<int>(std::min<int64_t>(kMR32, nr - rr));
+          const int64_t row = r0 + rr;
+          const int8_t* x = X.q + row * k + p0 * 64;
+          const float* xd = X.d + row * groups + 2 * p0;
+          QAcc* f = facc + rr;
+          switch (no) {
+            case 1: q_micro_rows<1, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 2: if constexpr (kNO32 >= 2) q_micro_rows<2, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 3: if constexpr (kNO32 >= 3) q_micro_rows<3, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+            case 4: if constexpr (kNO32 >= 4) q_micro_rows<4, S>(mr, buf, np, half_last, x, k, xd, groups, f, nr); break;
+          }
+        }
+      }
+      for (int j = 0; j < no; ++j)
+        for (int64_t r = 0; r < nr; ++r)
+          y[(r0 + r) * n + col0 + og + j] =
+              qacc_sum(facc[j * nr + r]) + min_dot(mnv.data() + j * groups, X.s + (r0 + r) * groups, groups);
+    }
+  }
+}
 #endif
 
 // a float part's output o over rows [r0, r1): its row dequantized once into wf
@@ -696,9 +1148,6 @@ void run_task(const Linear& L, int64_t type, const uint8_t* w, int64_t row_bytes
         case Q5_0: rows_q<Q5_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
         case Q5_1: rows_q<Q5_1>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
         case Q8_0: rows_q<Q8_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
-        case Q4_K: rows_q<Q4_K>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
-        case Q5_K: rows_q<Q5_K>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
-        case Q6_K: rows_q<Q6_K>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
         default: rows_f(L, type, wrow, r0, r1, y_col, wf.data());
       }
     }
@@ -735,11 +1184,11 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
   TORCH_CHECK_VALUE(x_in.size(1) == k, "ggml_linear: x has ", x_in.size(1), " columns, k = ", k);
   TORCH_CHECK_VALUE(!parts.empty() && parts.size() == types.size(), "ggml_linear: ",
                     parts.size(), " parts and ", types.size(), " types");
-  bool any_q = false, any_f = false;
+  bool any_q = false, any_k = false, any_f = false;
   int64_t n = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     check_weight(parts[i], types[i], k, "ggml_linear");
-    (type_info(types[i]).quantized ? any_q : any_f) = true;
+    (is_k(types[i]) ? any_k : type_info(types[i]).quantized ? any_q : any_f) = true;
     n += parts[i].size(0);
   }
   const int64_t m = x_in.size(0);
@@ -750,8 +1199,14 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
   TORCH_CHECK_VALUE(!any_q || k % kQ == 0, "ggml_linear: k must be a multiple of 32");
   Q8Rows rows{nullptr, nullptr, nullptr};
   if (any_q) rows = quantize_rows(x);
+  Q8K krows{nullptr, nullptr, nullptr};
+  if (any_k) krows = quantize_rows_k(x.data_ptr<float>(), m, k);
   // rows per tile: their int8 values (k bytes a row) within ~32 KB of L1
   const int64_t row_tile = std::clamp<int64_t>(32768 / k, 4, 64);
+  const int64_t k_tile = std::max<int64_t>(kMR, std::min<int64_t>(kKTile, 32768 / k) / kMR * kMR);
+#if defined(CELLSERVE_GGML_TILE32)
+  const int64_t q_tile = std::max<int64_t>(kMR32, std::min<int64_t>(kQTile, 32768 / k) / kMR32 * kMR32);
+#endif
   const Linear L{&rows, any_f ? x.data_ptr<float>() : nullptr, m, k, n, y.data_ptr<float>(),
                  row_tile};
   std::vector<Task> tasks;
@@ -765,8 +1220,23 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
       const at::Tensor& w = parts[task.part];
-      run_task(L, types[task.part], w.data_ptr<uint8_t>(), w.size(1), task.o0, task.o1,
-               col0[task.part]);
+      const int64_t type = types[task.part];
+      const uint8_t* wp = w.data_ptr<uint8_t>();
+      const int64_t c0 = col0[task.part];
+      float* yp = L.y;
+      switch (type) {
+        case Q4_K: k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q6_K: k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+#if defined(CELLSERVE_GGML_TILE32)
+        case Q4_0: q_task<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q4_1: q_task<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_0: q_task<Q5_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_1: q_task<Q5_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q8_0: q_task<Q8_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+#endif
+        default: run_task(L, type, wp, w.size(1), task.o0, task.o1, c0);
+      }
     }
   });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());

@@ -5,8 +5,9 @@ For every GGML type: random weights quantized to it (gguf-py's quantize where it
 blocks built byte-wise with finite fp16 scales, and the real tensors of the Gemma-3-270M GGUF
 where its packages are installed), checked against gguf-py's own dequantize: ggml_dequantize and
 ggml_get_rows exactly; ggml_linear against the same product in float64 with the activations
-quantized to int8 per 32 as the kernel does (tight), and against the float activations times
-the dequantized weights (loose: the int8 rows' own error)."""
+quantized to int8 as the kernel does (tight: per 32 for the 32-value kinds, per 256 for the
+K-quants, as llama.cpp's q8_0 / q8_K), and against the float activations times the dequantized
+weights (loose: the int8 rows' own error)."""
 
 from __future__ import annotations
 
@@ -69,10 +70,10 @@ def dequantize(name: str, w: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(w.shape[0], k)
 
 
-def quantize_rows(x: np.ndarray) -> np.ndarray:
-    """x [m, k] float32 as the kernel's int8 rows see it: per 32, d = max|x| / 127, q =
-    rint(x * (127 / max|x|)) (float32 arithmetic), returned as d * q in float64."""
-    g = x.reshape(x.shape[0], -1, 32)
+def quantize_rows(x: np.ndarray, group: int = 32) -> np.ndarray:
+    """x [m, k] float32 as the kernel's int8 rows see it: per `group` values, d = max|x| / 127,
+    q = rint(x * (127 / max|x|)) (float32 arithmetic), returned as d * q in float64."""
+    g = x.reshape(x.shape[0], -1, group)
     amax = np.abs(g).max(axis=-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.rint(g * inv)
@@ -89,9 +90,19 @@ def check_linear(kern, x: torch.Tensor, parts, names, k: int) -> None:
     is_float = np.concatenate(
         [np.full(len(w), nm in FLOAT) for nm, w in zip(names, parts, strict=True)]
     )
+    is_k = np.concatenate(
+        [np.full(len(w), nm in K_SCALES) for nm, w in zip(names, parts, strict=True)]
+    )
     xq = quantize_rows(xf)
-    want = np.where(is_float, xf.astype(np.float64) @ weights.T, xq @ weights.T)
-    bound = np.where(is_float, np.abs(xf) @ np.abs(weights.T), np.abs(xq) @ np.abs(weights.T))
+    xk = quantize_rows(xf, 256) if k % 256 == 0 else xq
+    want = np.where(
+        is_float, xf.astype(np.float64) @ weights.T, np.where(is_k, xk @ weights.T, xq @ weights.T)
+    )
+    bound = np.where(
+        is_float,
+        np.abs(xf) @ np.abs(weights.T),
+        np.where(is_k, np.abs(xk) @ np.abs(weights.T), np.abs(xq) @ np.abs(weights.T)),
+    )
     types = [int(TYPES[nm][0]) for nm in names]
     got = kern.ggml_linear(x, [torch.from_numpy(w) for w in parts], types, k)
     assert got.dtype == x.dtype and got.shape == (x.shape[0], len(weights))
@@ -130,6 +141,25 @@ def test_linear_each_type(kern, name, m):
     w = make_weights(name, 45, k, rng)  # 45 outputs: two full tasks of 16 and a tail
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     check_linear(kern, x, [w], [name], k)
+
+
+def test_linear_on_two_threads(kern):
+    """The activation rows are quantized by an OpenMP team and read by the tasks of another:
+    every kind on 2 threads (the package runs one) gives the one-thread result exactly."""
+    rng = np.random.default_rng(7)
+    k = 512
+    names = ["Q4_K", "Q6_K", "Q5_K", "Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1"]
+    parts = [torch.from_numpy(make_weights(nm, 40, k, rng)) for nm in names]
+    types = [int(TYPES[nm][0]) for nm in names]
+    x = torch.from_numpy(rng.standard_normal((300, k)).astype(np.float32))
+    one = kern.ggml_linear(x, parts, types, k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = kern.ggml_linear(x, parts, types, k)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("m", [1, 8, 33, 512])
