@@ -8,7 +8,8 @@ cellserve without speculation, with n-gram lookup (--spec-type ngram), with the 
 --spec-draft-n-max 16). Per server: output tokens/s (completion tokens / request time, summed),
 TTFT p50, and for cellserve's modes whether every reply is the same text as without
 speculation. Then the random workload at the --load concurrencies (ignore_eos, 128 tokens),
-cellserve without and with each speculation: throughput must not drop.
+cellserve without and with each speculation: throughput must not drop. --skip-code-edit runs
+only the latter.
 
 Models: the packaged Qwen2.5-Coder-1.5B-Instruct Q4_K_M (target) and 0.5B (draft)
 (`python -m model.load.packaged NAME`), or --target / --draft paths.
@@ -36,6 +37,7 @@ from bench.server_proc import Served, cellserve_process, llamacpp_default, serve
 from bench.workloads import PromptBuilder, WorkloadSpec, code_edit_turn
 
 N_CTX = 8192
+LOAD_OUTPUT_LEN = 64
 
 
 def ask(url: str, prompt: str, output_len: int) -> dict[str, Any]:
@@ -94,7 +96,8 @@ def spec_counters(url: str) -> dict[str, float]:
 
 
 def load_levels(url: str, levels: list[int], num_prompts: int) -> dict[str, float]:
-    cfg = LoadConfig(base_url=url, model="m", output_len=128)
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    cfg = LoadConfig(base_url=url, model=model, output_len=LOAD_OUTPUT_LEN)
     spec = WorkloadSpec("random", num_prompts, 256)
     got = run_sweep(cfg, spec, lambda rng: PromptBuilder(rng), levels, progress=False)  # type: ignore[arg-type]
     return {f"c{lv.concurrency}": round(lv.metrics.output_throughput, 2) for lv in got}
@@ -131,17 +134,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     names = list(servers) + (list(lcpp_servers) if llama.is_file() else [])
     for name in names:
-        print(f"== {name}: code-edit c=1", flush=True)
+        if args.skip_code_edit and name not in servers:
+            continue
+        print(f"== {name}", flush=True)
         with start(name) as srv:
-            runs[name] = code_edit(srv.url, prompts, args.output_len)
+            runs[name] = {} if args.skip_code_edit else code_edit(srv.url, prompts, args.output_len)
             if name in servers and name != "cellserve":
                 runs[name]["spec"] = spec_counters(srv.url)
             if name in servers and args.load:
                 levels = [int(c) for c in args.load.split(",")]
                 print(f"   {name}: random load {levels}", flush=True)
                 runs[name]["load_tok_s"] = load_levels(srv.url, levels, args.load_prompts)
+                if name != "cellserve":  # the counters after the load too
+                    runs[name]["spec_after_load"] = spec_counters(srv.url)
         r = runs[name]
-        print(f"   {r['tok_s']} tok/s, TTFT p50 {r['ttft_p50_ms']} ms", flush=True)
+        print(f"   {r.get('tok_s')} tok/s, TTFT p50 {r.get('ttft_p50_ms')} ms", flush=True)
+    report["runs"] = runs
+    if args.skip_code_edit:
+        return report
     plain = runs["cellserve"]
     for name, r in runs.items():
         r["x_cellserve"] = round(r["tok_s"] / plain["tok_s"], 2)
@@ -165,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=400)
     p.add_argument("--draft-max", type=int, default=16)
     p.add_argument("--load", default="8", help="random-workload concurrencies ('' = none)")
-    p.add_argument("--load-prompts", type=int, default=16)
+    p.add_argument("--load-prompts", type=int, default=32)
     p.add_argument("--llamacpp", type=pathlib.Path, default=None)
+    p.add_argument("--skip-code-edit", action="store_true", help="only the --load levels")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/spec"))

@@ -110,7 +110,8 @@ class Scheduler:
         if self.spec.enabled:  # drafts never evict nor preempt
             free = self._n_free(step, evict=False)
             live = {s.seq_id for s in self.running} | set(self.prefix.seq_ids)
-            self.spec.add_drafts(step, free, n_ctx, live)
+            busy = len(self.running) + len(self.waiting)
+            self.spec.add_drafts(step, free, n_ctx, live, busy)
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if step.budget == 0:

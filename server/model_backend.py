@@ -41,11 +41,12 @@ def log_speculation(config: EngineConfig, memory: Any) -> None:
         return
     log.info(
         "speculative decoding: %s, up to %d drafted tokens per sequence and step (min %d), "
-        "only while fewer than %d sequences decode",
+        "only while fewer than %d sequences run or wait%s",
         spec.kind,
         spec.draft_max,
         spec.draft_min,
         spec.step_rows,
+        f" (a draft model: at most {spec.draft_seqs_max})" if spec.kind == "draft" else "",
     )
 
 

@@ -43,7 +43,8 @@ def serve(
     models: dict[str, LoadedModel], kind: str, draft: str = "target", **cfg: object
 ) -> tuple[Outcome, Scheduler, DraftModel | None]:
     base: dict[str, object] = dict(n_cells=1024, n_ctx_seq=128, n_batch=64)
-    config = make_config(**{**base, **cfg}, spec=SpecConfig(kind=kind))
+    # the mechanism under many sequences (the policy alone drafts for at most 2)
+    config = make_config(**{**base, **cfg}, spec=SpecConfig(kind=kind, draft_seqs_max=16))
     drafter = None
     if kind == "draft":
         d = models[draft]
@@ -134,3 +135,13 @@ def test_a_draft_with_another_tokenizer_is_refused(models) -> None:  # noqa: ANN
     check_vocab(models["target"].tokenizer, models["other"].tokenizer)
     with pytest.raises(ValueError, match="must share a tokenizer"):
         check_vocab(models["target"].tokenizer, models["fim"].tokenizer)
+
+
+def test_a_draft_model_drafts_only_for_few_sequences() -> None:
+    from scheduler.speculative import Speculator
+
+    spec = Speculator(SpecConfig(kind="draft"), True, drafter=object())  # type: ignore[arg-type]
+    assert spec.step_budget(1) == 16 and spec.step_budget(2) == 15
+    assert spec.step_budget(3) == 0
+    ngram = Speculator(SpecConfig(kind="ngram"), True)
+    assert ngram.step_budget(3) == 14 and ngram.step_budget(17) == 0
