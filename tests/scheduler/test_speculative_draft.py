@@ -40,8 +40,14 @@ def workload() -> list[Request]:
 
 
 def serve(
-    models: dict[str, LoadedModel], kind: str, draft: str = "target", **cfg: object
+    models: dict[str, LoadedModel],
+    kind: str,
+    draft: str = "target",
+    batches: list[list[Request]] | None = None,
+    **cfg: object,
 ) -> tuple[Outcome, Scheduler, DraftModel | None]:
+    """`batches` one after the other (default: workload() one request at a time, then all
+    together, their ids suffixed with the step they came in)."""
     base: dict[str, object] = dict(n_cells=1024, n_ctx_seq=128, n_batch=64)
     # the mechanism under many sequences (the policy alone drafts for at most 2)
     config = make_config(**{**base, **cfg}, spec=SpecConfig(kind=kind, draft_seqs_max=16))
@@ -53,9 +59,13 @@ def serve(
     sched = Scheduler(config, drafter=drafter)
     worker = make_worker(models["target"], config.n_cells)
     outcome = Outcome()
-    for batch in [[r] for r in workload()] + [workload()]:  # one at a time, then together
+    if batches is None:
+        batches = [[r] for r in workload()] + [workload()]
+        for i, batch in enumerate(batches):
+            for r in batch:
+                r.req_id += f"-{i}"
+    for batch in batches:
         for r in batch:
-            r.req_id += f"-{outcome.num_steps}"
             sched.add_request(r)
         while sched.has_work:
             step(sched, worker, outcome)  # type: ignore[arg-type]
@@ -91,18 +101,8 @@ def test_the_draft_shares_what_it_computed_for_another_seq_id(models) -> None:  
     prompt = make_prompt(100, seed=9)
 
     def fed(reqs: list[list[Request]]) -> int:
-        config = make_config(n_cells=1024, n_ctx_seq=256, n_batch=64, spec=SpecConfig(kind="draft"))
-        d = models["other"]
-        memory = make_memory(d.config.memory_spec, 1024, config.n_seq_max, 64, "unified")
-        drafter = DraftModel(make_worker(d, 1024), memory, 64)
-        sched = Scheduler(config, drafter=drafter)
-        worker = make_worker(models["target"], config.n_cells)
-        outcome = Outcome()
-        for batch in reqs:
-            for r in batch:
-                sched.add_request(r)
-            while sched.has_work:
-                step(sched, worker, outcome)  # type: ignore[arg-type]
+        _, _, drafter = serve(models, "draft", "other", reqs, n_ctx_seq=256)
+        assert drafter is not None
         return drafter.num_rows
 
     def req(rid: str, n: int = 1) -> Request:
