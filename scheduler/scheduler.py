@@ -109,9 +109,8 @@ class Scheduler:
         step.num_decode = len(step.rows)
         if self.spec.enabled:  # drafts never evict nor preempt
             free = self._n_free(step, evict=False)
-            live = {s.seq_id for s in self.running} | set(self.prefix.seq_ids)
             busy = len(self.running) + len(self.waiting)
-            self.spec.add_drafts(step, free, n_ctx, live, busy)
+            self.spec.add_drafts(step, free, n_ctx, busy, self._live_seq_ids)
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if step.budget == 0:
@@ -158,20 +157,15 @@ class Scheduler:
         while i < len(plan.samples):
             sample, seq = plan.samples[i], sampled[i]
             drafts = self._step.drafts.get(id(seq))
-            if drafts is not None:  # its k + 1 rows' samples are samples[i : i + k + 1]
-                if seq.state is SeqState.RUNNING:
-                    self.spec.verify(
-                        seq, drafts, plan.samples, out, i, self.memory, self._append_token
-                    )
-                i += len(drafts) + 1
-                continue
-            i += 1
             if seq.state is not SeqState.RUNNING:
-                continue
-            if sample.embed:
-                self._finish_embedding(seq, out, i - 1)
-                continue
-            self._append_token(seq, sample, out, i - 1)
+                pass
+            elif drafts is not None:  # its k + 1 rows' samples are samples[i : i + k + 1]
+                self.spec.verify(seq, drafts, plan.samples, out, i, self.memory, self._append_token)
+            elif sample.embed:
+                self._finish_embedding(seq, out, i)
+            else:
+                self._append_token(seq, sample, out, i)
+            i += 1 if drafts is None else len(drafts) + 1
         self._step = Step(0)
         events, self._events = self._events, []
         return events
@@ -231,7 +225,7 @@ class Scheduler:
         samples: list[SampleRow] = []
         for (seq, n), sb in zip(rows, seqs, strict=True):
             drafts = step.drafts.get(id(seq))
-            if drafts:  # every row sampled; the drafts count once verified (_verify)
+            if drafts:  # every row sampled; the drafts count once verified (spec.verify)
                 seq.num_computed += 1
                 for row in draft_rows(seq, sb.start, drafts):
                     samples.append(row)
@@ -285,6 +279,10 @@ class Scheduler:
         out_of_context = seq.num_computed >= self.config.n_ctx_seq and not self.shift_enabled(req)
         if seq.num_generated >= req.max_tokens or out_of_context:
             self._finish(seq, "length")
+
+    def _live_seq_ids(self) -> set[int]:
+        """Seq ids in use: running sequences' and prefix-cache holders'."""
+        return {s.seq_id for s in self.running} | set(self.prefix.seq_ids)
 
     def _finish_embedding(self, seq: Sequence, out: StepOutput, i: int) -> None:
         vector = out.embeddings[i] if out.embeddings is not None else None

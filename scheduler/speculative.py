@@ -172,21 +172,26 @@ class Speculator:
             return 0
         return min(cap, seq.spec_k)
 
-    def propose(self, asks: list[tuple[Sequence, int]], live: set[int]) -> list[list[int]]:
-        """Up to k draft tokens for each (seq, k); a proposal shorter than draft_min is []."""
+    def propose(
+        self, asks: list[tuple[Sequence, int]], live: Callable[[], set[int]]
+    ) -> list[list[int]]:
+        """Up to k draft tokens for each (seq, k); a proposal shorter than draft_min is [].
+        `live()`: the seq ids in use (asked only by a draft model)."""
         c = self.config
         if self.drafter is not None and c.kind == "draft":
-            got = self.drafter.propose([(s.seq_id, s.tokens, k) for s, k in asks], live)
+            got = self.drafter.propose([(s.seq_id, s.tokens, k) for s, k in asks], live())
         else:
             got = [ngram_propose(s.tokens, c.ngram_min, c.ngram_max, k) for s, k in asks]
         shortest = max(c.draft_min, 1)
         return [d[:k] if len(d) >= shortest else [] for d, (_, k) in zip(got, asks, strict=True)]
 
-    def add_drafts(self, step: Step, free: int, n_ctx: int, live: set[int], num_seqs: int) -> None:
+    def add_drafts(
+        self, step: Step, free: int, n_ctx: int, num_seqs: int, live: Callable[[], set[int]]
+    ) -> None:
         """The decode rows' sequences draft, in order, within the step's draft budget (from
         `num_seqs`, the sequences running or waiting), its token budget and `free` cells,
         before their context limit and their max_tokens; a grammar cuts its sequence's
-        proposal. `live`: the seq ids in use."""
+        proposal. `live()`: the seq ids in use (asked only by a draft model)."""
         budget = self.step_budget(num_seqs)
         room = min(step.budget, free)
         asks: list[tuple[int, Sequence, int]] = []  # (index in step.rows, seq, k)

@@ -26,17 +26,14 @@ from model.load.loader import LoadedModel
 from model.load.tokenizer import Tokenizer
 from model.runner.worker import ModelWorker
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
+from scheduler.prefix_cache import common_prefix_len
 
 GREEDY = SamplingParams(temperature=0.0)
 SHARE_MIN = 16  # tokens another seq id's cells must add before they are shared
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
+    return common_prefix_len(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
 
 
 class DraftModel:
