@@ -97,6 +97,13 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "vLLM's --kv-events-config JSON (endpoint, replay_endpoint, topic, buffer_steps, hwm, "
         "max_queue_size); the --kv-events-* flags override it",
     ),
+    (
+        "slot_save_path",
+        str,
+        "folder for llama.cpp's POST /slots/{id}?action=save|restore (a slot is a seq id; "
+        "what it holds is a finished conversation's cached cells); without it save and "
+        "restore answer 501",
+    ),
     ("max_queue", int, "waiting requests before 429"),
     ("max_tokens_limit", int, "largest max_tokens a request may ask for"),
     ("max_n", int, "largest n a request may ask for"),

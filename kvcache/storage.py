@@ -91,6 +91,16 @@ class KVStorage:
         k, v = self.gather_heads(layer, self.head_index(cells))
         return k.transpose(0, 1), v.transpose(0, 1)
 
+    def read_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of every layer's rows of `cells` [n] (int64), as stored: k, v
+        [n_layers, n_kv_heads, n, head_dim] (what a slot file keeps)."""
+        return self.k.index_select(2, cells), self.v.index_select(2, cells)
+
+    def write_cells(self, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The inverse of read_cells: rows as stored, [n_layers, n_kv_heads, n, head_dim]."""
+        self.k.index_copy_(2, cells, k.to(self.dtype))
+        self.v.index_copy_(2, cells, v.to(self.dtype))
+
     def apply(self, pending: PendingOps) -> None:
         """Apply the cells' deferred work: copies first (in order), then K-shifts."""
         src_list, dst_list = pending.copy_src.tolist(), pending.copy_dst.tolist()

@@ -11,7 +11,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvcache.memory import Memory
 from scheduler.config import EngineConfig
@@ -28,6 +30,8 @@ from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo, StepStats
 __all__ = ["Engine", "EngineConfig", "Worker"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class Engine:
         self._draining = False
         self._dead = False
         self._publish_kv: Callable[[list[KVEvent]], None] | None = None
+        self._calls: list[tuple[Callable[[Scheduler, Any], Any], Future[Any]]] = []
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -127,6 +132,39 @@ class Engine:
             self.scheduler.abort(req_id, index)
             self._cond.notify_all()
 
+    def call(self, fn: Callable[[Scheduler, Any], T]) -> T:
+        """fn(scheduler, worker) on the engine thread between two steps, where the worker is
+        idle and the cells cannot move (slot save/restore); blocks the calling thread (never
+        call it from the event loop) and returns fn's result or raises its exception."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._dead:
+                raise EngineDeadError("the engine thread died")
+            if self._stopping or self._thread is None:
+                raise EngineDrainingError("the engine is not running")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        """The queued calls (engine lock held)."""
+        calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.scheduler, self.worker))
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
+                future.set_exception(exc)
+        if calls:
+            self._publish_kv_events()
+
+    def _cancel_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDrainingError("the engine stopped"))
+
     # ---- snapshots ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -172,6 +210,7 @@ class Engine:
                 for stream in self._streams.values():
                     self._send(stream, [_error_event(i, message) for i in sorted(stream.open)])
                 self._streams.clear()
+                self._cancel_calls()
                 self._cond.notify_all()
 
     def enable_kv_events(self, block_size: int, publish: Callable[[list[KVEvent]], None]) -> None:
@@ -198,10 +237,14 @@ class Engine:
     def _step(self) -> bool:
         """One step; False when the engine stops."""
         with self._cond:
-            while not self.scheduler.has_work and not self._stopping:
+            while not self.scheduler.has_work and not self._stopping and not self._calls:
                 self._cond.wait()
             if self._stopping:
+                self._cancel_calls()
                 return False
+            self._run_calls()
+            if not self.scheduler.has_work:
+                return True
             t0 = time.perf_counter()
             plan = self.scheduler.schedule()
         t1 = time.perf_counter()

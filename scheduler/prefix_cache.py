@@ -102,6 +102,10 @@ class PrefixCache:
     def tokens(self, seq_id: int) -> np.ndarray:
         return self._holders[seq_id].tokens
 
+    def last_used(self, seq_id: int) -> int:
+        """The clock of the holder's last insert or touch (larger: more recent)."""
+        return self._holders[seq_id].last_used
+
     def touch(self, seq_id: int) -> None:
         self._clock += 1
         self._holders[seq_id].last_used = self._clock

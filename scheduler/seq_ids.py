@@ -24,6 +24,14 @@ class SeqIds:
     def take(self) -> int:
         return heapq.heappop(self._free)
 
+    def claim(self, sid: int) -> bool:
+        """Take `sid` itself (a restored slot); False when it is not free."""
+        if sid not in self._free:
+            return False
+        self._free.remove(sid)
+        heapq.heapify(self._free)
+        return True
+
     def release(self, sid: int) -> None:
         """`sid` owns no cells any more."""
         assert sid >= 0

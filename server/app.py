@@ -29,6 +29,7 @@ from server import (
     routes_misc,
     routes_render,
     routes_responses,
+    routes_slots,
 )
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
@@ -203,6 +204,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_anthropic.router)
     app.include_router(routes_infill.router)
     app.include_router(routes_llama.router)
+    app.include_router(routes_slots.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_discovery.router)
     app.include_router(routes_render.router)

@@ -50,6 +50,8 @@ class Backend:
     weights_owned_bytes: int = 0
     # per MoE layer, the rows each expert took (/metrics cellserve_moe_expert_rows); None: dense
     expert_load: Callable[[], list[list[int]]] | None = None
+    # the model file's identity (model.load.fingerprint): slot files of another model are refused
+    model_fingerprint: str = ""
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

@@ -19,8 +19,10 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    409: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_supported_error",
     503: "service_unavailable",
     504: "timeout_error",
 }

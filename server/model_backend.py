@@ -85,6 +85,7 @@ def load_backend(
 
     from model.layers.ggml import weight_bytes
     from model.layers.moe import expert_load
+    from model.load.fingerprint import model_fingerprint
     from model.runner.grammar import GrammarCompiler
     from model.runner.worker import make_worker
     from model.serving import open_model
@@ -169,4 +170,5 @@ def load_backend(
         expert_load=(
             partial(expert_load, loaded.transformer) if loaded.config.moe is not None else None
         ),
+        model_fingerprint=model_fingerprint(loaded.path),
     )

@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     kv_events_replay_endpoint: str | None = None
     kv_events_encoding: Literal["array", "map"] = "array"
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
+    # llama.cpp's slot save/restore (server/routes_slots.py): files live in this folder only;
+    # None: save and restore answer 501 (erase works without it)
+    slot_save_path: str | None = None
     # recurrent / hybrid models: state slots kept for prefix-cache checkpoints beside one per
     # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
     state_checkpoints: int | None = Field(None, ge=0)

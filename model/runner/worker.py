@@ -109,6 +109,37 @@ class ModelWorker:
         """One sequence's recurrent state over every recurrent layer; 0 without any."""
         return 0 if self.state is None else self.state.bytes_per_slot
 
+    def read_rows(self, cells: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer group, copies of the K/V rows of `cells` as stored (a slot file's
+        content; call between steps)."""
+        out = []
+        for storage, c in zip(self.kv, cells, strict=True):
+            assert isinstance(storage, KVStorage), "slot rows: attention groups only"
+            out.append(storage.read_cells(torch.from_numpy(np.asarray(c, dtype=np.int64))))
+        return out
+
+    def write_rows(
+        self, cells: list[np.ndarray], rows: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """The inverse of read_rows (a restored slot)."""
+        for storage, c, (k, v) in zip(self.kv, cells, rows, strict=True):
+            assert isinstance(storage, KVStorage), "slot rows: attention groups only"
+            storage.write_cells(torch.from_numpy(np.asarray(c, dtype=np.int64)), k, v)
+
+    def kv_geometry(self) -> list[dict[str, object]]:
+        """Per layer group, what its stored rows look like (checked before a restore)."""
+        return [
+            {
+                "n_layers": s.n_layers,
+                "n_kv_heads": s.n_kv_heads,
+                "head_dim": s.head_dim,
+                "dtype": str(s.dtype).removeprefix("torch."),
+            }
+            if isinstance(s, KVStorage)
+            else {"recurrent": True}
+            for s in self.kv
+        ]
+
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepOutput:
         if self.threads is not None and self._threads_set_in != threading.get_ident():

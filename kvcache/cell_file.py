@@ -1,0 +1,136 @@
+"""Cell files: one sequence's cached tokens and K/V rows on disk (slot save/restore).
+
+Layout: MAGIC | u64 little-endian header length | header (JSON) | payload. The header names
+the model (model.load.fingerprint), the tokens, each layer group's geometry, the dtype its rows
+are stored in and the positions it keeps (a sliding-window group keeps only the last window),
+and the payload's SHA-256. The payload is the tokens (int64) and then, per group, K and V as
+stored: [n_layers, n_kv_heads, n_rows, head_dim]. A file whose magic, model, geometry, length
+or checksum does not match is refused, never restored. A write goes to a temporary file in the
+same directory, is fsync'd and renamed over the target: a crash leaves the old file or the new
+one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC = b"CELLKV01"
+
+
+class CellFileError(ValueError):
+    """A cell file that cannot be restored here (the message says why)."""
+
+
+@dataclass(slots=True)
+class GroupRows:
+    """One layer group's rows of a sequence: K and V [n_layers, n_kv_heads, n_rows, head_dim]
+    as stored, for the sorted `positions` [n_rows] the group keeps."""
+
+    positions: np.ndarray
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def geometry(self) -> dict[str, object]:
+        n_layers, n_kv_heads, _, head_dim = self.k.shape
+        return {
+            "n_layers": int(n_layers),
+            "n_kv_heads": int(n_kv_heads),
+            "head_dim": int(head_dim),
+            "dtype": str(self.k.dtype).removeprefix("torch."),
+        }
+
+
+@dataclass(slots=True)
+class CellFile:
+    model: str  # the model's fingerprint
+    tokens: np.ndarray  # [n] int64 at positions 0..n-1
+    groups: list[GroupRows]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def write_cell_file(path: Path, data: CellFile) -> int:
+    """Write `data` to `path` atomically; -> bytes written."""
+    parts = [np.ascontiguousarray(data.tokens, dtype=np.int64).tobytes()]
+    groups = []
+    for g in data.groups:
+        parts += [np.ascontiguousarray(g.positions, dtype=np.int64).tobytes(), _raw(g.k), _raw(g.v)]
+        groups.append({**g.geometry(), "n_rows": int(g.positions.shape[0])})
+    payload = b"".join(parts)
+    header = json.dumps(
+        {
+            "model": data.model,
+            "n_tokens": int(data.tokens.shape[0]),
+            "groups": groups,
+            "payload_bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    ).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(MAGIC) + 8 + len(header) + len(payload)
+
+
+def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
+    """-> (the file's content, bytes read); CellFileError if it is not a whole cell file of
+    `model` (the caller checks the geometry against its own cache)."""
+    raw = path.read_bytes()
+    if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 8:
+        raise CellFileError("not a cellserve slot file")
+    (n_header,) = struct.unpack_from("<Q", raw, len(MAGIC))
+    start = len(MAGIC) + 8 + n_header
+    try:
+        header = json.loads(raw[len(MAGIC) + 8 : start])
+        n_tokens = int(header["n_tokens"])
+        groups = header["groups"]
+        expected = int(header["payload_bytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CellFileError(f"its header is damaged ({e})") from e
+    payload = raw[start:]
+    if len(payload) != expected or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise CellFileError("it is truncated or damaged (checksum mismatch)")
+    if header["model"] != model:
+        raise CellFileError("it was saved from a different model")
+    buf = memoryview(payload)
+    at = 8 * n_tokens
+    tokens = np.frombuffer(buf[:at], dtype=np.int64).copy()
+    rows = []
+    for g in groups:
+        dtype = getattr(torch, str(g["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CellFileError(f"unknown dtype {g['dtype']!r}")
+        n = int(g["n_rows"])
+        positions = np.frombuffer(buf[at : at + 8 * n], dtype=np.int64).copy()
+        at += 8 * n
+        shape = (int(g["n_layers"]), int(g["n_kv_heads"]), n, int(g["head_dim"]))
+        size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        if at + 2 * size > len(buf):
+            raise CellFileError("its header does not match its payload")
+        kv = []
+        for _ in range(2):
+            if size == 0:
+                kv.append(torch.empty(shape, dtype=dtype))
+                continue
+            part = torch.frombuffer(bytearray(buf[at : at + size]), dtype=torch.uint8)
+            kv.append(part.view(dtype).reshape(shape))
+            at += size
+        rows.append(GroupRows(positions, kv[0], kv[1]))
+    return CellFile(header["model"], tokens, rows), len(raw)
