@@ -104,6 +104,24 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "what it holds is a finished conversation's cached cells); without it save and "
         "restore answer 501",
     ),
+    (
+        "cache_ram",
+        int,
+        "MiB of host RAM for a second prefix-cache tier: finished prompts are copied there and "
+        "come back on a prefix match after the live cache evicted them (default 0: off)",
+    ),
+    (
+        "cache_dir",
+        str,
+        "folder for a disk tier of the prefix cache that survives restarts: finished prompts "
+        "are written there and a restarted server reuses them (same model file only)",
+    ),
+    ("cache_dir_max_mib", int, "largest size of --cache-dir's files in MiB (default 10240)"),
+    (
+        "cache_tier_min_tokens",
+        int,
+        "shortest finished prompt copied to --cache-ram / --cache-dir (default 64)",
+    ),
     ("max_queue", int, "waiting requests before 429"),
     ("max_tokens_limit", int, "largest max_tokens a request may ask for"),
     ("max_n", int, "largest n a request may ask for"),

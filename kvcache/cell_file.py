@@ -134,3 +134,29 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
             at += size
         rows.append(GroupRows(positions, kv[0], kv[1]))
     return CellFile(header["model"], tokens, rows), len(raw)
+
+
+def check_geometry(groups: list[GroupRows], geometry: list[dict[str, object]]) -> None:
+    """CellFileError unless the rows fit a storage of `geometry` (the worker's kv_geometry)."""
+    saved = [g.geometry() for g in groups]
+    if saved != geometry:
+        raise CellFileError(
+            f"its cache layout {saved} does not match this server's {geometry} "
+            "(another model, or another --dtype)"
+        )
+
+
+def place_rows(
+    groups: list[GroupRows], cells: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`cells`: per group, the cell of each position 0..n-1 (-1 where the group no longer
+    keeps it: a sliding window's old rows) -> per group, the cells and the rows to write
+    there (worker.write_rows)."""
+    out_cells, out_rows = [], []
+    for g, at_pos in zip(groups, cells, strict=True):
+        at = at_pos[g.positions]
+        keep = at >= 0
+        index = torch.from_numpy(np.flatnonzero(keep))
+        out_cells.append(at[keep])
+        out_rows.append((g.k.index_select(2, index), g.v.index_select(2, index)))
+    return out_cells, out_rows

@@ -7,6 +7,7 @@ the snapshots never wait for a forward pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvcache.memory import Memory
+from scheduler.cache_tier import CacheTier, TierStats
 from scheduler.config import EngineConfig
 from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
 from scheduler.isolate import describe, isolate, pending_only, without_pending
@@ -49,13 +51,16 @@ class Engine:
         on_step: Callable[[StepStats], None] | None = None,
         memory: Memory | None = None,
         drafter: Drafter | None = None,
+        tier: CacheTier | None = None,
     ) -> None:
         """`memory`: the one the worker's storage was built for; None: built from config.
-        `drafter`: the draft model of speculative decoding (config.spec.kind "draft")."""
+        `drafter`: the draft model of speculative decoding (config.spec.kind "draft").
+        `tier`: the prefix cache's second tier (RAM / disk), if any."""
         self.worker = worker
         self.config = config
         self.on_step = on_step
         self.scheduler = Scheduler(config, memory, drafter)
+        self.tier = tier
         # a recurrent model's worker says what one state slot costs (/metrics, the cell map)
         self.state_bytes_per_slot = int(getattr(worker, "state_bytes_per_slot", 0) or 0)
         self._cond = threading.Condition()
@@ -93,6 +98,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self.tier is not None:
+            self.tier.close()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -173,6 +180,16 @@ class Engine:
                 self.scheduler, not self._dead, self._draining, self.state_bytes_per_slot
             )
 
+    def tier_stats(self) -> list[tuple[str, TierStats]]:
+        """Per store of the prefix cache's second tier: (its name, a copy of its counts)."""
+        with self._cond:
+            if self.tier is None:
+                return []
+            return [
+                (store.name, dataclasses.replace(stats))
+                for store, stats in zip(self.tier.stores, self.tier.stats, strict=True)
+            ]
+
     def slots(self) -> list[SlotInfo]:
         with self._cond:
             return slot_infos(self.scheduler)
@@ -246,6 +263,8 @@ class Engine:
             if not self.scheduler.has_work:
                 return True
             t0 = time.perf_counter()
+            if self.tier is not None:
+                self.tier.before_schedule(self.scheduler, self.worker)
             plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         error: str | None = None
@@ -262,6 +281,8 @@ class Engine:
             if error is None:
                 self.scheduler.fail_seqs(failed)
                 events = self.scheduler.update(plan, out)
+                if self.tier is not None:
+                    self.tier.after_update(self.scheduler, self.worker)
             else:
                 events = self.scheduler.fail_plan(error)
             self._dispatch(events)

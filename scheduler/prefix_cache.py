@@ -59,13 +59,15 @@ class PrefixCache:
     def match(self, tokens: np.ndarray, usable: Usable | None = None) -> PrefixMatch:
         """Longest cached prefix of `tokens`; never mutates. `usable(seq_id, n)`: the longest
         m <= n of a holder's first n tokens that can be reused (Memory.usable_prefix)."""
-        best = PrefixMatch(-1, 0)
+        best, best_used = PrefixMatch(-1, 0), -1
         for h in self._holders.values():
             n = common_prefix_len(h.tokens, tokens)
-            if usable is not None and n > best.length:
+            if usable is not None and n >= best.length and n > 0:
                 n = usable(h.seq_id, n)
-            if n > best.length:
-                best = PrefixMatch(h.seq_id, n)
+            # NOTE: among equal matches the most recently used: a match touches its holder, so
+            # always taking the oldest would keep it alive forever on a few shared tokens
+            if n > best.length or (n == best.length > 0 and h.last_used > best_used):
+                best, best_used = PrefixMatch(h.seq_id, n), h.last_used
         return best
 
     def is_covered(self, tokens: np.ndarray, usable: Usable | None = None) -> bool:

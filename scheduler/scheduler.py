@@ -132,8 +132,8 @@ class Scheduler:
         while i < min(len(self.waiting), self._scan) and step.budget > 0:
             seq = self.waiting[i]
             match = self._match(seq)
-            if self.sharing.waits(seq, self.running, match):
-                i += 1  # its prefix is being computed: it takes it in a later step
+            if seq.tier_wait or self.sharing.waits(seq, self.running, match):
+                i += 1  # its prefix is being computed or read: it takes it in a later step
                 continue
             if not self._admit(seq, step, match):
                 break

@@ -24,6 +24,10 @@ class SeqIds:
     def take(self) -> int:
         return heapq.heappop(self._free)
 
+    def peek_free(self) -> int:
+        """The id take() would return, without taking it; -1 when none is free."""
+        return self._free[0] if self._free else -1
+
     def claim(self, sid: int) -> bool:
         """Take `sid` itself (a restored slot); False when it is not free."""
         if sid not in self._free:

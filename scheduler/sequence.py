@@ -50,6 +50,10 @@ class Sequence:
     spec_k: int = -1
     spec_skip: int = 0
     spec_misses: int = 0  # consecutive rounds that accepted nothing
+    # the prefix cache's second tier (scheduler/cache_tier.py): looked up once; queued while
+    # a stored entry it will take is read
+    tier_checked: bool = False
+    tier_wait: bool = False
 
     @property
     def req_id(self) -> str:

@@ -112,6 +112,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
     metrics.bind_engine(backend.engine.stats)
     metrics.set_runtime(backend.runtime)
     metrics.bind_expert_load(backend.expert_load)
+    metrics.bind_tier(getattr(backend.engine, "tier_stats", None))
     parts = MemoryParts(
         backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
     )

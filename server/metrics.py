@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from scheduler.cache_tier import TierStats
 from scheduler.speculative import SpecStats
 from scheduler.stats import EngineStats, StepStats
 
@@ -191,6 +192,49 @@ class _ExpertCollector(Collector):
         yield family
 
 
+class _TierCollector(Collector):
+    """The prefix cache's second tier (scheduler/cache_tier.py), labelled by tier (ram, disk):
+    what it holds, what it saved or dropped, and the entries and tokens it gave back."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[tuple[str, TierStats]]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        rows = self.source()
+        specs = [
+            ("cellserve_cache_tier_entries", "Prefix-cache entries the tier holds", "entries", 0),
+            ("cellserve_cache_tier_bytes", "Bytes of the entries the tier holds", "bytes", 0),
+            ("cellserve_cache_tier_saves", "Holders copied into the tier", "saves", 1),
+            (
+                "cellserve_cache_tier_dropped_saves",
+                "Holders not copied because the tier's writer was behind",
+                "dropped_saves",
+                1,
+            ),
+            ("cellserve_cache_tier_hits", "Entries restored into the live cache", "hits", 1),
+            (
+                "cellserve_cache_tier_hit_tokens",
+                "Tokens of the entries restored into the live cache",
+                "hit_tokens",
+                1,
+            ),
+            (
+                "cellserve_cache_tier_failed_loads",
+                "Entries discarded when read (damaged, torn, another layout)",
+                "failed_loads",
+                1,
+            ),
+        ]
+        for name, doc, attr, is_counter in specs:
+            kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = kind(name, doc, labels=["tier"])
+            for tier, stats in rows:
+                family.add_metric([tier], float(getattr(stats, attr)))
+            yield family
+
+
 class _InfoCollector(Collector):
     """An info gauge: `name` 1, labelled; nothing until the labels are set."""
 
@@ -277,6 +321,8 @@ class Metrics:
         self.registry.register(self._memory)
         self._experts = _ExpertCollector()
         self.registry.register(self._experts)
+        self._tiers = _TierCollector()
+        self.registry.register(self._tiers)
         # vLLM's name and labels (server.cache_config): the cache geometry llm-d reads
         self._cache_config = _InfoCollector(
             "vllm:cache_config_info", "KV cache geometry: virtual blocks over cells"
@@ -315,6 +361,9 @@ class Metrics:
 
     def bind_expert_load(self, source: Callable[[], list[list[int]]] | None) -> None:
         self._experts.source = source
+
+    def bind_tier(self, source: Callable[[], list[tuple[str, TierStats]]] | None) -> None:
+        self._tiers.source = source
 
     def set_memory(self, parts: MemoryParts) -> None:
         self._memory.parts = parts

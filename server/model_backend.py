@@ -8,6 +8,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from scheduler.cache_tier import CacheTier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.speculative import SpecConfig
@@ -73,6 +74,34 @@ def load_draft_model(settings: Settings, target: Any, device: str, threads: int)
         raise ModelLoadError(f"--model-draft {settings.model_draft}: {exc}") from exc
     log.info("draft model: %s (%s cells)", draft.name, settings.n_cells)
     return draft
+
+
+def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheTier | None:
+    """The prefix cache's second tier from --cache-ram / --cache-dir (None: neither)."""
+    from kvcache.tier_store import DiskStore, RamStore
+
+    if not settings.cache_ram and not settings.cache_dir:
+        return None
+    if any(p.kind != "cells" for p in memory.pools):
+        log.warning("--cache-ram / --cache-dir: off for a recurrent or hybrid model (no cells)")
+        return None
+    if not settings.prefix_cache:
+        log.warning("--cache-ram / --cache-dir: off with --no-prefix-cache")
+        return None
+    stores: list[Any] = []
+    if settings.cache_ram:
+        stores.append(RamStore(settings.cache_ram << 20, fingerprint))
+    if settings.cache_dir:
+        stores.append(DiskStore(settings.cache_dir, settings.cache_dir_max_mib << 20, fingerprint))
+    tier = CacheTier(stores, fingerprint, min_tokens=settings.cache_tier_min_tokens)
+    for store, stats in zip(stores, tier.stats, strict=True):
+        log.info(
+            "prefix cache tier %s: %d MiB, %d entries found",
+            store.name,
+            store.max_bytes >> 20,
+            stats.entries,
+        )
+    return tier
 
 
 def load_backend(
@@ -146,8 +175,10 @@ def load_backend(
     mapped, owned = weight_bytes(loaded.transformer)
     if wrap_worker is not None:
         worker = wrap_worker(worker)
+    fingerprint = model_fingerprint(loaded.path)
+    tier = make_cache_tier(settings, memory, fingerprint)
     return Backend(
-        engine=Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter),
+        engine=Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier),
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         model_name=settings.served_model_name or loaded.name,
@@ -170,5 +201,5 @@ def load_backend(
         expert_load=(
             partial(expert_load, loaded.transformer) if loaded.config.moe is not None else None
         ),
-        model_fingerprint=model_fingerprint(loaded.path),
+        model_fingerprint=fingerprint,
     )

@@ -16,12 +16,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from kvcache.cell_file import CellFile, CellFileError, GroupRows, read_cell_file, write_cell_file
+from kvcache.cell_file import (
+    CellFile,
+    CellFileError,
+    GroupRows,
+    check_geometry,
+    place_rows,
+    read_cell_file,
+    write_cell_file,
+)
 from scheduler.saved_slots import SlotError, erase_slot, restore_slot, slot_cells
 from server.auth import check_api_key
 from server.backend import Backend
@@ -89,17 +96,6 @@ def _save(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
     }
 
 
-def _check_geometry(data: CellFile, geometry: list[dict[str, Any]]) -> None:
-    saved = [g.geometry() for g in data.groups]
-    if saved != geometry:
-        raise APIError(
-            400,
-            f"the slot file's cache layout {saved} does not match this server's {geometry} "
-            "(another model, or another --dtype)",
-            param="filename",
-        )
-
-
 def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     if not path.is_file():
@@ -110,16 +106,11 @@ def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
         raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
 
     def write(sched: Any, worker: Any) -> None:
-        _check_geometry(data, worker.kv_geometry())
-        rows = restore_slot(sched, id_slot, data.tokens)
-        cells, kv = [], []
-        for g, saved in zip(rows, data.groups, strict=True):
-            at = g[saved.positions]
-            keep = at >= 0  # rows a sliding window no longer keeps are not needed
-            cells.append(at[keep])
-            index = np.flatnonzero(keep)
-            kv.append((saved.k[:, :, index], saved.v[:, :, index]))
-        worker.write_rows(cells, kv)
+        try:
+            check_geometry(data.groups, worker.kv_geometry())
+        except CellFileError as e:
+            raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
+        worker.write_rows(*place_rows(data.groups, restore_slot(sched, id_slot, data.tokens)))
 
     _call(backend, write)
     return {

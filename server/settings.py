@@ -35,6 +35,13 @@ class Settings(BaseSettings):
     # llama.cpp's slot save/restore (server/routes_slots.py): files live in this folder only;
     # None: save and restore answer 501 (erase works without it)
     slot_save_path: str | None = None
+    # the prefix cache's second tier (scheduler/cache_tier.py): finished prompts of at least
+    # cache_tier_min_tokens are copied to host RAM (MiB; 0: off) and/or a folder that survives
+    # restarts (at most cache_dir_max_mib), and come back on a prefix match
+    cache_ram: int = Field(0, ge=0)
+    cache_dir: str | None = None
+    cache_dir_max_mib: int = Field(10240, ge=1)
+    cache_tier_min_tokens: int = Field(64, ge=1)
     # recurrent / hybrid models: state slots kept for prefix-cache checkpoints beside one per
     # sequence id (None: n_seq_max), and the positions between a prompt's checkpoints
     state_checkpoints: int | None = Field(None, ge=0)
