@@ -106,6 +106,7 @@ def load_backend(
             n_ctx,
             loaded.config.n_ctx_train,
         )
+    loaded.config.use_context(n_ctx)  # LongRoPE's factors for this context, before the worker
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,

@@ -12,7 +12,9 @@ from safetensors import safe_open
 from kvcache.rope import RopeConfig
 from model.arch import (
     ARCH_BLOCKS,
+    GEMMA2_SWA_PERIOD,
     SMOLLM3_NOPE_PERIOD,
+    LongRope,
     ModelArgs,
     MoEArgs,
     layer_weights,
@@ -28,7 +30,11 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "smollm3",
+    "gemma2",
     "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
     "qwen3_moe",
     "olmoe",
     "granitemoe",
@@ -53,8 +59,8 @@ _BIAS_TENSORS = {
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
 }
-# NOTE: in Gemma, post_attention_layernorm normalizes the attention OUTPUT (Llama's name for
-# the pre-MLP norm); the pre-MLP norm is pre_feedforward_layernorm.
+# NOTE: in Gemma (and OLMo 2), post_attention_layernorm normalizes the attention OUTPUT (Llama's
+# name for the pre-MLP norm); Gemma's pre-MLP norm is pre_feedforward_layernorm.
 _GEMMA_TENSORS = _LAYER_TENSORS | {
     "ffn_norm": "pre_feedforward_layernorm.weight",
     "post_attn_norm": "post_attention_layernorm.weight",
@@ -65,6 +71,10 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
 
 
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# the families whose files name their norms as Gemma's do (post_attention_layernorm: an output)
+_GEMMA_NAMED = ("gemma2", "gemma3_text", "olmo2")
+# Phi-3's fused projections: the parts, in order, by our name
+_PHI3_FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
 _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
@@ -107,7 +117,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
     if (
-        model_type != "gemma3_text"
+        model_type not in ("gemma2", "gemma3_text")
         and uses_window
         and window is not None
         and window < config.get("max_position_embeddings", 0)
@@ -119,8 +129,11 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         head_dim = int(config.get("head_dim") or dim // n_heads)
         rope_params = config.get("rope_parameters") or {}
         theta = float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-        rope_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+        partial = config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+        rope_dim = int(head_dim * (partial or 1.0))
         scaling = config.get("rope_scaling") or rope_params
+        longrope = _rope_kind(scaling) == "longrope"
+        factors = None if longrope else _freq_factors(scaling, theta, rope_dim)
         args = ModelArgs(
             arch=str(model_type),
             vocab_size=int(config["vocab_size"]),
@@ -131,15 +144,23 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             head_dim=head_dim,
             hidden_dim=int(config["intermediate_size"]),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig(theta, rope_dim, "neox", _freq_factors(scaling, theta, rope_dim)),
+            rope=RopeConfig(theta, rope_dim, "neox", factors),
             n_ctx_train=int(config.get("max_position_embeddings", 2048)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
         )
         if model_type in ("qwen3_moe", "olmoe", "granitemoe"):
             _moe_layers(args, config)
+        if model_type in ("granite", "granitemoe"):
+            _granite_scalars(args, config)
         if model_type == "gemma3_text":
             _gemma3_layers(args, config)
+        if model_type == "gemma2":
+            _gemma2_layers(args, config)
+        if longrope:
+            if model_type != "phi3":
+                raise ValueError(f"rope scaling 'longrope' is not supported for {model_type}")
+            _longrope(args, config, scaling)
         if model_type == "smollm3":
             uses_rope = config.get("no_rope_layers")  # 1: RoPE on that layer, 0: none
             args.nope_layers = (
@@ -173,14 +194,58 @@ def _moe_layers(args: ModelArgs, config: dict[str, Any]) -> None:
         # Granite: softmax over the top-k logits, the same as renormalizing the top-k of all
         norm_topk_prob=model_type == "granitemoe" or bool(config.get("norm_topk_prob", False)),
     )
-    if model_type == "granitemoe":
-        args.attn_scale = float(config.get("attention_multiplier", 1.0))
-        args.embed_mult = float(config.get("embedding_multiplier", 1.0))
-        args.residual_mult = float(config.get("residual_multiplier", 1.0))
-        args.logits_scaling = float(config.get("logits_scaling", 1.0))
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1))
     args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
+
+
+def _granite_scalars(args: ModelArgs, config: dict[str, Any]) -> None:
+    """Granite's multipliers (GraniteConfig, GraniteMoeConfig): the softmax scale is
+    attention_multiplier, not head_dim ** -0.5."""
+    args.attn_scale = float(config.get("attention_multiplier", 1.0))
+    args.embed_mult = float(config.get("embedding_multiplier", 1.0))
+    args.residual_mult = float(config.get("residual_multiplier", 1.0))
+    args.logits_scaling = float(config.get("logits_scaling", 1.0))
+
+
+def _gemma2_layers(args: ModelArgs, config: dict[str, Any]) -> None:
+    """Every other layer slides (layer_types; Gemma2Config's default), query_pre_attn_scalar,
+    the attention and final logit soft-capping; one RoPE for every layer."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {config['hidden_activation']!r} is not supported")
+    window = int(config["sliding_window"])
+    types = config.get("layer_types") or [
+        "full" if (i + 1) % GEMMA2_SWA_PERIOD == 0 else "sliding" for i in range(args.n_layers)
+    ]
+    args.windows = tuple(window if str(t).startswith("sliding") else 0 for t in types)
+    args.attn_scale = float(config.get("query_pre_attn_scalar", 256)) ** -0.5
+    args.attn_softcap = float(config.get("attn_logit_softcapping") or 0.0)
+    args.final_softcap = float(config.get("final_logit_softcapping") or 0.0)
+
+
+def _longrope(args: ModelArgs, config: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3's LongRoPE as transformers' _compute_longrope_parameters: the short and long
+    divisors per rotated pair, the attention factor sqrt(1 + ln(s) / ln(n_orig)) for
+    s = max_position_embeddings / n_orig unless the config gives it."""
+    import math
+
+    orig = int(
+        config.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or args.n_ctx_train
+    )
+    factor = float(scaling.get("factor") or args.n_ctx_train / orig)
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ropes = []
+    for key in ("short_factor", "long_factor"):
+        factors = tuple(float(f) for f in scaling[key])
+        if len(factors) != args.rope.dim // 2:
+            raise ValueError(f"rope {key} has {len(factors)} entries, not {args.rope.dim // 2}")
+        ropes.append(RopeConfig(args.rope.theta, args.rope.dim, "neox", factors, float(attn)))
+    args.longrope = LongRope(ropes[0], ropes[1], orig)
+    args.rope = ropes[0]
 
 
 def _gemma3_layers(args: ModelArgs, config: dict[str, Any]) -> None:
@@ -235,8 +300,8 @@ def _linear_factor(scaling: dict[str, Any]) -> float:
 
 def _freq_factors(scaling: dict[str, Any], theta: float, dim: int) -> tuple[float, ...] | None:
     """llama3 rope scaling as llama.cpp's rope_freqs divisors (HF _compute_llama3_parameters)."""
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
+    kind = _rope_kind(scaling)
+    if kind == "default":
         return None
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported")
@@ -276,10 +341,12 @@ def read_weights(
     if args.ssm is not None:
         return read_ssm_weights(raw, args, config, dtype, folder)
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    tied = config.get("tie_word_embeddings", args.arch == "gemma3_text")
+    tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
-    table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
+    if args.arch == "phi3":
+        _split_phi3(raw, args, folder)
+    table = (_GEMMA_TENSORS if args.arch in _GEMMA_NAMED else _LAYER_TENSORS) | _BIAS_TENSORS
     table |= _QK_NORM_TENSORS | _MOE_TENSORS
     if args.arch == "granitemoe":
         table["moe_router"] = "block_sparse_moe.router.layer.weight"
@@ -310,6 +377,25 @@ def read_weights(
         weights[ours] = w.to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])
     return weights
+
+
+def _split_phi3(raw: dict[str, torch.Tensor], args: ModelArgs, folder: Path) -> None:
+    """qkv_proj [q_dim + 2 kv_dim, d] and gate_up_proj [2 f, d] into the parts Llama's names
+    read (row ranges: views, no copy)."""
+    shapes = weight_shapes(args)
+    for i in range(args.n_layers):
+        for fused, parts in _PHI3_FUSED.items():
+            name = f"model.layers.{i}.{fused}.weight"
+            if name not in raw:
+                raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+            rows = [shapes[p][0] for p in parts]
+            want = (sum(rows), shapes[parts[0]][1])
+            if tuple(raw[name].shape) != want:
+                raise ModelLoadError(
+                    f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {want}."
+                )
+            for part, w in zip(parts, raw.pop(name).split(rows), strict=True):
+                raw[f"model.layers.{i}.{_LAYER_TENSORS[part]}"] = w
 
 
 def _stack_experts(
