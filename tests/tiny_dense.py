@@ -153,6 +153,7 @@ def write_tiny_dense_gguf(path: str | Path, folder: str | Path, qtype: str = "F3
             attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
             head_dim = config["hidden_size"] // config["num_attention_heads"]
             writer.add_rope_dimension_count(head_dim)
+            writer.add_sliding_window(config.get("sliding_window") or 0)
             writer.add_rope_scaling_orig_ctx_len(orig)
             writer.add_rope_scaling_attn_factors(attn)
             out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)

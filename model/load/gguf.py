@@ -140,6 +140,10 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         _gemma2_layers(args, get)
     if arch == "phi3" and "rope_factors_long.weight" in reader:
         _longrope(reader, args, get, path)
+    window = int(get("attention.sliding_window", 0)) if arch == "phi3" else 0
+    if 0 < window < args.n_ctx_train:
+        # NOTE: as transformers' Phi3 (every layer slides); llama.cpp ignores the window
+        args.windows = (window,) * args.n_layers
     if arch == "smollm3":  # llama.cpp: n_no_rope_layer_step = 4, not in the file
         args.nope_layers = smollm3_nope_layers(args.n_layers)
     if arch in MOE_ARCHS:  # every layer sparse, as llama.cpp builds them

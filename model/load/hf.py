@@ -117,7 +117,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
     if (
-        model_type not in ("gemma2", "gemma3_text")
+        model_type not in ("gemma2", "gemma3_text", "phi3")
         and uses_window
         and window is not None
         and window < config.get("max_position_embeddings", 0)
@@ -157,6 +157,8 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             _gemma3_layers(args, config)
         if model_type == "gemma2":
             _gemma2_layers(args, config)
+        if model_type == "phi3" and window is not None and window < args.n_ctx_train:
+            args.windows = (int(window),) * args.n_layers  # Phi3Config: every layer slides
         if longrope:
             if model_type != "phi3":
                 raise ValueError(f"rope scaling 'longrope' is not supported for {model_type}")

@@ -75,6 +75,11 @@ def greedy(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:
     return tokens
 
 
+def greedy_request(i: int, ids: list[int]) -> Request:
+    greedy_params = SamplingParams(temperature=0.0)
+    return Request(f"r{i}", ids, max_tokens=10, ignore_eos=True, sampling=greedy_params)
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     return [(7 * i + 13 * seed) % 300 + 5 for i in range(n)]
 
@@ -155,6 +160,30 @@ def test_phi3_long_factors_past_the_original_context(folder, gguf_path, hf_model
     assert greedy(loaded, ids, 8) == out[0, len(ids) :].tolist()
     loaded.config.use_context(PHI3_ORIG_CTX)
     assert loaded.config.rope is short
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_phi3_sliding_window_on_every_layer(tmp_path, fmt):
+    """Phi-3-mini's sliding_window (2047 of 4096): transformers' Phi3 slides every layer, and
+    so does cellserve from the folder and from the GGUF (attention.sliding_window; llama.cpp
+    reads it and turns it off). One window pool, prompts and decoding past it."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_dense(tmp_path / "hf", "phi3", seed=1, sliding_window=8)
+    path = folder if fmt == "hf" else write_tiny_dense_gguf(tmp_path / "w.gguf", folder)
+    loaded = load_model(path)
+    assert loaded.config.windows == (8,) * 4
+    assert [g.key for g in loaded.config.memory_spec.groups] == ["swa8"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = prompt(30, seed=3)
+    want = reference(hf, ids)
+    assert float((logits(loaded, ids) - want).abs().max()) < 1e-4 * float(want.abs().max())
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids[:11]]), max_new_tokens=16, do_sample=False)
+    assert greedy(loaded, ids[:11], 16) == out[0, 11:].tolist()
+    prompts = [prompt(5, seed=0), prompt(20, seed=1)]
+    together = serve(loaded, [greedy_request(i, p) for i, p in enumerate(prompts)])
+    alone = serve(loaded, [greedy_request(1, prompts[1])])
+    assert together.tokens[("r1", 0)] == alone.tokens[("r1", 0)]
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -260,14 +289,9 @@ def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
     two pools); each request's greedy tokens are the ones it gets alone."""
     loaded = load_model(folder)
     loaded.config.use_context(256)  # serve(): 256 tokens a sequence (Phi-3: the long factors)
-    greedy_params = SamplingParams(temperature=0.0)
-
-    def req(i: int, ids: list[int]) -> Request:
-        return Request(f"r{i}", ids, max_tokens=10, ignore_eos=True, sampling=greedy_params)
-
     prompts = [prompt(n, seed=i) for i, n in enumerate([3, 30, 90, 12])]
-    together = serve(loaded, [req(i, p) for i, p in enumerate(prompts)])
+    together = serve(loaded, [greedy_request(i, p) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
-        alone = serve(loaded, [req(i, p)])
+        alone = serve(loaded, [greedy_request(i, p)])
         assert together.tokens[(f"r{i}", 0)] == alone.tokens[(f"r{i}", 0)], i
         assert len(alone.tokens[(f"r{i}", 0)]) == 10
