@@ -1,5 +1,6 @@
 """The decoder-only forward over the cell cache, built from an architecture's description
-(model/arch.py): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Gemma 3, and with Mamba2
+(model/arch): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, Phi-3,
+OLMo 2, Granite, the mixture-of-experts families (model/layers/moe.py), and with Mamba2
 mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
 
 Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE, Gemma norms as

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
+from tests.live_server import start_server
 from tests.model.factories import Driver, require_kernels
 from tests.model.test_moe import serve
 from tests.model.test_native import decode, prompt_kernel_runs
@@ -295,3 +297,20 @@ def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
         alone = serve(loaded, [greedy_request(i, p)])
         assert together.tokens[(f"r{i}", 0)] == alone.tokens[(f"r{i}", 0)], i
         assert len(alone.tokens[(f"r{i}", 0)]) == 10
+
+
+def test_the_server_answers_with_each_family(folder):
+    """The Q8_0 GGUF with the server's defaults for this CPU (model.load.loader.choose_runtime);
+    a completion and a chat turn."""
+    path = write_tiny_dense_gguf(folder.parent / "served.gguf", folder, qtype="Q8_0")
+    server = start_server(model=str(path), n_cells=256)
+    try:
+        body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    finally:
+        server.stop()
