@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from kvcache.cells import KVCells
 from model import load_model
 from model.kernels import load_kernels
 from model.layers.ggml import BlockLinear, has_block_kernels
@@ -22,7 +23,8 @@ from model.runner.worker import make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from tests.live_server import start_server
-from tests.model.factories import Driver, require_kernels
+from tests.model.factories import Driver, make_plan, prefill_chunk, require_kernels
+from tests.model.test_forward import place
 from tests.model.test_moe import serve
 from tests.model.test_native import decode, prompt_kernel_runs
 from tests.tiny_dense import (
@@ -314,3 +316,23 @@ def test_the_server_answers_with_each_family(folder):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     finally:
         server.stop()
+
+
+def test_shifted_sequence_equals_fresh_prefill_at_new_positions(folder):
+    """The K-shift re-rotates stored K with the layer's own RoPE (Phi-3: the long factors, the
+    attention factor applied once at the write, not again by the shift): a prompt prefilled at
+    60.. and shifted by -60 continues as one prefilled at 0.. (Gemma 2's iSWA pools shift as
+    Gemma 3's do: tests/model/test_gemma3.py)."""
+    loaded = load_model(folder)
+    if loaded.config.windows:
+        pytest.skip("sliding-window layers: tests/model/test_gemma3.py")
+    loaded.config.use_context(PHI3_MAX_CTX)  # Phi-3: the long factors
+    worker = make_worker(loaded, n_cells=128)
+    cells = KVCells(n_cells=128, n_seq_max=2)
+    ids, nxt = prompt(30, seed=8), 42
+    worker.execute(make_plan([place(cells, 0, ids, list(range(60, 90)))]))
+    cells.seq_add(0, -1, -1, -60)
+    shifted = worker.forward(make_plan([place(cells, 0, [nxt], [30])], cells.take_pending()))
+    fresh = make_worker(loaded, n_cells=128)
+    ref = fresh.forward(make_plan([prefill_chunk(0, ids + [nxt], 0)]))
+    assert float((shifted - ref).abs().max()) < 1e-4 * float(ref.abs().max())
