@@ -46,7 +46,8 @@ def write_tiny_dense(
     """A random Gemma2ForCausalLM (window GEMMA2_WINDOW on layers 0, 2, GEMMA2_CAPS,
     query_pre_attn_scalar = head_dim), Phi3ForCausalLM (fused qkv and gate_up, LongRoPE with
     random short / long factors), Olmo2ForCausalLM (post-norms only, q/k norms over the whole
-    projection) or GraniteForCausalLM (GRANITE_MULTIPLIERS) saved by transformers, with
+    projection) or GraniteForCausalLM (GRANITE_MULTIPLIERS) saved by transformers (Phi-3:
+    `partial_rotary_factor` rotates that part of each head, as Phi-4-mini's 0.75), with
     write_tiny_llama's tokenizer and ChatML template. Weights ~ N(0, 0.15), norms 1 + N(0, 0.1)
     (Gemma's stored w of 1 + w: N(0, 0.1)). `config_kw` overrides config fields."""
     import transformers
@@ -76,7 +77,7 @@ def write_tiny_dense(
         extra |= GEMMA2_CAPS
     elif model_type == "phi3":
         gen = torch.Generator().manual_seed(seed + 100)
-        half = head_dim // 2
+        half = int(head_dim * float(config_kw.pop("partial_rotary_factor", 1.0))) // 2
         short = (1.0 + 0.5 * torch.rand(half, generator=gen)).tolist()
         long = (1.0 + 7.0 * torch.rand(half, generator=gen)).tolist()
         extra = dict(
@@ -87,6 +88,7 @@ def write_tiny_dense(
                 "rope_theta": 10000.0,
                 "short_factor": short,
                 "long_factor": long,
+                "partial_rotary_factor": 2 * half / head_dim,
             },
             sliding_window=None,
         )
@@ -151,8 +153,10 @@ def write_tiny_dense_gguf(path: str | Path, folder: str | Path, qtype: str = "F3
             orig = config["original_max_position_embeddings"]
             scale = config["max_position_embeddings"] / orig
             attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
-            head_dim = config["hidden_size"] // config["num_attention_heads"]
-            writer.add_rope_dimension_count(head_dim)
+            rot = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+            writer.add_rope_dimension_count(
+                int(rot * config["hidden_size"]) // config["num_attention_heads"]
+            )
             writer.add_sliding_window(config.get("sliding_window") or 0)
             writer.add_rope_scaling_orig_ctx_len(orig)
             writer.add_rope_scaling_attn_factors(attn)

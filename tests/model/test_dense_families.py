@@ -191,6 +191,24 @@ def test_phi3_sliding_window_on_every_layer(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_phi3_partial_rotary_with_longrope(tmp_path, fmt):
+    """Phi-4-mini's shape: RoPE on half of each head (partial_rotary_factor; a GGUF's
+    rope.dimension_count), the LongRoPE factors over those dims; short and long."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_dense(tmp_path / "hf", "phi3", seed=4, partial_rotary_factor=0.5)
+    path = folder if fmt == "hf" else write_tiny_dense_gguf(tmp_path / "p.gguf", folder)
+    loaded = load_model(path)
+    assert loaded.config.rope.dim == 8 and loaded.config.longrope is not None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for n, n_ctx in ((PHI3_ORIG_CTX, PHI3_ORIG_CTX), (45, PHI3_MAX_CTX)):
+        loaded.config.use_context(n_ctx)
+        ids = prompt(n, seed=9)
+        want = reference(hf, ids)
+        got = logits(loaded, ids)
+        assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_bfloat16_is_close_to_float32(folder, gguf_path, fmt):
     path = source(fmt, folder, gguf_path)
     ids = prompt(20, seed=1)

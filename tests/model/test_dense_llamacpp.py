@@ -35,14 +35,16 @@ N_CTX_SEQ = int(_CMD[_CMD.index("-c") + 1]) // int(_CMD[_CMD.index("-np") + 1])
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("model_type", DENSE_TYPES)
+@pytest.mark.parametrize("model_type", [*DENSE_TYPES, "phi3-partial"])
 def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtype):
+    """ "phi3-partial": Phi-4-mini's shape, RoPE on half of each head."""
     binary = llamacpp_default()
     if not binary.is_file():
         pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
     if qtype != "F32" and not has_block_kernels(load_kernels()):
         pytest.skip("the C++ block kernels are not built")
-    folder = write_tiny_dense(tmp_path / model_type, model_type, seed=1)
+    kw = {"partial_rotary_factor": 0.5} if model_type == "phi3-partial" else {}
+    folder = write_tiny_dense(tmp_path / model_type, model_type.split("-")[0], seed=1, **kw)
     path = write_tiny_dense_gguf(tmp_path / f"{model_type}.gguf", folder, qtype=qtype)
     loaded = load_model(path, blocks=qtype != "F32")
     loaded.config.use_context(N_CTX_SEQ)
