@@ -68,6 +68,7 @@ def load_draft_model(settings: Settings, target: Any, device: str, threads: int)
             settings.n_seq_max,
             settings.n_batch,
             threads if device == "cpu" else None,
+            settings.ctx_per_seq,
         )
     except ValueError as exc:
         raise ModelLoadError(f"--model-draft {settings.model_draft}: {exc}") from exc

@@ -132,7 +132,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         partial = config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
         rope_dim = int(head_dim * (partial or 1.0))
         scaling = config.get("rope_scaling") or rope_params
-        longrope = _rope_kind(scaling) == "longrope"
+        longrope = _rope_kind(scaling) in ("longrope", "su")  # "su": early Phi-3 128k configs
         factors = None if longrope else _freq_factors(scaling, theta, rope_dim)
         args = ModelArgs(
             arch=str(model_type),
