@@ -1,6 +1,7 @@
 """Tiny random dense models of the families beyond Llama built and saved by transformers
-(Gemma 2, Phi-3 with LongRoPE, OLMo 2, Granite), and their GGUFs in llama.cpp's layout
-(convert_hf_to_gguf's Gemma2Model, Phi3MiniModel, Olmo2Model, GraniteModel)."""
+(Gemma 2, Phi-3 with LongRoPE, OLMo 2, EXAONE 4.0, Granite), and their GGUFs in llama.cpp's
+layout (convert_hf_to_gguf's Gemma2Model, Phi3MiniModel, Olmo2Model, Exaone4Model,
+GraniteModel)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from safetensors.torch import load_file
 
 from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
-DENSE_TYPES = ["gemma2", "phi3", "olmo2", "granite"]
-GGUF_ARCH = {"gemma2": "gemma2", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+DENSE_TYPES = ["gemma2", "phi3", "olmo2", "exaone4", "granite"]
 # Granite's scalars, away from 1 so that a missed one shows (tests/tiny_moe.py's)
 GRANITE_MULTIPLIERS = dict(
     embedding_multiplier=3.0,
@@ -46,7 +46,9 @@ def write_tiny_dense(
     """A random Gemma2ForCausalLM (window GEMMA2_WINDOW on layers 0, 2, GEMMA2_CAPS,
     query_pre_attn_scalar = head_dim), Phi3ForCausalLM (fused qkv and gate_up, LongRoPE with
     random short / long factors), Olmo2ForCausalLM (post-norms only, q/k norms over the whole
-    projection) or GraniteForCausalLM (GRANITE_MULTIPLIERS) saved by transformers (Phi-3:
+    projection), Exaone4ForCausalLM (post-norms only, q/k norms per head; no window, as the
+    1.2B, unless `sliding_window` is given: then LLLG with NoPE on the global layers, as the 32B)
+    or GraniteForCausalLM (GRANITE_MULTIPLIERS) saved by transformers (Phi-3:
     `partial_rotary_factor` rotates that part of each head, as Phi-4-mini's 0.75), with
     write_tiny_llama's tokenizer and ChatML template. Weights ~ N(0, 0.15), norms 1 + N(0, 0.1)
     (Gemma's stored w of 1 + w: N(0, 0.1)). `config_kw` overrides config fields."""
@@ -94,10 +96,13 @@ def write_tiny_dense(
         )
     elif model_type == "granite":
         extra = dict(GRANITE_MULTIPLIERS)
+    elif model_type == "exaone4" and config_kw.get("sliding_window") is None:
+        extra = dict(sliding_window=None, layer_types=["full_attention"] * n_layers)
     classes = {
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }
     if model_type not in classes:
@@ -166,7 +171,7 @@ def write_tiny_dense_gguf(path: str | Path, folder: str | Path, qtype: str = "F3
                 p = f"model.layers.{i}."
                 out[f"blk.{i}.attn_qkv.weight"] = arrays(p + "self_attn.qkv_proj.weight")
                 out[f"blk.{i}.ffn_up.weight"] = arrays(p + "mlp.gate_up_proj.weight")
-        if model_type == "olmo2":  # Olmo2Model: no pre-norms, post norms by their own names
+        if model_type in ("olmo2", "exaone4"):  # no pre-norms, post norms by their own names
             for i in range(n_layers):
                 p = f"model.layers.{i}."
                 out[f"blk.{i}.post_attention_norm.weight"] = arrays(
@@ -182,7 +187,6 @@ def write_tiny_dense_gguf(path: str | Path, folder: str | Path, qtype: str = "F3
             writer.add_logit_scale(config["logits_scaling"])
         return out
 
-    if model_type == "olmo2":  # write_tiny_gguf reads post_attention_layernorm as Llama's
-        skip = tuple(f"blk.{i}.ffn_norm.weight" for i in range(n_layers))
-    arch = GGUF_ARCH[model_type]
-    return write_tiny_gguf(path, folder, arch=arch, qtype=qtype, skip=skip, extra=extra)
+    if model_type in ("olmo2", "exaone4"):  # write_tiny_gguf reads post_attention_layernorm
+        skip = tuple(f"blk.{i}.ffn_norm.weight" for i in range(n_layers))  # as Llama's
+    return write_tiny_gguf(path, folder, arch=model_type, qtype=qtype, skip=skip, extra=extra)

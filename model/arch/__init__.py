@@ -54,6 +54,9 @@ OLMOE = BlockSpec(qk_norm=True, qk_norm_full=True)
 GEMMA2 = BlockSpec(norm_shift=1.0, activation="gelu_tanh", post_norms=True, embed_scale=True)
 # OLMo 2: OLMoE's whole-projection q/k norms; norms on the sublayers' outputs only
 OLMO2 = BlockSpec(qk_norm=True, qk_norm_full=True, post_norms=True, pre_norms=False)
+# EXAONE 4.0: OLMo 2's post-norms-only block with q/k norms per head; with a sliding window,
+# the global layers take no RoPE (ModelArgs.nope_layers)
+EXAONE4 = BlockSpec(qk_norm=True, post_norms=True, pre_norms=False)
 ARCH_BLOCKS: dict[str, BlockSpec] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -64,6 +67,7 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "gemma3": GEMMA3,
     "phi3": LLAMA,  # fused qkv and gate|up in the files (split on load); LongRoPE (rope_long)
     "olmo2": OLMO2,
+    "exaone4": EXAONE4,
     "granite": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
     "qwen3moe": QWEN3,  # Qwen3's block, the MLP a mixture of experts (ModelArgs.moe)
     "olmoe": OLMOE,
@@ -74,6 +78,7 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_SWA_PERIOD = 6  # every 6th layer is global: llama.cpp set_swa_pattern(6), HF layer_types
 GEMMA2_SWA_PERIOD = 2  # every 2nd layer is global (layers 0, 2, ... slide): set_swa_pattern(2)
+EXAONE4_SWA_PERIOD = 4  # LLLG: Exaone4Config's sliding_window_pattern, llama.cpp's 32B pattern
 
 
 SMOLLM3_NOPE_PERIOD = 4  # llama.cpp's n_no_rope_layer_step, transformers' no_rope_layer_interval

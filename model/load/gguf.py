@@ -18,6 +18,7 @@ import torch
 from kvcache.rope import RopeConfig
 from model.arch import (
     ARCH_BLOCKS,
+    EXAONE4_SWA_PERIOD,
     GEMMA2_SWA_PERIOD,
     GEMMA3_LOCAL_ROPE_BASE,
     LongRope,
@@ -38,7 +39,18 @@ from model.load.gguf_ssm import read_args as read_ssm_args
 # top-k weights (build_moe_ffn norm_w), its olmoe does not
 MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe")
 _NORM_TOPK = {"qwen3moe": True, "olmoe": False, "granitemoe": True}
-DENSE_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+DENSE_ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "exaone4",
+    "granite",
+)
 SUPPORTED_ARCHS = (*DENSE_ARCHS, *SSM_ARCHS, *MOE_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
 _PERMUTED_QK = ("llama", "smollm3", "granite", "granitehybrid", "granitemoe")
@@ -144,6 +156,12 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
     if 0 < window < args.n_ctx_train:
         # NOTE: as transformers' Phi3 (every layer slides); llama.cpp ignores the window
         args.windows = (window,) * args.n_layers
+    if arch == "exaone4" and args.n_layers == 64:
+        # NOTE: llama.cpp's exaone4 slides (LLLG, NoPE on the global layers) only for the
+        # 64-layer 32B: the file says neither the pattern nor, for the 1.2B, that it has none
+        window = int(get("attention.sliding_window", 4096))
+        args.windows = gemma3_windows(args.n_layers, window, EXAONE4_SWA_PERIOD)
+        args.nope_layers = tuple(w == 0 for w in args.windows)
     if arch == "smollm3":  # llama.cpp: n_no_rope_layer_step = 4, not in the file
         args.nope_layers = smollm3_nope_layers(args.n_layers)
     if arch in MOE_ARCHS:  # every layer sparse, as llama.cpp builds them

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from kvcache.rope import RopeConfig
 from model.arch import (
     ARCH_BLOCKS,
+    EXAONE4_SWA_PERIOD,
     GEMMA2_SWA_PERIOD,
     SMOLLM3_NOPE_PERIOD,
     LongRope,
@@ -34,6 +35,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "phi3",
     "olmo2",
+    "exaone4",
     "granite",
     "qwen3_moe",
     "olmoe",
@@ -72,7 +74,7 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
 
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # the families whose files name their norms as Gemma's do (post_attention_layernorm: an output)
-_GEMMA_NAMED = ("gemma2", "gemma3_text", "olmo2")
+_GEMMA_NAMED = ("gemma2", "gemma3_text", "olmo2", "exaone4")
 # Phi-3's fused projections: the parts, in order, by our name
 _PHI3_FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
@@ -117,7 +119,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
     if (
-        model_type not in ("gemma2", "gemma3_text", "phi3")
+        model_type not in ("gemma2", "gemma3_text", "phi3", "exaone4")
         and uses_window
         and window is not None
         and window < config.get("max_position_embeddings", 0)
@@ -157,6 +159,8 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             _gemma3_layers(args, config)
         if model_type == "gemma2":
             _gemma2_layers(args, config)
+        if model_type == "exaone4" and window is not None:
+            _exaone4_layers(args, config, int(window))
         if model_type == "phi3" and window is not None and window < args.n_ctx_train:
             args.windows = (int(window),) * args.n_layers  # Phi3Config: every layer slides
         if longrope:
@@ -223,6 +227,23 @@ def _gemma2_layers(args: ModelArgs, config: dict[str, Any]) -> None:
     args.attn_scale = float(config.get("query_pre_attn_scalar", 256)) ** -0.5
     args.attn_softcap = float(config.get("attn_logit_softcapping") or 0.0)
     args.final_softcap = float(config.get("final_logit_softcapping") or 0.0)
+
+
+def _exaone4_layers(args: ModelArgs, config: dict[str, Any], window: int) -> None:
+    """layer_types (or sliding_window_pattern: every n-th layer global, or a string of L / G,
+    the last layer global) slide by `window`; the global layers take no RoPE
+    (transformers' Exaone4Attention: NoPE on them once the model has a window)."""
+    types = config.get("layer_types")
+    if types is None:
+        pattern = config.get("sliding_window_pattern", EXAONE4_SWA_PERIOD)
+        if isinstance(pattern, str):
+            types = [pattern[i % len(pattern)] == "L" for i in range(args.n_layers)]
+            types = ["sliding" if t else "full" for t in types[:-1]] + ["full"]
+        else:
+            period = int(pattern)
+            types = ["full" if (i + 1) % period == 0 else "sliding" for i in range(args.n_layers)]
+    args.windows = tuple(window if str(t).startswith("sliding") else 0 for t in types)
+    args.nope_layers = tuple(w == 0 for w in args.windows)
 
 
 def _longrope(args: ModelArgs, config: dict[str, Any], scaling: dict[str, Any]) -> None:

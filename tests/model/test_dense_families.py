@@ -101,9 +101,11 @@ def test_description_read_from_the_config_and_the_file(folder, gguf_path, fmt):
         assert lr is not None and lr.n_ctx_orig == PHI3_ORIG_CTX and args.rope is lr.short
         assert lr.short.freq_factors != lr.long.freq_factors
         assert abs(lr.long.attn_factor - math.sqrt(1 + math.log(4) / math.log(32))) < 1e-6
-    elif args.arch == "olmo2":
-        assert descs[0].qk_norm_full and descs[0].post_norms and not descs[0].pre_norms
+    elif args.arch in ("olmo2", "exaone4"):
+        assert descs[0].qk_norm_full == (args.arch == "olmo2")
+        assert descs[0].qk_norm and descs[0].post_norms and not descs[0].pre_norms
         assert "attn_norm" not in descs[0].weights and "ffn_norm" not in descs[0].weights
+        assert not args.windows and all(d.rope is not None for d in descs)
     else:
         got = (args.embed_mult, args.residual_mult, args.attn_scale, args.logits_scaling)
         assert got == pytest.approx(tuple(GRANITE_MULTIPLIERS.values()))  # float32 in a GGUF
@@ -208,6 +210,24 @@ def test_phi3_partial_rotary_with_longrope(tmp_path, fmt):
         assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
 
 
+def test_exaone4_window_and_nope_on_the_global_layers(tmp_path):
+    """EXAONE 4.0 32B's shape (HF): layers 0-2 slide, layer 3 is global and takes no RoPE; the
+    prompt and the greedy decoding pass the window. (llama.cpp slides only a 64-layer exaone4
+    GGUF, so a tiny windowed one is not compared.)"""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_dense(tmp_path / "hf", "exaone4", seed=5, sliding_window=8)
+    loaded = load_model(folder)
+    assert loaded.config.windows == (8, 8, 8, 0)
+    assert [loaded.config.layer_desc(i).rope is None for i in range(4)] == [False] * 3 + [True]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = prompt(30, seed=3)
+    want = reference(hf, ids)
+    assert float((logits(loaded, ids) - want).abs().max()) < 1e-4 * float(want.abs().max())
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids[:11]]), max_new_tokens=16, do_sample=False)
+    assert greedy(loaded, ids[:11], 16) == out[0, 11:].tolist()
+
+
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_bfloat16_is_close_to_float32(folder, gguf_path, fmt):
     path = source(fmt, folder, gguf_path)
@@ -289,10 +309,11 @@ def test_the_one_call_step_runs_phi3_and_granite_as_the_python_layers(
     assert torch.equal(native, decode(worker, prompts, steps=6))
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "olmo2"])
-def test_gemma2_and_olmo2_take_the_torch_path_with_the_reason(tmp_path, model_type):
+@pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "exaone4"])
+def test_gemma2_olmo2_exaone4_take_the_torch_path_with_the_reason(tmp_path, model_type):
     """Soft-capped scores (Gemma 2): no C++ attention kernel and no one-call step; blocks
-    without pre-norms (OLMo 2): no one-call step. Each says why in the start-up line."""
+    without pre-norms (OLMo 2, EXAONE 4.0): no one-call step. Each says why in the start-up
+    line."""
     require_kernels()
     loaded = load_model(write_tiny_dense(tmp_path / "m", model_type, seed=2, **NATIVE_SIZES))
     quantize(loaded.transformer, "int8")
