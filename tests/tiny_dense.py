@@ -1,7 +1,7 @@
 """Tiny random dense models of the families beyond Llama built and saved by transformers
-(Gemma 2, Phi-3 with LongRoPE, OLMo 2, EXAONE 4.0, Granite), and their GGUFs in llama.cpp's
-layout (convert_hf_to_gguf's Gemma2Model, Phi3MiniModel, Olmo2Model, Exaone4Model,
-GraniteModel)."""
+(Gemma 2, Phi-3 with LongRoPE, OLMo 2, EXAONE 4.0, GLM-4, Granite), and their GGUFs in
+llama.cpp's layout (convert_hf_to_gguf's Gemma2Model, Phi3MiniModel, Olmo2Model, Exaone4Model,
+Glm4Model, GraniteModel)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
-DENSE_TYPES = ["gemma2", "phi3", "olmo2", "exaone4", "granite"]
+DENSE_TYPES = ["gemma2", "phi3", "olmo2", "exaone4", "glm4", "granite"]
 # Granite's scalars, away from 1 so that a missed one shows (tests/tiny_moe.py's)
 GRANITE_MULTIPLIERS = dict(
     embedding_multiplier=3.0,
@@ -46,8 +46,10 @@ def write_tiny_dense(
     """A random Gemma2ForCausalLM (window GEMMA2_WINDOW on layers 0, 2, GEMMA2_CAPS,
     query_pre_attn_scalar = head_dim), Phi3ForCausalLM (fused qkv and gate_up, LongRoPE with
     random short / long factors), Olmo2ForCausalLM (post-norms only, q/k norms over the whole
-    projection), Exaone4ForCausalLM (post-norms only, q/k norms per head; no window, as the
-    1.2B, unless `sliding_window` is given: then LLLG with NoPE on the global layers, as the 32B)
+    projection), Glm4ForCausalLM (pre and post norms, q/k/v biases, interleaved RoPE on half of
+    each head, gate_up fused), Exaone4ForCausalLM (post-norms only, q/k norms per head; no
+    window, as the 1.2B, unless `sliding_window` is given: then LLLG with NoPE on the global
+    layers, as the 32B)
     or GraniteForCausalLM (GRANITE_MULTIPLIERS) saved by transformers (Phi-3:
     `partial_rotary_factor` rotates that part of each head, as Phi-4-mini's 0.75), with
     write_tiny_llama's tokenizer and ChatML template. Weights ~ N(0, 0.15), norms 1 + N(0, 0.1)
@@ -96,6 +98,8 @@ def write_tiny_dense(
         )
     elif model_type == "granite":
         extra = dict(GRANITE_MULTIPLIERS)
+    elif model_type == "glm4":  # Glm4Config's head_dim default is 128
+        extra = dict(head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True)
     elif model_type == "exaone4" and config_kw.get("sliding_window") is None:
         extra = dict(sliding_window=None, layer_types=["full_attention"] * n_layers)
     classes = {
@@ -103,6 +107,7 @@ def write_tiny_dense(
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
+        "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }
     if model_type not in classes:
@@ -180,6 +185,18 @@ def write_tiny_dense_gguf(path: str | Path, folder: str | Path, qtype: str = "F3
                 out[f"blk.{i}.post_ffw_norm.weight"] = arrays(
                     p + "post_feedforward_layernorm.weight"
                 )
+        if model_type == "glm4":  # Glm4Model: RoPE on half of each head, gate|up fused
+            head_dim = config["hidden_size"] // config["num_attention_heads"]
+            writer.add_rope_dimension_count(int(head_dim * 0.5))
+            for i in range(n_layers):
+                p = f"model.layers.{i}."
+                out[f"blk.{i}.ffn_up.weight"] = arrays(p + "mlp.gate_up_proj.weight")
+                out[f"blk.{i}.post_attention_norm.weight"] = arrays(
+                    p + "post_self_attn_layernorm.weight"
+                )
+                out[f"blk.{i}.post_ffw_norm.weight"] = arrays(p + "post_mlp_layernorm.weight")
+                for proj in "qkv":
+                    out[f"blk.{i}.attn_{proj}.bias"] = arrays(f"{p}self_attn.{proj}_proj.bias")
         if model_type == "granite":  # GraniteModel's set_gguf_parameters
             writer.add_attention_scale(config["attention_multiplier"])
             writer.add_embedding_scale(config["embedding_multiplier"])

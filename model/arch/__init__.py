@@ -57,6 +57,9 @@ OLMO2 = BlockSpec(qk_norm=True, qk_norm_full=True, post_norms=True, pre_norms=Fa
 # EXAONE 4.0: OLMo 2's post-norms-only block with q/k norms per head; with a sliding window,
 # the global layers take no RoPE (ModelArgs.nope_layers)
 EXAONE4 = BlockSpec(qk_norm=True, post_norms=True, pre_norms=False)
+# GLM-4 (0414): Llama's pre-norms and Gemma's post norms (plain w), q/k/v biases, RoPE on the
+# first half of each head in interleaved pairs, gate|up fused in the files
+GLM4 = BlockSpec(post_norms=True)
 ARCH_BLOCKS: dict[str, BlockSpec] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -68,6 +71,7 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "phi3": LLAMA,  # fused qkv and gate|up in the files (split on load); LongRoPE (rope_long)
     "olmo2": OLMO2,
     "exaone4": EXAONE4,
+    "glm4": GLM4,
     "granite": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
     "qwen3moe": QWEN3,  # Qwen3's block, the MLP a mixture of experts (ModelArgs.moe)
     "olmoe": OLMOE,

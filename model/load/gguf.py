@@ -49,15 +49,19 @@ DENSE_ARCHS = (
     "phi3",
     "olmo2",
     "exaone4",
+    "glm4",
     "granite",
 )
 SUPPORTED_ARCHS = (*DENSE_ARCHS, *SSM_ARCHS, *MOE_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
 _PERMUTED_QK = ("llama", "smollm3", "granite", "granitehybrid", "granitemoe")
-# Phi-3's fused tensors (llama.cpp's phi3: attn_qkv, and ffn_up holding gate then up), split
-# into our kinds by rows; the first kind of each names the fused tensor
+# fused tensors (llama.cpp's phi3: attn_qkv, and ffn_up holding gate then up; glm4: ffn_up),
+# split into our kinds by rows: kind -> (tensor, index of the part)
 _FUSED = {"wq": ("attn_qkv.weight", 0), "wk": ("attn_qkv.weight", 1), "wv": ("attn_qkv.weight", 2)}
 _FUSED |= {"w1": ("ffn_up.weight", 0), "w3": ("ffn_up.weight", 1)}
+_FUSED_KINDS = {"phi3": frozenset(_FUSED), "glm4": frozenset(("w1", "w3"))}
+# llama.cpp's LLAMA_ROPE_TYPE_NORM archs that its converter did not permute (GLM's own pairs)
+_INTERLEAVED = ("glm4",)
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -139,11 +143,12 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         rope=RopeConfig(
             theta=float(get("rope.freq_base", 10000.0)),
             dim=int(get("rope.dimension_count", head_dim)),
-            layout="neox",  # NOTE: llama Q/K are un-permuted to HF layout below
+            # NOTE: llama Q/K are un-permuted to HF layout below
+            layout="interleaved" if arch in _INTERLEAVED else "neox",
             freq_factors=freq_factors,
         ),
         n_ctx_train=int(get("context_length", 2048)),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2" or (arch == "glm4" and "blk.0.attn_q.bias" in reader),
         block=ARCH_BLOCKS[arch],
     )
     if arch == "gemma3":
@@ -261,10 +266,10 @@ def read_weights(
     present = {t.name for t in reader.tensors}
     if "output.weight" in present:
         names["output"] = "output.weight"
-    fused = args.arch == "phi3"
+    fused = _FUSED_KINDS.get(args.arch, frozenset())
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
-            theirs = _FUSED[ours][0] if fused and ours in _FUSED else _LAYER_TENSORS[ours]
+            theirs = _FUSED[ours][0] if ours in fused else _LAYER_TENSORS[ours]
             names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
     if args.arch in SSM_ARCHS:
         unused = present - set(names.values()) - {"rope_freqs.weight"}
@@ -280,7 +285,7 @@ def read_weights(
     for ours, theirs in names.items():
         info = _tensor_info(reader, theirs, path)
         kind = ours.rsplit(".", 1)[-1]
-        if fused and kind in _FUSED:
+        if kind in fused:
             weights[ours] = _fused_part(info, args, kind, expected, path, dtype, blocks, cache)
             continue
         if blocks and kind in EXPERT_KINDS:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvcache.rope import RopeConfig
+from kvcache.rope import RopeConfig, RopeLayout
 from model.arch import (
     ARCH_BLOCKS,
     EXAONE4_SWA_PERIOD,
@@ -36,6 +36,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3",
     "olmo2",
     "exaone4",
+    "glm4",
     "granite",
     "qwen3_moe",
     "olmoe",
@@ -44,6 +45,7 @@ SUPPORTED_MODEL_TYPES = (
 )
 # model_type -> its model.arch.ARCH_BLOCKS key (llama.cpp's architecture name), where they differ
 _BLOCK_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+_ROPE_LAYOUT: dict[str, RopeLayout] = {"glm4": "interleaved"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -75,8 +77,14 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # the families whose files name their norms as Gemma's do (post_attention_layernorm: an output)
 _GEMMA_NAMED = ("gemma2", "gemma3_text", "olmo2", "exaone4")
-# Phi-3's fused projections: the parts, in order, by our name
-_PHI3_FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
+# GLM-4: post_attention_layernorm is the pre-MLP norm (Llama's meaning), then two post norms
+_GLM4_TENSORS = _LAYER_TENSORS | {
+    "post_attn_norm": "post_self_attn_layernorm.weight",
+    "post_ffn_norm": "post_mlp_layernorm.weight",
+}
+# fused projections (Phi-3: both, GLM-4: gate|up): the parts, in order, by our name
+_FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
+_FUSED_OF = {"phi3": tuple(_FUSED), "glm4": ("mlp.gate_up_proj",)}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
 _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
@@ -146,7 +154,8 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             head_dim=head_dim,
             hidden_dim=int(config["intermediate_size"]),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig(theta, rope_dim, "neox", factors),
+            # GLM-4 rotates interleaved pairs (its rotate_half pairs x[2i], x[2i + 1])
+            rope=RopeConfig(theta, rope_dim, _ROPE_LAYOUT.get(model_type, "neox"), factors),
             n_ctx_train=int(config.get("max_position_embeddings", 2048)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
@@ -367,9 +376,11 @@ def read_weights(
     tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
-    if args.arch == "phi3":
-        _split_phi3(raw, args, folder)
+    if args.arch in _FUSED_OF:
+        _split_fused(raw, args, _FUSED_OF[args.arch], folder)
     table = (_GEMMA_TENSORS if args.arch in _GEMMA_NAMED else _LAYER_TENSORS) | _BIAS_TENSORS
+    if args.arch == "glm4":
+        table = _GLM4_TENSORS | _BIAS_TENSORS
     table |= _QK_NORM_TENSORS | _MOE_TENSORS
     if args.arch == "granitemoe":
         table["moe_router"] = "block_sparse_moe.router.layer.weight"
@@ -402,12 +413,15 @@ def read_weights(
     return weights
 
 
-def _split_phi3(raw: dict[str, torch.Tensor], args: ModelArgs, folder: Path) -> None:
+def _split_fused(
+    raw: dict[str, torch.Tensor], args: ModelArgs, names: tuple[str, ...], folder: Path
+) -> None:
     """qkv_proj [q_dim + 2 kv_dim, d] and gate_up_proj [2 f, d] into the parts Llama's names
     read (row ranges: views, no copy)."""
     shapes = weight_shapes(args)
     for i in range(args.n_layers):
-        for fused, parts in _PHI3_FUSED.items():
+        for fused in names:
+            parts = _FUSED[fused]
             name = f"model.layers.{i}.{fused}.weight"
             if name not in raw:
                 raise ModelLoadError(f"{folder}: tensor {name} is missing.")

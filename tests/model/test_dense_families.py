@@ -106,7 +106,11 @@ def test_description_read_from_the_config_and_the_file(folder, gguf_path, fmt):
         assert descs[0].qk_norm and descs[0].post_norms and not descs[0].pre_norms
         assert "attn_norm" not in descs[0].weights and "ffn_norm" not in descs[0].weights
         assert not args.windows and all(d.rope is not None for d in descs)
+    elif args.arch == "glm4":  # RoPE on half of each head, GLM's interleaved pairs
+        assert args.qkv_bias and descs[0].post_norms and descs[0].pre_norms
+        assert (args.rope.dim, args.rope.layout) == (8, "interleaved")
     else:
+        assert args.arch == "granite"
         got = (args.embed_mult, args.residual_mult, args.attn_scale, args.logits_scaling)
         assert got == pytest.approx(tuple(GRANITE_MULTIPLIERS.values()))  # float32 in a GGUF
 

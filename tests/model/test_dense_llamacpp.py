@@ -1,7 +1,8 @@
 """llama.cpp reads the tiny dense GGUFs (tests/tiny_dense.py) as cellserve does: an independent
 check of the layout and metadata (Gemma 2's stored 1 + w norms, caps and window; Phi-3's fused
 attn_qkv / ffn_up, rope_factors_short / _long, attention factor and partial rotary; OLMo 2's
-and EXAONE 4.0's post norms; Granite's scales and permuted Q/K). Needs the llama-server that
+and EXAONE 4.0's post norms; GLM-4's four norms, biases and interleaved half-head RoPE;
+Granite's scales and permuted Q/K). Needs the llama-server that
 bench/build_llamacpp.sh builds; skips without it."""
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from tests.tiny_dense import DENSE_TYPES, write_tiny_dense, write_tiny_dense_ggu
 pytestmark = pytest.mark.model
 
 # log-probabilities, measured 2026-12-02 (worst of the top 5 over 10 prompts): F32 5e-5 (gemma2),
-# 0.0032 (phi3), 0.0023 (phi3-partial), 0.0052 (olmo2), 0.0026 (exaone4), 0.0018 (granite): the
-# layout. Q8_0 on the blocks 0.0014 (gemma2, its logits capped to 3), 0.11 (phi3), 0.089
-# (phi3-partial), 0.087 (olmo2), 0.051 (exaone4), 0.12 (granite); the same files'
+# 0.0032 (phi3), 0.0023 (phi3-partial), 0.0052 (olmo2), 0.0026 (exaone4), 0.0025 (glm4), 0.0018
+# (granite): the layout. Q8_0 on the blocks 0.0014 (gemma2, its logits capped to 3), 0.11 (phi3),
+# 0.089 (phi3-partial), 0.087 (olmo2), 0.051 (exaone4), 0.087 (glm4), 0.12 (granite); the files'
 # weights dequantized with float activations are 0.06-0.10 from llama.cpp too: its own rounding
 # (int8 activations, float16 K/V) moves these small random 4-layer models that much, where a
 # misread block would move them by whole units.
