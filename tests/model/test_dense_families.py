@@ -313,22 +313,30 @@ def test_the_one_call_step_runs_phi3_and_granite_as_the_python_layers(
     assert torch.equal(native, decode(worker, prompts, steps=6))
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "exaone4"])
-def test_gemma2_olmo2_exaone4_take_the_torch_path_with_the_reason(tmp_path, model_type):
+TORCH_PATH_REASONS = {
+    "gemma2": "soft-capping",  # no C++ attention kernel either
+    "olmo2": "pre-norms",
+    "exaone4": "pre-norms",
+    "glm4": "rotate-half",  # RoPE on half of each head, interleaved pairs
+}
+
+
+@pytest.mark.parametrize("model_type", list(TORCH_PATH_REASONS))
+def test_families_the_one_call_step_refuses_say_why(tmp_path, model_type):
     """Soft-capped scores (Gemma 2): no C++ attention kernel and no one-call step; blocks
-    without pre-norms (OLMo 2, EXAONE 4.0): no one-call step. Each says why in the start-up
-    line."""
+    without pre-norms (OLMo 2, EXAONE 4.0) or RoPE the step does not rotate (GLM-4): no
+    one-call step. Each says why in the start-up line."""
     require_kernels()
     loaded = load_model(write_tiny_dense(tmp_path / "m", model_type, seed=2, **NATIVE_SIZES))
     quantize(loaded.transformer, "int8")
     paths = make_worker(loaded, n_cells=64).paths
     assert paths.native is None
+    assert TORCH_PATH_REASONS[model_type] in paths.why["one-call step"]
     if model_type == "gemma2":
         assert paths.decode_attention is None and paths.prompt_attention is None
-        assert "soft-capping" in paths.why["one-call step"]
         assert "soft-capping" in paths.why["decode attention"]
     else:
-        assert "pre-norms" in paths.why["one-call step"]
+        assert paths.decode_attention is not None
 
 
 def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
