@@ -38,7 +38,7 @@ class BlockSpec:
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
     qk_norm_full: bool = False  # with qk_norm: over the whole q and k projections (OLMoE)
     post_norms: bool = False  # norms on the attention and MLP outputs (Gemma 2/3, OLMo 2)
-    pre_norms: bool = True  # norms on the attention and MLP inputs (all but OLMo 2)
+    pre_norms: bool = True  # norms on the attention and MLP inputs (not OLMo 2, EXAONE 4.0)
     embed_scale: bool = False  # token embeddings times sqrt(dim), rounded to the model dtype
 
 
@@ -68,7 +68,7 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "smollm3": LLAMA,  # Llama's block; no RoPE on every 4th layer (ModelArgs.nope_layers)
     "gemma2": GEMMA2,
     "gemma3": GEMMA3,
-    "phi3": LLAMA,  # fused qkv and gate|up in the files (split on load); LongRoPE (rope_long)
+    "phi3": LLAMA,  # fused qkv and gate|up in the files (split on load); ModelArgs.longrope
     "olmo2": OLMO2,
     "exaone4": EXAONE4,
     "glm4": GLM4,
@@ -172,7 +172,7 @@ class LayerDesc:
     over the cells the row may see (p - W, p], softmax of the scores s = scale q.k, capped to
     softcap * tanh(s / softcap) where softcap > 0 (Gemma 2); then wo. mixer "mamba2":
     model/layers/mamba2.py over the sequence's state slot. m = residual_mult. Without
-    `pre_norms` attn_norm and ffn_norm are the identity (OLMo 2)."""
+    `pre_norms` attn_norm and ffn_norm are the identity (OLMo 2, EXAONE 4.0)."""
 
     mixer: Mixer
     window: int  # 0: full attention; W > 0 sees (p - W, p]

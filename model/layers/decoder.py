@@ -1,7 +1,7 @@
 """The decoder-only forward over the cell cache, built from an architecture's description
 (model/arch): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, Phi-3,
-OLMo 2, Granite, the mixture-of-experts families (model/layers/moe.py), and with Mamba2
-mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
+OLMo 2, EXAONE 4.0, GLM-4, Granite, the mixture-of-experts families (model/layers/moe.py), and
+with Mamba2 mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
 
 Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE, Gemma norms as
 w of (1 + w)); the GGUF loader converts llama.cpp's layouts to it. The batch and its attention
@@ -187,7 +187,7 @@ class Attention(nn.Module):
         if self.softcap:  # the query heads of a kv head as its rows: [h_kv, group * L, hd]
             h_kv, n_q = self.n_kv_heads, q.shape[0]
             qg = q.view(n_q, h_kv, self.n_heads // h_kv, -1).permute(1, 2, 0, 3).flatten(1, 2)
-            bias = torch.zeros(p.mask.shape, dtype=torch.float32).masked_fill_(~p.mask, -torch.inf)
+            bias = torch.zeros(p.mask.shape, device=q.device).masked_fill_(~p.mask, -torch.inf)
             o = self._attend(qg, k, v, bias.repeat(self.n_heads // h_kv, 1).to(q.dtype))
             return o.unflatten(1, (self.n_heads // h_kv, n_q)).permute(2, 0, 1, 3).flatten(1, 2)
         o = F.scaled_dot_product_attention(
