@@ -22,12 +22,15 @@ class RopeConfig:
     layout "interleaved": pairs (x[2i], x[2i+1]) (llama.cpp LLAMA_ROPE_TYPE_NORM, GGUF llama);
     layout "neox": pairs (x[i], x[i + dim/2]) (HF rotate_half).
     freq_factors: optional [dim/2] divisors of the inverse frequencies (llama3 scaling).
+    attn_factor: scales the rotation tables of q and k (LongRoPE's attention factor, llama.cpp's
+    attn_factor), not the K-shift's pure rotations.
     """
 
     theta: float
     dim: int
     layout: RopeLayout = "neox"
     freq_factors: tuple[float, ...] | None = None
+    attn_factor: float = 1.0
 
     def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
         # NOTE: same float32 arithmetic as HF's _compute_default_rope_parameters.

@@ -69,6 +69,7 @@ def load_draft_model(settings: Settings, target: Any, device: str, threads: int)
             settings.n_seq_max,
             settings.n_batch,
             threads if device == "cpu" else None,
+            settings.ctx_per_seq,
         )
     except ValueError as exc:
         raise ModelLoadError(f"--model-draft {settings.model_draft}: {exc}") from exc
@@ -136,6 +137,7 @@ def load_backend(
             n_ctx,
             loaded.config.n_ctx_train,
         )
+    loaded.config.use_context(n_ctx)  # LongRoPE's factors for this context, before the worker
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,

@@ -209,7 +209,7 @@ def write_tiny_gemma3(
     return folder
 
 
-_PERMUTED = ("llama", "smollm3", "granitemoe")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs
+_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs
 
 
 def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:

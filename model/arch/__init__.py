@@ -29,14 +29,16 @@ class BlockSpec:
     """What each block is made of; the defaults are Llama's.
 
     Block: h = x + post_attn_norm(attn(attn_norm(x))); out = h + post_ffn_norm(mlp(ffn_norm(h))),
-    the post norms only with `post_norms`; mlp(x) = w2(act(w1 x) * w3 x).
+    the post norms only with `post_norms`, the pre norms only with `pre_norms`;
+    mlp(x) = w2(act(w1 x) * w3 x).
     """
 
     norm_shift: float = 0.0  # RMSNorm scales by (norm_shift + w): Gemma's (1 + w) is 1.0
     activation: Activation = "silu"  # of the gate: SiLU (SwiGLU) or tanh-GELU (GeGLU)
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
     qk_norm_full: bool = False  # with qk_norm: over the whole q and k projections (OLMoE)
-    post_norms: bool = False  # norms on the attention and MLP outputs (Gemma 2/3)
+    post_norms: bool = False  # norms on the attention and MLP outputs (Gemma 2/3, OLMo 2)
+    pre_norms: bool = True  # norms on the attention and MLP inputs (not OLMo 2, EXAONE 4.0)
     embed_scale: bool = False  # token embeddings times sqrt(dim), rounded to the model dtype
 
 
@@ -48,13 +50,29 @@ GEMMA3 = BlockSpec(
 QWEN3 = BlockSpec(qk_norm=True)
 # OLMoE: the q and k RMSNorms span the whole projection (n_heads * head_dim), not one head
 OLMOE = BlockSpec(qk_norm=True, qk_norm_full=True)
+# Gemma 2: Gemma 3's block without q/k norms (soft-capped scores instead: ModelArgs.attn_softcap)
+GEMMA2 = BlockSpec(norm_shift=1.0, activation="gelu_tanh", post_norms=True, embed_scale=True)
+# OLMo 2: OLMoE's whole-projection q/k norms; norms on the sublayers' outputs only
+OLMO2 = BlockSpec(qk_norm=True, qk_norm_full=True, post_norms=True, pre_norms=False)
+# EXAONE 4.0: OLMo 2's post-norms-only block with q/k norms per head; with a sliding window,
+# the global layers take no RoPE (ModelArgs.nope_layers)
+EXAONE4 = BlockSpec(qk_norm=True, post_norms=True, pre_norms=False)
+# GLM-4 (0414): Llama's pre-norms and Gemma's post norms (plain w), q/k/v biases, RoPE on the
+# first half of each head in interleaved pairs, gate|up fused in the files
+GLM4 = BlockSpec(post_norms=True)
 ARCH_BLOCKS: dict[str, BlockSpec] = {
     "llama": LLAMA,
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "qwen3": QWEN3,
     "smollm3": LLAMA,  # Llama's block; no RoPE on every 4th layer (ModelArgs.nope_layers)
+    "gemma2": GEMMA2,
     "gemma3": GEMMA3,
+    "phi3": LLAMA,  # fused qkv and gate|up in the files (split on load); ModelArgs.longrope
+    "olmo2": OLMO2,
+    "exaone4": EXAONE4,
+    "glm4": GLM4,
+    "granite": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
     "qwen3moe": QWEN3,  # Qwen3's block, the MLP a mixture of experts (ModelArgs.moe)
     "olmoe": OLMOE,
     "granitemoe": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
@@ -63,6 +81,8 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
 # (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_SWA_PERIOD = 6  # every 6th layer is global: llama.cpp set_swa_pattern(6), HF layer_types
+GEMMA2_SWA_PERIOD = 2  # every 2nd layer is global (layers 0, 2, ... slide): set_swa_pattern(2)
+EXAONE4_SWA_PERIOD = 4  # LLLG: Exaone4Config's sliding_window_pattern, llama.cpp's 32B pattern
 
 
 SMOLLM3_NOPE_PERIOD = 4  # llama.cpp's n_no_rope_layer_step, transformers' no_rope_layer_interval
@@ -129,6 +149,17 @@ class MoEArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class LongRope:
+    """Phi-3's LongRoPE: per rotated pair, divisors of the inverse frequencies for contexts up to
+    the original training context `n_ctx_orig` (short) and past it (long); both with the
+    attention factor on cos and sin (RopeConfig.attn_factor)."""
+
+    short: RopeConfig
+    long: RopeConfig
+    n_ctx_orig: int
+
+
+@dataclass(frozen=True, slots=True)
 class LayerDesc:
     """What one block computes (model/layers/decoder.py Block; model/runner/native.py's C++ step):
 
@@ -138,18 +169,22 @@ class LayerDesc:
 
     mixer "attn": qkv = wqkv x [+ bqkv]; [q_norm, k_norm per head]; RoPE (`rope`; None: NoPE);
     K/V into the cells of the layer's pool (window 0: the full pool, W: the window's); attention
-    over the cells the row may see (p - W, p], softmax scale `scale`; then wo. mixer "mamba2":
-    model/layers/mamba2.py over the sequence's state slot. m = residual_mult."""
+    over the cells the row may see (p - W, p], softmax of the scores s = scale q.k, capped to
+    softcap * tanh(s / softcap) where softcap > 0 (Gemma 2); then wo. mixer "mamba2":
+    model/layers/mamba2.py over the sequence's state slot. m = residual_mult. Without
+    `pre_norms` attn_norm and ffn_norm are the identity (OLMo 2, EXAONE 4.0)."""
 
     mixer: Mixer
     window: int  # 0: full attention; W > 0 sees (p - W, p]
     rope: RopeConfig | None  # None: no position encoding (NoPE, and mamba2 layers)
     swa_rope: bool  # rotates with the sliding-window tables (ForwardBatch.rope_swa)
     scale: float  # softmax scale (0.0 on a mamba2 layer)
+    softcap: float  # attention logit soft-capping (0.0: none)
     qkv_bias: bool
     qk_norm: bool
     qk_norm_full: bool
     post_norms: bool
+    pre_norms: bool
     ffn: bool
     moe: bool
     activation: Activation
@@ -162,10 +197,12 @@ class LayerDesc:
         ffn = ["ffn_norm", "w1", "w3", "w2"] if self.ffn else []
         if self.ffn and self.moe:
             ffn = ["ffn_norm", "moe_router", "w1_exps", "w3_exps", "w2_exps"]
+        if not self.pre_norms:
+            ffn = [k for k in ffn if k != "ffn_norm"]
         if self.mixer == "mamba2":
             kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
             return tuple([*kinds, "ssm_out", *ffn])
-        kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn]
+        kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn][0 if self.pre_norms else 1 :]
         if self.qkv_bias:
             kinds += ["bq", "bk", "bv"]
         if self.qk_norm:
@@ -193,6 +230,11 @@ class ModelArgs:
     windows: tuple[int, ...] = ()  # per layer: 0 full attention, W > 0 sees (p - W, p]; () all 0
     rope_swa: RopeConfig | None = None  # RoPE of the sliding-window layers; None: `rope`
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # Gemma 2's soft-capping: scores -> c * tanh(scores / c), logits -> c' * tanh(logits / c')
+    attn_softcap: float = 0.0  # 0.0: none
+    final_softcap: float = 0.0
+    # LongRoPE (Phi-3): `rope` is longrope.short until use_context picks the long factors
+    longrope: LongRope | None = None
     # recurrent and hybrid models (Mamba2, Granite 4.0-H): per layer "attn" or "mamba2"
     # (() every layer attention), the Mamba2 sizes, and whether blocks have an MLP at all
     mixers: tuple[Mixer, ...] = ()
@@ -209,6 +251,14 @@ class ModelArgs:
     # (() every layer; Qwen3-MoE's mlp_only_layers and decoder_sparse_step make dense ones)
     moe: MoEArgs | None = None
     moe_layers: tuple[bool, ...] = ()
+
+    def use_context(self, n_ctx_seq: int) -> None:
+        """Fix the RoPE for a context of `n_ctx_seq` tokens per sequence before a worker is
+        built: LongRoPE's long factors past the original training context. K is stored rotated,
+        so the choice is made once, as llama.cpp makes it per context (not per position)."""
+        lr = self.longrope
+        if lr is not None:
+            self.rope = lr.long if n_ctx_seq > lr.n_ctx_orig else lr.short
 
     def is_moe(self, layer: int) -> bool:
         return self.moe is not None and (not self.moe_layers or self.moe_layers[layer])
@@ -244,10 +294,12 @@ class ModelArgs:
             rope=None if self.nope or mixer != "attn" or self.nope_layer(layer) else rope,
             swa_rope=rope is not self.rope,
             scale=self.scale if mixer == "attn" else 0.0,  # a Mamba2 model has no head_dim
+            softcap=self.attn_softcap,
             qkv_bias=self.qkv_bias,
             qk_norm=block.qk_norm,
             qk_norm_full=block.qk_norm_full,
             post_norms=block.post_norms,
+            pre_norms=block.pre_norms,
             ffn=self.ffn,
             moe=self.is_moe(layer),
             activation=block.activation,

@@ -1,6 +1,7 @@
 """The decoder-only forward over the cell cache, built from an architecture's description
-(model/arch.py): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Gemma 3, and with Mamba2
-mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
+(model/arch): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, Phi-3,
+OLMo 2, EXAONE 4.0, GLM-4, Granite, the mixture-of-experts families (model/layers/moe.py), and
+with Mamba2 mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
 
 Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE, Gemma norms as
 w of (1 + w)); the GGUF loader converts llama.cpp's layouts to it. The batch and its attention
@@ -65,6 +66,7 @@ class Attention(nn.Module):
         self.window = desc.window
         self.scale = desc.scale
         self.sdpa_scale = args.attn_scale  # None: SDPA's own head_dim ** -0.5
+        self.softcap = desc.softcap  # > 0: scores capped (Gemma 2), neither SDPA nor the kernels
         self.q_norm = self.k_norm = None
         self.qk_norm_full = desc.qk_norm_full
         if desc.qk_norm:
@@ -108,6 +110,8 @@ class Attention(nn.Module):
         storage.write(layer, batch.write_cells(self.window), k, v)
 
         kernel = batch.decode_kernel
+        if self.softcap:
+            assert kernel is None and batch.prompt_kernel is None, "decide_paths: torch for caps"
         decodes, prompts = batch.groups(self.window)
         if not prompts and len(decodes) == 1 and decodes[0].rows is None:
             out = self._decode(q, storage, layer, decodes[0], kernel)  # all decode, 1 group
@@ -146,17 +150,26 @@ class Attention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)
         k = k.unflatten(1, (n_seq, g.max_kv))  # a view, also of a slice of the cache
         v = v.unflatten(1, (n_seq, g.max_kv))
-        if n_seq < SDPA_MAX_SEQS:
+        if n_seq < SDPA_MAX_SEQS and not self.softcap:
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.bias, scale=self.sdpa_scale)
         else:
             # NOTE: two batched matmuls, not SDPA: the CPU flash kernel with 1-3 query rows
             # per head ran 2.6x slower at 32 sequences x 330 cells (bfloat16).
-            scores = torch.matmul(qd * self.scale, k.transpose(-1, -2))  # [.., g, max_kv]
-            if g.bias is not None:
-                scores = scores + g.bias
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            o = torch.matmul(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
+            o = self._attend(qd, k, v, g.bias)
         return o.transpose(0, 1).reshape(n_seq, self.n_heads, hd)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """softmax(cap(scale q k^T) + bias) v over q [.., g, hd], k and v [.., n_kv, hd]; cap is
+        softcap * tanh(s / softcap) (transformers' Gemma 2 eager attention) where softcap > 0."""
+        scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [.., g, n_kv]
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if bias is not None:
+            scores = scores + bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return torch.matmul(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
 
     def _prompt(
         self,
@@ -171,6 +184,12 @@ class Attention(nn.Module):
         k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.softcap:  # the query heads of a kv head as its rows: [h_kv, group * L, hd]
+            h_kv, n_q = self.n_kv_heads, q.shape[0]
+            qg = q.view(n_q, h_kv, self.n_heads // h_kv, -1).permute(1, 2, 0, 3).flatten(1, 2)
+            bias = torch.zeros(p.mask.shape, device=q.device).masked_fill_(~p.mask, -torch.inf)
+            o = self._attend(qg, k, v, bias.repeat(self.n_heads // h_kv, 1).to(q.dtype))
+            return o.unflatten(1, (self.n_heads // h_kv, n_q)).permute(2, 0, 1, 3).flatten(1, 2)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, h, L, hd]
             k[None],  # [1, h_kv, n_kv, hd]
@@ -196,7 +215,9 @@ class Block(nn.Module):
         self.desc = desc
         self.layer = layer
         self.residual_mult = desc.residual_mult
-        self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, desc.norm_shift)
+        self.attention_norm = None  # no pre-norms (OLMo 2): the sublayers read x and h as they are
+        if desc.pre_norms:
+            self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, desc.norm_shift)
         self.attention: Attention | Mamba2Mixer = (
             Mamba2Mixer(args, weights, prefix)
             if desc.mixer == "mamba2"
@@ -204,8 +225,9 @@ class Block(nn.Module):
         )
         self.ffn_norm = None
         self.feed_forward: FeedForward | MoEFeedForward | None = None
-        if desc.ffn:
+        if desc.ffn and desc.pre_norms:
             self.ffn_norm = RMSNorm(weights[prefix + "ffn_norm"], eps, desc.norm_shift)
+        if desc.ffn:
             self.feed_forward = (
                 MoEFeedForward(args, weights, prefix, desc.activation)
                 if desc.moe
@@ -220,13 +242,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
         fused, m = batch.fused, self.residual_mult
-        a = self.attention(self.attention_norm(x, fused), batch, storage, self.layer)
+        a = x if self.attention_norm is None else self.attention_norm(x, fused)
+        a = self.attention(a, batch, storage, self.layer)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a, fused)
         h = x + a if m == 1.0 else x + a * m
-        if self.feed_forward is None or self.ffn_norm is None:
+        if self.feed_forward is None:
             return h
-        f = self.feed_forward(self.ffn_norm(h, fused), fused)
+        f = self.feed_forward(h if self.ffn_norm is None else self.ffn_norm(h, fused), fused)
         if self.post_ffn_norm is not None:
             f = self.post_ffn_norm(f, fused)
         return h + f if m == 1.0 else h + f * m
@@ -279,10 +302,11 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """final-norm hidden states [n, dim] -> logits [n, vocab] float32 (Granite divides
-        them by logits_scaling)."""
+        them by logits_scaling; Gemma 2 caps them to c * tanh(logits / c))."""
         out = self.output(hidden).float()
-        scaling = self.args.logits_scaling
-        return out if scaling == 1.0 else out / scaling
+        scaling, cap = self.args.logits_scaling, self.args.final_softcap
+        out = out if scaling == 1.0 else out / scaling
+        return out if not cap else torch.tanh(out / cap) * cap
 
     def hidden(
         self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None

@@ -18,7 +18,10 @@ import torch
 from kvcache.rope import RopeConfig
 from model.arch import (
     ARCH_BLOCKS,
+    EXAONE4_SWA_PERIOD,
+    GEMMA2_SWA_PERIOD,
     GEMMA3_LOCAL_ROPE_BASE,
+    LongRope,
     ModelArgs,
     MoEArgs,
     gemma3_windows,
@@ -36,9 +39,29 @@ from model.load.gguf_ssm import read_args as read_ssm_args
 # top-k weights (build_moe_ffn norm_w), its olmoe does not
 MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe")
 _NORM_TOPK = {"qwen3moe": True, "olmoe": False, "granitemoe": True}
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *SSM_ARCHS, *MOE_ARCHS)
+DENSE_ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "exaone4",
+    "glm4",
+    "granite",
+)
+SUPPORTED_ARCHS = (*DENSE_ARCHS, *SSM_ARCHS, *MOE_ARCHS)
 # the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
-_PERMUTED_QK = ("llama", "smollm3", "granitehybrid", "granitemoe")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "granitehybrid", "granitemoe")
+# fused tensors (llama.cpp's phi3: attn_qkv, and ffn_up holding gate then up; glm4: ffn_up),
+# split into our kinds by rows: kind -> (tensor, index of the part)
+_FUSED = {"wq": ("attn_qkv.weight", 0), "wk": ("attn_qkv.weight", 1), "wv": ("attn_qkv.weight", 2)}
+_FUSED |= {"w1": ("ffn_up.weight", 0), "w3": ("ffn_up.weight", 1)}
+_FUSED_KINDS = {"phi3": frozenset(_FUSED), "glm4": frozenset(("w1", "w3"))}
+# llama.cpp's LLAMA_ROPE_TYPE_NORM archs that its converter did not permute (GLM's own pairs)
+_INTERLEAVED = ("glm4",)
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -120,15 +143,30 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         rope=RopeConfig(
             theta=float(get("rope.freq_base", 10000.0)),
             dim=int(get("rope.dimension_count", head_dim)),
-            layout="neox",  # NOTE: llama Q/K are un-permuted to HF layout below
+            # NOTE: llama Q/K are un-permuted to HF layout below
+            layout="interleaved" if arch in _INTERLEAVED else "neox",
             freq_factors=freq_factors,
         ),
         n_ctx_train=int(get("context_length", 2048)),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2" or (arch == "glm4" and "blk.0.attn_q.bias" in reader),
         block=ARCH_BLOCKS[arch],
     )
     if arch == "gemma3":
         _gemma3_layers(args, get, path)
+    if arch == "gemma2":
+        _gemma2_layers(args, get)
+    if arch == "phi3" and "rope_factors_long.weight" in reader:
+        _longrope(reader, args, get, path)
+    window = int(get("attention.sliding_window", 0)) if arch == "phi3" else 0
+    if 0 < window < args.n_ctx_train:
+        # NOTE: as transformers' Phi3 (every layer slides); llama.cpp ignores the window
+        args.windows = (window,) * args.n_layers
+    if arch == "exaone4" and args.n_layers == 64:
+        # NOTE: llama.cpp's exaone4 slides (LLLG, NoPE on the global layers) only for the
+        # 64-layer 32B: the file says neither the pattern nor, for the 1.2B, that it has none
+        window = int(get("attention.sliding_window", 4096))
+        args.windows = gemma3_windows(args.n_layers, window, EXAONE4_SWA_PERIOD)
+        args.nope_layers = tuple(w == 0 for w in args.windows)
     if arch == "smollm3":  # llama.cpp: n_no_rope_layer_step = 4, not in the file
         args.nope_layers = smollm3_nope_layers(args.n_layers)
     if arch in MOE_ARCHS:  # every layer sparse, as llama.cpp builds them
@@ -138,12 +176,43 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
             expert_dim=int(get("expert_feed_forward_length", args.hidden_dim)),
             norm_topk_prob=bool(get("expert_weights_norm", _NORM_TOPK[arch])),
         )
-    if arch == "granitemoe":  # llama.cpp: 0 (absent) means not scaled
+    if arch in ("granite", "granitemoe"):  # llama.cpp: 0 (absent) means not scaled
         args.attn_scale = float(get("attention.scale", 0.0)) or None
         args.embed_mult = float(get("embedding_scale", 0.0)) or 1.0
         args.residual_mult = float(get("residual_scale", 0.0)) or 1.0
         args.logits_scaling = float(get("logit_scale", 0.0)) or 1.0
     return args
+
+
+def _gemma2_layers(args: ModelArgs, get: Any) -> None:
+    """llama.cpp's gemma2: layers 0, 2, ... slide (set_swa_pattern(2)); the caps from the file;
+    query_pre_attn_scalar is not in it: head_dim, dim / n_heads for the 27B (46 layers)."""
+    window = int(get("attention.sliding_window"))
+    args.windows = gemma3_windows(args.n_layers, window, GEMMA2_SWA_PERIOD)
+    args.attn_softcap = float(get("attn_logit_softcapping", 0.0))
+    args.final_softcap = float(get("final_logit_softcapping", 0.0))
+    scalar = args.dim // args.n_heads if args.n_layers == 46 else args.head_dim
+    args.attn_scale = scalar**-0.5
+
+
+def _longrope(reader: GGUFFile, args: ModelArgs, get: Any, path: Path) -> None:
+    """Phi-3's LongRoPE as llama.cpp's phi3 reads it: rope_factors_short / rope_factors_long
+    [n_rot / 2], rope.scaling.attn_factor, rope.scaling.original_context_length (the long
+    factors past it: llama_model::get_rope_factors)."""
+    attn = float(get("rope.scaling.attn_factor", 1.0))
+    ropes = []
+    for kind in ("short", "long"):
+        ff = _dequantize(_tensor_info(reader, f"rope_factors_{kind}.weight", path)).reshape(-1)
+        if ff.shape[0] != args.rope.dim // 2:
+            raise ModelLoadError(
+                f"{path}: rope_factors_{kind}.weight has {ff.shape[0]} values, not "
+                f"{args.rope.dim // 2}."
+            )
+        factors = tuple(float(f) for f in ff)
+        ropes.append(replace(args.rope, freq_factors=factors, attn_factor=attn))
+    orig = int(get("rope.scaling.original_context_length", args.n_ctx_train))
+    args.longrope = LongRope(ropes[0], ropes[1], orig)
+    args.rope = ropes[0]
 
 
 def _gemma3_layers(args: ModelArgs, get: Any, path: Path) -> None:
@@ -182,7 +251,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
 # dense weights)
-BLOCK_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", *MOE_ARCHS)
+BLOCK_ARCHS = (*DENSE_ARCHS, *MOE_ARCHS)
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
 BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
@@ -197,9 +266,11 @@ def read_weights(
     present = {t.name for t in reader.tensors}
     if "output.weight" in present:
         names["output"] = "output.weight"
+    fused = _FUSED_KINDS.get(args.arch, frozenset())
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
-            names[f"layers.{i}.{ours}"] = f"blk.{i}.{_LAYER_TENSORS[ours]}"
+            theirs = _FUSED[ours][0] if ours in fused else _LAYER_TENSORS[ours]
+            names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
     if args.arch in SSM_ARCHS:
         unused = present - set(names.values()) - {"rope_freqs.weight"}
         if unused:
@@ -210,9 +281,13 @@ def read_weights(
             )
     expected = weight_shapes(args)
     weights: dict[str, Any] = {}
+    cache: dict[str, np.ndarray] = {}
     for ours, theirs in names.items():
         info = _tensor_info(reader, theirs, path)
         kind = ours.rsplit(".", 1)[-1]
+        if kind in fused:
+            weights[ours] = _fused_part(info, args, kind, expected, path, dtype, blocks, cache)
+            continue
         if blocks and kind in EXPERT_KINDS:
             weights[ours] = _expert_blocks(info, expected[kind], path)
             continue
@@ -239,6 +314,44 @@ def read_weights(
         weights[ours] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])  # tied embeddings
     return weights
+
+
+def _fused_part(
+    info: GGUFTensor,
+    args: ModelArgs,
+    kind: str,
+    expected: dict[str, tuple[int, ...]],
+    path: Path,
+    dtype: torch.dtype,
+    blocks: bool,
+    cache: dict[str, np.ndarray],
+) -> Any:
+    """Our `kind`'s rows of a fused tensor (Phi-3's attn_qkv: q, k, v; ffn_up: gate, up): with
+    `blocks` a BlockWeight over the row range of the mapping (a view), else dequantized."""
+    kinds = [k for k, (name, _) in _FUSED.items() if name == _FUSED[kind][0]]
+    rows = [expected[k][0] for k in kinds]
+    start = sum(rows[: _FUSED[kind][1]])
+    n, k = expected[kind]
+    shape = tuple(reversed(info.shape))
+    if shape != (sum(rows), k):
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} has shape {shape}, expected {(sum(rows), k)}."
+        )
+    if blocks:
+        if info.type_id not in GGML_TYPES.values():
+            raise ModelLoadError(
+                f"{path}: tensor {info.name} is {info.tensor_type.name}; the block kernels take "
+                f"{', '.join(GGML_TYPES)} (--quant int4 / int8 / none re-quantize it)."
+            )
+        with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(info.rows())[start : start + n]
+        return BlockWeight(data, info.type_id, (n, k), f"{info.name}[{kind}]")
+    if info.name not in cache:
+        cache.clear()  # NOTE: one fused tensor at a time, its parts are read one after another
+        cache[info.name] = _dequantize(info).reshape(shape)
+    w = cache[info.name][start : start + n]
+    return torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
 
 
 def _block_weight(

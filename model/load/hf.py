@@ -9,10 +9,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvcache.rope import RopeConfig
+from kvcache.rope import RopeConfig, RopeLayout
 from model.arch import (
     ARCH_BLOCKS,
+    EXAONE4_SWA_PERIOD,
+    GEMMA2_SWA_PERIOD,
     SMOLLM3_NOPE_PERIOD,
+    LongRope,
     ModelArgs,
     MoEArgs,
     layer_weights,
@@ -28,7 +31,13 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "smollm3",
+    "gemma2",
     "gemma3_text",
+    "phi3",
+    "olmo2",
+    "exaone4",
+    "glm4",
+    "granite",
     "qwen3_moe",
     "olmoe",
     "granitemoe",
@@ -36,6 +45,7 @@ SUPPORTED_MODEL_TYPES = (
 )
 # model_type -> its model.arch.ARCH_BLOCKS key (llama.cpp's architecture name), where they differ
 _BLOCK_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+_ROPE_LAYOUT: dict[str, RopeLayout] = {"glm4": "interleaved"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -53,8 +63,8 @@ _BIAS_TENSORS = {
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
 }
-# NOTE: in Gemma, post_attention_layernorm normalizes the attention OUTPUT (Llama's name for
-# the pre-MLP norm); the pre-MLP norm is pre_feedforward_layernorm.
+# NOTE: in Gemma (and OLMo 2), post_attention_layernorm normalizes the attention OUTPUT (Llama's
+# name for the pre-MLP norm); Gemma's pre-MLP norm is pre_feedforward_layernorm.
 _GEMMA_TENSORS = _LAYER_TENSORS | {
     "ffn_norm": "pre_feedforward_layernorm.weight",
     "post_attn_norm": "post_attention_layernorm.weight",
@@ -65,6 +75,16 @@ _GEMMA_TENSORS = _LAYER_TENSORS | {
 
 
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# the families whose files name their norms as Gemma's do (post_attention_layernorm: an output)
+_GEMMA_NAMED = ("gemma2", "gemma3_text", "olmo2", "exaone4")
+# GLM-4: post_attention_layernorm is the pre-MLP norm (Llama's meaning), then two post norms
+_GLM4_TENSORS = _LAYER_TENSORS | {
+    "post_attn_norm": "post_self_attn_layernorm.weight",
+    "post_ffn_norm": "post_mlp_layernorm.weight",
+}
+# fused projections (Phi-3: both, GLM-4: gate|up): the parts, in order, by our name
+_FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
+_FUSED_OF = {"phi3": tuple(_FUSED), "glm4": ("mlp.gate_up_proj",)}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
 _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
@@ -107,7 +127,7 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
     if (
-        model_type != "gemma3_text"
+        model_type not in ("gemma2", "gemma3_text", "phi3", "exaone4")
         and uses_window
         and window is not None
         and window < config.get("max_position_embeddings", 0)
@@ -119,8 +139,11 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
         head_dim = int(config.get("head_dim") or dim // n_heads)
         rope_params = config.get("rope_parameters") or {}
         theta = float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-        rope_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+        partial = config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+        rope_dim = int(head_dim * (partial or 1.0))
         scaling = config.get("rope_scaling") or rope_params
+        longrope = _rope_kind(scaling) in ("longrope", "su")  # "su": early Phi-3 128k configs
+        factors = None if longrope else _freq_factors(scaling, theta, rope_dim)
         args = ModelArgs(
             arch=str(model_type),
             vocab_size=int(config["vocab_size"]),
@@ -131,15 +154,28 @@ def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
             head_dim=head_dim,
             hidden_dim=int(config["intermediate_size"]),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig(theta, rope_dim, "neox", _freq_factors(scaling, theta, rope_dim)),
+            # GLM-4 rotates interleaved pairs (its rotate_half pairs x[2i], x[2i + 1])
+            rope=RopeConfig(theta, rope_dim, _ROPE_LAYOUT.get(model_type, "neox"), factors),
             n_ctx_train=int(config.get("max_position_embeddings", 2048)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
         )
         if model_type in ("qwen3_moe", "olmoe", "granitemoe"):
             _moe_layers(args, config)
+        if model_type in ("granite", "granitemoe"):
+            _granite_scalars(args, config)
         if model_type == "gemma3_text":
             _gemma3_layers(args, config)
+        if model_type == "gemma2":
+            _gemma2_layers(args, config)
+        if model_type == "exaone4" and window is not None:
+            _exaone4_layers(args, config, int(window))
+        if model_type == "phi3" and window is not None and window < args.n_ctx_train:
+            args.windows = (int(window),) * args.n_layers  # Phi3Config: every layer slides
+        if longrope:
+            if model_type != "phi3":
+                raise ValueError(f"rope scaling 'longrope' is not supported for {model_type}")
+            _longrope(args, config, scaling)
         if model_type == "smollm3":
             uses_rope = config.get("no_rope_layers")  # 1: RoPE on that layer, 0: none
             args.nope_layers = (
@@ -173,14 +209,75 @@ def _moe_layers(args: ModelArgs, config: dict[str, Any]) -> None:
         # Granite: softmax over the top-k logits, the same as renormalizing the top-k of all
         norm_topk_prob=model_type == "granitemoe" or bool(config.get("norm_topk_prob", False)),
     )
-    if model_type == "granitemoe":
-        args.attn_scale = float(config.get("attention_multiplier", 1.0))
-        args.embed_mult = float(config.get("embedding_multiplier", 1.0))
-        args.residual_mult = float(config.get("residual_multiplier", 1.0))
-        args.logits_scaling = float(config.get("logits_scaling", 1.0))
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1))
     args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
+
+
+def _granite_scalars(args: ModelArgs, config: dict[str, Any]) -> None:
+    """Granite's multipliers (GraniteConfig, GraniteMoeConfig): the softmax scale is
+    attention_multiplier, not head_dim ** -0.5."""
+    args.attn_scale = float(config.get("attention_multiplier", 1.0))
+    args.embed_mult = float(config.get("embedding_multiplier", 1.0))
+    args.residual_mult = float(config.get("residual_multiplier", 1.0))
+    args.logits_scaling = float(config.get("logits_scaling", 1.0))
+
+
+def _gemma2_layers(args: ModelArgs, config: dict[str, Any]) -> None:
+    """Every other layer slides (layer_types; Gemma2Config's default), query_pre_attn_scalar,
+    the attention and final logit soft-capping; one RoPE for every layer."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {config['hidden_activation']!r} is not supported")
+    window = int(config["sliding_window"])
+    types = config.get("layer_types") or [
+        "full" if (i + 1) % GEMMA2_SWA_PERIOD == 0 else "sliding" for i in range(args.n_layers)
+    ]
+    args.windows = tuple(window if str(t).startswith("sliding") else 0 for t in types)
+    args.attn_scale = float(config.get("query_pre_attn_scalar", 256)) ** -0.5
+    args.attn_softcap = float(config.get("attn_logit_softcapping") or 0.0)
+    args.final_softcap = float(config.get("final_logit_softcapping") or 0.0)
+
+
+def _exaone4_layers(args: ModelArgs, config: dict[str, Any], window: int) -> None:
+    """layer_types (or sliding_window_pattern: every n-th layer global, or a string of L / G,
+    the last layer global) slide by `window`; the global layers take no RoPE
+    (transformers' Exaone4Attention: NoPE on them once the model has a window)."""
+    types = config.get("layer_types")
+    if types is None:
+        pattern = config.get("sliding_window_pattern", EXAONE4_SWA_PERIOD)
+        if isinstance(pattern, str):
+            types = [pattern[i % len(pattern)] == "L" for i in range(args.n_layers)]
+            types = ["sliding" if t else "full" for t in types[:-1]] + ["full"]
+        else:
+            period = int(pattern)
+            types = ["full" if (i + 1) % period == 0 else "sliding" for i in range(args.n_layers)]
+    args.windows = tuple(window if str(t).startswith("sliding") else 0 for t in types)
+    args.nope_layers = tuple(w == 0 for w in args.windows)
+
+
+def _longrope(args: ModelArgs, config: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3's LongRoPE as transformers' _compute_longrope_parameters: the short and long
+    divisors per rotated pair, the attention factor sqrt(1 + ln(s) / ln(n_orig)) for
+    s = max_position_embeddings / n_orig unless the config gives it."""
+    import math
+
+    orig = int(
+        config.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or args.n_ctx_train
+    )
+    factor = float(scaling.get("factor") or args.n_ctx_train / orig)
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ropes = []
+    for key in ("short_factor", "long_factor"):
+        factors = tuple(float(f) for f in scaling[key])
+        if len(factors) != args.rope.dim // 2:
+            raise ValueError(f"rope {key} has {len(factors)} entries, not {args.rope.dim // 2}")
+        ropes.append(RopeConfig(args.rope.theta, args.rope.dim, "neox", factors, float(attn)))
+    args.longrope = LongRope(ropes[0], ropes[1], orig)
+    args.rope = ropes[0]
 
 
 def _gemma3_layers(args: ModelArgs, config: dict[str, Any]) -> None:
@@ -235,8 +332,8 @@ def _linear_factor(scaling: dict[str, Any]) -> float:
 
 def _freq_factors(scaling: dict[str, Any], theta: float, dim: int) -> tuple[float, ...] | None:
     """llama3 rope scaling as llama.cpp's rope_freqs divisors (HF _compute_llama3_parameters)."""
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
+    kind = _rope_kind(scaling)
+    if kind == "default":
         return None
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported")
@@ -276,10 +373,14 @@ def read_weights(
     if args.ssm is not None:
         return read_ssm_weights(raw, args, config, dtype, folder)
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    tied = config.get("tie_word_embeddings", args.arch == "gemma3_text")
+    tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
-    table = (_GEMMA_TENSORS if args.arch == "gemma3_text" else _LAYER_TENSORS) | _BIAS_TENSORS
+    if args.arch in _FUSED_OF:
+        _split_fused(raw, args, _FUSED_OF[args.arch], folder)
+    table = (_GEMMA_TENSORS if args.arch in _GEMMA_NAMED else _LAYER_TENSORS) | _BIAS_TENSORS
+    if args.arch == "glm4":
+        table = _GLM4_TENSORS | _BIAS_TENSORS
     table |= _QK_NORM_TENSORS | _MOE_TENSORS
     if args.arch == "granitemoe":
         table["moe_router"] = "block_sparse_moe.router.layer.weight"
@@ -310,6 +411,28 @@ def read_weights(
         weights[ours] = w.to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])
     return weights
+
+
+def _split_fused(
+    raw: dict[str, torch.Tensor], args: ModelArgs, names: tuple[str, ...], folder: Path
+) -> None:
+    """qkv_proj [q_dim + 2 kv_dim, d] and gate_up_proj [2 f, d] into the parts Llama's names
+    read (row ranges: views, no copy)."""
+    shapes = weight_shapes(args)
+    for i in range(args.n_layers):
+        for fused in names:
+            parts = _FUSED[fused]
+            name = f"model.layers.{i}.{fused}.weight"
+            if name not in raw:
+                raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+            rows = [shapes[p][0] for p in parts]
+            want = (sum(rows), shapes[parts[0]][1])
+            if tuple(raw[name].shape) != want:
+                raise ModelLoadError(
+                    f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {want}."
+                )
+            for part, w in zip(parts, raw.pop(name).split(rows), strict=True):
+                raw[f"model.layers.{i}.{_LAYER_TENSORS[part]}"] = w
 
 
 def _stack_experts(

@@ -205,10 +205,12 @@ def load_draft(
     n_seq_max: int,
     n_batch: int,
     threads: int | None,
+    n_ctx_seq: int | None = None,
 ) -> DraftModel:
     """Open the draft model like the target (the same device and runtime choices), check its
     tokenizer against the target's, and give it a unified cache of n_cells (sliding-window
-    layers masked: its tail must be removable) with the target's seq ids."""
+    layers masked: its tail must be removable) with the target's seq ids; `n_ctx_seq`: the
+    context per sequence (LongRoPE's factors, as the target's)."""
     from kvcache.make import make_memory
     from model.runner.worker import make_worker
     from model.serving import open_model
@@ -220,6 +222,8 @@ def load_draft(
         memory = make_memory(loaded.config.memory_spec, n_cells, n_seq_max, n_batch, "unified")
     except ValueError as exc:
         raise ValueError(f"{path} cannot be a draft model: {exc}") from exc
+    # the target's context per sequence (server/model_backend.py: min(ctx_per_seq, n_cells))
+    loaded.config.use_context(min(n_ctx_seq or n_cells, n_cells))
     worker = make_worker(loaded, n_cells, opened.runtime.dtype, device, threads=threads)
     limit = min(target.config.vocab_size, loaded.config.vocab_size)
     return DraftModel(worker, memory, n_batch, vocab_limit=limit, name=loaded.name)

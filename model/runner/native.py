@@ -71,6 +71,10 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py)"
+        if any(d.softcap for d in descs):
+            return None, "attention logit soft-capping: the C++ attention kernels do not cap"
+        if not all(d.pre_norms for d in descs):
+            return None, "blocks without pre-norms (OLMo 2, EXAONE 4.0): step.cpp norms each input"
         if any(
             d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
             for d in descs

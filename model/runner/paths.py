@@ -4,7 +4,8 @@ Three choices, each with the reason a start-up log line gives:
 - the one-call step (model/runner/native.py): every block of a step in one C++ call;
 - the attention kernels (model/kernels attention*.cpp): decode rows always when the cache has
   the model's dtype, prompt chunks where this CPU's build has the kernel for that dtype and the
-  head shape fits it;
+  head shape fits it; never for soft-capped attention scores (Gemma 2), which neither they nor
+  the one-call step compute;
 - the fused RMSNorm / SiLU-mul / RoPE: bfloat16 models, and float32 ones that the one-call step
   runs (the Python layers must then compute the same as the C++ step).
 Everything not chosen here runs torch. Per step, the worker only asks whether the step's rows
@@ -59,12 +60,16 @@ def decide_paths(
     why = paths.why
     same_dtype = storage.dtype == model.dtype
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
-    if same_dtype:
+    if model.args.attn_softcap:
+        capped = "attention logit soft-capping (Gemma 2): the C++ kernels do not cap scores"
+        why["decode attention"] = why["prompt attention"] = capped
+    elif same_dtype:
         paths.decode_attention = kernels.decode_attention
         why["decode attention"] = f"{model.dtype} cells"
     else:
         why["decode attention"] = f"cells in {storage.dtype}, model in {model.dtype}"
-    paths.prompt_attention, why["prompt attention"] = _prompt_kernel(model, storage, kernels)
+    if not model.args.attn_softcap:
+        paths.prompt_attention, why["prompt attention"] = _prompt_kernel(model, storage, kernels)
     if model.dtype == torch.bfloat16 or paths.native is not None:
         paths.fused = kernels
         why["fused norms"] = "bfloat16" if model.dtype == torch.bfloat16 else "as the C++ step"

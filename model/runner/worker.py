@@ -280,6 +280,8 @@ class ModelWorker:
         self, positions: torch.Tensor, rope: RopeConfig, inv_freq: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope.cos_sin(positions, inv_freq)
+        if rope.attn_factor != 1.0:  # LongRoPE: q and k each scaled (transformers' cos/sin too)
+            cos, sin = cos * rope.attn_factor, sin * rope.attn_factor
         c, s = rope_tables(cos, sin, self.model.args.head_dim, rope.layout, self.model.dtype)
         return c.to(self.device), s.to(self.device)
 

@@ -1,0 +1,72 @@
+"""llama.cpp reads the tiny dense GGUFs (tests/tiny_dense.py) as cellserve does: an independent
+check of the layout and metadata (Gemma 2's stored 1 + w norms, caps and window; Phi-3's fused
+attn_qkv / ffn_up, rope_factors_short / _long, attention factor and partial rotary; OLMo 2's
+and EXAONE 4.0's post norms; GLM-4's four norms, biases and interleaved half-head RoPE;
+Granite's scales and permuted Q/K). Needs the llama-server that
+bench/build_llamacpp.sh builds; skips without it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from bench.server_proc import llama_server, llamacpp_command, llamacpp_default
+from model import load_model
+from model.kernels import load_kernels
+from model.layers.ggml import has_block_kernels
+from model.runner.worker import make_worker
+from tests.model.factories import Driver
+from tests.scheduler.fakes import make_prompt
+from tests.tiny_dense import DENSE_TYPES, write_tiny_dense, write_tiny_dense_gguf
+
+pytestmark = pytest.mark.model
+
+# log-probabilities, measured 2026-12-02 (worst of the top 5 over 10 prompts): F32 5e-5 (gemma2),
+# 0.0032 (phi3), 0.0023 (phi3-partial), 0.0052 (olmo2), 0.0026 (exaone4), 0.0025 (glm4), 0.0018
+# (granite): the layout. Q8_0 on the blocks 0.0014 (gemma2, its logits capped to 3), 0.11 (phi3),
+# 0.089 (phi3-partial), 0.087 (olmo2), 0.051 (exaone4), 0.087 (glm4), 0.12 (granite); the files'
+# weights dequantized with float activations are 0.06-0.10 from llama.cpp too: its own rounding
+# (int8 activations, float16 K/V) moves these small random 4-layer models that much, where a
+# misread block would move them by whole units.
+TOLERANCE = {"F32": 0.01, "Q8_0": 0.2}
+# llama.cpp's context per sequence under bench.server_proc's command (-c over -np slots): Phi-3
+# takes its long factors there, as cellserve's use_context picks for the same context
+_CMD = llamacpp_command(llamacpp_default(), llamacpp_default(), 0, 1)
+N_CTX_SEQ = int(_CMD[_CMD.index("-c") + 1]) // int(_CMD[_CMD.index("-np") + 1])
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("model_type", [*DENSE_TYPES, "phi3-partial"])
+def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtype):
+    """ "phi3-partial": Phi-4-mini's shape, RoPE on half of each head."""
+    binary = llamacpp_default()
+    if not binary.is_file():
+        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    if qtype != "F32" and not has_block_kernels(load_kernels()):
+        pytest.skip("the C++ block kernels are not built")
+    kw = {"partial_rotary_factor": 0.5} if model_type == "phi3-partial" else {}
+    folder = write_tiny_dense(tmp_path / model_type, model_type.split("-")[0], seed=1, **kw)
+    path = write_tiny_dense_gguf(tmp_path / f"{model_type}.gguf", folder, qtype=qtype)
+    loaded = load_model(path, blocks=qtype != "F32")
+    loaded.config.use_context(N_CTX_SEQ)
+    worker = make_worker(loaded, n_cells=64)
+    compared, worst = 0, 0.0
+    with llama_server(binary, path, tmp_path / "llama.log", n_threads=1) as served:
+        for seed in range(10):
+            ids = make_prompt(5 + 4 * seed, seed=20 + seed)  # up to 41 tokens: past the window
+            body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
+            body |= {"temperature": 0, "ignore_eos": True}
+            out = httpx.post(f"{served.url}/completion", json=body, timeout=60).json()
+            if "completion_probabilities" not in out:  # a partial UTF-8 token: held back
+                continue
+            top = out["completion_probabilities"][0]["top_logprobs"]
+            driver = Driver(worker, 64, seed=seed)
+            logits = driver.logits([driver.chunk(seed, ids)])[0]
+            ours = torch.log_softmax(logits.double(), -1)
+            # llama.cpp's top token is ours, or (rounded weights) within the tolerance of it
+            assert float(ours.max() - ours[top[0]["id"]]) < TOLERANCE[qtype], seed
+            worst = max(worst, *(abs(float(ours[t["id"]]) - t["logprob"]) for t in top))
+            compared += 1
+    assert worst < TOLERANCE[qtype]
+    assert compared >= 5
