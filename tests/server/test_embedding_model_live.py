@@ -116,3 +116,36 @@ def test_input_past_the_context_is_a_400(server):
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 254}).json()["tokens"]
     assert len(ids) == 256  # [CLS] + 254 words + [SEP]: the whole context is servable
     assert embed(server.url, [ids]).shape == (1, 384)  # type: ignore[list-item]
+
+
+def test_a_bert_gguf_serves_the_same_vectors(tmp_path):
+    """The GGUF path end to end: llama.cpp's `bert` layout, the WordPiece vocabulary rebuilt
+    from it, CLS pooling, base64 vectors. A GGUF has no Normalize flag: its vectors are
+    L2-normalised, as llama.cpp's server gives them."""
+    import base64
+
+    from model.load.encoder import load_encoder
+    from model.load.hf_to_gguf import convert
+    from tests.live_server import start_server
+    from tests.tiny_bert import write_tiny_bert
+
+    path = convert(write_tiny_bert(tmp_path / "bert", "cls", False), tmp_path / "tiny.gguf")
+    want = load_encoder(path)
+    live = start_server(model=str(path), n_cells=256, n_batch=64, ctx_per_seq=64, threads=1)
+    try:
+        assert [m["id"] for m in httpx.get(f"{live.url}/v1/models").json()["data"]] == ["tiny"]
+        r = httpx.post(
+            f"{live.url}/v1/embeddings",
+            json={"input": SENTENCES[:4], "encoding_format": "base64"},
+        )
+        assert r.status_code == 200, r.text
+        got = np.array(
+            [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in r.json()["data"]]
+        )
+        ref = want.encoder.embed([want.tokenizer.encode(s) for s in SENTENCES[:4]])
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+        assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == sum(len(want.tokenizer.encode(s)) for s in SENTENCES[:4])
+    finally:
+        live.stop()
