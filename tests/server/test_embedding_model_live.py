@@ -97,6 +97,8 @@ def test_concurrent_requests_match_and_leave_no_cells(server, reference):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"prompt": "hi"}),
         ("/v1/responses", {"input": "hi"}),
+        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/infill", {"input_prefix": "def f(", "input_suffix": ")"}),
     ],
 )
 def test_generation_endpoints_answer_400(server, path, body):
@@ -105,7 +107,19 @@ def test_generation_endpoints_answer_400(server, path, body):
     error = r.json()["error"]
     assert "embedding model" in error["message"]
     assert error["type"] == "invalid_request_error"
-    assert error["code"] == "model_not_supported"
+    if path == "/v1/messages":  # Anthropic's error shape
+        assert r.json()["type"] == "error"
+    else:
+        assert error["code"] == "model_not_supported"
+
+
+def test_the_other_endpoints_serve_an_embedding_model(server):
+    for path in ("/health", "/metrics", "/slots", "/v1/cache/cells", "/props", "/"):
+        assert httpx.get(f"{server.url}{path}").status_code == 200, path
+    embed(server.url, SENTENCES[:2])
+    lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+    counted = [ln for ln in lines if ln.startswith("cellserve_prompt_tokens_total ")]
+    assert counted and float(counted[0].split()[1]) >= 7  # the encoder's steps are counted
 
 
 def test_input_past_the_context_is_a_400(server):
