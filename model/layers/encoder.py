@@ -156,12 +156,37 @@ class Encoder(nn.Module):
 
     @torch.inference_mode()
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One pooled vector per token list: [len(inputs), dim] float32."""
+        """One pooled vector per token list: [len(inputs), dim] float32. Inputs of similar
+        lengths share a padded forward (length_groups)."""
         lengths = [len(ids) for ids in inputs]
         if min(lengths) < 1 or max(lengths) > self.args.n_ctx:
             raise ValueError(f"an input has {max(lengths)} tokens; at most {self.args.n_ctx}")
-        ids = torch.zeros(len(inputs), max(lengths), dtype=torch.long)
-        for i, row in enumerate(inputs):
-            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-        out = self.forward(ids.to(self.device), torch.as_tensor(lengths, device=self.device))
-        return out.cpu().numpy()
+        out = np.empty((len(inputs), self.args.dim), dtype=np.float32)
+        for group in length_groups(lengths):
+            n = lengths[group[0]]  # the longest first
+            ids = torch.zeros(len(group), n, dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, : lengths[i]] = torch.as_tensor(inputs[i], dtype=torch.long)
+            sizes = torch.as_tensor([lengths[i] for i in group], device=self.device)
+            out[group] = self.forward(ids.to(self.device), sizes).cpu().numpy()
+        return out
+
+
+def length_groups(lengths: list[int], slack: float = 1.5, pad_free: int = 64) -> list[list[int]]:
+    """Indices of `lengths`, longest first, cut into groups that each pad to their longest with
+    at most `slack` times their real tokens (or `pad_free` padded tokens per row at least):
+    one 250-token input beside sixty 5-token ones would otherwise pad 61 x 250."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * lengths[group[0]]
+            if padded <= max(slack * (real + lengths[i]), pad_free * (len(group) + 1)):
+                group.append(i)
+                real += lengths[i]
+                continue
+        groups.append([i])
+        real = lengths[i]
+    return groups

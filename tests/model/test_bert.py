@@ -201,3 +201,16 @@ def test_unsupported_pooling_and_gguf_keys_are_refused(tmp_path):
     )
     with pytest.raises(ModelLoadError, match="gelu"):
         load_encoder(folder)
+
+
+def test_length_groups_bound_the_padding():
+    from model.layers.encoder import length_groups
+
+    lengths = [250, *([5] * 60), 120, 118, 3, 64, 64]
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        real = sum(lengths[i] for i in g)
+        assert len(g) * lengths[g[0]] <= max(1.5 * real, 64 * len(g))
+        assert lengths[g[0]] == max(lengths[i] for i in g)
+    assert not any({250, 5} <= {lengths[i] for i in g} for g in groups)  # not padded together
