@@ -17,7 +17,7 @@ import numpy as np
 
 from model.errors import ModelLoadError
 from model.layers.encoder import weight_names
-from model.load.encoder import _read_folder
+from model.load.encoder import read_folder
 from model.load.wordpiece import PHANTOM
 
 _POOLING = {
@@ -28,7 +28,7 @@ _POOLING = {
 
 
 def convert_bert(folder: Path, out: Path, outtype: str = "f32") -> Path:
-    args, weights = _read_folder(folder)
+    args, weights = read_folder(folder)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, args.n_layers)
     writer = gguf.GGUFWriter(str(out), "bert")
     writer.add_name(folder.name)

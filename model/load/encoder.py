@@ -70,7 +70,7 @@ def load_encoder(
     """Raises ModelLoadError (one sentence naming the file) for anything it cannot serve."""
     path = Path(path)
     if path.is_dir():
-        args, weights = _read_folder(path)
+        args, weights = read_folder(path)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.is_file():
         args, weights, tokenizer = _read_gguf(path)
@@ -94,7 +94,8 @@ def load_encoder(
     return LoadedEncoder(path, path.stem if path.is_file() else path.name, args, encoder, tokenizer)
 
 
-def _read_folder(folder: Path) -> tuple[EncoderArgs, dict[str, torch.Tensor]]:
+def read_folder(folder: Path) -> tuple[EncoderArgs, dict[str, torch.Tensor]]:
+    """A BERT folder's EncoderArgs and its weights (Hugging Face names, float32)."""
     config = read_json(folder / "config.json")
     if config.get("model_type") not in ENCODER_ARCHS:
         raise ModelLoadError(f"{folder}: model_type {config.get('model_type')!r} is no encoder.")
@@ -185,10 +186,12 @@ def _read_gguf(path: Path) -> tuple[EncoderArgs, dict[str, torch.Tensor], Tokeni
             f"{path}: {arch}.pooling_type {pooling_type} is not supported (1 mean, 2 CLS, 3 last)."
         )
     tok_embd = reader.tensor("token_embd.weight")
+    if tok_embd is None:
+        raise ModelLoadError(f"{path}: the GGUF has no token_embd.weight.")
     n_ctx = int(field("context_length"))
     args = EncoderArgs(
         arch=arch,
-        vocab_size=int(tok_embd.shape[1]) if tok_embd is not None else 0,
+        vocab_size=int(tok_embd.shape[1]),
         dim=int(field("embedding_length")),
         n_layers=int(field("block_count")),
         n_heads=int(field("attention.head_count")),
