@@ -238,3 +238,20 @@ def test_bfloat16_weights_stay_close(tmp_path):
     assert got.dtype == np.float32  # pooled in float32 whatever the weights
     want = reference_vectors(folder, inputs, "mean", True)
     assert (got * want).sum(1).min() > 0.99
+
+
+def test_the_encoder_worker_refuses_a_chunk_or_a_sampled_row(tmp_path):
+    from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch
+
+    worker = EncoderWorker(load_encoder(write_tiny_bert(tmp_path / "bert")).encoder)
+
+    def plan(start_pos: int, embed: bool) -> BatchPlan:
+        ids = np.array([2, 40, 41, 3])
+        row = SampleRow(3, SamplingParams(), 0, 0, 4, embed=embed)
+        positions = np.arange(start_pos, start_pos + 4)
+        return BatchPlan(ids, positions, np.zeros(4, np.int64), [SeqBatch(0, 0, 4)], [], [row])
+
+    assert worker.execute(plan(0, True)).embeddings[0].shape == (32,)
+    for bad in (plan(8, True), plan(0, False)):  # a later chunk; a row to sample from
+        with pytest.raises(ValueError, match="whole inputs"):
+            worker.execute(bad)
