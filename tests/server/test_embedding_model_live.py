@@ -163,3 +163,28 @@ def test_a_bert_gguf_serves_the_same_vectors(tmp_path):
         assert usage["prompt_tokens"] == sum(len(want.tokenizer.encode(s)) for s in SENTENCES[:4])
     finally:
         live.stop()
+
+
+def test_a_folder_without_normalize_serves_raw_vectors(tmp_path):
+    """No Normalize module in modules.json: the pooled vectors as they are (sentence-transformers
+    gives them so), not OpenAI's unit vectors."""
+    from model.load.encoder import load_encoder
+    from tests.live_server import start_server
+    from tests.tiny_bert import write_tiny_bert
+
+    folder = write_tiny_bert(tmp_path / "raw", "mean", normalize=False)
+    want = load_encoder(folder)
+    live = start_server(model=str(folder), n_cells=256, n_batch=64, ctx_per_seq=64, threads=1)
+    try:
+        got = embed_any(live.url, SENTENCES[:3])
+        ref = want.encoder.embed([want.tokenizer.encode(s) for s in SENTENCES[:3]])
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+        assert np.abs(np.linalg.norm(got, axis=1) - 1).min() > 1e-2
+    finally:
+        live.stop()
+
+
+def embed_any(url: str, inputs: list[str]) -> np.ndarray:
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": inputs})
+    assert r.status_code == 200, r.text
+    return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float64)
