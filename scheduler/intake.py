@@ -25,7 +25,9 @@ def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
         raise ValueError(f"an embedding request has one choice, got n={request.n}")
     if request.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
-    if len(request.prompt_ids) < config.n_ctx_seq:
+    # NOTE: an embedding generates nothing: its prompt may fill the whole context
+    limit = config.n_ctx_seq + 1 if request.embed else config.n_ctx_seq
+    if len(request.prompt_ids) < limit:
         return list(request.prompt_ids)
     if not shift_enabled(request, config):
         raise PromptError(

@@ -135,6 +135,10 @@ class Scheduler:
             if seq.tier_wait or self.sharing.waits(seq, self.running, match):
                 i += 1  # its prefix is being computed or read: it takes it in a later step
                 continue
+            if self.config.whole_prompts and seq.num_tokens > min(
+                step.budget, self._n_free(step, evict=False)
+            ):
+                break  # an encoder's input is read whole: it waits for a step with room
             if not self._admit(seq, step, match):
                 break
             del self.waiting[i]

@@ -42,6 +42,10 @@ class Backend:
     n_cells: int
     cache_bytes: int
     embedding_dim: int = 0  # length of an /v1/embeddings vector (the model's hidden size)
+    # "embed": an encoder embedding model, served on /v1/embeddings only (the generation
+    # endpoints answer 400); "generate": a generative model (its /v1/embeddings pools too)
+    task: str = "generate"
+    embedding_normalize: bool = True  # L2-normalise /v1/embeddings vectors
     grammars: GrammarCompiler | None = None  # structured outputs; None: refused with a 400
     # what the model runs with (ISA path, kernels, dtype, quant): /metrics cellserve_runtime_info
     runtime: dict[str, str] = field(default_factory=dict)

@@ -13,7 +13,7 @@ from model.load.tool_prompt import HERMES
 from scheduler.request import Request as EngineRequest
 from server.backend import Backend
 from server.chat_reply import ReplyOptions
-from server.deps import check_model, log_request
+from server.deps import check_generative, check_model, log_request
 from server.errors import APIError
 from server.generation import Generation
 from server.metrics import Metrics
@@ -76,6 +76,7 @@ async def prepare_chat(
     """Everything start_chat does before it submits: the engine request it would submit
     (also what /v1/chat/completions/render returns)."""
     check_model(body.model, backend)
+    check_generative(backend)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     reject_unsupported(body, CHAT_RULES)

@@ -72,6 +72,18 @@ def check_model(name: str | None, backend: Backend) -> None:
         )
 
 
+def check_generative(backend: Backend) -> None:
+    """An embedding model generates nothing: the generation endpoints answer 400 (vLLM's)."""
+    if backend.task == "embed":
+        raise APIError(
+            400,
+            f"the model {backend.model_name!r} is an embedding model: it serves /v1/embeddings "
+            "only, not text generation (chat, completions, responses, messages, infill)",
+            param="model",
+            code="model_not_supported",
+        )
+
+
 def log_request(settings: Settings, req_id: str, prompt: Any, num_tokens: int, **info: Any) -> None:
     details = " ".join(f"{k}={v}" for k, v in info.items())
     log.info("request %s: %d prompt tokens %s", req_id, num_tokens, details)

@@ -1,9 +1,11 @@
 """Run /v1/embeddings inputs through the engine as prompt-only requests (Request.embed) and
 turn the pooled vectors into OpenAI's embeddings.
 
-Pooling: the last prompt token's final-norm hidden state. cellserve serves decoder-only
-(causal) models, where only the last token has attended to the whole input; that is also
-vLLM's default pooling for decoder models. The vector is L2-normalised, as OpenAI's are.
+Pooling, for a generative (causal) model: the last prompt token's final-norm hidden state, the
+only one that has attended to the whole input (vLLM's default pooling for decoder models); the
+vector is L2-normalised, as OpenAI's are. An encoder embedding model (model/layers/encoder.py)
+pools as its sentence-transformers config says and normalises only where that config does
+(Backend.embedding_normalize).
 """
 
 from __future__ import annotations
@@ -101,10 +103,13 @@ class EmbeddingJob:
             task.cancel()
 
 
-def finish_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
-    """L2-normalise; float -> list of floats, base64 -> little-endian float32 bytes, base64."""
+def finish_vector(
+    vector: np.ndarray, encoding_format: str, normalize: bool = True
+) -> list[float] | str:
+    """L2-normalise (`normalize`); float -> list of floats, base64 -> little-endian float32
+    bytes, base64."""
     v = np.asarray(vector, dtype=np.float64)
-    norm = float(np.linalg.norm(v))
+    norm = float(np.linalg.norm(v)) if normalize else 0.0
     unit = (v / norm if norm > 0 else v).astype("<f4")
     if encoding_format == "base64":
         return base64.b64encode(unit.tobytes()).decode("ascii")

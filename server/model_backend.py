@@ -115,19 +115,24 @@ def load_backend(
 
     from model.layers.ggml import weight_bytes
     from model.layers.moe import expert_load
+    from model.load.encoder import is_encoder
     from model.load.fingerprint import model_fingerprint
+    from model.load.packaged import resolve_model
     from model.runner.grammar import GrammarCompiler
     from model.runner.worker import make_worker
     from model.serving import open_model
 
+    model, packaged_name = resolve_model(settings.model)
+    if model is not None and is_encoder(model):
+        from server.encoder_backend import load_encoder_backend
+
+        return load_encoder_backend(settings, model, packaged_name, on_step, wrap_worker)
     # NOTE: load on one thread; the worker takes its threads in the engine thread (see
     # model.runner.worker.set_torch_threads: OpenMP teams opened here would slow every step).
     threads = settings.threads or os.cpu_count() or 1
     torch.set_num_threads(1)
     device = resolve_device(settings.device)
-    opened = open_model(
-        settings.model, device, settings.dtype, settings.quant, settings.chat_template
-    )
+    opened = open_model(model, device, settings.dtype, settings.quant, settings.chat_template)
     loaded, dtype = opened.loaded, opened.runtime.dtype
     log.info("torch threads: %d (model steps)", threads)
     n_ctx = min(settings.ctx_per_seq, settings.n_cells)
@@ -183,7 +188,7 @@ def load_backend(
         engine=Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier),
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
-        model_name=settings.served_model_name or loaded.name,
+        model_name=settings.served_model_name or packaged_name or loaded.name,
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=kv_bytes,

@@ -17,6 +17,7 @@ from server.deps import (
     BackendDep,
     MetricsDep,
     SettingsDep,
+    check_generative,
     check_model,
     collect,
     log_request,
@@ -73,6 +74,7 @@ async def completion_requests(
     """The engine requests /v1/completions submits for `body` (one per prompt), and each
     prompt's (ids, text); also what /v1/completions/render returns. APIError on bad input."""
     check_model(body.model, backend)
+    check_generative(backend)
     reject_unsupported(body, COMPLETION_RULES)
     # OpenAI's suffix: fill in the middle (an empty suffix is a plain completion, as llama.cpp)
     fim = fim_tokens(backend.tokenizer, backend.model_name, "suffix") if body.suffix else None

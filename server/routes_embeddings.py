@@ -82,7 +82,10 @@ async def embeddings(
     )
     vectors = await job.run(request)
     data = [
-        Embedding(index=i, embedding=finish_vector(v, body.encoding_format))
+        Embedding(
+            index=i,
+            embedding=finish_vector(v, body.encoding_format, backend.embedding_normalize),
+        )
         for i, v in enumerate(vectors)
     ]
     n = job.num_prompt_tokens

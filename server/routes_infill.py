@@ -18,6 +18,7 @@ from server.deps import (
     BackendDep,
     MetricsDep,
     SettingsDep,
+    check_generative,
     check_model,
     collect,
     log_request,
@@ -44,6 +45,7 @@ async def infill(
     metrics: MetricsDep,
 ) -> Any:
     check_model(body.model, backend)
+    check_generative(backend)
     reject_unsupported(body, COMPLETION_RULES)
     if body.n != 1:
         raise APIError(400, "n: /infill answers one middle", param="n")

@@ -1,5 +1,6 @@
 """Write a Hugging Face Mamba2 or GraniteMoeHybrid (Granite 4.0-H) folder as a GGUF file in
-llama.cpp's layout ("mamba2", "granitehybrid"), so that llama.cpp and model/load/gguf.py read it.
+llama.cpp's layout ("mamba2", "granitehybrid"), so that llama.cpp and model/load/gguf.py read it;
+a BERT folder goes to model/load/bert_to_gguf.py (llama.cpp's "bert").
 
     python -m model.load.hf_to_gguf FOLDER OUT.gguf [--outtype f32|f16]
 
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from model.errors import ModelLoadError
+from model.load.bert_to_gguf import convert_bert
 from model.load.hf import read_config, read_json
 from model.load.tokenizer import _SPLIT_RES
 
@@ -55,6 +57,8 @@ def convert(folder: str | Path, out: str | Path, outtype: str = "f32") -> Path:
         raise ValueError(f"outtype {outtype!r}: f32 or f16")
     config = read_config(folder)
     model_type = config.get("model_type")
+    if model_type == "bert":
+        return convert_bert(folder, out, outtype)
     tensors = _read_safetensors(folder)
     try:
         if model_type == "mamba2":
@@ -63,8 +67,8 @@ def convert(folder: str | Path, out: str | Path, outtype: str = "f32") -> Path:
             arch, layers = "granitehybrid", _granite_layers(config, folder)
         else:
             raise ModelLoadError(
-                f"{folder}: model_type {model_type!r} cannot be converted (mamba2 and "
-                "granitemoehybrid can)."
+                f"{folder}: model_type {model_type!r} cannot be converted (mamba2, "
+                "granitemoehybrid and bert can)."
             )
         _check_mixer(config, arch == "granitehybrid", folder)
         used: set[str] = set()

