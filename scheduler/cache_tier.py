@@ -153,11 +153,8 @@ class CacheTier:
             if not windowed:  # a full-attention entry serves every prefix of itself
                 for k, e in list(index.items()):
                     n = e.tokens.shape[0]
-                    if (
-                        k != key
-                        and n <= tokens.shape[0]
-                        and common_prefix_len(e.tokens, tokens) == n
-                    ):
+                    covered = n <= tokens.shape[0] and common_prefix_len(e.tokens, tokens) == n
+                    if k != key and covered and k not in self._loads:
                         self._drop(i, k)
             self._fit(i)
             self._count(i)
