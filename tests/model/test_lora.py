@@ -20,7 +20,7 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.model.factories import make_plan, prefill_chunk
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
-from tests.tiny_models import write_tiny_llama
+from tests.tiny_models import write_tiny_gguf, write_tiny_gguf_lora, write_tiny_llama
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -216,3 +216,47 @@ def test_bad_adapters_are_refused(setup: tuple, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="DoRA"):
         load_lora(dora, loaded.config, torch.float32)
     assert np.isfinite(loaded.transformer.norm.weight.numpy()).all()
+
+
+def test_gguf_lora_over_gguf_base_equals_peft(setup: tuple, tmp_path: Path) -> None:
+    """llama.cpp's layout (Q/K rows of B permuted) over a float GGUF base: PEFT's tokens."""
+    base, a_path, *_ = setup
+    gguf_base = write_tiny_gguf(tmp_path / "base.gguf", base)
+    adapter = write_tiny_gguf_lora(tmp_path / "a.gguf", a_path)
+    loaded = load_model(gguf_base)
+    lora = load_lora(adapter, loaded.config, torch.float32)
+    assert lora.name == "a" and lora.alpha == 8.0 and lora.rank == 4
+    peft_lora = load_lora(a_path, loaded.config, torch.float32)
+    for name, w in peft_lora.weights.items():  # un-permuted back to PEFT's layout
+        torch.testing.assert_close(lora.weights[name].b, w.b)
+        torch.testing.assert_close(lora.weights[name].a, w.a)
+        assert lora.weights[name].scaling == w.scaling
+    prompt = make_prompt(10, seed=11)
+    gguf_setup = (base, adapter, None, loaded, LoraSet(loaded.transformer, [lora]))
+    out, _, _ = serve(gguf_setup, [[request("g", prompt, ((0, 1.0),))]])
+    assert out.tokens[("g", 0)] == hf_greedy(hf_peft(base, a_path), prompt, 12)
+
+
+def test_gguf_block_base_keeps_its_fast_path_for_base_rows(setup: tuple, tmp_path: Path) -> None:
+    """A Q8_0 base on its own blocks (the C++ one-call step): a LoRA request batched with a
+    base one gives each what it gives alone; base-only steps keep the C++ step."""
+    base, a_path, *_ = setup
+    gguf_base = write_tiny_gguf(tmp_path / "q8.gguf", base, qtype="Q8_0")
+    adapter = write_tiny_gguf_lora(tmp_path / "a.gguf", a_path)
+    loaded = load_model(gguf_base, blocks=True)
+    loras = LoraSet(loaded.transformer, [load_lora(adapter, loaded.config, torch.float32)])
+    q8_setup = (base, adapter, None, loaded, loras)
+    prompts = [make_prompt(12, seed=12), make_prompt(14, seed=13)]
+
+    def reqs() -> list[Request]:
+        return [request("l", prompts[0], ((0, 1.0),)), request("b", prompts[1])]
+
+    together, _, worker = serve(q8_setup, [reqs()], prefix_cache=False)
+    if worker.paths.native is None:
+        pytest.skip(f"no C++ step here: {worker.paths.why.get('one-call step')}")
+    assert worker.num_lora_steps == 12
+    for r in reqs():
+        alone, _, w = serve(q8_setup, [[r]], prefix_cache=False)
+        assert together.tokens[(r.req_id, 0)] == alone.tokens[(r.req_id, 0)]
+        assert w.num_lora_steps == (12 if r.lora else 0)
+    assert together.tokens[("l", 0)] != together.tokens[("b", 0)]
