@@ -11,6 +11,7 @@ from server.engine_client import EngineClient
 
 if TYPE_CHECKING:
     from model.runner.grammar import GrammarCompiler
+    from server.lora import LoraAdapters
 from server.settings import Settings
 
 
@@ -50,6 +51,7 @@ class Backend:
     weights_owned_bytes: int = 0
     # per MoE layer, the rows each expert took (/metrics cellserve_moe_expert_rows); None: dense
     expert_load: Callable[[], list[list[int]]] | None = None
+    loras: LoraAdapters | None = None  # --lora adapters (server/lora.py); None: none
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

@@ -420,3 +420,23 @@ def write_tiny_gguf_lora(path: str | Path, peft_folder: str | Path, arch: str = 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_peft_adapter(
+    base: Path, out: Path, seed: int, targets: list[str], r: int = 4, **config: object
+) -> Path:
+    """A PEFT LoRA over the HF model at `base` with random A and B (PEFT starts B at zero);
+    `targets`: PEFT's target_modules (q_proj, ..., down_proj)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    lora_config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **config)
+    model = peft.get_peft_model(model, lora_config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    model.save_pretrained(out)
+    return out

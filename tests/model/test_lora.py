@@ -20,28 +20,17 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.model.factories import make_plan, prefill_chunk
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
-from tests.tiny_models import write_tiny_gguf, write_tiny_gguf_lora, write_tiny_llama
+from tests.tiny_models import (
+    write_peft_adapter,
+    write_tiny_gguf,
+    write_tiny_gguf_lora,
+    write_tiny_llama,
+)
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_peft_adapter(
-    base: Path, out: Path, seed: int, targets: list[str], r: int = 4, **config: object
-) -> Path:
-    """A PEFT LoRA over the HF model at `base` with random A and B (PEFT starts B at zero)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
-    lora_config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **config)
-    model = peft.get_peft_model(model, lora_config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-    model.save_pretrained(out)
-    return out
 
 
 def hf_peft(base: Path, adapter: Path | None) -> torch.nn.Module:
