@@ -181,8 +181,6 @@ def load_backend(
         lora=lora_set,
     )
     log.info("kernel paths: %s", worker.paths.describe())
-    if lora_set is not None and worker.paths.native is not None:
-        log.info("steps with LoRA rows take the Python layers; base-only steps the C++ step")
     kv_bytes = worker.kv_bytes
     mapped, owned = weight_bytes(loaded.transformer)
     if wrap_worker is not None:

@@ -63,8 +63,18 @@ class LoraLinear(nn.Module):
             self.bounds.append((offset, n))
             offset += n
         self.step = step
-        # adapter id -> [(part index, A [r, k], B [n_part, r], scaling)]
-        self.pairs: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
+        # adapter id -> [(part index, buffer name of A [r, k] (+ "_a") and B [n_part, r]
+        # (+ "_b"), scaling)]: buffers, so that .to(device) moves them and weight_bytes counts
+        self.pairs: dict[int, list[tuple[int, str, float]]] = {}
+
+    def add(
+        self, adapter: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float
+    ) -> None:
+        """Adapter `adapter`'s pair for part `part`."""
+        name = f"lora{adapter}_{part}"
+        self.register_buffer(name + "_a", a, persistent=False)
+        self.register_buffer(name + "_b", b, persistent=False)
+        self.pairs.setdefault(adapter, []).append((part, name, scaling))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -74,7 +84,9 @@ class LoraLinear(nn.Module):
         for g in groups:
             xs = x[g.rows]  # [m, k]
             for adapter, scale in g.lora:
-                for part, a, b, scaling in self.pairs.get(adapter, ()):
+                for part, name, scaling in self.pairs.get(adapter, ()):
+                    a, b = self._buffers[name + "_a"], self._buffers[name + "_b"]
+                    assert a is not None and b is not None
                     off, n = self.bounds[part]
                     # NOTE: PEFT's order: lora_B(lora_A(x)) * scaling
                     delta = (xs @ a.T) @ b.T * (scaling * scale)  # [m, n]
@@ -113,8 +125,7 @@ class LoraSet:
                         w = adapter.weights.get(name)
                         if w is not None:
                             dev = model.device
-                            pair = (j, w.a.to(dev), w.b.to(dev), w.scaling)
-                            lin.pairs.setdefault(aid, []).append(pair)
+                            lin.add(aid, j, w.a.to(dev), w.b.to(dev), w.scaling)
                 setattr(owner, attr, lin)
                 self.linears.append(lin)
 

@@ -32,7 +32,7 @@ from model.runner.attn_groups import (
     pad_rows,
     prompt_group,
 )
-from model.runner.paths import decide_paths
+from model.runner.paths import LORA_STEPS, decide_paths
 from model.runner.sampling import sample
 from model.runner.state_batch import state_batch
 from model.runner.token_mask import MaskFiller
@@ -87,6 +87,8 @@ class ModelWorker:
                 if isinstance(m, QuantLinear):
                     m.small_rows = 0
         self.paths = decide_paths(model, storage, kernels)
+        if lora is not None:
+            self.paths.why[LORA_STEPS] = f"{len(lora)} adapters; the C++ step applies none"
         args = model.args
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
@@ -213,8 +215,8 @@ class ModelWorker:
         if self.lora is None or batch.lora is None:
             return nullcontext()
         self.num_lora_steps += 1
-        if self.paths.native is not None and self.num_lora_steps == 1:
-            log.info("a step with LoRA rows: the Python layers (the C++ step applies no LoRA)")
+        if self.paths.native is not None:
+            log.debug("step %d with LoRA rows: the Python layers", self.num_lora_steps)
         return self.lora.active(batch.lora)
 
     def _apply_pending(self, plan: BatchPlan) -> None:

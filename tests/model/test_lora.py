@@ -249,3 +249,36 @@ def test_gguf_block_base_keeps_its_fast_path_for_base_rows(setup: tuple, tmp_pat
         assert together.tokens[(r.req_id, 0)] == alone.tokens[(r.req_id, 0)]
         assert w.num_lora_steps == (12 if r.lora else 0)
     assert together.tokens[("l", 0)] != together.tokens[("b", 0)]
+
+
+def test_int8_base_with_batch_invariant_worker(setup: tuple, tmp_path: Path) -> None:
+    """LoRA over int8 QuantLinears: with a batch-invariant worker (one kernel at every row
+    count) a LoRA request batched with a base one gives each its solo tokens, and the adapter
+    moves the int8 model's tokens as it moves the float one's logits."""
+    from model.layers.quant import quantize
+
+    base, a_path, *_ = setup
+    loaded = load_model(base)
+    quantize(loaded.transformer, "int8")
+    loras = LoraSet(loaded.transformer, [load_lora(a_path, loaded.config, torch.float32)])
+    prompts = [make_prompt(12, seed=14), make_prompt(9, seed=15)]
+
+    def run(reqs: list[Request]) -> Outcome:
+        config = make_config(prefix_cache=False)
+        sched = Scheduler(config)
+        worker = make_worker(loaded, config.n_cells, batch_invariant=True, lora=loras)
+        outcome = Outcome()
+        for r in reqs:
+            sched.add_request(r)
+        while sched.has_work:
+            step(sched, worker, outcome)  # type: ignore[arg-type]
+        return outcome
+
+    def reqs() -> list[Request]:
+        return [request("l", prompts[0], ((0, 1.0),)), request("b", prompts[1])]
+
+    together = run(reqs())
+    for r in reqs():
+        assert together.tokens[(r.req_id, 0)] == run([r]).tokens[(r.req_id, 0)]
+    plain = run([request("l", prompts[0])])
+    assert together.tokens[("l", 0)] != plain.tokens[("l", 0)]
