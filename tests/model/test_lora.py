@@ -22,6 +22,7 @@ from tests.model.factories import make_plan, prefill_chunk
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
 from tests.tiny_models import (
     write_peft_adapter,
+    write_tiny_gemma3,
     write_tiny_gguf,
     write_tiny_gguf_lora,
     write_tiny_llama,
@@ -282,3 +283,34 @@ def test_int8_base_with_batch_invariant_worker(setup: tuple, tmp_path: Path) -> 
         assert together.tokens[(r.req_id, 0)] == run([r]).tokens[(r.req_id, 0)]
     plain = run([request("l", prompts[0])])
     assert together.tokens[("l", 0)] != plain.tokens[("l", 0)]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3", "rslora"])
+def test_other_blocks_and_rslora_match_peft(kind: str, tmp_path: Path) -> None:
+    """q/k/v biases (Qwen2), q/k norms and head_dim != dim / n_heads (Qwen3), Gemma 3 (GeGLU,
+    sliding windows, its norms), and rsLoRA's alpha / sqrt(r): PEFT's logits and tokens."""
+    if kind == "gemma3":
+        base = write_tiny_gemma3(tmp_path / "base")
+    elif kind == "rslora":
+        base = write_tiny_llama(tmp_path / "base")
+    else:
+        base = write_tiny_llama(tmp_path / "base", model_type=kind, head_dim=24)
+    extra = {"use_rslora": True} if kind == "rslora" else {}
+    adapter = write_peft_adapter(base, tmp_path / "lora", seed=5, targets=ALL_PROJ, **extra)
+    loaded = load_model(base)
+    lora = load_lora(adapter, loaded.config, torch.float32)
+    if kind == "rslora":
+        assert all(w.scaling == 8 / 2 for w in lora.weights.values())  # alpha 8 / sqrt(4)
+    kind_setup = (base, adapter, None, loaded, LoraSet(loaded.transformer, [lora]))
+    prompt = make_prompt(14, seed=16)
+    hf = hf_peft(base, adapter)
+    if kind != "gemma3":  # (its two pools of cells: the plan below has one)
+        plan = make_plan([prefill_chunk(0, prompt, 0, all_rows=True)])
+        plan.seqs = [dataclasses.replace(s, lora=((0, 1.0),)) for s in plan.seqs]
+        ours = worker_of(kind_setup).forward(plan)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(ours, theirs, atol=3e-4, rtol=1e-4)
+    spec = loaded.config.memory_spec
+    out, _, _ = serve(kind_setup, [[request("r", prompt, ((0, 1.0),))]], memory_spec=spec)
+    assert out.tokens[("r", 0)] == hf_greedy(hf, prompt, 12)
