@@ -95,7 +95,7 @@ class ForwardBatch:
     rope_swa: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, 1, hd], [n, 1, hd])
     windowed: dict[int, AttnGroups] = field(default_factory=dict)
     state: StateBatch | None = None  # models with recurrent layers
-    # rows with LoRA adapters (model/layers/lora.py LoraGroup); None: base-model rows only
+    # rows with LoRA adapters (model/layers/lora.py LoraBatch); None: base-model rows only
     lora: list[Any] | None = None
 
     def write_cells(self, window: int) -> torch.Tensor:

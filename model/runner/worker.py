@@ -254,7 +254,7 @@ class ModelWorker:
             fused=self.paths.fused,
         )
         if self.lora is not None:
-            batch.lora = self.lora.groups(plan.seqs, dev)
+            batch.lora = self.lora.batch(plan.seqs, dev)
         if self.rope_swa is not None and self._inv_freq_swa is not None:
             batch.rope_swa = self._rope_tables(positions, self.rope_swa, self._inv_freq_swa)
         for w in self.windows:

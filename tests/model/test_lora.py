@@ -130,9 +130,15 @@ def test_base_request_unchanged_by_loaded_adapters(setup: tuple) -> None:
     assert worker.num_lora_steps == 0
 
 
-def test_mixed_batch_equals_each_alone(setup: tuple) -> None:
+@pytest.mark.parametrize("gather", [False, True])
+def test_mixed_batch_equals_each_alone(
+    setup: tuple, gather: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A base request, one under adapter 0 and one under adapter 1 in one batch (the prompts
-    prefilled and decoded together) give what each gives served alone."""
+    prefilled and decoded together) give what each gives served alone; also where the step
+    gathers the adapters it uses instead of multiplying by all of them."""
+    if gather:
+        monkeypatch.setattr("model.layers.lora.ALL_ADAPTERS_MAX_COLS", 0)
     prompts = [make_prompt(13 + i, seed=20 + i) for i in range(3)]
     keys: list[LoraKey] = [(), ((0, 1.0),), ((1, 1.0),)]
 
