@@ -97,7 +97,7 @@ class LoraLinear(nn.Module):
         k = next(iter(self._pairs.values()))[0][1].shape[1]
         a = like.new_zeros(n_ad, rank, k)
         b = like.new_zeros(self.hi - self.lo, n_ad, rank)
-        scaling = torch.ones(n_ad, dtype=torch.float32)
+        scaling = torch.ones(n_ad, dtype=torch.float32, device=like.device)
         for aid, pairs in self._pairs.items():
             col = 0
             for part, pa, pb, _ in pairs:
@@ -134,8 +134,9 @@ class LoraLinear(nn.Module):
         xs = x[batch.rows]  # [m, k]
         m = xs.shape[0]
         h = (xs @ a.T).view(m, -1, self.rank)  # [m, n_used, R]
-        w = (batch.weights * scaling).to(h.dtype)  # [m, n_used]
-        delta = (h * w[:, :, None]).view(m, -1) @ b.T  # [m, hi - lo]
+        w = batch.weights * scaling  # [m, n_used] float32
+        h = (h.float() * w[:, :, None]).to(xs.dtype)  # one rounding of the scaled A x
+        delta = h.view(m, -1) @ b.T  # [m, hi - lo]
         y[batch.rows, self.lo : self.hi] += delta
         return y
 

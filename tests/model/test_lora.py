@@ -320,3 +320,22 @@ def test_other_blocks_and_rslora_match_peft(kind: str, tmp_path: Path) -> None:
     spec = loaded.config.memory_spec
     out, _, _ = serve(kind_setup, [[request("r", prompt, ((0, 1.0),))]], memory_spec=spec)
     assert out.tokens[("r", 0)] == hf_greedy(hf, prompt, 12)
+
+
+def test_bfloat16_model_applies_the_adapter(setup: tuple) -> None:
+    """bfloat16 activations: the adapter's effect on the logits is PEFT's (float32) within
+    bfloat16's rounding, far inside the effect itself."""
+    base, a_path, *_ = setup
+    loaded = load_model(base, dtype="bfloat16")
+    lora = load_lora(a_path, loaded.config, torch.bfloat16)
+    bf16_setup = (base, a_path, None, loaded, LoraSet(loaded.transformer, [lora]))
+    prompt = make_prompt(9, seed=17)
+    plan = make_plan([prefill_chunk(0, prompt, 0, all_rows=True)])
+    plain = worker_of(bf16_setup).forward(plan)
+    plan.seqs = [dataclasses.replace(s, lora=((0, 1.0),)) for s in plan.seqs]
+    ours = worker_of(bf16_setup).forward(plan) - plain
+    with torch.no_grad():
+        hf_plain = hf_peft(base, None)(torch.tensor([prompt])).logits[0]
+        theirs = hf_peft(base, a_path)(torch.tensor([prompt])).logits[0] - hf_plain
+    err = (ours - theirs).abs().max().item()
+    assert err < 0.05 * theirs.abs().max().item()
