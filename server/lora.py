@@ -113,6 +113,14 @@ class LoraAdapters:
         return "+".join(f"{self.adapters[a].name}*{s:g}" for a, s in key)
 
 
+def reply_model(backend: Any, model: str | None) -> str:
+    """The `model` of a reply: the adapter's name when the request named one (vLLM's), else
+    the served model's."""
+    adapters: LoraAdapters | None = getattr(backend, "loras", None)
+    adapter = None if adapters is None else adapters.find(model)
+    return backend.model_name if adapter is None else adapter.name
+
+
 def select_lora(backend: Any, model: str | None, lora: Any | None) -> LoraKey:
     """The request's LoraKey on `backend`; 400 for a `lora` field on a server without any."""
     adapters: LoraAdapters | None = getattr(backend, "loras", None)

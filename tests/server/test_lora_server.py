@@ -90,6 +90,9 @@ def test_an_adapter_by_name_by_base_name_and_by_id_are_one(server: LiveServer) -
     ]
     contents = [r["choices"][0]["message"]["content"] for r in replies]
     assert contents[0] != contents[1]
+    assert [r["model"] for r in replies] == ["tiny", "verse"]  # vLLM's: the adapter's name
+    resp = complete(url, model="tiny:pirate", stream=True)
+    assert '"model":"pirate"' in resp.text
 
 
 def test_concurrent_requests_under_different_adapters_equal_each_alone(
