@@ -164,12 +164,44 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
             )
         else:
             p.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
+    _lora_flags(p)
 
 
 def build_settings(args: argparse.Namespace) -> Settings:
     """CELLSERVE_* environment variables, overridden by the flags given on the command line."""
     given = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
+    if args.lora:
+        given["lora"] = args.lora
+    if args.lora_scaled:
+        given["lora_scaled"] = [tuple(pair) for pair in args.lora_scaled]  # pydantic: floats
+    if args.lora_init_without_apply:
+        given["lora_init_without_apply"] = True
     return Settings(**given)
+
+
+def _lora_flags(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's LoRA flags (server/lora.py); PATH may be NAME=PATH (vLLM's --lora-modules)."""
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="PATH",
+        help="a LoRA adapter (PEFT folder or GGUF LoRA) at global scale 1; repeatable; "
+        "NAME=PATH names it (default: the folder or file name); requests pick it by model "
+        "name or by id in `lora`",
+    )
+    p.add_argument(
+        "--lora-scaled",
+        action="append",
+        nargs=2,
+        metavar=("PATH", "SCALE"),
+        help="a LoRA adapter at its own global scale; repeatable (ids follow the --lora ones)",
+    )
+    p.add_argument(
+        "--lora-init-without-apply",
+        action="store_true",
+        default=None,
+        help="load the adapters with global scale 0: only requests that ask for one use it",
+    )
 
 
 def serve(args: argparse.Namespace, backend_factory: BackendFactory | None = None) -> int:

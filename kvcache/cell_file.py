@@ -1,7 +1,8 @@
 """Cell files: one sequence's cached tokens and K/V rows on disk (slot save/restore).
 
 Layout: MAGIC | u64 little-endian header length | header (JSON) | payload. The header names
-the model (model.load.fingerprint), the tokens, each layer group's geometry, the dtype its rows
+the model (model.load.fingerprint), the tokens, the LoRA adapters they were computed under
+(ids and scales, with the fingerprint covering the adapter files), each layer group's geometry, the dtype its rows
 are stored in and the positions it keeps (a sliding-window group keeps only the last window),
 and the payload's SHA-256. The payload is the tokens (int64) and then, per group, K and V as
 stored: [n_layers, n_kv_heads, n_rows, head_dim]. A file whose magic, model, geometry, length
@@ -53,6 +54,8 @@ class CellFile:
     model: str  # the model's fingerprint
     tokens: np.ndarray  # [n] int64 at positions 0..n-1
     groups: list[GroupRows]
+    lora: tuple[tuple[int, float], ...] = ()  # scheduler.plan.LoraKey: (adapter id, scale)
+    lora_name: str | None = None  # the name KV events give those adapters
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -71,6 +74,8 @@ def write_cell_file(path: Path, data: CellFile) -> int:
         {
             "model": data.model,
             "n_tokens": int(data.tokens.shape[0]),
+            "lora": [[int(i), float(s)] for i, s in data.lora],
+            "lora_name": data.lora_name,
             "groups": groups,
             "payload_bytes": len(payload),
             "sha256": hashlib.sha256(payload).hexdigest(),
@@ -102,6 +107,8 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
         n_tokens = int(header["n_tokens"])
         groups = header["groups"]
         expected = int(header["payload_bytes"])
+        lora = tuple((int(i), float(s)) for i, s in header.get("lora", []))
+        lora_name = header.get("lora_name")
     except (ValueError, KeyError, TypeError) as e:
         raise CellFileError(f"its header is damaged ({e})") from e
     payload = raw[start:]
@@ -133,7 +140,7 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
             kv.append(part.view(dtype).reshape(shape))
             at += size
         rows.append(GroupRows(positions, kv[0], kv[1]))
-    return CellFile(header["model"], tokens, rows), len(raw)
+    return CellFile(header["model"], tokens, rows, lora, lora_name), len(raw)
 
 
 def check_geometry(groups: list[GroupRows], geometry: list[dict[str, object]]) -> None:

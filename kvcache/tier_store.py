@@ -40,7 +40,7 @@ SUFFIX = ".cells"
 def _copy_out(model: str, held: Any, worker: Any) -> CellFile:
     rows = worker.read_rows(held.cells)
     groups = [GroupRows(p.copy(), k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
-    return CellFile(model, held.tokens.copy(), groups)
+    return CellFile(model, held.tokens.copy(), groups, held.lora, held.lora_name)
 
 
 def _nbytes(data: CellFile) -> int:
@@ -119,11 +119,13 @@ class DiskStore:
         out: list[Any] = []
         for path in sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
             try:
-                tokens = _peek_tokens(path, self.model)
-            except (OSError, ValueError):
+                peeked = _peek_tokens(path, self.model)
+            except (OSError, ValueError, TypeError):
                 continue
-            if tokens is not None:
-                out.append(TierEntry(path.stem, tokens, path.stat().st_size, len(out)))
+            if peeked is not None:
+                tokens, lora, lora_name = peeked
+                size = path.stat().st_size
+                out.append(TierEntry(path.stem, tokens, size, len(out), lora, lora_name))
         return out
 
     def put(self, key: str, held: Any, worker: Any) -> int:
@@ -192,9 +194,9 @@ class DiskStore:
         self._reader.shutdown(wait=True)
 
 
-def _peek_tokens(path: Path, model: str) -> np.ndarray | None:
-    """The tokens of a cell file of `model` (None: another model's), reading only its header
-    and token bytes."""
+def _peek_tokens(path: Path, model: str) -> tuple[np.ndarray, Any, str | None] | None:
+    """The tokens, LoRA key and LoRA name of a cell file of `model` (None: another model's),
+    reading only its header and token bytes."""
     with path.open("rb") as f:
         head = f.read(len(MAGIC) + 8)
         if head[: len(MAGIC)] != MAGIC or len(head) < len(MAGIC) + 8:
@@ -207,4 +209,5 @@ def _peek_tokens(path: Path, model: str) -> np.ndarray | None:
         raw = f.read(8 * n)
         if len(raw) != 8 * n:
             raise ValueError("truncated")
-        return np.frombuffer(raw, dtype=np.int64).copy()
+        lora = tuple((int(i), float(s)) for i, s in header.get("lora", []))
+        return np.frombuffer(raw, dtype=np.int64).copy(), lora, header.get("lora_name")

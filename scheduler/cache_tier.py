@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from scheduler.plan import LoraKey
 from scheduler.prefix_cache import common_prefix_len
 from scheduler.saved_slots import SlotCells, SlotError, restore_slot, slot_cells
 from scheduler.scheduler import Scheduler
@@ -39,6 +40,8 @@ class TierEntry:
     tokens: np.ndarray  # [n] int64 at positions 0..n-1
     nbytes: int
     last_used: int = 0
+    lora: LoraKey = ()  # the LoRA adapters its K/V was computed under: serves only those
+    lora_name: str | None = None
 
 
 class TierStore(Protocol):
@@ -111,8 +114,9 @@ class CacheTier:
         self._seen: dict[int, int] = {}  # holder seq id -> id() of the tokens it was seen with
         self._loads: dict[str, _Load] = {}
 
-    def key(self, tokens: np.ndarray) -> str:
+    def key(self, tokens: np.ndarray, lora: LoraKey = ()) -> str:
         h = hashlib.sha256(self.model.encode())
+        h.update(repr(tuple(lora)).encode())
         h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
         return h.hexdigest()[:40]
 
@@ -133,7 +137,8 @@ class CacheTier:
                 self._save(sched, sid, tokens, worker)
 
     def _save(self, sched: Scheduler, sid: int, tokens: np.ndarray, worker: Any) -> None:
-        key = self.key(tokens)
+        lora, lora_name = sched.prefix.lora(sid), sched.prefix.lora_name(sid)
+        key = self.key(tokens, lora)
         held: SlotCells | None = None
         windowed = any(p.window > 0 for p in sched.memory.pools)
         for i, store in enumerate(self.stores):
@@ -148,12 +153,16 @@ class CacheTier:
                 self.stats[i].dropped_saves += 1
                 continue
             self._clock += 1
-            index[key] = TierEntry(key, tokens.copy(), nbytes, self._clock)
+            index[key] = TierEntry(key, tokens.copy(), nbytes, self._clock, lora, lora_name)
             self.stats[i].saves += 1
             if not windowed:  # a full-attention entry serves every prefix of itself
                 for k, e in list(index.items()):
                     n = e.tokens.shape[0]
-                    covered = n <= tokens.shape[0] and common_prefix_len(e.tokens, tokens) == n
+                    covered = (
+                        e.lora == lora
+                        and n <= tokens.shape[0]
+                        and common_prefix_len(e.tokens, tokens) == n
+                    )
                     if k != key and covered and k not in self._loads:
                         self._drop(i, k)
             self._fit(i)
@@ -198,10 +207,12 @@ class CacheTier:
             if seq.tier_checked or seq.request.embed:
                 continue
             seq.tier_checked = True
-            tokens = query_tokens(seq)
+            tokens, lora = query_tokens(seq), seq.request.lora
             best: tuple[int, int, TierEntry] | None = None
             for i, index in enumerate(self.index):
                 for e in index.values():
+                    if e.lora != lora:
+                        continue  # K/V computed under other adapters serves nobody here
                     n = common_prefix_len(e.tokens, tokens)
                     if windowed and n < e.tokens.shape[0]:
                         continue  # a windowed holder serves only its whole length
@@ -210,7 +221,7 @@ class CacheTier:
             if best is None:
                 continue
             n, i, entry = best
-            live = sched.prefix.match(tokens, sched.memory.usable_prefix).length
+            live = sched.prefix.match(tokens, sched.memory.usable_prefix, lora).length
             if n - live < self.min_gain:
                 continue
             if entry.key not in self._loads:
@@ -227,7 +238,7 @@ class CacheTier:
         except Exception as exc:  # noqa: BLE001 - a bad entry is dropped, never restored
             self._discard(i, entry.key, exc)
             return
-        if sched.prefix.is_covered(entry.tokens, sched.memory.usable_prefix):
+        if sched.prefix.is_covered(entry.tokens, sched.memory.usable_prefix, entry.lora):
             return  # the live cache got it meanwhile
         sid = sched.seq_ids.peek_free()
         if sid < 0 and sched.seq_ids.drop_lru_holder():
@@ -235,7 +246,7 @@ class CacheTier:
         if sid < 0:
             return  # every seq id runs: the waiters compute their prompts
         try:
-            cells = restore_slot(sched, sid, entry.tokens)
+            cells = restore_slot(sched, sid, entry.tokens, entry.lora, entry.lora_name)
         except SlotError as exc:
             log.info(
                 "cache tier %s: no room to restore %d tokens: %s",

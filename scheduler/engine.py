@@ -236,7 +236,8 @@ class Engine:
         with self._cond:
             ledger = BlockLedger(block_size)
             for sid in self.scheduler.prefix.seq_ids:
-                ledger.add(sid, self.scheduler.prefix.tokens(sid))
+                prefix = self.scheduler.prefix
+                ledger.add(sid, prefix.tokens(sid), prefix.lora(sid))
             self.scheduler.prefix.ledger = ledger
             self._publish_kv = publish
 

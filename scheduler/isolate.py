@@ -50,7 +50,7 @@ def sub_plan(plan: BatchPlan, seq_indices: list[int]) -> tuple[BatchPlan, list[i
         n = s.end - s.start
         rows.append(np.arange(s.start, s.end))
         row_map.update({s.start + k: start + k for k in range(n)})
-        seqs.append(SeqBatch(s.seq_id, start, start + n))
+        seqs.append(SeqBatch(s.seq_id, start, start + n, s.lora))
         start += n
     take = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     picked = [k for k, smp in enumerate(plan.samples) if smp.row in row_map]

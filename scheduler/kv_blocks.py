@@ -7,6 +7,11 @@ only full blocks too). A block's hash chains its parent's: the same prefix gives
 hashes on every replica. Holders share blocks (a shared system prompt): a block is stored
 when its first holder appears and removed when its last holder goes, so at any time
 stored - removed = the blocks of the holders. Plain Python, called under the engine's lock.
+
+A holder computed under LoRA adapters (scheduler.plan.LoraKey) chains from a root hashed from
+them (vLLM puts the LoRA in its block hash's extra keys): its blocks never equal the base
+model's, and its BlockStored events carry `lora_id` (the adapter's id + 1 for one adapter,
+vLLM's lora_int_id counting from 1) and `lora_name`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+
+from scheduler.plan import LoraKey
 
 ROOT_HASH = 0
 
@@ -32,6 +39,8 @@ class BlockStored:
     block_hashes: list[int]  # one chain, parent first
     parent_block_hash: int | None  # None: the first block of a prompt
     token_ids: list[int]  # block_size tokens per block, concatenated
+    lora_id: int | None = None  # None: the base model
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +56,24 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def lora_root(lora: LoraKey) -> int:
+    """The hash a chain computed under `lora` starts from (ROOT_HASH for the base model)."""
+    if not lora:
+        return ROOT_HASH
+    key = ";".join(f"{aid}:{scale!r}" for aid, scale in lora).encode()
+    return int.from_bytes(hashlib.sha256(b"lora|" + key).digest()[:8], "big")
+
+
+def lora_int_id(lora: LoraKey) -> int | None:
+    """The lora_id of KV events: None for the base model, adapter id + 1 for one adapter at
+    scale 1, else 31 bits of lora_root (a mix or another scale is its own cache)."""
+    if not lora:
+        return None
+    if len(lora) == 1 and lora[0][1] == 1.0:
+        return lora[0][0] + 1
+    return lora_root(lora) >> 33
+
+
 class BlockLedger:
     def __init__(self, block_size: int) -> None:
         assert block_size >= 1
@@ -59,31 +86,37 @@ class BlockLedger:
     def blocks(self) -> set[int]:
         return set(self._refs)
 
-    def chain(self, tokens: np.ndarray) -> list[tuple[int, int | None, np.ndarray]]:
-        """(hash, parent hash, tokens) of each full block of `tokens`."""
+    def chain(
+        self, tokens: np.ndarray, lora: LoraKey = ()
+    ) -> list[tuple[int, int | None, np.ndarray]]:
+        """(hash, parent hash, tokens) of each full block of `tokens` computed under `lora`."""
         out: list[tuple[int, int | None, np.ndarray]] = []
         parent: int | None = None
+        root = lora_root(lora)
         bs = self.block_size
         for start in range(0, tokens.shape[0] - bs + 1, bs):
             chunk = tokens[start : start + bs]
-            h = block_hash(ROOT_HASH if parent is None else parent, chunk)
+            h = block_hash(root if parent is None else parent, chunk)
             out.append((h, parent, chunk))
             parent = h
         return out
 
-    def add(self, seq_id: int, tokens: np.ndarray) -> None:
-        """`seq_id` became a holder of `tokens`: its blocks that no holder had are stored."""
+    def add(
+        self, seq_id: int, tokens: np.ndarray, lora: LoraKey = (), lora_name: str | None = None
+    ) -> None:
+        """`seq_id` became a holder of `tokens` (under `lora`): its blocks that no holder had
+        are stored."""
         assert seq_id not in self._holder_blocks
         hashes: list[int] = []
         run: BlockStored | None = None
-        for h, parent, chunk in self.chain(tokens):
+        for h, parent, chunk in self.chain(tokens, lora):
             hashes.append(h)
             self._refs[h] += 1
             if self._refs[h] > 1:
                 run = None
                 continue
             if run is None:  # consecutive new blocks go out as one chain
-                run = BlockStored([], parent, [])
+                run = BlockStored([], parent, [], lora_int_id(lora), lora_name)
                 self._events.append(run)
             run.block_hashes.append(h)
             run.token_ids.extend(int(t) for t in chunk)

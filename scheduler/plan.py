@@ -14,6 +14,10 @@ from kvcache.cells import PendingOps
 from kvcache.memory import Memory, MemoryPlan, SeqCells, seq_cells_view
 from kvcache.spec import Recurrent
 
+# LoRA adapters a request runs with: (adapter id, scale) pairs sorted by id, no zero scale;
+# () = the base model (model/layers/lora.py)
+LoraKey = tuple[tuple[int, float], ...]
+
 if TYPE_CHECKING:
     from scheduler.constraint import Constraint
 
@@ -51,6 +55,7 @@ class SeqBatch:
     seq_id: int
     start: int
     end: int
+    lora: LoraKey = ()  # the request's LoRA adapters (scheduler.request.Request.lora)
 
 
 @dataclass(frozen=True, slots=True)

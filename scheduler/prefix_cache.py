@@ -2,7 +2,9 @@
 
 The index is flat: one token array per holder, matched by a vectorised compare. Holders are
 bounded by n_seq_max (tens to hundreds), so a match is a few numpy calls, and it needs no
-tree maintenance when holders come and go. The scheduler does the memory operations
+tree maintenance when holders come and go. A holder is keyed by its tokens AND the LoRA
+adapters they were computed under (`lora`): K/V computed under one adapter is never another's
+(vLLM puts the LoRA in its block hashes). The scheduler does the memory operations
 (`seq_cp` from the holder, `seq_rm` of dropped holders); this class only decides.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.kv_blocks import BlockLedger
+from scheduler.plan import LoraKey
 
 Usable = Callable[[int, int], int]
 
@@ -23,6 +26,8 @@ class Holder:
     seq_id: int
     tokens: np.ndarray  # [n] int64: the holder owns these tokens at positions 0..n-1
     last_used: int
+    lora: LoraKey = ()
+    lora_name: str | None = None  # what KV events call `lora` (None: the base model)
 
 
 @dataclass(slots=True)
@@ -56,11 +61,15 @@ class PrefixCache:
     def seq_ids(self) -> list[int]:
         return sorted(self._holders)
 
-    def match(self, tokens: np.ndarray, usable: Usable | None = None) -> PrefixMatch:
-        """Longest cached prefix of `tokens`; never mutates. `usable(seq_id, n)`: the longest
-        m <= n of a holder's first n tokens that can be reused (Memory.usable_prefix)."""
+    def match(
+        self, tokens: np.ndarray, usable: Usable | None = None, lora: LoraKey = ()
+    ) -> PrefixMatch:
+        """Longest cached prefix of `tokens` under `lora`; never mutates. `usable(seq_id, n)`:
+        the longest m <= n of a holder's first n tokens that can be reused (usable_prefix)."""
         best, best_used = PrefixMatch(-1, 0), -1
         for h in self._holders.values():
+            if h.lora != lora:
+                continue
             n = common_prefix_len(h.tokens, tokens)
             if usable is not None and n >= best.length and n > 0:
                 n = usable(h.seq_id, n)
@@ -70,19 +79,22 @@ class PrefixCache:
                 best, best_used = PrefixMatch(h.seq_id, n), h.last_used
         return best
 
-    def is_covered(self, tokens: np.ndarray, usable: Usable | None = None) -> bool:
+    def is_covered(
+        self, tokens: np.ndarray, usable: Usable | None = None, lora: LoraKey = ()
+    ) -> bool:
         """Some holder already holds all of `tokens` as its prefix (and, with `usable`, can
         serve that whole prefix: a recurrent state only serves the lengths it kept)."""
         n = tokens.shape[0]
         return any(
             h.tokens.shape[0] >= n
+            and h.lora == lora
             and common_prefix_len(h.tokens, tokens) == n
             and (usable is None or usable(h.seq_id, n) == n)
             for h in self._holders.values()
         )
 
     def covered_by(
-        self, tokens: np.ndarray, usable: Callable[[int], int] | None = None
+        self, tokens: np.ndarray, usable: Callable[[int], int] | None = None, lora: LoraKey = ()
     ) -> list[int]:
         """Holders whose whole content is a prefix of `tokens` (made redundant by it; with
         `usable(n)`, the longest m <= n the new holder serves, only those it fully serves)."""
@@ -90,16 +102,19 @@ class PrefixCache:
             h.seq_id
             for h in self._holders.values()
             if h.tokens.shape[0] <= tokens.shape[0]
+            and h.lora == lora
             and common_prefix_len(h.tokens, tokens) == h.tokens.shape[0]
             and (usable is None or usable(h.tokens.shape[0]) == h.tokens.shape[0])
         ]
 
-    def insert(self, seq_id: int, tokens: np.ndarray) -> None:
+    def insert(
+        self, seq_id: int, tokens: np.ndarray, lora: LoraKey = (), lora_name: str | None = None
+    ) -> None:
         assert seq_id not in self._holders
         self._clock += 1
-        self._holders[seq_id] = Holder(seq_id, tokens, self._clock)
+        self._holders[seq_id] = Holder(seq_id, tokens, self._clock, lora, lora_name)
         if self.ledger is not None:
-            self.ledger.add(seq_id, tokens)
+            self.ledger.add(seq_id, tokens, lora, lora_name)
 
     def tokens(self, seq_id: int) -> np.ndarray:
         return self._holders[seq_id].tokens
@@ -107,6 +122,12 @@ class PrefixCache:
     def last_used(self, seq_id: int) -> int:
         """The clock of the holder's last insert or touch (larger: more recent)."""
         return self._holders[seq_id].last_used
+
+    def lora(self, seq_id: int) -> LoraKey:
+        return self._holders[seq_id].lora
+
+    def lora_name(self, seq_id: int) -> str | None:
+        return self._holders[seq_id].lora_name
 
     def touch(self, seq_id: int) -> None:
         self._clock += 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.constraint import Grammar
-from scheduler.plan import SamplingParams
+from scheduler.plan import LoraKey, SamplingParams
 
 
 @dataclass(slots=True)
@@ -30,6 +30,10 @@ class Request:
     # speculative decoding: tokens drafted per step at most (None: the engine's draft_max;
     # 0: never; scheduler/speculative.py)
     draft_max: int | None = None
+    # LoRA adapters (scheduler.plan.LoraKey): rows run with them, and the prefix cache reuses
+    # only what was computed under the same ones; lora_name names them in KV events
+    lora: LoraKey = ()
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

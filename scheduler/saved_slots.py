@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler.plan import LoraKey
 from scheduler.scheduler import Scheduler
 
 
@@ -29,12 +30,15 @@ class SlotError(Exception):
 @dataclass(slots=True)
 class SlotCells:
     """What slot `seq_id` holds: its tokens (positions 0..n-1) and, per layer group of the
-    model's MemorySpec, the cells that group keeps for it and their positions (sorted)."""
+    model's MemorySpec, the cells that group keeps for it and their positions (sorted), and the
+    LoRA adapters its K/V was computed under."""
 
     seq_id: int
     tokens: np.ndarray
     cells: list[np.ndarray]
     positions: list[np.ndarray]
+    lora: LoraKey = ()
+    lora_name: str | None = None
 
 
 def _check(sched: Scheduler, seq_id: int) -> None:
@@ -63,7 +67,9 @@ def slot_cells(sched: Scheduler, seq_id: int) -> SlotCells:
         keep = view.kv_pos < n
         cells.append(view.kv_cells[keep])
         positions.append(view.kv_pos[keep])
-    return SlotCells(seq_id, tokens, cells, positions)
+    return SlotCells(
+        seq_id, tokens, cells, positions, sched.prefix.lora(seq_id), sched.prefix.lora_name(seq_id)
+    )
 
 
 def erase_slot(sched: Scheduler, seq_id: int) -> int:
@@ -76,8 +82,15 @@ def erase_slot(sched: Scheduler, seq_id: int) -> int:
     return n
 
 
-def restore_slot(sched: Scheduler, seq_id: int, tokens: np.ndarray) -> list[np.ndarray]:
-    """Make slot `seq_id` a prefix-cache holder of `tokens` at positions 0..n-1 in fresh cells
+def restore_slot(
+    sched: Scheduler,
+    seq_id: int,
+    tokens: np.ndarray,
+    lora: LoraKey = (),
+    lora_name: str | None = None,
+) -> list[np.ndarray]:
+    """Make slot `seq_id` a prefix-cache holder of `tokens` (computed under `lora`) at
+    positions 0..n-1 in fresh cells
     (dropping what it held, and least recently used holders where the cache is full) -> per
     layer group, the cell of each position 0..n-1 (-1 where the group no longer keeps it: a
     sliding window's old rows); the caller writes the K/V rows into them. SlotError (nothing
@@ -119,5 +132,5 @@ def restore_slot(sched: Scheduler, seq_id: int, tokens: np.ndarray) -> list[np.n
         kept = np.zeros(n, dtype=bool)
         kept[view.kv_pos[view.kv_pos < n]] = True
         rows[g][~kept] = -1
-    sched.prefix.insert(seq_id, np.asarray(tokens, dtype=np.int64).copy())
+    sched.prefix.insert(seq_id, np.asarray(tokens, dtype=np.int64).copy(), lora, lora_name)
     return rows

@@ -220,7 +220,7 @@ class Scheduler:
                 token_ids[start : start + n] = seq.tokens[p0 : p0 + n]
             positions[start : start + n] = np.arange(p0, p0 + n)
             seq_ids[start : start + n] = seq.seq_id
-            seqs.append(SeqBatch(seq.seq_id, start, start + n))
+            seqs.append(SeqBatch(seq.seq_id, start, start + n, seq.request.lora))
             start += n
         mplan = self.memory.plan(positions, seq_ids)
         assert mplan is not None, "room was made before placement"
@@ -452,7 +452,9 @@ class Scheduler:
         n = seq.num_computed
         if seq.num_shifts:
             n = min(n, clamp_n_keep(seq.request.n_keep, seq.num_prompt, self.config.n_ctx_seq))
-        self.seq_ids.retire(seq.seq_id, np.asarray(seq.tokens[:n], dtype=np.int64), cache)
+        tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
+        req = seq.request
+        self.seq_ids.retire(seq.seq_id, tokens, cache, req.lora, req.lora_name)
 
     @property
     def num_free_seq_ids(self) -> int:

@@ -7,6 +7,7 @@ import heapq
 import numpy as np
 
 from kvcache.memory import Memory
+from scheduler.plan import LoraKey
 from scheduler.prefix_cache import PrefixCache
 
 
@@ -41,20 +42,29 @@ class SeqIds:
         assert sid >= 0
         heapq.heappush(self._free, sid)
 
-    def retire(self, sid: int, tokens: np.ndarray, cache: bool) -> None:
+    def retire(
+        self,
+        sid: int,
+        tokens: np.ndarray,
+        cache: bool,
+        lora: LoraKey = (),
+        lora_name: str | None = None,
+    ) -> None:
         """A choice is done with `sid`, whose cells hold `tokens` at positions 0..n-1 (and
-        maybe more): keep them as a prefix holder, or free everything. A holder is kept only
-        if the memory can cut it to `tokens` and some prefix of it stays usable."""
+        maybe more), computed under `lora`: keep them as a prefix holder, or free everything.
+        A holder is kept only if the memory can cut it to `tokens` and some prefix of it
+        stays usable."""
         n = tokens.shape[0]
         mem = self.memory
         keep = cache and self.prefix_enabled and n > 0
-        keep = keep and not self.prefix.is_covered(tokens, mem.usable_prefix)
+        keep = keep and not self.prefix.is_covered(tokens, mem.usable_prefix, lora)
         if keep and mem.can_rm(sid, n, -1) and mem.seq_rm(sid, n, -1) and mem.usable_prefix(sid, n):
             # NOTE: a holder is redundant only where the new one serves its whole length (a
             # recurrent state serves only the lengths it kept a state for)
-            for holder in self.prefix.covered_by(tokens, lambda m: mem.usable_prefix(sid, m)):
+            usable = lambda m: mem.usable_prefix(sid, m)  # noqa: E731
+            for holder in self.prefix.covered_by(tokens, usable, lora):
                 self.drop_holder(holder)
-            self.prefix.insert(sid, tokens)
+            self.prefix.insert(sid, tokens, lora, lora_name)
             return
         mem.seq_rm(sid, -1, -1)
         self.release(sid)

@@ -1,6 +1,8 @@
 """Prefix sharing with running sequences: where a new sequence's prefix comes from, and when it
 waits for one that another sequence is computing right now.
 
+Only what was computed under the same LoRA adapters is shared (Request.lora).
+
 A new sequence starts from the longest usable computed prefix (Memory.usable_prefix) of
 either a prefix-cache holder (PrefixCache) or a running sequence: tokens[:num_computed] of
 any running choice (only up to n_keep once it has shifted, as for a holder), taken by seq_cp
@@ -66,9 +68,10 @@ class Sharing:
         """The longest usable computed prefix of `seq` among holders and running sequences;
         never mutates."""
         tokens = query_tokens(seq)
-        best = self.prefix.match(tokens, self.memory.usable_prefix)
+        lora = seq.request.lora
+        best = self.prefix.match(tokens, self.memory.usable_prefix, lora)
         for s in running:
-            if s.state is not SeqState.RUNNING or s.seq_id < 0:
+            if s.state is not SeqState.RUNNING or s.seq_id < 0 or s.request.lora != lora:
                 continue
             n = common_prefix_len(self.computed(s), tokens)
             if n > best.length:
@@ -82,7 +85,7 @@ class Sharing:
         tokens = query_tokens(seq)
         best = 0
         for s in running:
-            if is_reading(s):
+            if is_reading(s) and s.request.lora == seq.request.lora:
                 n = common_prefix_len(np.asarray(s.tokens, dtype=np.int64), tokens)
                 if n > s.num_computed:
                     best = max(best, n)
@@ -103,6 +106,8 @@ class Sharing:
             return stop
         tokens = np.asarray(reader.tokens, dtype=np.int64)
         for w in waiting:
+            if w.request.lora != reader.request.lora:
+                continue
             n = common_prefix_len(tokens, query_tokens(w))
             if n > reader.num_computed and n >= self.config.prefix_wait_min:
                 stop = min(stop, n)

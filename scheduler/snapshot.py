@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from kvcache.cell_types import PoolCells
@@ -34,6 +36,10 @@ def main_pool(memory: Memory) -> PoolCells:
     return next((p.cells for p in memory.pools if p.kind == "cells"), memory.pools[0].cells)
 
 
+def _lora_ids(seqs: Iterable[Sequence]) -> tuple[int, ...]:
+    return tuple(sorted({aid for s in seqs for aid, _ in s.request.lora}))
+
+
 def engine_stats(
     sched: Scheduler, alive: bool, draining: bool, state_bytes_per_slot: int = 0
 ) -> EngineStats:
@@ -53,6 +59,8 @@ def engine_stats(
         prefix_cache_hit_tokens=c.prefix_hit_tokens,
         prefix_cache_running_hit_tokens=c.prefix_running_hit_tokens,
         spec=sched.spec.snapshot(),
+        running_lora_ids=_lora_ids(sched.running),
+        waiting_lora_ids=_lora_ids(sched.waiting),
         num_context_shifts=c.num_context_shifts,
         num_preemptions=c.num_preemptions,
         num_prompt_tokens=c.num_prompt_tokens,

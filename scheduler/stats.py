@@ -61,6 +61,9 @@ class EngineStats:
     pools: list[PoolUsage] = field(default_factory=list)
     prefix_cache_running_hit_tokens: int = 0  # cumulative; of the hits, from running sequences
     spec: SpecStats | None = None  # speculative decoding's counters; None when it is off
+    # LoRA adapter ids of the running / waiting requests (vllm:lora_requests_info)
+    running_lora_ids: tuple[int, ...] = ()
+    waiting_lora_ids: tuple[int, ...] = ()
 
     @property
     def cache_usage(self) -> float:

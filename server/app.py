@@ -26,6 +26,7 @@ from server import (
     routes_embeddings,
     routes_infill,
     routes_llama,
+    routes_lora,
     routes_misc,
     routes_render,
     routes_responses,
@@ -113,6 +114,8 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
     metrics.set_runtime(backend.runtime)
     metrics.bind_expert_load(backend.expert_load)
     metrics.bind_tier(getattr(backend.engine, "tier_stats", None))
+    if backend.loras is not None:
+        metrics.set_lora_names([a.name for a in backend.loras.adapters])
     parts = MemoryParts(
         backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
     )
@@ -206,6 +209,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.include_router(routes_infill.router)
     app.include_router(routes_llama.router)
     app.include_router(routes_slots.router)
+    app.include_router(routes_lora.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_discovery.router)
     app.include_router(routes_render.router)

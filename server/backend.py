@@ -11,6 +11,7 @@ from server.engine_client import EngineClient
 
 if TYPE_CHECKING:
     from model.runner.grammar import GrammarCompiler
+    from server.lora import LoraAdapters
 from server.settings import Settings
 
 
@@ -56,6 +57,7 @@ class Backend:
     expert_load: Callable[[], list[list[int]]] | None = None
     # the model file's identity (model.load.fingerprint): slot files of another model are refused
     model_fingerprint: str = ""
+    loras: LoraAdapters | None = None  # --lora adapters (server/lora.py); None: none
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

@@ -63,6 +63,10 @@ ROUTER_NO_MODEL = "unknown"
 
 
 def check_model(name: str | None, backend: Backend) -> None:
+    """404 unless `name` is the served model, one of its LoRA adapters (server/lora.py) or
+    None."""
+    if backend.loras is not None and backend.loras.find(name) is not None:
+        return
     if name is not None and name not in (backend.model_name, ROUTER_NO_MODEL):
         raise APIError(
             404,

@@ -70,7 +70,7 @@ def encode_event(event: KVEvent, block_size: int, encoding: str) -> Any:
             "parent_block_hash": event.parent_block_hash,
             "token_ids": event.token_ids,
             "block_size": block_size,
-            "lora_id": None,
+            "lora_id": event.lora_id,
             "medium": MEDIUM,
         }
         tag = "BlockStored"
@@ -82,8 +82,8 @@ def encode_event(event: KVEvent, block_size: int, encoding: str) -> Any:
         fields, tag = {}, "AllBlocksCleared"
     if encoding == "array":
         return [tag, *fields.values()]
-    if tag == "BlockStored":
-        fields["lora_name"] = None
+    if isinstance(event, BlockStored):
+        fields["lora_name"] = event.lora_name
     return {"type": tag, **fields}
 
 

@@ -8,6 +8,7 @@ KVCacheUtilization), with vLLM's names so that an InferencePool can scrape this 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -233,6 +234,28 @@ class _TierCollector(Collector):
             for tier, stats in rows:
                 family.add_metric([tier], float(getattr(stats, attr)))
             yield family
+class _LoraCollector(Collector):
+    """vLLM's vllm:lora_requests_info (llm-d's scorers read it): labels max_lora and the
+    comma-separated names of the adapters of running and waiting requests, value the scrape
+    time (vLLM: the time of the last change)."""
+
+    def __init__(self, source: StatsSource) -> None:
+        self.source = source
+        self.names: list[str] = []  # adapter id -> name; [] = no adapters, no metric
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.source()
+        if s is None or not self.names:
+            return
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        waiting = ",".join(self.names[i] for i in s.waiting_lora_ids)
+        running = ",".join(self.names[i] for i in s.running_lora_ids)
+        info.add_metric([str(len(self.names)), waiting, running], time.time())
+        yield info
 
 
 class _InfoCollector(Collector):
@@ -323,6 +346,8 @@ class Metrics:
         self.registry.register(self._experts)
         self._tiers = _TierCollector()
         self.registry.register(self._tiers)
+        self._loras = _LoraCollector(lambda: self._stats_source())
+        self.registry.register(self._loras)
         # vLLM's name and labels (server.cache_config): the cache geometry llm-d reads
         self._cache_config = _InfoCollector(
             "vllm:cache_config_info", "KV cache geometry: virtual blocks over cells"
@@ -364,6 +389,9 @@ class Metrics:
 
     def bind_tier(self, source: Callable[[], list[tuple[str, TierStats]]] | None) -> None:
         self._tiers.source = source
+    def set_lora_names(self, names: list[str]) -> None:
+        """The served LoRA adapters' names by id (vllm:lora_requests_info)."""
+        self._loras.names = list(names)
 
     def set_memory(self, parts: MemoryParts) -> None:
         self._memory.parts = parts

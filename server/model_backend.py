@@ -103,6 +103,41 @@ def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheT
             stats.entries,
         )
     return tier
+def load_loras(settings: Settings, loaded: Any, base_name: str) -> tuple[Any, Any]:
+    """The --lora / --lora-scaled adapters attached to the loaded model: (model.layers.lora
+    LoraSet for the worker, server.lora.LoraAdapters for the API), or (None, None) without
+    any. ModelLoadError for an adapter that does not fit the base or two with one name."""
+    from model.errors import ModelLoadError
+    from model.layers.lora import LoraSet
+    from model.load.lora import load_lora
+    from server.lora import LoraAdapters, ServedAdapter
+
+    specs = settings.lora_specs
+    if not specs:
+        return None, None
+    model = loaded.transformer
+    adapters = [load_lora(path, loaded.config, model.dtype, name) for name, path, _ in specs]
+    names = [a.name for a in adapters]
+    clash = {n for n in names if names.count(n) > 1 or n == base_name}
+    if clash:
+        raise ModelLoadError(
+            f"LoRA adapter names must be unique and differ from the model's: {sorted(clash)} "
+            "(name them with --lora NAME=PATH)"
+        )
+    served = []
+    for i, (a, (_, _, scale)) in enumerate(zip(adapters, specs, strict=True)):
+        served.append(ServedAdapter(i, a.name, a.path, scale, a.rank, a.alpha))
+        log.info(
+            "LoRA adapter %d %r: %s, rank %d, alpha %g, on %s, global scale %g",
+            i,
+            a.name,
+            a.path,
+            a.rank,
+            a.alpha,
+            ",".join(a.targets),
+            scale,
+        )
+    return LoraSet(model, adapters), LoraAdapters(base_name, served)
 
 
 def load_backend(
@@ -165,6 +200,8 @@ def load_backend(
         unit = "state slots" if pool.kind == "slots" else f"cells (window {pool.window})"
         log.info("memory pool %s: %d %s", pool.name, pool.cells.n_cells, unit)
     log_speculation(config, memory)
+    model_name = settings.served_model_name or packaged_name or loaded.name
+    lora_set, loras = load_loras(settings, loaded, model_name)
     drafter = None
     if config.spec.kind == "draft" and memory.tail_rollback:
         drafter = load_draft_model(settings, loaded, device, threads)
@@ -176,19 +213,22 @@ def load_backend(
         batch_invariant=settings.batch_invariant,
         threads=threads if device == "cpu" else None,
         group_cells=[memory.pools[i].cells.n_cells for i in memory.group_pools],
+        lora=lora_set,
     )
     log.info("kernel paths: %s", worker.paths.describe())
     kv_bytes = worker.kv_bytes
     mapped, owned = weight_bytes(loaded.transformer)
     if wrap_worker is not None:
         worker = wrap_worker(worker)
-    fingerprint = model_fingerprint(loaded.path)
+    # slot files and the disk tier name adapters by index: the adapters are part of the identity
+    adapter_paths = [a.path for a in loras.adapters] if loras is not None else []
+    fingerprint = model_fingerprint(loaded.path, *adapter_paths)
     tier = make_cache_tier(settings, memory, fingerprint)
     return Backend(
         engine=Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier),
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
-        model_name=settings.served_model_name or packaged_name or loaded.name,
+        model_name=model_name,
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=kv_bytes,
@@ -209,4 +249,5 @@ def load_backend(
             partial(expert_load, loaded.transformer) if loaded.config.moe is not None else None
         ),
         model_fingerprint=fingerprint,
+        loras=loras,
     )

@@ -9,6 +9,7 @@ from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from server.backend import Backend, Tokenizer
 from server.errors import APIError
+from server.lora import select_lora
 from server.schemas import ChatMessage, SamplingBody, dump_messages
 from server.settings import Settings
 
@@ -159,6 +160,7 @@ def make_request(
         top_logprobs=top_logprobs,
     )
     n_keep = n_keep if body.n_keep is None else body.n_keep
+    lora = select_lora(backend, body.model, body.lora)
     return Request(
         req_id=req_id,
         prompt_ids=list(prompt_ids),
@@ -172,4 +174,6 @@ def make_request(
         context_shift=body.context_shift,
         grammar=grammar,
         draft_max=body.draft_max,
+        lora=lora,
+        lora_name=backend.loras.name_of(lora) if backend.loras is not None else None,
     )

@@ -20,6 +20,7 @@ from server.deps import (
 )
 from server.generation import Generation
 from server.logprobs import chat_logprobs
+from server.lora import reply_model
 from server.schemas import ChatCompletionRequest
 from server.schemas_out import (
     ChatChoice,
@@ -58,7 +59,7 @@ async def chat_completions(
     return ChatCompletion(
         id=req_id,
         created=created,
-        model=backend.model_name,
+        model=reply_model(backend, body.model),
         choices=choices,
         usage=Usage.of(*gen.usage()),
     )
@@ -71,7 +72,11 @@ async def _chunks(
     body: ChatCompletionRequest,
     opts: ReplyOptions,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    head: dict[str, Any] = {"id": req_id, "created": created, "model": gen.backend.model_name}
+    head: dict[str, Any] = {
+        "id": req_id,
+        "created": created,
+        "model": reply_model(gen.backend, body.model),
+    }
     if body.include_usage:
         head["usage"] = None
     tok = gen.backend.tokenizer

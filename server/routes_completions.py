@@ -27,6 +27,7 @@ from server.errors import APIError
 from server.fim import FimTokens, fim_tokens, fim_window, infill_ids
 from server.generation import Generation
 from server.logprobs import completion_logprobs
+from server.lora import reply_model
 from server.prompts import check_token_ids, encode_text, make_request
 from server.schemas import CompletionRequest
 from server.schemas_out import CompletionChoice, TextCompletion, Usage
@@ -151,7 +152,7 @@ async def completions(
     return TextCompletion(
         id=base_id,
         created=created,
-        model=backend.model_name,
+        model=reply_model(backend, body.model),
         choices=choices,
         usage=Usage.of(*gen.usage()),
     )
@@ -160,7 +161,11 @@ async def completions(
 async def _chunks(
     gen: Generation, base_id: str, created: int, body: CompletionRequest, echoes: list[str]
 ) -> AsyncIterator[TextCompletion]:
-    head: dict[str, Any] = {"id": base_id, "created": created, "model": gen.backend.model_name}
+    head: dict[str, Any] = {
+        "id": base_id,
+        "created": created,
+        "model": reply_model(gen.backend, body.model),
+    }
     if body.include_usage:
         head["usage"] = None
     tok = gen.backend.tokenizer

@@ -30,18 +30,27 @@ open_router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(backend: BackendDep, request: Request) -> ModelList:
-    card = ModelCard(
-        id=backend.model_name,
-        created=request.app.state.started_at,
-        max_model_len=backend.n_ctx_seq,
-    )
-    return ModelList(data=[card])
+    created, n_ctx = request.app.state.started_at, backend.n_ctx_seq
+    cards = [ModelCard(id=backend.model_name, created=created, max_model_len=n_ctx)]
+    for a in [] if backend.loras is None else backend.loras.adapters:
+        cards.append(
+            ModelCard(
+                id=a.name,
+                created=created,
+                max_model_len=n_ctx,
+                root=a.path,
+                parent=backend.model_name,
+            )
+        )
+    return ModelList(data=cards)
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, backend: BackendDep, request: Request) -> ModelCard:
     check_model(model_id, backend)
-    return (await list_models(backend, request)).data[0]
+    adapter = None if backend.loras is None else backend.loras.find(model_id)
+    cards = (await list_models(backend, request)).data
+    return next((c for c in cards if adapter is not None and c.id == adapter.name), cards[0])
 
 
 @router.post("/tokenize")

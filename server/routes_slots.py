@@ -82,7 +82,9 @@ def _save(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
         held = slot_cells(sched, id_slot)
         rows = worker.read_rows(held.cells)
         groups = [GroupRows(p, k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
-        return CellFile(backend.model_fingerprint, held.tokens.copy(), groups)
+        return CellFile(
+            backend.model_fingerprint, held.tokens.copy(), groups, held.lora, held.lora_name
+        )
 
     data = _call(backend, read)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +112,8 @@ def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
             check_geometry(data.groups, worker.kv_geometry())
         except CellFileError as e:
             raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
-        worker.write_rows(*place_rows(data.groups, restore_slot(sched, id_slot, data.tokens)))
+        cells = restore_slot(sched, id_slot, data.tokens, data.lora, data.lora_name)
+        worker.write_rows(*place_rows(data.groups, cells))
 
     _call(backend, write)
     return {

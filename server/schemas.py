@@ -61,6 +61,8 @@ class SamplingBody(_Body):
     return_tokens_as_token_ids: bool = False
     n_draft: int | None = Field(None, ge=0, le=256)
     speculative_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
+    # llama.cpp: LoRA adapters by id with their scales, [{"id": 0, "scale": 0.5}] (server/lora.py)
+    lora: list[Any] | None = None
 
     @property
     def draft_max(self) -> int | None:

@@ -190,6 +190,9 @@ class ModelCard(_Out):
     created: int
     owned_by: str = "cellserve"
     max_model_len: int
+    # vLLM's: a LoRA adapter's card names its base model (`parent`) and its path (`root`)
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(_Out):

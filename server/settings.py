@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -63,6 +64,11 @@ class Settings(BaseSettings):
     threads: int | None = Field(None, ge=1)
     api_key: SecretStr | None = None
     served_model_name: str | None = None
+    # LoRA adapters (server/lora.py): PEFT folders or GGUF LoRAs, "PATH" or "NAME=PATH", at
+    # global scale 1 (--lora) or their own (--lora-scaled); 0 for all with lora_init_without_apply
+    lora: list[str] = Field(default_factory=list)
+    lora_scaled: list[tuple[str, float]] = Field(default_factory=list)
+    lora_init_without_apply: bool = False
     max_queue: int = Field(256, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     max_n: int = Field(8, ge=1)
@@ -82,6 +88,18 @@ class Settings(BaseSettings):
         if self.spec_type is None:
             return "draft" if self.model_draft else "none"
         return SPEC_TYPES[self.spec_type]
+
+    @property
+    def lora_specs(self) -> list[tuple[str | None, str, float]]:
+        """(name or None, path, global scale) of each adapter, --lora ones first (their ids)."""
+        off = self.lora_init_without_apply
+        out = []
+        for spec, scale in [(p, 1.0) for p in self.lora] + list(self.lora_scaled):
+            name, sep, path = spec.partition("=")
+            if not sep or Path(spec).exists():
+                name, path = "", spec
+            out.append((name or None, path, 0.0 if off else scale))
+        return out
 
     @property
     def cors_origins(self) -> list[str]:

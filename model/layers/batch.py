@@ -95,6 +95,8 @@ class ForwardBatch:
     rope_swa: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, 1, hd], [n, 1, hd])
     windowed: dict[int, AttnGroups] = field(default_factory=dict)
     state: StateBatch | None = None  # models with recurrent layers
+    # rows with LoRA adapters (model/layers/lora.py LoraBatch); None: base-model rows only
+    lora: list[Any] | None = None
 
     def write_cells(self, window: int) -> torch.Tensor:
         """[n] int64: the cells the layers with `window` write the batch's rows to."""

@@ -33,12 +33,16 @@ def _sample(h: hashlib._Hash, path: Path) -> None:
         h.update(f.read(_EDGE))
 
 
-def model_fingerprint(path: str | Path) -> str:
+def model_fingerprint(path: str | Path, *adapters: str | Path) -> str:
     """sha256 hex of a model file, or of an HF folder's top-level files (config, tokenizer and
-    weights) in name order."""
-    path = Path(path)
+    weights) in name order, then of each LoRA adapter (file or folder) in the order served: a
+    cached row names its adapters by their index in that order."""
     h = hashlib.sha256()
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        _sample(h, f)
+    for i, part in enumerate((path, *adapters)):
+        part = Path(part)
+        if i:
+            h.update(f"\0adapter {i - 1}\0".encode())
+        files = sorted(p for p in part.iterdir() if p.is_file()) if part.is_dir() else [part]
+        for f in files:
+            _sample(h, f)
     return h.hexdigest()

@@ -40,6 +40,7 @@ from kvcache.storage import GroupedKVStorage, KVStorage
 from model.layers.batch import DecodeGroup, PromptGroup
 from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
 from model.layers.ggml import BlockLinear
+from model.layers.lora import unwrap
 from model.layers.moe import MoEFeedForward
 from model.layers.quant import INT4_GROUP, QuantLinear
 
@@ -99,8 +100,8 @@ class NativeDecoder:
             ):
                 setattr(layer, name, None if norm is None else norm.weight.detach())
             if isinstance(ffn, MoEFeedForward):  # step.cpp moe_ffn
-                layer.wqkv = _step_linear(kernels, attn.wqkv, model.dtype)
-                layer.wo = _step_linear(kernels, attn.wo, model.dtype)
+                layer.wqkv = _step_linear(kernels, unwrap(attn.wqkv), model.dtype)
+                layer.wo = _step_linear(kernels, unwrap(attn.wo), model.dtype)
                 layer.router = ffn.router.detach().to(model.dtype)
                 layer.expert_rows = ffn.expert_rows
                 layer.experts_w13 = [_step_linear(kernels, e.w13, model.dtype) for e in ffn.experts]
@@ -128,8 +129,9 @@ class NativeDecoder:
 
     def runs(self, batch: ForwardBatch) -> bool:
         """Every attention group of every window kernel-ready (cells and lens set; prompts only
-        where the prompt kernel runs), each window's together covering the batch's rows."""
-        if batch.state is not None:
+        where the prompt kernel runs), each window's together covering the batch's rows; no
+        LoRA rows (step.cpp has no low-rank delta: model/layers/lora.py)."""
+        if batch.state is not None or batch.lora is not None:
             return False
         n = batch.tokens.shape[0]
         for window in self.windows:
@@ -186,12 +188,13 @@ _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # step_layers: a decode group of
 
 
 def _linears(block: Block) -> tuple[Any, ...]:
-    """The block's linears: attention's, then the MLP's (a MoE layer's: every expert's)."""
+    """The block's linears: attention's, then the MLP's (a MoE layer's: every expert's); a
+    LoRA-adapted one's base (steps with LoRA rows take the Python layers: NativeDecoder.runs)."""
     a, f = block.attention, block.feed_forward
     assert f is not None
     if isinstance(f, MoEFeedForward):
-        return (a.wqkv, a.wo, *(lin for e in f.experts for lin in (e.w13, e.w2)))
-    return (a.wqkv, a.wo, f.w13, f.w2)
+        return (unwrap(a.wqkv), unwrap(a.wo), *(lin for e in f.experts for lin in (e.w13, e.w2)))
+    return (unwrap(a.wqkv), unwrap(a.wo), unwrap(f.w13), unwrap(f.w2))
 
 
 def _step_kind(lin: Any, dtype: torch.dtype) -> str | None:

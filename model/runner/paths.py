@@ -47,6 +47,8 @@ class KernelPaths:
             ("fused norms", self.fused is not None),
         ):
             parts.append(f"{name}: {'C++' if on else 'torch'} ({self.why.get(name, '')})")
+        if LORA_STEPS in self.why:
+            parts.append(f"{LORA_STEPS}: torch ({self.why[LORA_STEPS]})")
         return "; ".join(parts)
 
 
@@ -79,6 +81,9 @@ def decide_paths(
 
 
 _NAMES = ("one-call step", "decode attention", "prompt attention", "fused norms")
+# set by a worker with LoRA adapters (model/layers/lora.py): steps with LoRA rows take the
+# Python layers (step.cpp adds no low-rank delta); base-only steps keep the paths above
+LORA_STEPS = "steps with LoRA rows"
 
 
 def _prompt_kernel(

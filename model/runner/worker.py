@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +19,7 @@ from model.arch import ModelArgs
 from model.kernels import load_kernels
 from model.layers.batch import AttnGroups, DecodeGroup, ForwardBatch
 from model.layers.decoder import Transformer
+from model.layers.lora import LoraSet
 from model.layers.quant import QuantLinear
 from model.load.dtypes import resolve_dtype
 from model.runner.attn_groups import (
@@ -29,11 +32,13 @@ from model.runner.attn_groups import (
     pad_rows,
     prompt_group,
 )
-from model.runner.paths import decide_paths
+from model.runner.paths import LORA_STEPS, decide_paths
 from model.runner.sampling import sample
 from model.runner.state_batch import state_batch
 from model.runner.token_mask import MaskFiller
 from scheduler.plan import BatchPlan, GroupBatch, StepOutput
+
+log = logging.getLogger("cellserve.model")
 
 SavedStates = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]  # slots, (conv, ssm)
 
@@ -66,8 +71,12 @@ class ModelWorker:
         batch_invariant: bool = False,
         threads: int | None = None,
         kernels: Any | None = None,
+        lora: LoraSet | None = None,
     ) -> None:
+        """`lora`: the adapters attached to `model` (model/layers/lora.py), if any."""
         self.model = model
+        self.lora = lora
+        self.num_lora_steps = 0  # steps with LoRA rows (the Python layers)
         self.threads = threads
         # one KVStorage for every layer, or one per layer group (MemorySpec.groups order): a
         # RecurrentStorage for the recurrent group
@@ -78,6 +87,8 @@ class ModelWorker:
                 if isinstance(m, QuantLinear):
                     m.small_rows = 0
         self.paths = decide_paths(model, storage, kernels)
+        if lora is not None:
+            self.paths.why[LORA_STEPS] = f"{len(lora)} adapters; the C++ step applies none"
         args = model.args
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
@@ -209,9 +220,11 @@ class ModelWorker:
         batch_invariant's padding)."""
         self._apply_pending(plan)
         batch = self.make_batch(plan)
-        native = self.paths.native
-        native = native if native is not None and native.runs(batch) else None
-        return self.model.hidden(batch, self.storage, None if native is None else native.layers)
+        with self._lora(batch):
+            native = self.paths.native
+            native = native if native is not None and native.runs(batch) else None
+            layers = None if native is None else native.layers
+            return self.model.hidden(batch, self.storage, layers)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
@@ -221,10 +234,21 @@ class ModelWorker:
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
         batch = self.make_batch(plan)
-        native = self.paths.native
-        native = native if native is not None and native.runs(batch) else None
-        logits = self.model(batch, self.storage, None if native is None else native.layers)
+        with self._lora(batch):
+            native = self.paths.native
+            native = native if native is not None and native.runs(batch) else None
+            logits = self.model(batch, self.storage, None if native is None else native.layers)
         return logits[: len(plan.samples)]
+
+    def _lora(self, batch: ForwardBatch) -> AbstractContextManager[None]:
+        """Routes the step's LoRA rows (batch.lora, set by make_batch) to their adapters; a
+        step with any takes the Python layers (NativeDecoder.runs)."""
+        if self.lora is None or batch.lora is None:
+            return nullcontext()
+        self.num_lora_steps += 1
+        if self.paths.native is not None:
+            log.debug("step %d with LoRA rows: the Python layers", self.num_lora_steps)
+        return self.lora.active(batch.lora)
 
     def _apply_pending(self, plan: BatchPlan) -> None:
         assert len(plan.groups) == len(self.kv), "one storage per layer group of the plan"
@@ -260,6 +284,8 @@ class ModelWorker:
             prompt_kernel=self.paths.prompt_attention,
             fused=self.paths.fused,
         )
+        if self.lora is not None:
+            batch.lora = self.lora.batch(plan.seqs, dev)
         if self.rope_swa is not None and self._inv_freq_swa is not None:
             batch.rope_swa = self._rope_tables(positions, self.rope_swa, self._inv_freq_swa)
         for w in self.windows:
@@ -354,6 +380,7 @@ def make_worker(
     batch_invariant: bool = False,
     threads: int | None = None,
     group_cells: list[int] | None = None,
+    lora: LoraSet | None = None,
 ) -> ModelWorker:
     """A worker with a fresh KV cache (dtype/device default to the model's); see
     model.runner.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
@@ -398,4 +425,4 @@ def make_worker(
             parts.append(kv(len(g.layers), n, ropes[0], ropes))
         storage = GroupedKVStorage(parts, [g.layers for g in groups])
     kernels = load_kernels() if model.device.type == "cpu" else None
-    return ModelWorker(model, storage, batch_invariant, threads, kernels)
+    return ModelWorker(model, storage, batch_invariant, threads, kernels, lora)

@@ -182,3 +182,29 @@ def test_budgets_keep_the_most_recently_used_entries(tmp_path: Path) -> None:
     newest = [conversation(i).prompt_ids for i in (2, 3, 4)]
     kept = [e.tokens[:150].tolist() for e in tier.index[1].values()]
     assert sorted(kept) == sorted(newest)
+
+
+def test_entries_serve_only_requests_under_the_same_lora_adapters(tmp_path: Path) -> None:
+    """K/V computed under a LoRA adapter is that adapter's: the disk tier keeps the key in its
+    files, and a base-model request with the same tokens never restores it."""
+    adapter = ((0, 0.5),)
+    sched, worker, tier = make("unified", [DiskStore(tmp_path, 1 << 30, MODEL)])
+    first = conversation(0)
+    first.lora, first.lora_name = adapter, "sql"
+    out = run(sched, worker, tier, [first])
+    for i in range(1, 5):
+        run(sched, worker, tier, [conversation(i)])
+    tier.close()
+    sched, worker, tier = make("unified", [DiskStore(tmp_path, 1 << 30, MODEL)])
+    assert sum(e.lora == adapter for e in tier.index[0].values()) == 1
+    base = follow_up(first, out)
+    got = run(sched, worker, tier, [base])
+    assert got.finish[(base.req_id, 0)].num_cached_tokens == 0 and tier.stats[0].hits == 0
+    same = follow_up(first, out)
+    same.req_id, same.lora, same.lora_name = "same", adapter, "sql"
+    got = run(sched, worker, tier, [same])
+    assert got.finish[("same", 0)].num_cached_tokens >= 150 and tier.stats[0].hits == 1
+    held = [s for s in sched.prefix.seq_ids if sched.prefix.lora(s) == adapter]
+    assert held and sched.prefix.lora_name(held[0]) == "sql"
+    sched.memory.check()
+    tier.close()

@@ -91,3 +91,22 @@ def test_stored_minus_removed_is_the_holders_blocks(ops):
         live = replay(ledger.take(), live)
         expected = {h for t in holders.values() for h, _, _ in ledger.chain(t)}
         assert live == expected == ledger.blocks
+
+
+def test_blocks_under_an_adapter_are_their_own_with_its_lora_id():
+    ledger = BlockLedger(block_size=4)
+    tokens = np.arange(8, dtype=np.int64)
+    ledger.add(0, tokens)
+    ledger.add(1, tokens, ((0, 1.0),), "pirate")
+    ledger.add(2, tokens, ((0, 0.5), (1, 1.0)), "pirate*0.5+poet")
+    base, pirate, mix = ledger.take()
+    assert isinstance(base, BlockStored) and isinstance(pirate, BlockStored)
+    assert isinstance(mix, BlockStored)
+    assert (base.lora_id, base.lora_name) == (None, None)
+    assert (pirate.lora_id, pirate.lora_name) == (1, "pirate")  # vLLM's lora_int_id: id + 1
+    assert mix.lora_id is not None and mix.lora_id > 1
+    hashes = [set(e.block_hashes) for e in (base, pirate, mix)]
+    assert all(len(h) == 2 for h in hashes)
+    assert not (hashes[0] & hashes[1]) and not (hashes[0] & hashes[2])
+    assert not (hashes[1] & hashes[2])
+    assert base.token_ids == pirate.token_ids == list(range(8))

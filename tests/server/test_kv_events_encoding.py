@@ -45,6 +45,14 @@ def test_map_encoding_is_tagged_maps_in_a_positional_batch():
     }
 
 
+def test_a_lora_blocks_events_carry_its_id_and_name():
+    stored = BlockStored([9], None, [1, 2], lora_id=1, lora_name="pirate")
+    _, (array,), _ = msgpack.unpackb(encode_batch([stored], 2, "array", 1.0))
+    assert array == ["BlockStored", [9], None, [1, 2], 2, 1, "GPU"]
+    _, (mapped,), _ = msgpack.unpackb(encode_batch([stored], 2, "map", 1.0))
+    assert (mapped["lora_id"], mapped["lora_name"]) == (1, "pirate")
+
+
 def test_vllm_config_json():
     vllm = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
     text = json.dumps({**vllm, "topic": "t", "hwm": 10})
