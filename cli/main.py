@@ -55,6 +55,14 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ),
     ("draft_max", int, "speculative decoding: tokens drafted per sequence and step (default 16)"),
     ("draft_min", int, "speculative decoding: shorter proposals are not verified (default 0)"),
+    (
+        "cache_type_k",
+        str,
+        "how K rows are stored: f32 | f16 | bf16 | q8_0 | q4_0 (llama.cpp's names; q8_0 and "
+        "q4_0: blocks of 32 with an fp16 scale, about 1/2 and 1/4 of f16's bytes; default: "
+        "bf16 where the CPU has AVX-512 BF16, else f16)",
+    ),
+    ("cache_type_v", str, "how V rows are stored: as --cache-type-k (default: the same rule)"),
     ("device", str, "cpu | cuda | auto"),
     (
         "quant",
@@ -147,6 +155,8 @@ _ALIASES = {
     "model_draft": ("-md",),
     "draft_max": ("--spec-draft-n-max",),
     "draft_min": ("--spec-draft-n-min",),
+    "cache_type_k": ("-ctk",),
+    "cache_type_v": ("-ctv",),
 }
 
 

@@ -1,14 +1,15 @@
 """Cell files: one sequence's cached tokens and K/V rows on disk (slot save/restore).
 
 Layout: MAGIC | u64 little-endian header length | header (JSON) | payload. The header names
-the model (model.load.fingerprint), the tokens, the LoRA adapters they were computed under
-(ids and scales, with the fingerprint covering the adapter files), each layer group's geometry, the dtype its rows
-are stored in and the positions it keeps (a sliding-window group keeps only the last window),
-and the payload's SHA-256. The payload is the tokens (int64) and then, per group, K and V as
-stored: [n_layers, n_kv_heads, n_rows, head_dim]. A file whose magic, model, geometry, length
-or checksum does not match is refused, never restored. A write goes to a temporary file in the
-same directory, is fsync'd and renamed over the target: a crash leaves the old file or the new
-one, never a torn one.
+the model (model.load.fingerprint, which covers the LoRA adapter files too), the tokens, the
+LoRA adapters they were computed under (ids and scales), each layer group's geometry, the dtype
+and length of its K and V rows and the positions it keeps (a sliding-window group keeps only
+the last window), and the payload's SHA-256. The payload is the tokens (int64) and then, per
+group, K and V as stored: [n_layers, n_kv_heads, n_rows, row] (a float type's row is head_dim
+values; a quantized cache type's, --cache-type-k/-v q8_0 / q4_0, its blocks' bytes as uint8).
+A file whose magic, model, geometry, length or checksum does not match is refused, never
+restored. A write goes to a temporary file in the same directory, is fsync'd and renamed over
+the target: a crash leaves the old file or the new one, never a torn one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MAGIC = b"CELLKV01"
+MAGIC = b"CELLKV02"  # 02: K and V rows described apart (quantized cache types)
 
 
 class CellFileError(ValueError):
@@ -32,21 +33,29 @@ class CellFileError(ValueError):
 
 @dataclass(slots=True)
 class GroupRows:
-    """One layer group's rows of a sequence: K and V [n_layers, n_kv_heads, n_rows, head_dim]
-    as stored, for the sorted `positions` [n_rows] the group keeps."""
+    """One layer group's rows of a sequence: K and V [n_layers, n_kv_heads, n_rows, row] as
+    stored, for the sorted `positions` [n_rows] the group keeps."""
 
     positions: np.ndarray
     k: torch.Tensor
     v: torch.Tensor
 
     def geometry(self) -> dict[str, object]:
-        n_layers, n_kv_heads, _, head_dim = self.k.shape
-        return {
-            "n_layers": int(n_layers),
-            "n_kv_heads": int(n_kv_heads),
-            "head_dim": int(head_dim),
-            "dtype": str(self.k.dtype).removeprefix("torch."),
-        }
+        return rows_geometry(self.k, self.v)
+
+
+def rows_geometry(k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
+    """What K and V rows [n_layers, n_kv_heads, n, row] look like, whatever n (a storage's
+    whole tensors or one sequence's rows): a restore needs the same on both sides."""
+    n_layers, n_kv_heads = k.shape[:2]
+    return {
+        "n_layers": int(n_layers),
+        "n_kv_heads": int(n_kv_heads),
+        "k_row": int(k.shape[-1]),
+        "k_dtype": str(k.dtype).removeprefix("torch."),
+        "v_row": int(v.shape[-1]),
+        "v_dtype": str(v.dtype).removeprefix("torch."),
+    }
 
 
 @dataclass(slots=True)
@@ -98,6 +107,8 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
     """-> (the file's content, bytes read); CellFileError if it is not a whole cell file of
     `model` (the caller checks the geometry against its own cache)."""
     raw = path.read_bytes()
+    if raw[: len(MAGIC) - 2] == MAGIC[:-2] and raw[: len(MAGIC)] != MAGIC:
+        raise CellFileError("it is an older cell file format: save the slot again")
     if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 8:
         raise CellFileError("not a cellserve slot file")
     (n_header,) = struct.unpack_from("<Q", raw, len(MAGIC))
@@ -120,26 +131,31 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
     at = 8 * n_tokens
     tokens = np.frombuffer(buf[:at], dtype=np.int64).copy()
     rows = []
-    for g in groups:
-        dtype = getattr(torch, str(g["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise CellFileError(f"unknown dtype {g['dtype']!r}")
-        n = int(g["n_rows"])
-        positions = np.frombuffer(buf[at : at + 8 * n], dtype=np.int64).copy()
-        at += 8 * n
-        shape = (int(g["n_layers"]), int(g["n_kv_heads"]), n, int(g["head_dim"]))
-        size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        if at + 2 * size > len(buf):
-            raise CellFileError("its header does not match its payload")
-        kv = []
-        for _ in range(2):
-            if size == 0:
-                kv.append(torch.empty(shape, dtype=dtype))
-                continue
-            part = torch.frombuffer(bytearray(buf[at : at + size]), dtype=torch.uint8)
-            kv.append(part.view(dtype).reshape(shape))
-            at += size
-        rows.append(GroupRows(positions, kv[0], kv[1]))
+    try:
+        for g in groups:
+            n = int(g["n_rows"])
+            positions = np.frombuffer(buf[at : at + 8 * n], dtype=np.int64).copy()
+            at += 8 * n
+            kv = []
+            for part in ("k", "v"):
+                dtype = getattr(torch, str(g[f"{part}_dtype"]), None)
+                if not isinstance(dtype, torch.dtype):
+                    raise CellFileError(f"unknown dtype {g[f'{part}_dtype']!r}")
+                shape = (int(g["n_layers"]), int(g["n_kv_heads"]), n, int(g[f"{part}_row"]))
+                size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+                if at + size > len(buf):
+                    raise CellFileError("its header does not match its payload")
+                if size == 0:
+                    kv.append(torch.empty(shape, dtype=dtype))
+                    continue
+                chunk = torch.frombuffer(bytearray(buf[at : at + size]), dtype=torch.uint8)
+                kv.append(chunk.view(dtype).reshape(shape))
+                at += size
+            rows.append(GroupRows(positions, kv[0], kv[1]))
+    except CellFileError:
+        raise
+    except (KeyError, ValueError, TypeError) as e:
+        raise CellFileError(f"its header is damaged ({e})") from e
     return CellFile(header["model"], tokens, rows, lora, lora_name), len(raw)
 
 
@@ -149,7 +165,7 @@ def check_geometry(groups: list[GroupRows], geometry: list[dict[str, object]]) -
     if saved != geometry:
         raise CellFileError(
             f"its cache layout {saved} does not match this server's {geometry} "
-            "(another model, or another --dtype)"
+            "(another model, --dtype or --cache-type-k / --cache-type-v)"
         )
 
 

@@ -7,16 +7,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcache.cache_types import CacheType, cache_type
 from kvcache.cells import PendingOps
 from kvcache.rope import RopeConfig, apply_rope
 from kvcache.state_storage import RecurrentStorage
 
 
 class KVStorage:
-    """K and V for every layer and cell: k, v: [n_layers, n_kv_heads, n_cells, head_dim].
+    """K and V for every layer and cell: k, v: [n_layers, n_kv_heads, n_cells, row_len].
 
     Head-major, so that a gather of cells is [n_kv_heads, n, head_dim] contiguous: attention
-    batches over (kv head, sequence) and reads it without another copy.
+    batches over (kv head, sequence) and reads it without another copy. Each of K and V has a
+    cache type (kvcache.cache_types: f32, f16, bf16, q8_0, q4_0): a float type stores rows of
+    head_dim values in its dtype, a quantized one rows of bytes (uint8 [..., row_bytes]); either
+    way dim 2 is the cell, so copying cells out and in (read_cells / write_cells, or k / v
+    indexed along dim 2) works for every type. `dtype` is what reads return (the model's).
     """
 
     def __init__(
@@ -29,32 +34,58 @@ class KVStorage:
         device: torch.device | str = "cpu",
         rope: RopeConfig | None = None,
         layer_ropes: list[RopeConfig] | None = None,
+        type_k: str | CacheType | None = None,
+        type_v: str | CacheType | None = None,
     ) -> None:
         """`layer_ropes`: each layer's RoPE when they differ (Gemma 3's local and global bases);
-        the K-shift rotates each layer by its own."""
-        shape = (n_layers, n_kv_heads, n_cells, head_dim)
+        the K-shift rotates each layer by its own. `type_k` / `type_v`: the cache types (None:
+        `dtype`'s float type)."""
         self.n_layers = n_layers
         self.n_cells = n_cells
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.type_k = cache_type(dtype if type_k is None else type_k)
+        self.type_v = cache_type(dtype if type_v is None else type_v)
+        self.type_k.check(head_dim)
+        self.type_v.check(head_dim)
         self.device = torch.device(device)
         self.rope = rope if rope is not None else RopeConfig(theta=10000.0, dim=head_dim)
         self.layer_ropes = layer_ropes or [self.rope] * n_layers
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = self._zeros(self.type_k)
+        self.v = self._zeros(self.type_v)
+
+    def _zeros(self, t: CacheType) -> torch.Tensor:
+        shape = (self.n_layers, self.n_kv_heads, self.n_cells, t.row_len(self.head_dim))
+        return torch.zeros(shape, dtype=t.storage_dtype, device=self.device)
 
     @property
     def bytes_per_cell(self) -> int:
-        per_row = self.n_layers * self.n_kv_heads * self.head_dim * self.k.element_size()
-        return 2 * per_row
+        per_head = self.type_k.row_bytes(self.head_dim) + self.type_v.row_bytes(self.head_dim)
+        return self.n_layers * self.n_kv_heads * per_head
+
+    @property
+    def native(self) -> bool:
+        """K and V stored as the model's own dtype: reads are views, no conversion."""
+        return self.type_k.dtype == self.dtype and self.type_v.dtype == self.dtype
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v: [n, n_kv_heads, head_dim] into `cells` [n] (int64) of `layer`."""
-        if k.dtype != self.dtype:
-            k, v = k.to(self.dtype), v.to(self.dtype)
+        k, v = self.type_k.encode(k), self.type_v.encode(v)
         self.k[layer].index_copy_(1, cells, k.transpose(0, 1))
         self.v[layer].index_copy_(1, cells, v.transpose(0, 1))
+
+    def read_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored rows of `cells` [n] (int64), as stored (any cache type):
+        k, v: [n_layers, n_kv_heads, n, row_len], copies; write_cells puts them back."""
+        return self.k.index_select(2, cells), self.v.index_select(2, cells)
+
+    def write_cells(self, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put rows that read_cells returned (of a storage of the same shape and types) into
+        `cells` [n]."""
+        assert k.dtype == self.k.dtype and v.dtype == self.v.dtype, "rows of another cache type"
+        self.k.index_copy_(2, cells, k)
+        self.v.index_copy_(2, cells, v)
 
     def head_index(self, cells: torch.Tensor) -> torch.Tensor:
         """cells [n] -> [n_kv_heads * n] rows of a layer's [n_kv_heads * n_cells, head_dim] view,
@@ -74,32 +105,31 @@ class KVStorage:
     def gather_heads(
         self, layer: int, index: torch.Tensor | slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """index from head_index(cells) or read_index -> k, v: [n_kv_heads, n, head_dim]
-        (contiguous for an index tensor; views of the cache for a slice).
+        """index from head_index(cells) or read_index -> k, v: [n_kv_heads, n, head_dim] in
+        `dtype` (contiguous for an index tensor; views of the cache for a slice when the type
+        stores `dtype` itself; other types are converted or dequantized).
 
         NOTE: a dim-0 gather of whole rows: index_select along the cell dim (1) ran 2x slower.
         """
+        return self._gather(self.k[layer], self.type_k, index), self._gather(
+            self.v[layer], self.type_v, index
+        )
+
+    def _gather(
+        self, rows: torch.Tensor, t: CacheType, index: torch.Tensor | slice
+    ) -> torch.Tensor:
+        """rows: one layer's [n_kv_heads, n_cells, row_len]."""
         if isinstance(index, slice):
-            return self.k[layer][:, index], self.v[layer][:, index]
-        hd = self.head_dim
-        k = self.k[layer].view(-1, hd).index_select(0, index)
-        v = self.v[layer].view(-1, hd).index_select(0, index)
-        return k.view(self.n_kv_heads, -1, hd), v.view(self.n_kv_heads, -1, hd)
+            raw = rows[:, index]
+        else:
+            raw = rows.view(-1, rows.shape[-1]).index_select(0, index)
+            raw = raw.view(self.n_kv_heads, -1, rows.shape[-1])
+        return t.decode(raw, self.dtype)
 
     def gather(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v: [n, n_kv_heads, head_dim] (views of gather_heads) of `cells` of `layer`."""
         k, v = self.gather_heads(layer, self.head_index(cells))
         return k.transpose(0, 1), v.transpose(0, 1)
-
-    def read_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of every layer's rows of `cells` [n] (int64), as stored: k, v
-        [n_layers, n_kv_heads, n, head_dim] (what a slot file keeps)."""
-        return self.k.index_select(2, cells), self.v.index_select(2, cells)
-
-    def write_cells(self, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The inverse of read_cells: rows as stored, [n_layers, n_kv_heads, n, head_dim]."""
-        self.k.index_copy_(2, cells, k.to(self.dtype))
-        self.v.index_copy_(2, cells, v.to(self.dtype))
 
     def apply(self, pending: PendingOps) -> None:
         """Apply the cells' deferred work: copies first (in order), then K-shifts."""
@@ -122,8 +152,10 @@ class KVStorage:
             if id(rope) not in tables:
                 tables[id(rope)] = rope.cos_sin(deltas)
             cos, sin = tables[id(rope)]
-            k = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, hd]
-            rotated = apply_rope(k, cos, sin, rope.layout)
+            raw = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, row]
+            # a quantized row: dequantize, rotate, quantize again (only the shifted cells)
+            k = self.type_k.decode(raw, torch.float32) if self.type_k.quantized else raw
+            rotated = self.type_k.encode(apply_rope(k, cos, sin, rope.layout))
             self.k[layer].index_copy_(1, cells, rotated.transpose(0, 1))
 
     def clear(self) -> None:
@@ -152,6 +184,9 @@ class GroupedKVStorage:
         self.state = states[0] if states else None
         self.dtype = groups[0].dtype
         self.device = groups[0].device
+        kv = [s for s in groups if isinstance(s, KVStorage)]
+        self.type_k = kv[0].type_k if kv else None
+        self.type_v = kv[0].type_v if kv else None
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for layer in order:
@@ -159,6 +194,16 @@ class GroupedKVStorage:
             part = groups[g]
             if isinstance(part, KVStorage):
                 self.k[layer], self.v[layer] = part.k[i], part.v[i]
+
+    @property
+    def native(self) -> bool:
+        """Every K/V pool stores the model's own dtype (KVStorage.native)."""
+        return all(s.native for s in self.groups if isinstance(s, KVStorage))
+
+    @property
+    def bytes_per_cell(self) -> int:
+        """K and V of one cell of every pool (one token's, where every pool holds it)."""
+        return sum(s.bytes_per_cell for s in self.groups if isinstance(s, KVStorage))
 
     @property
     def num_bytes(self) -> int:

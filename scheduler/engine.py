@@ -25,7 +25,7 @@ from scheduler.kv_blocks import BlockLedger, KVEvent
 from scheduler.plan import BatchPlan, StepOutput, Worker
 from scheduler.request import Event, FinishEvent, Request
 from scheduler.scheduler import Routed, Scheduler
-from scheduler.snapshot import engine_stats, pool_maps, slot_infos
+from scheduler.snapshot import engine_stats, pool_cell_bytes, pool_maps, slot_infos
 from scheduler.speculative import Drafter
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo, StepStats
 
@@ -63,6 +63,9 @@ class Engine:
         self.tier = tier
         # a recurrent model's worker says what one state slot costs (/metrics, the cell map)
         self.state_bytes_per_slot = int(getattr(worker, "state_bytes_per_slot", 0) or 0)
+        # and what one cell of each K/V pool costs as stored (its cache types)
+        group_bytes = list(getattr(worker, "kv_bytes_per_group", None) or ())
+        self.cell_bytes = pool_cell_bytes(self.scheduler.memory, group_bytes)
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -177,7 +180,11 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cond:
             return engine_stats(
-                self.scheduler, not self._dead, self._draining, self.state_bytes_per_slot
+                self.scheduler,
+                not self._dead,
+                self._draining,
+                self.state_bytes_per_slot,
+                self.cell_bytes,
             )
 
     def tier_stats(self) -> list[tuple[str, TierStats]]:
@@ -196,7 +203,7 @@ class Engine:
 
     def cell_map(self) -> CellMapSnapshot:
         with self._cond:
-            pools = pool_maps(self.scheduler.memory, self.state_bytes_per_slot)
+            pools = pool_maps(self.scheduler.memory, self.state_bytes_per_slot, self.cell_bytes)
             return CellMapSnapshot(
                 n_cells=pools[0].n_cells,
                 head=pools[0].head,
@@ -205,7 +212,11 @@ class Engine:
                 slots=slot_infos(self.scheduler),
                 holder_seq_ids=self.scheduler.prefix.seq_ids,
                 stats=engine_stats(
-                    self.scheduler, not self._dead, self._draining, self.state_bytes_per_slot
+                    self.scheduler,
+                    not self._dead,
+                    self._draining,
+                    self.state_bytes_per_slot,
+                    self.cell_bytes,
                 ),
             )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 import numpy as np
 
@@ -14,8 +15,11 @@ from scheduler.sequence import SeqState, Sequence
 from scheduler.stats import EngineStats, PoolMap, PoolUsage, SlotInfo
 
 
-def pool_maps(memory: Memory, state_bytes_per_slot: int = 0) -> list[PoolMap]:
-    """Per pool; `state_bytes_per_slot`: the worker's, for pools of state slots."""
+def pool_maps(
+    memory: Memory, state_bytes_per_slot: int = 0, cell_bytes: Seq[int] = ()
+) -> list[PoolMap]:
+    """Per pool; `state_bytes_per_slot`: the worker's, for pools of state slots; `cell_bytes`:
+    pool_cell_bytes, for pools of K/V cells (empty: not known)."""
     return [
         PoolMap(
             p.name,
@@ -24,10 +28,25 @@ def pool_maps(memory: Memory, state_bytes_per_slot: int = 0) -> list[PoolMap]:
             int(p.cells.head),
             p.cells.owner_map(),
             p.kind,
-            state_bytes_per_slot if p.kind == "slots" else 0,
+            _unit_bytes(p.kind, i, state_bytes_per_slot, cell_bytes),
         )
-        for p in memory.pools
+        for i, p in enumerate(memory.pools)
     ]
+
+
+def pool_cell_bytes(memory: Memory, group_bytes: Seq[int]) -> list[int]:
+    """Per pool, one cell's K/V bytes as stored (the worker's per layer group, summed over the
+    groups the pool holds); 0 for pools of state slots or where `group_bytes` is empty."""
+    return [
+        sum(b for g, b in zip(memory.group_pools, group_bytes, strict=False) if g == i)
+        for i in range(len(memory.pools))
+    ]
+
+
+def _unit_bytes(kind: str, i: int, state_bytes_per_slot: int, cell_bytes: Seq[int]) -> int:
+    if kind == "slots":
+        return state_bytes_per_slot
+    return cell_bytes[i] if i < len(cell_bytes) else 0
 
 
 def main_pool(memory: Memory) -> PoolCells:
@@ -41,7 +60,11 @@ def _lora_ids(seqs: Iterable[Sequence]) -> tuple[int, ...]:
 
 
 def engine_stats(
-    sched: Scheduler, alive: bool, draining: bool, state_bytes_per_slot: int = 0
+    sched: Scheduler,
+    alive: bool,
+    draining: bool,
+    state_bytes_per_slot: int = 0,
+    cell_bytes: Seq[int] = (),
 ) -> EngineStats:
     cells = main_pool(sched.memory)
     cstats = cells.stats()
@@ -76,9 +99,9 @@ def engine_stats(
                 p.cells.used,
                 ps.stats.shared,
                 p.kind,
-                state_bytes_per_slot if p.kind == "slots" else 0,
+                _unit_bytes(p.kind, i, state_bytes_per_slot, cell_bytes),
             )
-            for p, ps in zip(sched.memory.pools, sched.memory.stats(), strict=True)
+            for i, (p, ps) in enumerate(zip(sched.memory.pools, sched.memory.stats(), strict=True))
         ],
     )
 

@@ -120,6 +120,12 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
         backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
     )
     metrics.set_memory(parts)
+    if backend.cache_bytes_per_cell:
+        metrics.set_cell_bytes(
+            backend.cache_bytes_per_cell,
+            backend.runtime.get("cache_type_k", ""),
+            backend.runtime.get("cache_type_v", ""),
+        )
     metrics.set_cache_config(cache_config_labels(backend, settings))
     app.state.backend = backend
     mib = backend.cache_bytes / 2**20

@@ -234,6 +234,8 @@ class _TierCollector(Collector):
             for tier, stats in rows:
                 family.add_metric([tier], float(getattr(stats, attr)))
             yield family
+
+
 class _LoraCollector(Collector):
     """vLLM's vllm:lora_requests_info (llm-d's scorers read it): labels max_lora and the
     comma-separated names of the adapters of running and waiting requests, value the scrape
@@ -311,6 +313,26 @@ def memory_breakdown(parts: MemoryParts) -> dict[str, int]:
     }
 
 
+class _CellBytesCollector(Collector):
+    """cellserve_kv_cache_bytes_per_cell: one token's K and V over every layer as stored,
+    labelled with the cache types (--cache-type-k / --cache-type-v)."""
+
+    def __init__(self) -> None:
+        self.value: tuple[int, str, str] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.value is None:
+            return
+        n, type_k, type_v = self.value
+        g = GaugeMetricFamily(
+            "cellserve_kv_cache_bytes_per_cell",
+            "Bytes of one cell (a token's K and V in every layer) in the cache types stored",
+            labels=["cache_type_k", "cache_type_v"],
+        )
+        g.add_metric([type_k, type_v], float(n))
+        yield g
+
+
 class _MemoryCollector(Collector):
     def __init__(self) -> None:
         self.parts: MemoryParts | None = None
@@ -342,6 +364,8 @@ class Metrics:
         self.registry.register(self._runtime)
         self._memory = _MemoryCollector()
         self.registry.register(self._memory)
+        self._cell_bytes = _CellBytesCollector()
+        self.registry.register(self._cell_bytes)
         self._experts = _ExpertCollector()
         self.registry.register(self._experts)
         self._tiers = _TierCollector()
@@ -389,12 +413,16 @@ class Metrics:
 
     def bind_tier(self, source: Callable[[], list[tuple[str, TierStats]]] | None) -> None:
         self._tiers.source = source
+
     def set_lora_names(self, names: list[str]) -> None:
         """The served LoRA adapters' names by id (vllm:lora_requests_info)."""
         self._loras.names = list(names)
 
     def set_memory(self, parts: MemoryParts) -> None:
         self._memory.parts = parts
+
+    def set_cell_bytes(self, n: int, type_k: str, type_v: str) -> None:
+        self._cell_bytes.value = (n, type_k, type_v)
 
     def set_cache_config(self, labels: dict[str, str]) -> None:
         self._cache_config.labels = dict(labels)

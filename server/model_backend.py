@@ -103,6 +103,8 @@ def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheT
             stats.entries,
         )
     return tier
+
+
 def load_loras(settings: Settings, loaded: Any, base_name: str) -> tuple[Any, Any]:
     """The --lora / --lora-scaled adapters attached to the loaded model: (model.layers.lora
     LoraSet for the worker, server.lora.LoraAdapters for the API), or (None, None) without
@@ -154,7 +156,7 @@ def load_backend(
     from model.load.fingerprint import model_fingerprint
     from model.load.packaged import resolve_model
     from model.runner.grammar import GrammarCompiler
-    from model.runner.worker import make_worker
+    from model.runner.worker import default_cache_type, make_worker
     from model.serving import open_model
 
     model, packaged_name = resolve_model(settings.model)
@@ -205,6 +207,8 @@ def load_backend(
     drafter = None
     if config.spec.kind == "draft" and memory.tail_rollback:
         drafter = load_draft_model(settings, loaded, device, threads)
+    type_k = settings.cache_type_k or default_cache_type(loaded.transformer.dtype, device)
+    type_v = settings.cache_type_v or default_cache_type(loaded.transformer.dtype, device)
     worker = make_worker(
         loaded,
         settings.n_cells,
@@ -214,6 +218,15 @@ def load_backend(
         threads=threads if device == "cpu" else None,
         group_cells=[memory.pools[i].cells.n_cells for i in memory.group_pools],
         lora=lora_set,
+        cache_type_k=type_k,
+        cache_type_v=type_v,
+    )
+    log.info(
+        "KV cache: K %s, V %s: %d bytes per cell (K and V of every layer), %.1f MiB",
+        type_k,
+        type_v,
+        worker.kv_bytes_per_cell,
+        worker.kv_bytes / 2**20,
     )
     log.info("kernel paths: %s", worker.paths.describe())
     kv_bytes = worker.kv_bytes
@@ -232,6 +245,7 @@ def load_backend(
         n_ctx_seq=n_ctx,
         n_cells=settings.n_cells,
         cache_bytes=kv_bytes,
+        cache_bytes_per_cell=worker.kv_bytes_per_cell,
         embedding_dim=loaded.config.dim,
         grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
         runtime={
@@ -241,6 +255,8 @@ def load_backend(
             "kernels": opened.kernels,
             "native_step": "yes" if worker.paths.native is not None else "no",
             "dtype": dtype,
+            "cache_type_k": type_k,
+            "cache_type_v": type_v,
             "quant": opened.runtime.quant,
         },
         weights_mapped_bytes=mapped,

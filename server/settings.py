@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     # CPU computes it natively, else float32; a quantized GGUF served int4 / int8 on CPU.
     # --quant none --dtype float32 is the reference (the logits of the unquantized model).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # how K and V rows are stored (kvcache/cache_types.py, llama.cpp's names); None: 16-bit,
+    # bf16 where the CPU has AVX-512 BF16 (native bfloat16 dot products), else f16 (F16C)
+    cache_type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] | None = None
+    cache_type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
     # weight-only, CPU; int8/int4 re-quantize (changes the logits), gguf: the file's own blocks
     quant: Literal["none", "int8", "int4", "gguf"] | None = None

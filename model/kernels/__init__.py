@@ -51,6 +51,7 @@ _SOURCE_NAMES = (
     "ggml_blocks.cpp",
     "int4.cpp",
     "int8.cpp",
+    "kv_rows.cpp",
     "layers.cpp",
     "step.cpp",
 )

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -45,23 +46,54 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
          const at::Tensor& lens, double scale, at::Tensor& out) {
   const int64_t n_seq = q.size(0), n_heads = q.size(1), hd = q.size(2);
   const int64_t n_kv = k.size(0), group = n_heads / n_kv, max_kv = cells.size(1);
+  // cells of another type than q's (kvcache/cache_types.py): a task dequantizes its sequence's
+  // rows into its own buffers first (each row once per layer, L2-sized), then runs as below
+  constexpr CacheKind own = std::is_same_v<T, float> ? CacheKind::F32 : CacheKind::BF16;
+  const CacheKind kk = cache_kind(k, hd), vk = cache_kind(v, hd);
+  const bool convert = kk != own || vk != own;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const auto* kraw = static_cast<const uint8_t*>(k.data_ptr());
+  const auto* vraw = static_cast<const uint8_t*>(v.data_ptr());
   T* op = out.data_ptr<T>();
   const int64_t* cp = cells.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t kb0 = k.stride(0) * k.element_size(), kb1 = k.stride(1) * k.element_size();
+  const int64_t vb0 = v.stride(0) * v.element_size(), vb1 = v.stride(1) * v.element_size();
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
 
   // one task per (sequence, kv head): its `group` query heads share every K/V row read
   at::parallel_for(0, n_seq * n_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * hd), acc(group * hd), row(hd), scores;
+    std::vector<T> kbuf, vbuf;
+    std::vector<int64_t> iota;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / n_kv, kvh = task % n_kv, n = lp[s];
       const int64_t* sc = cp + s * max_kv;
+      const T* kp = reinterpret_cast<const T*>(kraw + kvh * kb0);  // this head's rows
+      const T* vp = reinterpret_cast<const T*>(vraw + kvh * vb0);
+      int64_t ks1 = kb1 / static_cast<int64_t>(sizeof(T)), vs1 = vb1 / static_cast<int64_t>(sizeof(T));
+      if (convert) {
+        kbuf.resize(n * hd);
+        vbuf.resize(n * hd);
+        if (static_cast<int64_t>(iota.size()) < n) {
+          iota.resize(n);
+          for (int64_t i = 0; i < n; ++i) iota[i] = i;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          if (j + kAhead < n) {
+            __builtin_prefetch(kraw + kvh * kb0 + sc[j + kAhead] * kb1);
+            __builtin_prefetch(vraw + kvh * vb0 + sc[j + kAhead] * vb1);
+          }
+          dequant_row(kk, kraw + kvh * kb0 + sc[j] * kb1, kbuf.data() + j * hd, hd);
+          dequant_row(vk, vraw + kvh * vb0 + sc[j] * vb1, vbuf.data() + j * hd, hd);
+        }
+        kp = kbuf.data();
+        vp = vbuf.data();
+        ks1 = vs1 = hd;
+        sc = iota.data();
+      }
 #ifdef CELLSERVE_AVX512_BF16
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (hd % 32 == 0 && hd <= 32 * kMaxChunks && group <= kMaxQueries) {
@@ -71,15 +103,16 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             qrows[g] = qp + s * qs0 + (kvh * group + g) * qs1;
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
-          if (task + 1 < end) {  // the next task's first K rows arrive while this one runs
+          if (!convert && task + 1 < end) {  // the next task's first K rows, during this one
             const int64_t s1 = (task + 1) / n_kv, kvh1 = (task + 1) % n_kv;
             const int64_t* sc1 = cp + s1 * max_kv;
+            const auto* kp1 = reinterpret_cast<const T*>(kraw + kvh1 * kb0);
             for (int64_t r = 0; r < std::min<int64_t>(lp[s1], 16); ++r)
-              prefetch_row(kp + kvh1 * ks0 + sc1[r] * ks1, hd);
+              prefetch_row(kp1 + sc1[r] * ks1, hd);
           }
           scores.resize(group * (n + 1));
-          attend_bf16(qrows, group, nullptr, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc, n, fscale,
-                      scores.data(), dst);
+          attend_bf16(qrows, group, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, scores.data(),
+                      dst);
           continue;
         }
       }
@@ -94,8 +127,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
           scores.resize(group * n);
-          attend_f32(qf.data(), group, nullptr, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, sc,
-                     n, scores.data(), dst);
+          attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, scores.data(), dst);
           continue;
         }
       }
@@ -106,8 +138,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] *= fscale;
       }
       for (int64_t j = 0; j < n; ++j) {
-        if (j + kAhead < n) __builtin_prefetch(kp + kvh * ks0 + sc[j + kAhead] * ks1);
-        load_row(kp + kvh * ks0 + sc[j] * ks1, row.data(), hd);
+        if (j + kAhead < n) __builtin_prefetch(kp + sc[j + kAhead] * ks1);
+        load_row(kp + sc[j] * ks1, row.data(), hd);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * hd;
           float dot = 0.0f;
@@ -118,8 +150,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
-        if (j + kAhead < n) __builtin_prefetch(vp + kvh * vs0 + sc[j + kAhead] * vs1);
-        load_row(vp + kvh * vs0 + sc[j] * vs1, row.data(), hd);
+        if (j + kAhead < n) __builtin_prefetch(vp + sc[j + kAhead] * vs1);
+        load_row(vp + sc[j] * vs1, row.data(), hd);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * n + j];
           float* ag = acc.data() + g * hd;
@@ -139,12 +171,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "q, k, v must share a dtype");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "the last dim must be contiguous");
   TORCH_CHECK(q.size(1) % k.size(0) == 0, "n_heads must be a multiple of n_kv_heads");
-  TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "head_dim / K-V shapes differ");
+  cache_kind(k, q.size(2));  // K and V rows of a cache type for q's head_dim (else it throws)
+  cache_kind(v, q.size(2));
+  TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1), "K and V caches differ in shape");
   TORCH_CHECK(cells.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
               "cells and lens must be int64");
   TORCH_CHECK(cells.dim() == 2 && cells.size(0) == q.size(0) && lens.size(0) == q.size(0),
@@ -175,6 +207,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
+  if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
+    // cells of another cache type: the chunk's cells dequantized once (not once per task),
+    // in position order, then read in place
+    TORCH_CHECK(cells.scalar_type() == at::kLong && cells.dim() == 1, "cells [n_kv] int64");
+    auto c = cells.contiguous();
+    auto kd = dequant_cells(k.contiguous(), c, q.size(2), q.scalar_type());
+    auto vd = dequant_cells(v.contiguous(), c, q.size(2), q.scalar_type());
+    auto order = at::arange(c.size(0), c.options());
+    return prompt_attention(q, kd, vd, order, lens, scale);
+  }
   const bool f32 = q.scalar_type() == at::kFloat;
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   (f32 || q.scalar_type() == at::kBFloat16),

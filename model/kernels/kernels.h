@@ -90,6 +90,19 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
+// kv_rows.cpp: K/V rows in kvcache/cache_types.py's types. A layer's cache [n_kv, n_cells, row]
+// is float32, float16 or bfloat16 rows of head_dim, or uint8 rows of q8_0 / q4_0 blocks of 32
+// (which one: its dtype and row length, cache_kind).
+enum class CacheKind { F32, F16, BF16, Q8_0, Q4_0 };
+CacheKind cache_kind(const at::Tensor& rows, int64_t hd);
+int64_t cache_row_bytes(CacheKind kind, int64_t hd);
+void dequant_row(CacheKind kind, const uint8_t* src, float* dst, int64_t hd);
+void dequant_row(CacheKind kind, const uint8_t* src, at::BFloat16* dst, int64_t hd);
+void encode_row(CacheKind kind, const float* x, uint8_t* dst, int64_t hd);  // ggml's rounding
+at::Tensor dequant_cells(const at::Tensor& rows, const at::Tensor& cells, int64_t hd,
+                         at::ScalarType dtype);
+bool reads_cache_types();
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale);
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -125,7 +138,8 @@ struct StepLayer {
   // q_norm / k_norm: [head_dim] per head, or [n_heads * head_dim] / [n_kv * head_dim] (OLMoE)
   std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;
   StepLinear wqkv, wo, w13, w2;
-  at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, head_dim] of its pool
+  at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, row] of its pool (any cache type)
+  int64_t head_dim = 0;
   int64_t groups = 0;           // which of the step's StepGroups it attends (its window's)
   int64_t rope = 0;             // which rope table pair rotates it; -1: NoPE
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU

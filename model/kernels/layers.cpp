@@ -285,6 +285,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
   m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells, bf16");
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
+  m.def("reads_cache_types", &reads_cache_types,
+        "whether the attention kernels and step_layers read and write every cache type");
+  m.def("dequant_cells", &dequant_cells, "cells of a K/V cache layer, dequantized");
   m.def("has_f32_kernels", &has_f32_kernels, "whether prompt_attention takes float32 (AVX2)");
   m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
@@ -334,6 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("w2", &StepLayer::w2)
       .def_readwrite("k_cache", &StepLayer::k_cache)
       .def_readwrite("v_cache", &StepLayer::v_cache)
+      .def_readwrite("head_dim", &StepLayer::head_dim)
       .def_readwrite("groups", &StepLayer::groups)
       .def_readwrite("rope", &StepLayer::rope)
       .def_readwrite("gelu", &StepLayer::gelu)

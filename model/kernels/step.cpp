@@ -82,20 +82,34 @@ at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_
   return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
 }
 
-// write_kv: the step's K and V rows [n, n_kv, hd] (row stride src_s0, head stride hd) into
-// cells[r] of one layer's cache [n_kv, n_cells, hd] (contiguous), as raw row copies: what
-// KVStorage.write's two index_copy_ calls store. The caller checked every cell is in range.
-void write_kv(const at::Tensor& k_layer, const at::Tensor& v_layer, const int64_t* cells,
-              const char* k_src, const char* v_src, int64_t n, int64_t n_kv, int64_t hd,
-              int64_t src_s0, int64_t elem) {
-  char* kp = static_cast<char*>(k_layer.data_ptr());
-  char* vp = static_cast<char*>(v_layer.data_ptr());
-  const int64_t n_cells = k_layer.size(1), row = hd * elem;
+// write_kv: the step's K or V rows [n, n_kv, hd] in x's dtype (row stride src_s0, head stride
+// hd) into cells[r] of one layer's cache [n_kv, n_cells, row] (contiguous): raw row copies
+// where the cache has x's dtype (what KVStorage.write's index_copy_ stores), else each row
+// encoded in the cache's type (kv_rows.cpp, as kvcache/cache_types.py encodes it). The caller
+// checked every cell is in range.
+void write_kv(const at::Tensor& layer, const int64_t* cells, const char* src, int64_t n,
+              int64_t n_kv, int64_t hd, int64_t src_s0, at::ScalarType xt) {
+  char* base = static_cast<char*>(layer.data_ptr());
+  const CacheKind kind = cache_kind(layer, hd);
+  const CacheKind own = xt == at::kFloat ? CacheKind::F32 : CacheKind::BF16;
+  const int64_t elem = xt == at::kFloat ? 4 : 2, n_cells = layer.size(1);
+  const int64_t row = cache_row_bytes(kind, hd);
+  std::vector<float> f(kind == own || xt == at::kFloat ? 0 : hd);
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t h = 0; h < n_kv; ++h) {
-      const int64_t dst = (h * n_cells + cells[r]) * row, src = (r * src_s0 + h * hd) * elem;
-      std::memcpy(kp + dst, k_src + src, row);
-      std::memcpy(vp + dst, v_src + src, row);
+      char* dst = base + (h * n_cells + cells[r]) * row;
+      const char* s = src + (r * src_s0 + h * hd) * elem;
+      if (kind == own) {
+        std::memcpy(dst, s, row);
+        continue;
+      }
+      const float* x = reinterpret_cast<const float*>(s);
+      if (xt != at::kFloat) {
+        const auto* b = reinterpret_cast<const at::BFloat16*>(s);
+        for (int64_t d = 0; d < hd; ++d) f[d] = to_float(b[d]);
+        x = f.data();
+      }
+      encode_row(kind, x, reinterpret_cast<uint8_t*>(dst), hd);
     }
   }
 }
@@ -173,10 +187,13 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
     TORCH_CHECK(layer.rope < static_cast<int64_t>(ropes.size()) / 2,
                 "step_layers: a layer's rope table ", layer.rope, " is not given");
     const auto& k = layer.k_cache;
-    TORCH_CHECK(k.scalar_type() == x.scalar_type() && k.is_contiguous() &&
-                    layer.v_cache.is_contiguous() && layer.v_cache.sizes() == k.sizes(),
-                "step_layers: a layer's K/V cache must be contiguous, of one shape, in x's "
-                "dtype");
+    TORCH_CHECK(layer.head_dim > 0 && k.dim() == 3 && layer.v_cache.dim() == 3 &&
+                    k.is_contiguous() && layer.v_cache.is_contiguous() &&
+                    layer.v_cache.size(0) == k.size(0) && layer.v_cache.size(1) == k.size(1),
+                "step_layers: a layer's K/V caches must be contiguous [n_kv, n_cells, row], "
+                "with its head_dim set");
+    cache_kind(k, layer.head_dim);  // rows of a cache type (else it throws)
+    cache_kind(layer.v_cache, layer.head_dim);
     n_cells[layer.groups] = std::min(n_cells[layer.groups], k.size(1));
     if (layer.router) {
       const int64_t n_experts = layer.router->size(0);
@@ -267,7 +284,7 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
   auto normed = at::empty_like(x);  // each RMSNorm's output, reused across layers
   at::Tensor gated;                  // [n, ffn]: each SiLU-mul's output, reused
   for (const StepLayer& layer : layers) {
-    const int64_t n_kv = layer.k_cache.size(0), hd = layer.k_cache.size(2);
+    const int64_t n_kv = layer.k_cache.size(0), hd = layer.head_dim;
     const int64_t qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
     rms_norm_into(x, layer.attn_norm, eps, normed);
     auto qkv = mm(normed, layer.wqkv);  // [n, width]
@@ -285,8 +302,9 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     }
     const StepGroups& g = groups[layer.groups];
     const char* base = static_cast<const char*>(qkv.data_ptr());
-    write_kv(layer.k_cache, layer.v_cache, g.write_cells.data_ptr<int64_t>(),
-             base + n_heads * hd * elem, base + qk_width * elem, n, n_kv, hd, width, elem);
+    const int64_t* wc = g.write_cells.data_ptr<int64_t>();
+    write_kv(layer.k_cache, wc, base + n_heads * hd * elem, n, n_kv, hd, width, x.scalar_type());
+    write_kv(layer.v_cache, wc, base + qk_width * elem, n, n_kv, hd, width, x.scalar_type());
     auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
     auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale);
     auto a = mm(attn.view({n, n_heads * hd}), layer.wo);

@@ -138,7 +138,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n_seq = q.shape[0] if g.rows is None else g.rows.shape[0]
         h_kv, hd = self.n_kv_heads, self.head_dim
-        if kernel is not None and g.lens is not None and storage.dtype == q.dtype:
+        if kernel is not None and g.lens is not None:  # the worker checked the cache types
             qs = q if g.rows is None else q.index_select(0, g.rows)
             return kernel(qs, storage.k[layer], storage.v[layer], g.cells, g.lens, self.scale)
         # GQA without repeat: the h / h_kv query heads of a kv head become its query rows,

@@ -68,6 +68,8 @@ class NativeDecoder:
             return None, "no C++ kernels"
         if model.dtype not in (torch.bfloat16, torch.float32) or storage.dtype != model.dtype:
             return None, f"{model.dtype} model over {storage.dtype} cells"
+        if not storage.native and not getattr(kernels, "reads_cache_types", lambda: False)():
+            return None, "cells of another cache type (a build without cache types)"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
@@ -111,6 +113,7 @@ class NativeDecoder:
                 for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
                     setattr(layer, name, _step_linear(kernels, lin, model.dtype))
             layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
+            layer.head_dim = args.head_dim
             layer.groups = windows.index(desc.window)
             layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
             layer.gelu = desc.activation == "gelu_tanh"

@@ -60,16 +60,16 @@ def decide_paths(
         return KernelPaths(why=dict.fromkeys(_NAMES, "no C++ kernels for this CPU"))
     paths = KernelPaths()
     why = paths.why
-    same_dtype = storage.dtype == model.dtype
+    reads = _reads_cells(model, storage, kernels)
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
     if model.args.attn_softcap:
         capped = "attention logit soft-capping (Gemma 2): the C++ kernels do not cap scores"
         why["decode attention"] = why["prompt attention"] = capped
-    elif same_dtype:
+    elif reads is None:
         paths.decode_attention = kernels.decode_attention
-        why["decode attention"] = f"{model.dtype} cells"
+        why["decode attention"] = f"{_cells(storage)} cells"
     else:
-        why["decode attention"] = f"cells in {storage.dtype}, model in {model.dtype}"
+        why["decode attention"] = reads
     if not model.args.attn_softcap:
         paths.prompt_attention, why["prompt attention"] = _prompt_kernel(model, storage, kernels)
     if model.dtype == torch.bfloat16 or paths.native is not None:
@@ -90,8 +90,9 @@ def _prompt_kernel(
     model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any
 ) -> tuple[Any | None, str]:
     args = model.args
-    if model.dtype != storage.dtype:
-        return None, f"cells in {storage.dtype}, model in {model.dtype}"
+    reads = _reads_cells(model, storage, kernels)
+    if reads is not None:
+        return None, reads
     if model.dtype == torch.bfloat16 and not kernels.has_bf16_kernels():
         return None, "this CPU's build has no bfloat16 prompt kernel"
     if model.dtype == torch.float32 and not kernels.has_f32_kernels():
@@ -105,3 +106,22 @@ def _prompt_kernel(
     if args.n_heads // args.n_kv_heads > PROMPT_KERNEL_MAX_GQA:
         return None, f"{args.n_heads // args.n_kv_heads} query heads per K/V head (max 16)"
     return kernels.prompt_attention, f"{model.dtype}, head_dim {args.head_dim}"
+
+
+def _cells(storage: KVStorage | GroupedKVStorage) -> str:
+    """K/V cache types, e.g. "q8_0/f16"; one name where both are the same."""
+    k, v = storage.type_k, storage.type_v
+    if k is None or v is None:
+        return "no"
+    return k.name if k == v else f"{k.name}/{v.name}"
+
+
+def _reads_cells(
+    model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any
+) -> str | None:
+    """None where the attention kernels read `storage`'s cells; else why not."""
+    if storage.native:
+        return None
+    if not getattr(kernels, "reads_cache_types", lambda: False)():
+        return f"{_cells(storage)} cells, model in {model.dtype} (a build without cache types)"
+    return None

@@ -11,12 +11,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvcache.cell_file import rows_geometry
 from kvcache.cell_types import PendingOps
 from kvcache.rope import RopeConfig, rope_tables
 from kvcache.state_storage import RecurrentStorage
 from kvcache.storage import GroupedKVStorage, KVStorage
 from model.arch import ModelArgs
-from model.kernels import load_kernels
+from model.kernels import isa, load_kernels
 from model.layers.batch import AttnGroups, DecodeGroup, ForwardBatch
 from model.layers.decoder import Transformer
 from model.layers.lora import LoraSet
@@ -53,6 +54,16 @@ def set_torch_threads(n: int) -> None:
     model load elsewhere took 21.6 ms instead of 12.9 ms (SmolLM2 int4, 2 cores).
     """
     torch.set_num_threads(n)
+
+
+def default_cache_type(model_dtype: torch.dtype, device: str = "cpu") -> str:
+    """The 16-bit cache type this machine reads fastest: bf16 where the CPU has AVX-512 BF16
+    (the kernels' dot products take bf16 pairs as they are), else f16 (AVX2's F16C converts 8
+    values an instruction, and f16 keeps 3 more mantissa bits); off the CPU, a bfloat16
+    model's own dtype, else f16."""
+    if device != "cpu":
+        return "bf16" if model_dtype == torch.bfloat16 else "f16"
+    return "bf16" if isa.native_bfloat16() else "f16"
 
 
 def kv_bytes_per_cell(args: ModelArgs, dtype: torch.dtype) -> int:
@@ -112,6 +123,12 @@ class ModelWorker:
         return sum(s.bytes_per_cell for s in self.kv if isinstance(s, KVStorage))
 
     @property
+    def kv_bytes_per_group(self) -> list[int]:
+        """Per layer group of the model's MemorySpec: one cell's K and V bytes as stored (0 for
+        the recurrent group)."""
+        return [s.bytes_per_cell if isinstance(s, KVStorage) else 0 for s in self.kv]
+
+    @property
     def kv_bytes(self) -> int:
         return sum(s.bytes_per_cell * s.n_cells for s in self.kv if isinstance(s, KVStorage))
 
@@ -140,14 +157,7 @@ class ModelWorker:
     def kv_geometry(self) -> list[dict[str, object]]:
         """Per layer group, what its stored rows look like (checked before a restore)."""
         return [
-            {
-                "n_layers": s.n_layers,
-                "n_kv_heads": s.n_kv_heads,
-                "head_dim": s.head_dim,
-                "dtype": str(s.dtype).removeprefix("torch."),
-            }
-            if isinstance(s, KVStorage)
-            else {"recurrent": True}
+            rows_geometry(s.k, s.v) if isinstance(s, KVStorage) else {"recurrent": True}
             for s in self.kv
         ]
 
@@ -381,12 +391,16 @@ def make_worker(
     threads: int | None = None,
     group_cells: list[int] | None = None,
     lora: LoraSet | None = None,
+    cache_type_k: str | None = None,
+    cache_type_v: str | None = None,
 ) -> ModelWorker:
     """A worker with a fresh KV cache (dtype/device default to the model's); see
     model.runner.attn_groups.MIN_ROWS for `batch_invariant`. `group_cells`: per layer group of the
     model's MemorySpec, the cells of its pool (kvcache.memory.Memory.group_pools); None:
     `n_cells` for every group (the unified cache); the recurrent group's count is its state
-    slots. A model with one attention group gets one KVStorage for every layer."""
+    slots. A model with one attention group gets one KVStorage for every layer.
+    `cache_type_k` / `cache_type_v`: kvcache.cache_types names (None: `dtype`'s float type);
+    reads return the model's dtype."""
     model = loaded.transformer
     if device is not None and torch.device(device) != model.device:
         model = model.to(device)
@@ -403,10 +417,12 @@ def make_worker(
             n_cells=n + extra,
             n_kv_heads=args.n_kv_heads,
             head_dim=args.head_dim,
-            dtype=kv_dtype,
+            dtype=model.dtype,
             device=model.device,
             rope=rope,
             layer_ropes=ropes,
+            type_k=cache_type_k or kv_dtype,
+            type_v=cache_type_v or kv_dtype,
         )
 
     storage: KVStorage | GroupedKVStorage

@@ -199,7 +199,10 @@ function poolLabel(pool) {
     return `${pool.name} state slots · ${pool.used} / ${pool.n_cells} slots used${bytes}`;
   }
   const window = pool.window ? ` · window ${pool.window}` : "";
-  return `${pool.name} pool${window} · ${pool.used} / ${pool.n_cells} cells used`;
+  const bytes = pool.bytes_per_cell
+    ? ` · ${formatBytes(pool.bytes_used)} (${formatBytes(pool.bytes_per_cell)} a cell)`
+    : "";
+  return `${pool.name} pool${window} · ${pool.used} / ${pool.n_cells} cells used${bytes}`;
 }
 
 // A labelled canvas (and its tooltip) for one more pool, after `after`.

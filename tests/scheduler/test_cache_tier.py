@@ -58,7 +58,8 @@ class TierWorker(FakeWorker):
             self.k_pos[g][c] = v.reshape(-1).numpy()
 
     def kv_geometry(self) -> list[dict[str, object]]:
-        geo = {"n_layers": 1, "n_kv_heads": 1, "head_dim": 1, "dtype": "int64"}
+        geo = {"n_layers": 1, "n_kv_heads": 1, "k_row": 1, "k_dtype": "int64"}
+        geo |= {"v_row": 1, "v_dtype": "int64"}
         return [dict(geo) for _ in self.token]
 
 

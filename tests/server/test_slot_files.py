@@ -112,9 +112,9 @@ def test_refused_files_restore_nothing(live) -> None:  # noqa: ANN001
     data.model = "0" * 64
     write_cell_file(folder / "other-model.bin", data)
     data.model = server.app.state.backend.model_fingerprint
-    data.groups = [
-        GroupRows(g.positions, g.k.to(torch.bfloat16), g.v.to(torch.bfloat16)) for g in data.groups
-    ]
+    # rows in another cache type than this server's (its default is 16-bit: make them f32)
+    other = torch.float32 if data.groups[0].k.dtype != torch.float32 else torch.bfloat16
+    data.groups = [GroupRows(g.positions, g.k.to(other), g.v.to(other)) for g in data.groups]
     write_cell_file(folder / "bf16.bin", data)
     before = httpx.get(f"{url}/slots/cached").json()
     for name, words in [
