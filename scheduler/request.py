@@ -53,6 +53,10 @@ class FinishEvent:
     num_output_tokens: int
     queue_time: float = 0.0  # seconds from submit to first admission
     error: str | None = None
+    # the error is the request's own grammar: llguidance could not follow it with this model's
+    # tokens (e.g. a byte no token spells, where its mask then let through a token it rejects):
+    # a client error, not the engine's
+    grammar_error: bool = False
 
 
 @dataclass(slots=True)

@@ -272,7 +272,7 @@ class Scheduler:
             self._finish(seq, "stop")
             return
         if seq.constraint is not None and (error := seq.constraint.advance(token)) is not None:
-            self._finish(seq, "error", error)  # structured output: a mask was not applied
+            self._finish(seq, "error", error, grammar_error=True)
             return
         logprob = out.logprobs[i] if out.logprobs is not None else None
         top = out.top_logprobs[i] if out.top_logprobs is not None else None
@@ -418,7 +418,9 @@ class Scheduler:
                 return
             self._finish(todo[0], reason, error)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, reason: str, error: str | None = None, grammar_error: bool = False
+    ) -> None:
         if seq.state is SeqState.FINISHED:
             return
         seq = choices.leaving(seq, reason)
@@ -440,6 +442,7 @@ class Scheduler:
             num_output_tokens=seq.num_generated,
             queue_time=seq.queue_time or 0.0,
             error=error,
+            grammar_error=grammar_error,
         )
         self._events.append((seq.req_id, event))
         seqs = self._requests.get(seq.req_id, [])

@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from server.chat_reply import ReplyOptions, ReplyStream
 from server.deps import dump_json
 from server.errors import anthropic_error_body
-from server.generation import Generation, GenerationAborted, GenerationFailed, GenerationTimeout
+from server.generation import Generation, GenerationError
 from server.schemas_anthropic import (
     BlockDeltaEvent,
     BlockStartEvent,
@@ -182,9 +182,8 @@ def messages_sse(
         try:
             async for event in message_events(gen, msg_id, num_prompt, opts):
                 yield {"event": event.type, "data": dump_json(event)}  # type: ignore[attr-defined]
-        except (GenerationTimeout, GenerationFailed, GenerationAborted) as exc:
-            status = {GenerationTimeout: 504, GenerationFailed: 500, GenerationAborted: 503}
-            body = anthropic_error_body(status[type(exc)], str(exc))
+        except GenerationError as exc:
+            body = anthropic_error_body(exc.status, str(exc))
             yield {"event": "error", "data": json.dumps(body)}
         finally:
             gen.cancel()

@@ -16,13 +16,7 @@ from sse_starlette import EventSourceResponse
 from server.backend import Backend
 from server.engine_client import EngineClient
 from server.errors import APIError, error_body
-from server.generation import (
-    ChoiceDelta,
-    Generation,
-    GenerationAborted,
-    GenerationFailed,
-    GenerationTimeout,
-)
+from server.generation import ChoiceDelta, Generation, GenerationError
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -122,12 +116,8 @@ async def collect(
             choice.logprobs.extend(delta.logprobs)
             choice.finish_reason = delta.finish_reason or choice.finish_reason
             choice.stop_string = delta.stop_string or choice.stop_string
-    except GenerationTimeout as exc:
-        raise APIError(504, str(exc), code="request_timeout") from exc
-    except GenerationFailed as exc:
-        raise APIError(500, str(exc), code="engine_error") from exc
-    except GenerationAborted as exc:
-        raise APIError(503, str(exc), code="aborted") from exc
+    except GenerationError as exc:
+        raise APIError(exc.status, str(exc), code=exc.code) from exc
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -151,12 +141,8 @@ def sse_response(
         try:
             async for chunk in chunks(gen):
                 yield dump_json(chunk)
-        except GenerationTimeout as exc:
-            yield json.dumps(error_body(504, str(exc), code="request_timeout"))
-        except GenerationFailed as exc:
-            yield json.dumps(error_body(500, str(exc), code="engine_error"))
-        except GenerationAborted as exc:
-            yield json.dumps(error_body(503, str(exc), code="aborted"))
+        except GenerationError as exc:
+            yield json.dumps(error_body(exc.status, str(exc), code=exc.code))
         finally:
             gen.cancel()
         if done:

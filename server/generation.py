@@ -19,17 +19,35 @@ from server.metrics import Metrics
 from server.streaming import TextStream
 
 
-class GenerationTimeout(Exception):
-    pass
+class GenerationError(Exception):
+    """A request that cannot finish normally; `status` and `code` are its HTTP status and the
+    error body's code (a JSON reply's status, a stream's error event)."""
+
+    status = 500
+    code = "engine_error"
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status or self.status
+        self.code = code or self.code
 
 
-class GenerationFailed(Exception):
-    pass
+class GenerationTimeout(GenerationError):
+    status = 504
+    code = "request_timeout"
 
 
-class GenerationAborted(Exception):
+class GenerationFailed(GenerationError):
+    """The engine failed on the request (500), or the request's grammar could not be followed
+    with the model's tokens (400 grammar_error)."""
+
+
+class GenerationAborted(GenerationError):
     """The engine aborted a choice the client still waits for (the server shut down past its
     drain timeout): not an OpenAI finish_reason, so the request ends with a 503 / an error chunk."""
+
+    status = 503
+    code = "aborted"
 
 
 # NOTE: what a client sees as finish_reason is always one of OpenAI's values. The engine's
@@ -255,6 +273,12 @@ class Generation:
             self.metrics.queue_time.observe(ev.queue_time)
         if choice.done:
             return None
+        if ev.reason == "error" and ev.grammar_error:
+            raise GenerationFailed(
+                f"the model's tokens cannot follow the requested grammar here: {ev.error}",
+                400,
+                "grammar_error",
+            )
         if ev.reason == "error":
             raise GenerationFailed(ev.error or "the engine failed on this request")
         if ev.reason not in OPENAI_FINISH_REASONS:

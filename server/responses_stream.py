@@ -19,7 +19,7 @@ from sse_starlette import EventSourceResponse
 from server.chat_reply import ReplyOptions, ReplyStream
 from server.deps import dump_json
 from server.errors import error_body
-from server.generation import Generation, GenerationAborted, GenerationFailed, GenerationTimeout
+from server.generation import Generation, GenerationError
 from server.responses_output import ResponseBuilder, new_id, status_of
 from server.schemas_out import ChatDelta
 from server.schemas_responses_out import (
@@ -226,17 +226,12 @@ def responses_sse(
             async for event in response_events(gen, builder, opts):
                 num_sent = event.sequence_number + 1
                 yield {"event": event.type, "data": dump_json(event)}
-        except (GenerationTimeout, GenerationFailed, GenerationAborted) as exc:
-            status, code = {
-                GenerationTimeout: (504, "request_timeout"),
-                GenerationFailed: (500, "engine_error"),
-                GenerationAborted: (503, "aborted"),
-            }[type(exc)]
-            err = error_body(status, str(exc), code=code)["error"]
-            error = ErrorEvent(sequence_number=num_sent, code=code, message=str(exc), error=err)
+        except GenerationError as exc:
+            err = error_body(exc.status, str(exc), code=exc.code)["error"]
+            error = ErrorEvent(sequence_number=num_sent, code=exc.code, message=str(exc), error=err)
             yield {"event": "error", "data": dump_json(error)}
             failed = builder.response(
-                "failed", [], error=ResponseError(code=code, message=str(exc))
+                "failed", [], error=ResponseError(code=exc.code, message=str(exc))
             )
             end = ResponseEvent(
                 type="response.failed", sequence_number=num_sent + 1, response=failed
