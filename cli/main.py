@@ -87,7 +87,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "publish vLLM-style KV events on this ZMQ PUB address: one with '*' (tcp://*:5557), "
         "'::', ipc:// or inproc:// is bound, any other is connected to (as vLLM does)",
     ),
-    ("kv_events_topic", str, "ZMQ topic of the KV events (default kv@<host>:<port>@<model>)"),
+    (
+        "kv_events_topic",
+        str,
+        "ZMQ topic of the KV events (default kv@<host>:<port>@<model>; empty with "
+        "--kv-events-encoding map, as vllm-router expects)",
+    ),
     (
         "kv_events_replay_endpoint",
         str,

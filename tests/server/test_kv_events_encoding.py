@@ -12,9 +12,11 @@ from scheduler.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored
 from server.kv_events import (
     KVEventPublisher,
     KVEventsConfig,
+    default_topic,
     encode_batch,
     parse_vllm_config,
 )
+from server.settings import Settings
 
 EVENTS = [BlockStored([7, 8], None, [1, 2, 3, 4]), BlockRemoved([7]), AllBlocksCleared()]
 
@@ -60,6 +62,13 @@ def test_vllm_config_json():
     assert parse_vllm_config('{"enable_kv_cache_events": false, "endpoint": "x"}') == {}
     with pytest.raises(ValueError, match="only zmq"):
         parse_vllm_config('{"publisher": "kafka"}')
+
+
+def test_default_topic_is_llm_ds_for_array_and_empty_for_map():
+    array = Settings(model="m", host="10.0.0.2", port=8001, kv_events_encoding="array")
+    assert default_topic(array, "tiny") == "kv@10.0.0.2:8001@tiny"
+    # vllm-router 0.1.17 drops frames whose topic is not "" (tests/deploy/test_router_kv_aware.py)
+    assert default_topic(Settings(model="m", kv_events_encoding="map"), "tiny") == ""
 
 
 def test_a_full_queue_drops_batches_and_never_blocks():
