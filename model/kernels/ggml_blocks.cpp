@@ -427,16 +427,27 @@ void dec_k<Q5_K>(const uint8_t* blk, KBlk& o) {
 }
 
 #if defined(CELLSERVE_GGML_ZMM)
-// 512-bit stores: the micro-kernel's 512-bit loads of them forward from the store buffer
+// a super-block decoded in registers: KBlk's u as 4 chunks of 64, sc, mw and d (dec_k stores it
+// for the tiles; k_gemv uses it as is)
+struct KRegs {
+  __m512i u[4];
+  __m256i sc;
+  __m512 mw;
+  float d;
+};
+
+template <int64_t T>
+void dec_k_regs(const uint8_t* blk, KRegs& o);
+
 template <>
-void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+inline void dec_k_regs<Q4_K>(const uint8_t* blk, KRegs& o) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {  // 64 bytes: sub-blocks 4h, 4h + 2 low, 4h + 1, 4h + 3 high
     const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
     const __m512i lo = _mm512_and_si512(v, low4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    _mm512_store_si512(o.u + 128 * h, _mm512_shuffle_i64x2(lo, hi, 0x44));
-    _mm512_store_si512(o.u + 128 * h + 64, _mm512_shuffle_i64x2(lo, hi, 0xEE));
+    o.u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+    o.u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
   }
   uint8_t bytes[16];
   k_scale_bytes(blk + 4, bytes);
@@ -444,48 +455,70 @@ void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
   const __m128i sc2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
   const __m128i mn2 =
       _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepu8_epi16(sc2));
-  _mm512_store_ps(o.mw, _mm512_mul_ps(_mm512_set1_ps(-fp16(blk + 2)),
-                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn2))));
+  o.sc = _mm256_cvtepu8_epi16(sc2);
+  o.mw = _mm512_mul_ps(_mm512_set1_ps(-fp16(blk + 2)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn2)));
   o.d = fp16(blk);
 }
 
 template <>
-void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
   for (int h = 0; h < 2; ++h) {
     const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
     const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-    const __m512i v01 = _mm512_or_si512(_mm512_and_si512(ql, low4),
-                                        _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
-    const __m512i v23 = _mm512_or_si512(
+    o.u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                 _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
+    o.u[2 * h + 1] = _mm512_or_si512(
         _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), three), 4));
-    _mm512_store_si512(o.u + 128 * h, v01);
-    _mm512_store_si512(o.u + 128 * h + 64, v23);
   }
   const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepi8_epi16(s));
+  o.sc = _mm256_cvtepi8_epi16(s);
   const float d = fp16(blk + 208);
-  _mm512_store_ps(o.mw, _mm512_mul_ps(_mm512_set1_ps(-32.f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s))));
+  o.mw = _mm512_mul_ps(_mm512_set1_ps(-32.f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
   o.d = d;
+}
+
+// 512-bit stores: the micro-kernel's 512-bit loads of them forward from the store buffer
+template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  KRegs r;
+  dec_k_regs<Q4_K>(blk, r);
+  for (int c = 0; c < 4; ++c) _mm512_store_si512(o.u + 64 * c, r.u[c]);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
+  _mm512_store_ps(o.mw, r.mw);
+  o.d = r.d;
+}
+
+template <>
+void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+  KRegs r;
+  dec_k_regs<Q6_K>(blk, r);
+  for (int c = 0; c < 4; ++c) _mm512_store_si512(o.u + 64 * c, r.u[c]);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
+  _mm512_store_ps(o.mw, r.mw);
+  o.d = r.d;
 }
 
 #if defined(__AVX512VNNI__)
 // k_micro's layout: vpackssdw of two chunks' vpdpbusd sums (int32 lane L of chunk i: values
 // 4L..4L+3 of it, the 16 4i + L / 4) -> int16 lane 8c + e: chunk 2h's lane 4c + e (e < 4) or
 // 2h + 1's lane 4c + e - 4: the 16 8h + c or 8h + 4 + c
-inline void make_scv(KBlk& o) {
-  const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)));
+inline void scv_regs(__m256i sc16, __m512i* scv) {
+  const __m512i sc = _mm512_castsi256_si512(sc16);
   const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
                                      16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i c = _mm512_srli_epi16(q, 3);
   const __m512i e4 = _mm512_and_si512(_mm512_srli_epi16(q, 2), _mm512_set1_epi16(1));  // e >= 4
   const __m512i idx = _mm512_add_epi16(c, _mm512_slli_epi16(e4, 2));
   for (int h = 0; h < 2; ++h)
-    _mm512_store_si512(o.scv + 32 * h, _mm512_permutexvar_epi16(
-                                           _mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), sc));
+    scv[h] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), sc);
+}
+inline void make_scv(KBlk& o) {
+  __m512i scv[2];
+  scv_regs(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)), scv);
+  for (int h = 0; h < 2; ++h) _mm512_store_si512(o.scv + 32 * h, scv[h]);
 }
 #else
 inline void make_scv(KBlk& o) {
@@ -856,6 +889,44 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
   }
 }
 
+#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
+#define CELLSERVE_GGML_KGEMV 1
+// one row (a decode step) of a Q4_K / Q6_K part: each super-block decoded in registers straight
+// into k_micro's dot products. k_task's L1 buffer (stores, make_scv, reloads) pays off only when
+// several rows share a decoded block; one row made the decode step compute-bound (Q6_K at ~24
+// GB/s on 2 Zen 5 cores against ~44 GB/s of read bandwidth). The same integer sums and float
+// operations in the same order as k_micro<1, 1>: the same y to the bit.
+template <int64_t T>
+void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
+            int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  const int64_t nb = k / 256;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = w + o * row_bytes;
+    __m512 f = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * B;
+      for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 16 * B + l);
+      KRegs r;
+      dec_k_regs<T>(blk, r);
+      __m512i scv[2];
+      scv_regs(r.sc, scv);
+      __m512i ia = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x0 = _mm512_loadu_si512(X.q + 256 * b + 128 * h);
+        const __m512i x1 = _mm512_loadu_si512(X.q + 256 * b + 128 * h + 64);
+        const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h], x0);
+        const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h + 1], x1);
+        ia = _mm512_dpwssd_epi32(ia, _mm512_packs_epi32(t0, t1), scv[h]);
+      }
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(r.d * X.d[b]), f);
+      f = _mm512_fmadd_ps(r.mw, _mm512_loadu_ps(X.mx + 16 * b), f);
+    }
+    y[col0 + o] = _mm512_reduce_add_ps(f);
+  }
+}
+#endif
+
 // ---- the 32-value kinds (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on AVX2 / AVX-512: register tiles ----
 //
 // Each block decoded (vectorized, a pair of blocks at a time) into 32 unsigned values u, its
@@ -1225,9 +1296,20 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
       const int64_t c0 = col0[task.part];
       float* yp = L.y;
       switch (type) {
+#if defined(CELLSERVE_GGML_KGEMV)
+        case Q4_K:
+          if (m == 1) k_gemv<Q4_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
+          else k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
+          break;
+        case Q6_K:
+          if (m == 1) k_gemv<Q6_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
+          else k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
+          break;
+#else
         case Q4_K: k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q6_K: k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+#endif
+        case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #if defined(CELLSERVE_GGML_TILE32)
         case Q4_0: q_task<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q4_1: q_task<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;

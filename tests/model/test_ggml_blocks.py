@@ -326,3 +326,18 @@ def test_the_one_call_step_runs_ggml_linears(smollm_path, monkeypatch):
     # per linear, fp16 scales and (for the F32 half) float rows instead of int8 ones
     assert float((ours - ref).abs().max()) < 5e-2 * spread
     assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+
+
+@pytest.mark.parametrize("name", [nm for nm in TYPES if nm in K_SCALES or nm.startswith("Q")])
+def test_a_row_alone_equals_it_in_a_batch(kern, name):
+    """A decode step's single row takes its own kernel (k_gemv for Q4_K / Q6_K on AVX-512 VNNI):
+    the same sums in the same order as the tiles, so the same y to the bit."""
+    rng = np.random.default_rng(11)
+    k = 768 if name in K_SCALES else 800
+    w = torch.from_numpy(make_weights(name, 45, k, rng))
+    t = int(TYPES[name][0])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)).to(dtype)
+        batch = kern.ggml_linear(x, [w], [t], k)
+        for i in range(5):
+            assert torch.equal(kern.ggml_linear(x[i : i + 1], [w], [t], k)[0], batch[i])
