@@ -6,7 +6,10 @@ kinds (Q4_1: its GGUF's type; Q4_0, Q5_0, Q8_0: in Q4_K_M files), at 1, 8, 32 an
 float32 activations (--types and --rows narrow it). Per case: ms per
 call (the median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read /
 time: a decode step reads each weight once), at 512 rows the multiply-adds per second. Speed
-does not depend on the weights' values: random bits with finite fp16 scales."""
+does not depend on the weights' values: random bits with finite fp16 scales. These matrices
+stay in the CPU's caches between calls; `--model NAME|PATH` measures a real GGUF's linears
+instead, one bfloat16 row through each in decode order (every weight read from memory once a
+token, as a decode step reads them): ms per token and GB/s, in all and per linear and type."""
 
 from __future__ import annotations
 
@@ -98,13 +101,63 @@ def run(
     }
 
 
+def decode_order(model: str, rounds: int = 6) -> dict[str, Any]:
+    """Each BlockLinear of the model's default runtime on one row, in the order a decode step
+    calls them, `rounds` times (the first two not counted)."""
+    import torch
+
+    from bench.models import resolve_model
+    from model.layers.ggml import BlockLinear
+    from model.serving import open_model
+
+    opened = open_model(resolve_model(model), "cpu")
+    linears = [
+        (name.rsplit(".", 1)[-1] + ":" + "+".join(w.type_name for w in m.weights), m)
+        for name, m in opened.loaded.transformer.named_modules()
+        if isinstance(m, BlockLinear)
+    ]
+    if not linears:
+        raise SystemExit(f"--model {model}: its default runtime has no GGUF block linears")
+    spent: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for key, m in linears:
+            x = torch.randn(1, m.in_features, dtype=torch.bfloat16)
+            t0 = time.perf_counter()
+            m(x)
+            dt = time.perf_counter() - t0
+            if r >= 2:
+                t = spent.setdefault(key, [0.0, 0.0, 0.0])
+                t[0], t[1], t[2] = t[0] + dt, t[1] + m.nbytes, t[2] + 1
+    n = rounds - 2
+    total_s, total_b = sum(v[0] for v in spent.values()) / n, sum(v[1] for v in spent.values()) / n
+    return {
+        "model": str(model),
+        "build": isa.describe()["active"],
+        "ms_per_token": round(total_s * 1e3, 2),
+        "MB_per_token": round(total_b / 1e6, 1),
+        "GB_s": round(total_b / total_s / 1e9, 1),
+        "linears": {
+            k: {"ms": round(v[0] / v[2] * 1e3, 3), "GB_s": round(v[1] / v[0] / 1e9, 1)}
+            for k, v in sorted(spent.items())
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=0.4, help="time per case (median of repeats)")
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated: " + ", ".join(TYPES))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
+    ap.add_argument("--model", help="a packaged model or a GGUF: its linears in decode order")
     args = ap.parse_args()
+    if args.model:
+        import torch
+
+        if torch.get_num_threads() != args.threads:
+            torch.set_num_threads(args.threads)
+        print(json.dumps(decode_order(args.model), indent=1))
+        return
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     for t in types:
         if t not in TYPES:

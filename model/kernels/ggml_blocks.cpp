@@ -892,10 +892,11 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 #if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
 #define CELLSERVE_GGML_KGEMV 1
 // one row (a decode step) of a Q4_K / Q6_K part: each super-block decoded in registers straight
-// into k_micro's dot products. k_task's L1 buffer (stores, make_scv, reloads) pays off only when
-// several rows share a decoded block; one row made the decode step compute-bound (Q6_K at ~24
-// GB/s on 2 Zen 5 cores against ~44 GB/s of read bandwidth). The same integer sums and float
-// operations in the same order as k_micro<1, 1>: the same y to the bit.
+// into k_micro's dot products, prefetching 16 blocks ahead. k_task's L1 buffer (stores,
+// make_scv, reloads) pays off only when several rows share a decoded block; at one row its
+// compute did not overlap the reads (Qwen2.5-Coder-1.5B's lm_head, Q6_K, 27 GB/s on 2 Zen 5
+// cores that read 44 GB/s; `python -m bench.ggml_bench --model qwen2.5-coder-1.5b`). The same
+// integer sums and float operations in the same order as k_micro<1, 1>: the same y to the bit.
 template <int64_t T>
 void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
             int64_t o1, int64_t col0) {
