@@ -83,7 +83,7 @@ def run_workload(router: str, replica: str, policy: str) -> Tally:
 
 
 @contextmanager
-def vllm_router(replicas: list[Replica], policy: str) -> Iterator[str]:
+def vllm_router(replicas: list[Replica], policy: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
     router_bin = require_tool("vllm-router")
     port = free_port()
     # fmt: off
@@ -92,6 +92,7 @@ def vllm_router(replicas: list[Replica], policy: str) -> Iterator[str]:
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         "--worker-urls", *[r.server.url for r in replicas], "--policy", policy,
         "--kv-event-block-size", str(BLOCK), "--kv-event-model", "tiny", "--log-level", "warning",
+        *extra,
     ]
     # fmt: on
     if policy == "kv_aware":
