@@ -11,6 +11,9 @@ Encodings (--kv-events-encoding):
 - "map": the newer tagged maps inside the same positional batch, what vllm-router decodes:
   [ts, [{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
   "block_size", "lora_id", "medium", "lora_name"}, {"type": "BlockRemoved", ...}], 0].
+  Its replay answers carry the topic too, [topic, seq, payload] and [topic, -1, b""]: vllm-router
+  0.1.17's DEALER drops a reply of fewer than 4 frames ([b"", topic, seq, payload]), so it
+  would ignore vLLM's [seq, payload].
 Block hashes are unsigned 64-bit ints (scheduler.kv_blocks.block_hash); medium is "GPU" as
 vLLM names its device cache, whatever the device.
 
@@ -121,6 +124,8 @@ class KVEventPublisher:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(config.replay_endpoint)
         self._topic = config.topic.encode()
+        # NOTE: frames between the empty delimiter and [seq, payload] in a replay answer
+        self._replay_head = (self._topic,) if config.encoding == "map" else ()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -163,10 +168,11 @@ class KVEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
+        head = (client, b"", *self._replay_head)
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((*head, END_SEQ, b""))
 
 
 def default_topic(settings: Any, model_name: str) -> str:

@@ -1,4 +1,5 @@
-"""server/kv_events.py without a server: the two encodings, vLLM's config JSON, a full queue."""
+"""server/kv_events.py without a server: the two encodings, vLLM's config JSON, a full queue,
+the replay answer's frames."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import time
 
 import msgpack
 import pytest
+import zmq
 
 from scheduler.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored
 from server.kv_events import (
+    END_SEQ,
     KVEventPublisher,
     KVEventsConfig,
     default_topic,
@@ -82,3 +85,57 @@ def test_a_full_queue_drops_batches_and_never_blocks():
     assert time.perf_counter() - t0 < 0.1
     assert publisher.num_dropped >= 98
     publisher._pub.close(linger=0)
+
+
+def replay_answer(encoding: str, num_batches: int, first: int) -> list[list[bytes]]:
+    """The frames a DEALER gets for [b"", first] from a publisher that sent `num_batches`."""
+    config = KVEventsConfig(
+        endpoint=f"inproc://kv-pub-{encoding}",
+        replay_endpoint=f"inproc://kv-replay-{encoding}",
+        topic="t",
+        encoding=encoding,
+    )
+    publisher = KVEventPublisher(config, block_size=4)
+    try:
+        for _ in range(num_batches):
+            publisher.publish([AllBlocksCleared()])
+        deadline = time.monotonic() + 5
+        while len(publisher._buffer) < num_batches:
+            assert time.monotonic() < deadline, "the publisher did not send"
+            time.sleep(0.01)
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(config.replay_endpoint)
+        dealer.send_multipart([b"", first.to_bytes(8, "big")])
+        answer: list[list[bytes]] = []
+        while not answer or answer[-1][-2] != END_SEQ:
+            assert dealer.poll(5000), "no replay answer"
+            answer.append(dealer.recv_multipart())
+        dealer.close(linger=0)
+        return answer
+    finally:
+        publisher.close()
+
+
+def test_array_replay_answers_as_vllm_does():
+    answer = replay_answer("array", num_batches=3, first=1)
+    assert [len(frames) for frames in answer] == [3, 3, 3]  # [b"", seq, payload]
+    assert [frames[1] for frames in answer] == [
+        (1).to_bytes(8, "big"),
+        (2).to_bytes(8, "big"),
+        END_SEQ,
+    ]
+    assert msgpack.unpackb(answer[0][2])[1] == [["AllBlocksCleared"]]
+
+
+def test_map_replay_answers_with_the_topic_as_vllm_router_reads_it():
+    # vllm-router 0.1.17 reads [b"", topic, seq, payload]: seq second from last, at least 4 frames
+    answer = replay_answer("map", num_batches=3, first=1)
+    assert [len(frames) for frames in answer] == [4, 4, 4]
+    assert [frames[1] for frames in answer] == [b"t", b"t", b"t"]
+    assert [frames[-2] for frames in answer] == [
+        (1).to_bytes(8, "big"),
+        (2).to_bytes(8, "big"),
+        END_SEQ,
+    ]
+    assert msgpack.unpackb(answer[0][-1])[1] == [{"type": "AllBlocksCleared"}]
+    assert answer[-1][-1] == b""
