@@ -481,10 +481,10 @@ inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
 }
 
 // 512-bit stores: the micro-kernel's 512-bit loads of them forward from the store buffer
-template <>
-void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+template <int64_t T>
+inline void dec_k_stored(const uint8_t* blk, KBlk& o) {
   KRegs r;
-  dec_k_regs<Q4_K>(blk, r);
+  dec_k_regs<T>(blk, r);
   for (int c = 0; c < 4; ++c) _mm512_store_si512(o.u + 64 * c, r.u[c]);
   _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
   _mm512_store_ps(o.mw, r.mw);
@@ -492,13 +492,13 @@ void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
 }
 
 template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  dec_k_stored<Q4_K>(blk, o);
+}
+
+template <>
 void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
-  KRegs r;
-  dec_k_regs<Q6_K>(blk, r);
-  for (int c = 0; c < 4; ++c) _mm512_store_si512(o.u + 64 * c, r.u[c]);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
-  _mm512_store_ps(o.mw, r.mw);
-  o.d = r.d;
+  dec_k_stored<Q6_K>(blk, o);
 }
 
 #if defined(__AVX512VNNI__)
