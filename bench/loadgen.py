@@ -14,7 +14,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,16 @@ def build_body(
             parts += [past_user, past_reply]
         body["prompt"] = "\n\n".join([*parts, user])
     return body
+
+
+def stream_chunks(url: str, body: dict[str, Any], timeout: float = 900) -> Iterator[dict]:
+    """POST `body` to `url` as an SSE stream (synchronously): each `data:` chunk, parsed, until
+    `[DONE]`; an HTTP error status raises."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
 
 
 def _chunk_text(choice: dict[str, Any], endpoint: str) -> str:

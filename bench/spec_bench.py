@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import LoadConfig, run_sweep
+from bench.loadgen import LoadConfig, run_sweep, stream_chunks
 from bench.models import resolve_model
 from bench.report import write_json
 from bench.server_proc import Served, cellserve_process, llamacpp_default, served
@@ -51,18 +51,13 @@ def ask(url: str, prompt: str, output_len: int) -> dict[str, Any]:
     }
     text, usage, ttft = [], {}, None
     start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - start
-                text.append(piece)
+    for chunk in stream_chunks(f"{url}/v1/chat/completions", body):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - start
+            text.append(piece)
     return {
         "text": "".join(text),
         "tokens": int(usage.get("completion_tokens", 0)),

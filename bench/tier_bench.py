@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench.loadgen import stream_chunks
 from bench.models import resolve_model
 from bench.server_proc import cellserve
 
@@ -77,16 +78,11 @@ def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     }
     t0 = time.perf_counter()
     ttft, text, usage = None, "", None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                ttft = ttft or time.perf_counter() - t0
-                text += chunk["choices"][0].get("text", "")
-            usage = chunk.get("usage") or usage
+    for chunk in stream_chunks(f"{url}/v1/completions", body):
+        if chunk.get("choices"):
+            ttft = ttft or time.perf_counter() - t0
+            text += chunk["choices"][0].get("text", "")
+        usage = chunk.get("usage") or usage
     assert usage is not None and ttft is not None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
