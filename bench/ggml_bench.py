@@ -1,7 +1,7 @@
 """`python -m bench.ggml_bench [--threads N] [--seconds S]`: ggml_linear (model/kernels/
 ggml_blocks.cpp, a GGUF's own blocks) on this process's ISA path (CELLSERVE_ISA=avx2 forces
-the AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o) and an 8960x1536 (gate / up)
-matrix of Q4_K and of Q6_K, and SmolLM2-135M's, a 576x576 and a 1536x576 matrix of the 32-value
+the AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o), an 8960x1536 (gate / up) and a
+1536x8960 (down) matrix of Q4_K and of Q6_K, and SmolLM2-135M's, a 576x576 and a 1536x576 matrix of the 32-value
 kinds (Q4_1: its GGUF's type; Q4_0, Q5_0, Q8_0: in Q4_K_M files), at 1, 8, 32 and 512 rows of
 float32 activations (--types and --rows narrow it). Per case: ms per
 call (the median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read /
@@ -22,7 +22,7 @@ from typing import Any
 from model.kernels import isa
 
 ROWS = (1, 8, 32, 512)
-QWEN_SHAPES = ((1536, 1536), (8960, 1536))  # (outputs, inputs)
+QWEN_SHAPES = ((1536, 1536), (8960, 1536), (1536, 8960))  # (outputs, inputs)
 SMOL_SHAPES = ((576, 576), (1536, 576))
 # name: id, values a block, block bytes, fp16 offsets, shapes
 TYPES = {
