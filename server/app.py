@@ -37,7 +37,8 @@ from server.backend import Backend, BackendFactory
 from server.cache_config import cache_config_labels
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
 from server.kv_events import start_kv_events
-from server.metrics import MemoryParts, Metrics, memory_breakdown
+from server.memory import MemoryParts, memory_breakdown
+from server.metrics import Metrics
 from server.settings import Settings
 
 log = logging.getLogger("cellserve.server")

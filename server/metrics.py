@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -25,6 +24,7 @@ from prometheus_client.registry import Collector
 from scheduler.cache_tier import TierStats
 from scheduler.speculative import SpecStats
 from scheduler.stats import EngineStats, StepStats
+from server.memory import MemoryParts, memory_breakdown
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -274,43 +274,6 @@ class _InfoCollector(Collector):
         info = GaugeMetricFamily(self.name, self.doc, labels=keys)
         info.add_metric([self.labels[k] for k in keys], 1.0)
         yield info
-
-
-def process_memory() -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile of this process in bytes (/proc/self/status; {} elsewhere)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
-@dataclass(slots=True)
-class MemoryParts:
-    weights_mapped: int = 0  # bytes of weights that are views of the model file's mapping
-    weights_owned: int = 0  # bytes of weights in process memory
-    kv_cache: int = 0
-
-
-def memory_breakdown(parts: MemoryParts) -> dict[str, int]:
-    """Where the process's memory goes: the weights mapped from the file (their size, and the
-    resident file pages, mostly theirs), the weights and the KV cache in process memory, the
-    rest of the anonymous memory (activations, Python, torch), and the total RSS."""
-    proc = process_memory()
-    anon = proc.get("RssAnon", 0)
-    return {
-        "weights_mapped": parts.weights_mapped,
-        "weights_mapped_resident": proc.get("RssFile", 0),
-        "weights_owned": parts.weights_owned,
-        "kv_cache": parts.kv_cache,
-        "other": max(0, anon - parts.weights_owned - parts.kv_cache),
-        "rss": proc.get("VmRSS", 0),
-    }
 
 
 class _CellBytesCollector(Collector):
