@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
+from model.layers.batch import AttnGroups, DecodeGroup, ForwardBatch, PromptGroup
 from scheduler.plan import BatchPlan, GroupBatch
 
 ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index
@@ -164,3 +164,49 @@ def prompt_group(
         group.cells = int64_tensor(np.asarray(s.kv_cells)[by_pos], dev)
         group.lens = int64_tensor(np.searchsorted(kv_pos[by_pos], q_pos, side="right"), dev)
     return group
+
+
+def plan_attn_groups(
+    plan: BatchPlan,
+    group: GroupBatch,
+    read_index: ReadIndex,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    one_each: bool,
+    ordered_prompts: bool,
+    one_decode_group: bool,
+) -> AttnGroups:
+    """The attention groups of the layers of one plan group (0: full attention), over its
+    pool's cells. `one_each` (batch-invariant): every sequence attends on its own, as a prompt
+    group. `ordered_prompts` (the C++ prompt kernel): full-attention prompt chunks read their
+    cells in position order. `one_decode_group` (the C++ decode kernel): one group for every
+    decode row when each attends a prefix of its cells (the kernel reads each one's own length),
+    else groups that bound the padding.
+
+    NOTE: the C++ prompt kernel reads a prefix of the position-ordered cells per row; a
+    window's visible cells are a range, so windowed prompt chunks take the masked torch path.
+    Windowed decode rows see exactly their in-window cells (group_seqs), a prefix again.
+    """
+    window = group.window
+    seqs = group_seqs(plan, group)
+    decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
+    order = ordered_prompts and window == 0
+    prompts = [
+        prompt_group(s, plan.positions[s.start : s.end], read_index, device, order, window)
+        for s in seqs
+        if one_each or s.end - s.start != 1
+    ]
+    n_rows = len(plan.token_ids)
+
+    def decode_rows(part: list[SeqBatch]) -> DecodeGroup:
+        return decode_group(part, plan.positions, n_rows, dtype, read_index, device, window)
+
+    decodes: list[DecodeGroup] = []
+    if decode:
+        one = decode_rows(decode) if one_decode_group else None
+        if one is not None and one.lens is not None:
+            decodes = [one]
+        else:
+            decodes = [decode_rows(g) for g in by_kv_length(decode)]
+    return AttnGroups(decodes, prompts, int64_tensor(group.cells, device))

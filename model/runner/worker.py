@@ -18,26 +18,17 @@ from kvcache.state_storage import RecurrentStorage
 from kvcache.storage import GroupedKVStorage, KVStorage
 from model.arch import ModelArgs
 from model.kernels import isa, load_kernels
-from model.layers.batch import AttnGroups, DecodeGroup, ForwardBatch
+from model.layers.batch import AttnGroups, ForwardBatch
 from model.layers.decoder import Transformer
 from model.layers.lora import LoraSet
 from model.layers.quant import QuantLinear
 from model.load.dtypes import resolve_dtype
-from model.runner.attn_groups import (
-    ReadIndex,
-    SeqBatch,
-    by_kv_length,
-    decode_group,
-    group_seqs,
-    int64_tensor,
-    pad_rows,
-    prompt_group,
-)
+from model.runner.attn_groups import int64_tensor, pad_rows, plan_attn_groups
 from model.runner.paths import LORA_STEPS, decide_paths
 from model.runner.sampling import sample
 from model.runner.state_batch import state_batch
 from model.runner.token_mask import MaskFiller
-from scheduler.plan import BatchPlan, GroupBatch, StepOutput
+from scheduler.plan import BatchPlan, StepOutput
 
 log = logging.getLogger("cellserve.model")
 
@@ -280,7 +271,16 @@ class ModelWorker:
         for i in attn:
             storage = self.kv[i]
             assert isinstance(storage, KVStorage)
-            per_group[i] = self._groups(plan, plan.groups[i], storage.read_index)
+            per_group[i] = plan_attn_groups(
+                plan,
+                plan.groups[i],
+                storage.read_index,
+                self.device,
+                self.model.dtype,
+                one_each=self.batch_invariant,
+                ordered_prompts=self.paths.prompt_attention is not None,
+                one_decode_group=self.paths.decode_attention is not None,
+            )
         full = per_group.get(by_window.get(0, -1), AttnGroups([], []))
         batch = ForwardBatch(
             tokens=int64_tensor(plan.token_ids, dev),
@@ -320,56 +320,6 @@ class ModelWorker:
             cos, sin = cos * rope.attn_factor, sin * rope.attn_factor
         c, s = rope_tables(cos, sin, self.model.args.head_dim, rope.layout, self.model.dtype)
         return c.to(self.device), s.to(self.device)
-
-    def _groups(self, plan: BatchPlan, group: GroupBatch, read_index: ReadIndex) -> AttnGroups:
-        """The attention groups of the layers of one plan group (0: full attention), over its
-        pool's cells.
-
-        NOTE: the C++ prompt kernel reads a prefix of the position-ordered cells per row; a
-        window's visible cells are a range, so windowed prompt chunks take the masked torch path.
-        Windowed decode rows see exactly their in-window cells (group_seqs), a prefix again.
-        """
-        dev, window = self.device, group.window
-        seqs = group_seqs(plan, group)
-        one_each = self.batch_invariant  # every sequence attends on its own
-        decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
-        order = self.paths.prompt_attention is not None and window == 0
-        prompts = [
-            prompt_group(s, plan.positions[s.start : s.end], read_index, dev, order, window)
-            for s in seqs
-            if one_each or s.end - s.start != 1
-        ]
-        n = len(plan.token_ids)
-        decodes = self._decode_groups(decode, plan.positions, n, read_index, window)
-        return AttnGroups(decodes, prompts, int64_tensor(group.cells, dev))
-
-    def _decode_groups(
-        self,
-        decode: list[SeqBatch],
-        positions: np.ndarray,
-        n_rows: int,
-        read_index: ReadIndex,
-        window: int = 0,
-    ) -> list[DecodeGroup]:
-        """One group for the C++ kernel when every sequence attends a prefix of its cells (it
-        reads each one's own length), else groups that bound the padding."""
-
-        def group(seqs: list[SeqBatch]) -> DecodeGroup:
-            return decode_group(
-                seqs,
-                positions,
-                n_rows,
-                self.model.dtype,
-                read_index,
-                self.device,
-                window,
-            )
-
-        if self.paths.decode_attention is not None and decode:
-            one = group(decode)
-            if one.lens is not None:
-                return [one]
-        return [group(g) for g in by_kv_length(decode)]
 
 
 class Loaded(Protocol):
