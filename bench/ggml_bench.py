@@ -1,15 +1,15 @@
 """`python -m bench.ggml_bench [--threads N] [--seconds S]`: ggml_linear (model/kernels/
-ggml_blocks.cpp, a GGUF's own blocks) on this process's ISA path (CELLSERVE_ISA=avx2 forces
-the AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o), an 8960x1536 (gate / up) and a
-1536x8960 (down) matrix of Q4_K and of Q6_K, and SmolLM2-135M's, a 576x576 and a 1536x576 matrix of the 32-value
-kinds (Q4_1: its GGUF's type; Q4_0, Q5_0, Q8_0: in Q4_K_M files), at 1, 8, 32 and 512 rows of
-float32 activations (--types and --rows narrow it). Per case: ms per
-call (the median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read /
-time: a decode step reads each weight once), at 512 rows the multiply-adds per second. Speed
-does not depend on the weights' values: random bits with finite fp16 scales. These matrices
-stay in the CPU's caches between calls; `--model NAME|PATH` measures a real GGUF's linears
-instead, one bfloat16 row through each in decode order (every weight read from memory once a
-token, as a decode step reads them): ms per token and GB/s, in all and per linear and type."""
+ggml_blocks.cpp, a GGUF's own blocks) on this process's ISA path (CELLSERVE_ISA=avx2 forces the
+AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o), an 8960x1536 (gate / up) and a
+1536x8960 (down) matrix of Q4_K and of Q6_K, and SmolLM2-135M's, a 576x576 and a 1536x576 matrix
+of the 32-value kinds (Q4_1: its GGUF's type; Q4_0, Q5_0, Q8_0: in Q4_K_M files), at 1, 8, 32
+and 512 rows of float32 activations (--types and --rows narrow it). Per case: ms per call (the
+median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read / time: a
+decode step reads each weight once), at 512 rows the multiply-adds per second. Speed does not
+depend on the weights' values: random bits with finite fp16 scales. These matrices stay in the
+CPU's caches between calls; `--model NAME|PATH` measures a real GGUF's linears instead, one
+bfloat16 row through each in decode order (every weight read from memory once a token, as a
+decode step reads them): ms per token and GB/s, in all and per linear and type."""
 
 from __future__ import annotations
 

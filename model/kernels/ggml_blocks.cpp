@@ -533,14 +533,32 @@ inline void make_scv(KBlk& o) {
 }
 #endif
 #elif defined(__AVX2__)
+// a super-block decoded in registers (the AVX2 build): KBlk's u as 8 chunks of 32, sc, mw, d
+struct KRegs {
+  __m256i u[8];
+  __m256i sc;
+  __m256 mw[2];
+  float d;
+};
+
+inline void mins_regs(__m128i m8, bool is_signed, float nd, __m256* mw) {
+  const __m128i hi = _mm_srli_si128(m8, 8);
+  const __m256i lo32 = is_signed ? _mm256_cvtepi8_epi32(m8) : _mm256_cvtepu8_epi32(m8);
+  const __m256i hi32 = is_signed ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi);
+  mw[0] = _mm256_mul_ps(_mm256_set1_ps(nd), _mm256_cvtepi32_ps(lo32));
+  mw[1] = _mm256_mul_ps(_mm256_set1_ps(nd), _mm256_cvtepi32_ps(hi32));
+}
+
+template <int64_t T>
+void dec_k_regs(const uint8_t* blk, KRegs& o);
+
 template <>
-void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+inline void dec_k_regs<Q4_K>(const uint8_t* blk, KRegs& o) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 64 * c), _mm256_and_si256(v, low4));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 64 * c + 32),
-                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+    o.u[2 * c] = _mm256_and_si256(v, low4);
+    o.u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   }
   uint8_t bytes[16];
   k_scale_bytes(blk + 4, bytes);
@@ -548,47 +566,62 @@ void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
   const __m128i sc2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
   const __m128i mn2 =
       _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepu8_epi16(sc2));
-  const __m256 nd = _mm256_set1_ps(-fp16(blk + 2));
-  _mm256_store_ps(o.mw, _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn2))));
-  _mm256_store_ps(o.mw + 8,
-                  _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn2, 8)))));
+  o.sc = _mm256_cvtepu8_epi16(sc2);
+  mins_regs(mn2, false, -fp16(blk + 2), o.mw);
   o.d = fp16(blk);
 }
 
 template <>
-void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   for (int h = 0; h < 2; ++h) {
     const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
     const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    uint8_t* u = o.u + 128 * h;
     auto hi = [&](int shift) {
       return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4);
     };
-    _mm256_store_si256(reinterpret_cast<__m256i*>(u), _mm256_or_si256(_mm256_and_si256(l0, low4), hi(0)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32),
-                       _mm256_or_si256(_mm256_and_si256(l1, low4), hi(2)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(u + 64),
-                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), hi(4)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(u + 96),
-                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), hi(6)));
+    o.u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4), hi(0));
+    o.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), hi(2));
+    o.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), hi(4));
+    o.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), hi(6));
   }
   const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), _mm256_cvtepi8_epi16(s));
+  o.sc = _mm256_cvtepi8_epi16(s);
   const float d = fp16(blk + 208);
-  const __m256 nd = _mm256_set1_ps(-32.f * d);
-  _mm256_store_ps(o.mw, _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s))));
-  _mm256_store_ps(o.mw + 8,
-                  _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)))));
+  mins_regs(s, true, -32.f * d, o.mw);
   o.d = d;
+}
+
+template <int64_t T>
+inline void dec_k_stored(const uint8_t* blk, KBlk& o) {
+  KRegs r;
+  dec_k_regs<T>(blk, r);
+  for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 32 * c), r.u[c]);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
+  _mm256_store_ps(o.mw, r.mw[0]);
+  _mm256_store_ps(o.mw + 8, r.mw[1]);
+  o.d = r.d;
+}
+
+template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  dec_k_stored<Q4_K>(blk, o);
+}
+
+template <>
+void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+  dec_k_stored<Q6_K>(blk, o);
+}
+
+// k_micro's scales for 32 values i (vpmaddubsw's int16 lanes 0-7: the 16 2i, 8-15: 2i + 1)
+inline __m256i scv_chunk(const int16_t* sc, int i) {
+  return _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
 }
 
 inline void make_scv(KBlk& o) {
   for (int i = 0; i < 8; ++i)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o.scv + 16 * i),
-                       _mm256_set_m128i(_mm_set1_epi16(o.sc[2 * i + 1]), _mm_set1_epi16(o.sc[2 * i])));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.scv + 16 * i), scv_chunk(o.sc, i));
 }
 #else
 template <>
@@ -960,6 +993,37 @@ void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_byt
       }
       f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(r.d * X.d[b]), f);
       f = _mm512_fmadd_ps(r.mw, _mm512_loadu_ps(X.mx + 16 * b), f);
+    }
+    y[col0 + o] = kacc_sum(f);
+  }
+}
+#elif !defined(CELLSERVE_GGML_ZMM) && defined(__AVX2__) && defined(__FMA__)
+#define CELLSERVE_GGML_KGEMV 1
+// the AVX2 build's: the same, 32 values at a time as k_micro<1, 1> (the same y to the bit)
+template <int64_t T>
+void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
+            int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  const int64_t nb = k / 256;
+  alignas(32) int16_t sc[16];
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = w + o * row_bytes;
+    __m256 f = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * B;
+      for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 16 * B + l);
+      KRegs r;
+      dec_k_regs<T>(blk, r);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc), r.sc);
+      __m256i ia = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + 256 * b + 32 * i));
+        ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(r.u[i], xv), scv_chunk(sc, i)));
+      }
+      const float* m = X.mx + 16 * b;
+      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(r.d * X.d[b]), f);
+      a = _mm256_fmadd_ps(r.mw[0], _mm256_loadu_ps(m), a);
+      f = _mm256_fmadd_ps(r.mw[1], _mm256_loadu_ps(m + 8), a);
     }
     y[col0 + o] = kacc_sum(f);
   }

@@ -330,8 +330,8 @@ def test_the_one_call_step_runs_ggml_linears(smollm_path, monkeypatch):
 
 @pytest.mark.parametrize("name", [nm for nm in TYPES if nm in K_SCALES or nm.startswith("Q")])
 def test_a_row_alone_equals_it_in_a_batch(kern, name):
-    """A decode step's single row takes its own kernel (k_gemv for Q4_K / Q6_K on AVX-512 VNNI):
-    the same sums in the same order as the tiles, so the same y to the bit."""
+    """A decode step's single row takes its own kernel (k_gemv for Q4_K / Q6_K on AVX-512 VNNI
+    and AVX2): the same sums in the same order as the tiles, so the same y to the bit."""
     rng = np.random.default_rng(11)
     k = 768 if name in K_SCALES else 800
     w = torch.from_numpy(make_weights(name, 45, k, rng))
