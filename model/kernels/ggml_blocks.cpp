@@ -323,6 +323,15 @@ struct Linear {
 #endif
 
 using Acc = float;  // 8 a row
+// a row's 8 lanes and its minimums' term. Not inlined: under -ffast-math the compiler
+// vectorized this sum across 4 rows of a tile in one order and summed a lone row in another,
+// so a row's y depended on the rows beside it (the portable build only)
+__attribute__((noinline)) float lanes_total(const float* a, float m) {
+  float t = 0.f;
+  for (int lane = 0; lane < 8; ++lane) t += a[lane];
+  return t + m;
+}
+
 // portable C++: the same integers (8 lanes of 4 values a block of 32) and float32 scaling
 template <int64_t T>
 void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float* y_col,
@@ -355,11 +364,7 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
       }
     }
   }
-  for (int64_t r = 0; r < nr; ++r) {
-    float t = 0.f;
-    for (int lane = 0; lane < 8; ++lane) t += acc[8 * r + lane];
-    y_col[(r0 + r) * L.n] = t + macc[r];
-  }
+  for (int64_t r = 0; r < nr; ++r) y_col[(r0 + r) * L.n] = lanes_total(acc + 8 * r, macc[r]);
 }
 
 // ---- the K-quants (Q4_K, Q5_K, Q6_K): activations per 256, integer super-blocks, register tiles
@@ -491,16 +496,6 @@ inline void dec_k_stored(const uint8_t* blk, KBlk& o) {
   o.d = r.d;
 }
 
-template <>
-void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
-  dec_k_stored<Q4_K>(blk, o);
-}
-
-template <>
-void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
-  dec_k_stored<Q6_K>(blk, o);
-}
-
 #if defined(__AVX512VNNI__)
 // k_micro's layout: vpackssdw of two chunks' vpdpbusd sums (int32 lane L of chunk i: values
 // 4L..4L+3 of it, the 16 4i + L / 4) -> int16 lane 8c + e: chunk 2h's lane 4c + e (e < 4) or
@@ -604,16 +599,6 @@ inline void dec_k_stored(const uint8_t* blk, KBlk& o) {
   o.d = r.d;
 }
 
-template <>
-void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
-  dec_k_stored<Q4_K>(blk, o);
-}
-
-template <>
-void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
-  dec_k_stored<Q6_K>(blk, o);
-}
-
 // k_micro's scales for 32 values i (vpmaddubsw's int16 lanes 0-7: the 16 2i, 8-15: 2i + 1)
 inline __m256i scv_chunk(const int16_t* sc, int i) {
   return _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
@@ -651,6 +636,18 @@ void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
 }
 
 inline void make_scv(KBlk&) {}  // the portable kernel reads sc
+#endif
+
+#if defined(CELLSERVE_GGML_ZMM) || defined(__AVX2__)
+template <>
+void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
+  dec_k_stored<Q4_K>(blk, o);
+}
+
+template <>
+void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
+  dec_k_stored<Q6_K>(blk, o);
+}
 #endif
 
 // the activation rows per 256: q, d, mx (Q8K)
