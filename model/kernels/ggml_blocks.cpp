@@ -957,70 +957,61 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
   }
 }
 
-#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
-#define CELLSERVE_GGML_KGEMV 1
-// one row (a decode step) of a Q4_K / Q6_K part: each super-block decoded in registers straight
-// into k_micro's dot products, prefetching 16 blocks ahead. k_task's L1 buffer (stores,
+// One row (a decode step) of a Q4_K / Q6_K part, k_gemv: each super-block decoded in registers
+// straight into k_micro's dot products, prefetching 16 blocks ahead. k_task's L1 buffer (stores,
 // make_scv, reloads) pays off only when several rows share a decoded block; at one row its
 // compute did not overlap the reads (Qwen2.5-Coder-1.5B's lm_head, Q6_K, 27 GB/s on 2 Zen 5
-// cores that read 44 GB/s; `python -m bench.ggml_bench --model qwen2.5-coder-1.5b`). The same
-// integer sums and float operations in the same order as k_micro<1, 1>: the same y to the bit.
-template <int64_t T>
-void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
-            int64_t o1, int64_t col0) {
-  constexpr int64_t B = Fmt<T>::B;
-  const int64_t nb = k / 256;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* row = w + o * row_bytes;
-    __m512 f = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * B;
-      for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 16 * B + l);
-      KRegs r;
-      dec_k_regs<T>(blk, r);
-      __m512i scv[2];
-      scv_regs(r.sc, scv);
-      __m512i ia = _mm512_setzero_si512();
-      for (int h = 0; h < 2; ++h) {
-        const __m512i x0 = _mm512_loadu_si512(X.q + 256 * b + 128 * h);
-        const __m512i x1 = _mm512_loadu_si512(X.q + 256 * b + 128 * h + 64);
-        const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h], x0);
-        const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h + 1], x1);
-        ia = _mm512_dpwssd_epi32(ia, _mm512_packs_epi32(t0, t1), scv[h]);
-      }
-      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(r.d * X.d[b]), f);
-      f = _mm512_fmadd_ps(r.mw, _mm512_loadu_ps(X.mx + 16 * b), f);
-    }
-    y[col0 + o] = kacc_sum(f);
+// cores that read 44 GB/s; `python -m bench.ggml_bench --model qwen2.5-coder-1.5b`). gemv_block
+// (per ISA): the same integer sums and float operations in the same order as k_micro<1, 1>, so
+// the same y to the bit.
+#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
+#define CELLSERVE_GGML_KGEMV 1
+inline __m512 gemv_block(const KRegs& r, const Q8K& X, int64_t b, __m512 f) {
+  __m512i scv[2];
+  scv_regs(r.sc, scv);
+  __m512i ia = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i x0 = _mm512_loadu_si512(X.q + 256 * b + 128 * h);
+    const __m512i x1 = _mm512_loadu_si512(X.q + 256 * b + 128 * h + 64);
+    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h], x0);
+    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h + 1], x1);
+    ia = _mm512_dpwssd_epi32(ia, _mm512_packs_epi32(t0, t1), scv[h]);
   }
+  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(r.d * X.d[b]), f);
+  return _mm512_fmadd_ps(r.mw, _mm512_loadu_ps(X.mx + 16 * b), f);
 }
 #elif !defined(CELLSERVE_GGML_ZMM) && defined(__AVX2__) && defined(__FMA__)
 #define CELLSERVE_GGML_KGEMV 1
-// the AVX2 build's: the same, 32 values at a time as k_micro<1, 1> (the same y to the bit)
+inline __m256 gemv_block(const KRegs& r, const Q8K& X, int64_t b, __m256 f) {
+  alignas(32) int16_t sc[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sc), r.sc);
+  __m256i ia = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + 256 * b + 32 * i));
+    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(r.u[i], xv), scv_chunk(sc, i)));
+  }
+  const float* m = X.mx + 16 * b;
+  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(r.d * X.d[b]), f);
+  f = _mm256_fmadd_ps(r.mw[0], _mm256_loadu_ps(m), f);
+  return _mm256_fmadd_ps(r.mw[1], _mm256_loadu_ps(m + 8), f);
+}
+#endif
+
+#if defined(CELLSERVE_GGML_KGEMV)
 template <int64_t T>
 void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
             int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
   const int64_t nb = k / 256;
-  alignas(32) int16_t sc[16];
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = w + o * row_bytes;
-    __m256 f = _mm256_setzero_ps();
+    KAcc f = {};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * B;
       for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 16 * B + l);
       KRegs r;
       dec_k_regs<T>(blk, r);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sc), r.sc);
-      __m256i ia = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + 256 * b + 32 * i));
-        ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(r.u[i], xv), scv_chunk(sc, i)));
-      }
-      const float* m = X.mx + 16 * b;
-      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(r.d * X.d[b]), f);
-      a = _mm256_fmadd_ps(r.mw[0], _mm256_loadu_ps(m), a);
-      f = _mm256_fmadd_ps(r.mw[1], _mm256_loadu_ps(m + 8), a);
+      f = gemv_block(r, X, b, f);
     }
     y[col0 + o] = kacc_sum(f);
   }
