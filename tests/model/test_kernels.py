@@ -15,6 +15,7 @@ from model import load_model
 from model.kernels import isa, load_kernels
 from model.runner.worker import make_worker
 from tests.model.factories import Driver, require_kernels
+from tests.model.test_ggml_blocks import QUANT_TYPES, check_row_alone_equals_it_in_a_batch
 from tests.tiny_models import write_tiny_llama
 
 
@@ -339,6 +340,8 @@ def test_the_generic_build_compiles_and_runs(tmp_path, monkeypatch):
     assert "avx2" not in module.compiled_isa() and not module.has_bf16_kernels()
     check_module(module)
     check_int4(module, "generic")
+    for name in QUANT_TYPES:  # the GGUF blocks' portable kernels
+        check_row_alone_equals_it_in_a_batch(module, name)
 
 
 @pytest.mark.parametrize("level", kernel_builds.levels_for_this_cpu())
