@@ -18,7 +18,8 @@
 // The integer paths (activations in int8, as llama.cpp's q8_0 / q8_K):
 // - K-quants (Q4_K, Q5_K, Q6_K; every build): each activation row quantized per 256 values,
 //   each super-block's sum exact in int32 with its integer scales, one float FMA per super-block
-//   and (output, row); register tiles of outputs x rows (see "the K-quants" below).
+//   and (output, row); register tiles of outputs x rows (see "the K-quants" below; the AVX2
+//   build: 8 outputs interleaved into the lanes of a vector, "the AVX2 build's K-quant tiles").
 // - the 32-value kinds on AVX2 / AVX-512: rows per 32 values
 //   (quantize_rows_q8, int4.cpp: d = max|x| / 127 and s = d * the sum of the int8 values),
 //   unsigned decoded blocks (w = d * u + mn), the same register tiles (see "the 32-value kinds").
@@ -384,9 +385,10 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
 // kKB super-blocks of kNO outputs.
 
 struct Q8K {
-  const int8_t* q;  // [m, k]
-  const float* d;   // [m, k / 256]
-  const float* mx;  // [m, k / 16]: d * the sum of each 16 int8 values
+  const int8_t* q;     // [m, k]
+  const float* d;      // [m, k / 256]
+  const float* mx;     // [m, k / 16]: d * the sum of each 16 int8 values
+  const int16_t* s16;  // [m, k / 16]: the sums themselves
 };
 
 // one decoded super-block
@@ -528,24 +530,36 @@ inline void make_scv(KBlk& o) {
 }
 #endif
 #elif defined(__AVX2__)
-// a super-block decoded in registers (the AVX2 build): KBlk's u as 8 chunks of 32, sc, mw, d
+// The AVX2 build's K-quants: every super-block's sums exact in integers (see "the AVX2 tiles"
+// below). A super-block decoded in registers: its values u as 8 chunks of 32 in order; per 16
+// values an integer scale sc and an integer minimum mn (Q4_K / Q5_K: the 6-bit scale and
+// minimum of its 32; Q6_K: its int8 scale, and mn = sc for its offset of 32); the float factors
+// d and dm (Q4_K / Q5_K: dmin; Q6_K: 32 d). Its dot product with a Q8K row (d_x, and s16: the
+// sums of its int8 values per 16) is
+//   d_x * d * sum_i sc[i] * dot16(u_i, x_i)  -  d_x * dm * sum_i mn[i] * s16[i]
+// with both sums exact in int32.
+#define CELLSERVE_GGML_KCOL 1
 struct KRegs {
   __m256i u[8];
-  __m256i sc;
-  __m256 mw[2];
-  float d;
+  __m256i sc;  // 16 int16
+  __m256i mn;  // 16 int16
+  float d, dm;
 };
-
-inline void mins_regs(__m128i m8, bool is_signed, float nd, __m256* mw) {
-  const __m128i hi = _mm_srli_si128(m8, 8);
-  const __m256i lo32 = is_signed ? _mm256_cvtepi8_epi32(m8) : _mm256_cvtepu8_epi32(m8);
-  const __m256i hi32 = is_signed ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi);
-  mw[0] = _mm256_mul_ps(_mm256_set1_ps(nd), _mm256_cvtepi32_ps(lo32));
-  mw[1] = _mm256_mul_ps(_mm256_set1_ps(nd), _mm256_cvtepi32_ps(hi32));
-}
 
 template <int64_t T>
 void dec_k_regs(const uint8_t* blk, KRegs& o);
+
+// Q4_K / Q5_K: sc, mn, d and dm from the header
+inline void k_header_regs(const uint8_t* blk, KRegs& o) {
+  uint8_t bytes[16];
+  k_scale_bytes(blk + 4, bytes);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  o.sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+  o.mn = _mm256_cvtepu8_epi16(
+      _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+  o.d = fp16(blk);
+  o.dm = fp16(blk + 2);
+}
 
 template <>
 inline void dec_k_regs<Q4_K>(const uint8_t* blk, KRegs& o) {
@@ -555,15 +569,22 @@ inline void dec_k_regs<Q4_K>(const uint8_t* blk, KRegs& o) {
     o.u[2 * c] = _mm256_and_si256(v, low4);
     o.u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   }
-  uint8_t bytes[16];
-  k_scale_bytes(blk + 4, bytes);
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i sc2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  const __m128i mn2 =
-      _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-  o.sc = _mm256_cvtepu8_epi16(sc2);
-  mins_regs(mn2, false, -fp16(blk + 2), o.mw);
-  o.d = fp16(blk);
+  k_header_regs(blk, o);
+}
+
+template <>
+inline void dec_k_regs<Q5_K>(const uint8_t* blk, KRegs& o) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+  auto bit5 = [&](int s) {  // bit s of each qh byte -> 0x10 (16-bit shifts: bit 0 of a byte is its own)
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, s), one), 4);
+  };
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * c));
+    o.u[2 * c] = _mm256_or_si256(_mm256_and_si256(v, low4), bit5(2 * c));
+    o.u[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), bit5(2 * c + 1));
+  }
+  k_header_regs(blk, o);
 }
 
 template <>
@@ -581,32 +602,10 @@ inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
     o.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), hi(4));
     o.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), hi(6));
   }
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-  o.sc = _mm256_cvtepi8_epi16(s);
-  const float d = fp16(blk + 208);
-  mins_regs(s, true, -32.f * d, o.mw);
-  o.d = d;
-}
-
-template <int64_t T>
-inline void dec_k_stored(const uint8_t* blk, KBlk& o) {
-  KRegs r;
-  dec_k_regs<T>(blk, r);
-  for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(o.u + 32 * c), r.u[c]);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
-  _mm256_store_ps(o.mw, r.mw[0]);
-  _mm256_store_ps(o.mw + 8, r.mw[1]);
-  o.d = r.d;
-}
-
-// k_micro's scales for 32 values i (vpmaddubsw's int16 lanes 0-7: the 16 2i, 8-15: 2i + 1)
-inline __m256i scv_chunk(const int16_t* sc, int i) {
-  return _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
-}
-
-inline void make_scv(KBlk& o) {
-  for (int i = 0; i < 8; ++i)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o.scv + 16 * i), scv_chunk(o.sc, i));
+  o.sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+  o.mn = o.sc;
+  o.d = fp16(blk + 208);
+  o.dm = 32.f * o.d;
 }
 #else
 template <>
@@ -638,7 +637,7 @@ void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
 inline void make_scv(KBlk&) {}  // the portable kernel reads sc
 #endif
 
-#if defined(CELLSERVE_GGML_ZMM) || defined(__AVX2__)
+#if defined(CELLSERVE_GGML_ZMM)
 template <>
 void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
   dec_k_stored<Q4_K>(blk, o);
@@ -659,7 +658,7 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
+void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s16) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
   for (int i = 0; i < 32; ++i) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), abs_mask));
@@ -674,8 +673,12 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
     __m256i i32[4];
     for (int i = 0; i < 4; ++i)
       i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * g + 8 * i), inv));
-    mx[2 * g] = dd * static_cast<float>(hsum_i32(_mm256_add_epi32(i32[0], i32[1])));
-    mx[2 * g + 1] = dd * static_cast<float>(hsum_i32(_mm256_add_epi32(i32[2], i32[3])));
+    const int32_t s0 = hsum_i32(_mm256_add_epi32(i32[0], i32[1]));
+    const int32_t s1 = hsum_i32(_mm256_add_epi32(i32[2], i32[3]));
+    s16[2 * g] = static_cast<int16_t>(s0);
+    s16[2 * g + 1] = static_cast<int16_t>(s1);
+    mx[2 * g] = dd * static_cast<float>(s0);
+    mx[2 * g + 1] = dd * static_cast<float>(s1);
     const __m256i w16a = _mm256_packs_epi32(i32[0], i32[1]), w16b = _mm256_packs_epi32(i32[2], i32[3]);
     const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -683,7 +686,7 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
   }
 }
 #else
-void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
+void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s16) {
   float amax = 0.f;
   for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -696,6 +699,7 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
       q[j] = v;
       sum += v;
     }
+    s16[g] = static_cast<int16_t>(sum);
     mx[g] = dd * static_cast<float>(sum);
   }
 }
@@ -705,23 +709,35 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx) {
 Q8K quantize_rows_k(const float* x, int64_t m, int64_t k) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> f;
+  thread_local std::vector<int16_t> s;
   const int64_t nb = k / 256;
   q.resize(m * k);
   f.resize(m * nb * 17);
+  s.resize(m * nb * 16);
   // pointers, not the thread_local vectors, into the workers (each thread has its own)
   int8_t* qp = q.data();
   float* d = f.data();
   float* mx = f.data() + m * nb;
+  int16_t* sp = s.data();
   at::parallel_for(0, m * nb, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) quantize_block_k(x + b * 256, qp + b * 256, d + b, mx + 16 * b);
+    for (int64_t b = b0; b < b1; ++b)
+      quantize_block_k(x + b * 256, qp + b * 256, d + b, mx + 16 * b, sp + 16 * b);
   });
-  return {qp, d, mx};
+  return {qp, d, mx, sp};
 }
 
 // the register micro-kernels: rows [0, MR) of a tile (x: row 0 at super-block 0 of the chunk,
 // rows k apart; xd, xm: row 0's d and mx at it, rows nb and k / 16 apart) times outputs [0, NO)
 // over nkb super-blocks of buf (output j's at buf + j * kKB); facc[j * nr + r] accumulates.
 constexpr int64_t kKB = 8;  // super-blocks decoded at a time
+
+// Rows a tile: at most kKTile, their int8 values within kKTileBytes. Every kNO outputs pass over
+// the whole tile, kKB super-blocks (2 KB a row) at a time, so the tile is read from L2 (256 KB:
+// half of Zen 3's, a quarter of Zen 4/5's), each decoded block feeding the tile's rows. An L1
+// budget (32 KB) left 2 rows a tile at k = 8960 (Qwen2.5-1.5B's ffn_down): each block decoded
+// for every 2 rows, 100 against 220-270 GMAC/s for the L2 budget (2 Zen 5 cores, 300 rows).
+constexpr int64_t kKTile = 64;
+constexpr int64_t kKTileBytes = 262144;
 #if defined(CELLSERVE_GGML_ZMM)
 #if defined(__AVX512VNNI__)
 // per pair of 64-value chunks and (output, row): two vpdpbusd (int32 sums of 4 values: at most
@@ -811,46 +827,261 @@ inline __m128 kacc_sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512i lane0 = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0, u));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kNO = 2, kMR = 2;
-using KAcc = __m256;
-template <int NO, int MR>
-void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
-             const float* xm, KAcc* facc, int64_t nr, bool first) {
-  __m256 f[NO][MR];
-  for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < MR; ++r) f[j][r] = first ? _mm256_setzero_ps() : facc[j * nr + r];
-  for (int64_t b = 0; b < nkb; ++b) {
-    __m256i ia[NO][MR];
-    for (int j = 0; j < NO; ++j)
-      for (int r = 0; r < MR; ++r) ia[j][r] = _mm256_setzero_si256();
-    for (int i = 0; i < 8; ++i) {
-      __m256i xv[MR];
-      for (int r = 0; r < MR; ++r)
-        xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * k + 256 * b + 32 * i));
-      for (int j = 0; j < NO; ++j) {
-        const KBlk& w = buf[j * kKB + b];
-        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + 32 * i));
-        const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.scv + 16 * i));
-        for (int r = 0; r < MR; ++r)
-          ia[j][r] = _mm256_add_epi32(ia[j][r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv[r]), s));
-      }
-    }
-    for (int j = 0; j < NO; ++j) {
-      const KBlk& w = buf[j * kKB + b];
-      const __m256 mw0 = _mm256_load_ps(w.mw), mw1 = _mm256_load_ps(w.mw + 8);
-      for (int r = 0; r < MR; ++r) {
-        const float* m = xm + r * (k / 16) + 16 * b;
-        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[j][r]), _mm256_set1_ps(w.d * xd[r * nb + b]), f[j][r]);
-        a = _mm256_fmadd_ps(mw0, _mm256_loadu_ps(m), a);
-        f[j][r] = _mm256_fmadd_ps(mw1, _mm256_loadu_ps(m + 8), a);
-      }
+#elif defined(CELLSERVE_GGML_KCOL)
+// ---- the AVX2 build's K-quant tiles: 8 outputs in the 8 lanes of a vector ----
+//
+// A tile is 8 outputs x kMR rows. The 8 outputs' super-blocks are decoded (dec_k_regs) and
+// interleaved into a KCol: per 4 values, one vector of the 8 outputs' 4 bytes, so that one
+// vpmaddubsw by a row's 4 int8 values broadcast (vpbroadcastd) gives each output's 2 pair sums.
+// Those are summed in int16 over L groups of 4 values (Q4_K: its 32-value sub-block, L = 8:
+// 8 * 2 * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31 * 127; Q6_K 2: 2 * 2 * 63 * 127), then one
+// vpmaddwd by the outputs' scales: 1.1 (Q4_K) to 1.5 (Q6_K) multiply instructions per 32
+// multiply-adds, where a row-major block takes 2 (vpmaddubsw, then vpmaddwd by the scale of each
+// 32 values). The minimums' sums the same way, per pair of 16s, by the row's s16. Per
+// super-block and row, in float (lane o: output o): f = fma(isum, d * d_x, f), then
+// f = fnmadd(imin, dm * d_x, f); a tile's end stores 8 outputs of a row at once, no horizontal
+// sums. k_gemv (one row) sums the same integers in its own order and applies the same float
+// operations: a row alone gets the bits it gets in a batch.
+constexpr int kMR = 4;
+constexpr int64_t kKBCol = 4;  // super-blocks interleaved at a time: 4 x 2880 bytes of L1
+
+struct KCol {
+  alignas(32) uint8_t u[64][32];  // per 4 values g: output o's 4 bytes at 4o
+  alignas(32) int16_t sc[16][16];  // per 16 values i: output o's scale in lanes 2o and 2o + 1
+  alignas(32) int16_t mn[8][16];   // per pair of 16s i: output o's mn[2i], mn[2i + 1] in 2o, 2o + 1
+  alignas(32) float d[8], dm[8];
+};
+
+// dword o of out[i] = dword i of in[o]
+inline void transpose8(const __m256i* in, __m256i* out) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // inputs 4h..4h + 3: u[4h + j] holds their dwords j, j + 4
+    u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+    out[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+  }
+}
+
+// outputs [0, no) of a super-block column (output o's block at blk + o * row_bytes; the others
+// zeros) -> col
+template <int64_t T>
+inline void pack_kcol(const uint8_t* blk, int64_t row_bytes, int no, KCol& col) {
+  constexpr int64_t B = Fmt<T>::B;
+  __m256i u[8][8], sc_lo[8], sc_hi[8], mn[8];
+  for (int o = 0; o < 8; ++o) {
+    if (o < no) {
+      const uint8_t* p = blk + o * row_bytes;
+      for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(p + kKBCol * B + l);
+      KRegs r;
+      dec_k_regs<T>(p, r);
+      for (int c = 0; c < 8; ++c) u[o][c] = r.u[c];
+      // the 16 scales as dwords (sc, sc) in order: unpack works within 128-bit halves
+      const __m256i lo = _mm256_unpacklo_epi16(r.sc, r.sc), hi = _mm256_unpackhi_epi16(r.sc, r.sc);
+      sc_lo[o] = _mm256_permute2x128_si256(lo, hi, 0x20);
+      sc_hi[o] = _mm256_permute2x128_si256(lo, hi, 0x31);
+      mn[o] = r.mn;
+      col.d[o] = r.d;
+      col.dm[o] = r.dm;
+    } else {
+      for (int c = 0; c < 8; ++c) u[o][c] = _mm256_setzero_si256();
+      sc_lo[o] = sc_hi[o] = mn[o] = _mm256_setzero_si256();
+      col.d[o] = col.dm[o] = 0.f;
     }
   }
-  for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < MR; ++r) facc[j * nr + r] = f[j][r];
+  __m256i in[8], out[8];
+  for (int c = 0; c < 8; ++c) {
+    for (int o = 0; o < 8; ++o) in[o] = u[o][c];
+    transpose8(in, out);
+    for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(col.u[8 * c + g]), out[g]);
+  }
+  transpose8(sc_lo, out);
+  for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(col.sc[i]), out[i]);
+  transpose8(sc_hi, out);
+  for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(col.sc[8 + i]), out[i]);
+  transpose8(mn, out);
+  for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(col.mn[i]), out[i]);
 }
-inline float kacc_sum(KAcc a) { return hsum8(a); }
+
+inline __m256i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// rows [0, MR) (x: row 0's int8 values at the chunk's first super-block, rows k apart; xd, xs:
+// its d and s16 there, rows nb and k / 16 apart) times a KCol column over nkb super-blocks;
+// facc[r] accumulates row r's 8 outputs
+template <int64_t T, int MR>
+__attribute__((noinline)) void k_micro(const KCol* buf, int64_t nkb, const int8_t* x, int64_t k,
+                                       const float* xd, int64_t nb, const int16_t* xs, __m256* facc,
+                                       bool first) {
+  constexpr int L = T == Q4_K ? 8 : T == Q5_K ? 4 : 2;
+  // the float accumulators stay in memory (facc: one load and store a super-block), the 16
+  // vector registers for the integer sums: a (the current L groups), acc (the super-block)
+  if (first)
+    for (int r = 0; r < MR; ++r) facc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nkb; ++b) {
+    const KCol& w = buf[b];
+    const int8_t* xb = x + 256 * b;
+    __m256i acc[MR], a[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+    // one sum of L groups at a time, each a chain held in a register (the empty asm): gcc
+    // otherwise rebalanced the sums into trees, all the products first, spilled to the stack
+#pragma GCC unroll 1
+    for (int g0 = 0; g0 < 64; g0 += L) {
+      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u[g0]));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) a[r] = _mm256_maddubs_epi16(w0, bcast4(xb + r * k + 4 * g0));
+#pragma GCC unroll 8
+      for (int g = g0 + 1; g < g0 + L; ++g) {
+        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u[g]));
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(wv, bcast4(xb + r * k + 4 * g)));
+          asm("" : "+x"(a[r]));
+        }
+      }
+      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.sc[g0 / 4]));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(a[r], s));
+        asm("" : "+x"(acc[r]));
+      }
+    }
+    // the minimums, a chain per row as well (a's registers)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256i mv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.mn[i]));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256i t = _mm256_madd_epi16(mv, bcast4(xs + r * (k / 16) + 16 * b + 2 * i));
+        a[r] = i == 0 ? t : _mm256_add_epi32(a[r], t);
+        asm("" : "+x"(a[r]));
+      }
+    }
+    const __m256 d = _mm256_load_ps(w.d), dm = _mm256_load_ps(w.dm);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+      __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(d, dx), facc[r]);
+      facc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(dm, dx), f);
+    }
+  }
+}
+
+// row r's 8 outputs (the first no) -> y
+inline void store_outputs(float* y, __m256 v, int no) {
+  if (no == 8) {
+    _mm256_storeu_ps(y, v);
+    return;
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  std::copy(t, t + no, y);
+}
+
+// a task's outputs [o0, o1) of a K part over every row: per tile of rows, per 8 outputs, per
+// kKBCol super-blocks: those interleaved once into buf, then the tile's rows kMR at a time
+template <int64_t T>
+void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
+            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  const int64_t nb = k / 256;
+  thread_local std::vector<KCol> bufv(kKBCol);
+  KCol* buf = bufv.data();
+  alignas(32) __m256 facc[kKTile];
+  for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
+    const int64_t nr = std::min(m, r0 + row_tile) - r0;
+    for (int64_t og = o0; og < o1; og += 8) {
+      const int no = static_cast<int>(std::min<int64_t>(8, o1 - og));
+      for (int64_t b0 = 0; b0 < nb; b0 += kKBCol) {
+        const int64_t nkb = std::min(kKBCol, nb - b0);
+        for (int64_t b = 0; b < nkb; ++b) pack_kcol<T>(w + og * row_bytes + (b0 + b) * B, row_bytes, no, buf[b]);
+        for (int64_t rr = 0; rr < nr; rr += kMR) {
+          const int64_t row = r0 + rr;
+          const int8_t* x = X.q + row * k + b0 * 256;
+          const float* xd = X.d + row * nb + b0;
+          const int16_t* xs = X.s16 + row * (k / 16) + b0 * 16;
+          __m256* f = facc + rr;
+          switch (std::min<int64_t>(kMR, nr - rr)) {
+            case 1: k_micro<T, 1>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
+            case 2: k_micro<T, 2>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
+            case 3: k_micro<T, 3>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
+            default: k_micro<T, kMR>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
+          }
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r) store_outputs(y + (r0 + r) * n + col0 + og, facc[r], no);
+    }
+  }
+}
+
+// a super-block's two integer sums with a Q8K row (x: its int8 values there, xs: its s16 there)
+// as vectors whose lanes add up to them: ia to sum_i sc[i] * dot16(u_i, x_i), im to
+// sum_i mn[i] * s16[i] (vpmaddubsw, vpmaddwd by the scale of each 16, in the block's own order)
+template <int64_t T>
+inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs, __m256i& ia,
+                         __m256i& im, float& d, float& dm) {
+  KRegs r;
+  dec_k_regs<T>(blk, r);
+  alignas(32) int16_t sc[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sc), r.sc);
+  ia = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i));
+    // int16 lanes 0-7: the 16 values 2i, 8-15: 2i + 1
+    const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
+    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(r.u[i], xv), s));
+  }
+  im = _mm256_madd_epi16(r.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
+  d = r.d;
+  dm = r.dm;
+}
+
+// One row (a decode step): an output at a time along its row (one stream for the prefetcher),
+// two super-blocks at a time: each decoded in registers straight into its integer sums
+// (k_block_sums: no interleaving at one row), the two blocks' four sums reduced into the lanes of
+// one vector, then k_micro's float operations in scalar form, block by block: the same integers
+// and the same roundings as a lane of the tiles.
+template <int64_t T>
+void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
+            int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  const int64_t nb = k / 256;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = w + o * row_bytes;
+    float f = 0.f;
+    for (int64_t b = 0; b < nb; b += 2) {
+      __m256i ia0, im0, ia1 = _mm256_setzero_si256(), im1 = _mm256_setzero_si256();
+      float d0, dm0, d1 = 0.f, dm1 = 0.f;
+      const uint8_t* blk = row + b * B;
+      for (int64_t l = 0; l < 2 * B; l += 64) __builtin_prefetch(blk + 16 * B + l);
+      k_block_sums<T>(blk, X.q + 256 * b, X.s16 + 16 * b, ia0, im0, d0, dm0);
+      const bool two = b + 1 < nb;
+      if (two) k_block_sums<T>(blk + B, X.q + 256 * (b + 1), X.s16 + 16 * (b + 1), ia1, im1, d1, dm1);
+      // [ia0, im0, ia1, im1] summed: the lanes' pairs, then the halves
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(ia0, im0), _mm256_hadd_epi32(ia1, im1));
+      const __m128 v = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+      const float dx0 = X.d[b];
+      f = std::fma(_mm_cvtss_f32(v), d0 * dx0, f);
+      f = std::fma(-_mm_cvtss_f32(_mm_movehdup_ps(v)), dm0 * dx0, f);
+      if (two) {
+        const float dx1 = X.d[b + 1];
+        f = std::fma(_mm_cvtss_f32(_mm_movehl_ps(v, v)), d1 * dx1, f);
+        f = std::fma(-_mm_cvtss_f32(_mm_shuffle_ps(v, v, 3)), dm1 * dx1, f);
+      }
+    }
+    y[col0 + o] = f;
+  }
+}
 #else
 constexpr int kNO = 1, kMR = 1;
 using KAcc = float;
@@ -881,6 +1112,7 @@ void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const flo
 inline float kacc_sum(KAcc a) { return a; }
 #endif
 
+#if !defined(CELLSERVE_GGML_KCOL)
 template <int NO>
 inline void k_micro_rows(int mr, const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k,
                          const float* xd, int64_t nb, const float* xm, KAcc* facc, int64_t nr,
@@ -894,13 +1126,6 @@ inline void k_micro_rows(int mr, const KBlk* buf, int64_t nkb, const int8_t* x, 
   }
 }
 
-// Rows a tile: at most kKTile, their int8 values within kKTileBytes. Every kNO outputs pass over
-// the whole tile, kKB super-blocks (2 KB a row) at a time, so the tile is read from L2 (256 KB:
-// half of Zen 3's, a quarter of Zen 4/5's), each decoded block feeding the tile's rows. An L1
-// budget (32 KB) left 2 rows a tile at k = 8960 (Qwen2.5-1.5B's ffn_down): each block decoded
-// for every 2 rows, 100 against 220-270 GMAC/s for the L2 budget (2 Zen 5 cores, 300 rows).
-constexpr int64_t kKTile = 64;
-constexpr int64_t kKTileBytes = 262144;
 
 // a task's outputs [o0, o1) of a K part over every row: per tile of rows, per kNO outputs, per
 // kKB super-blocks: those blocks decoded once into buf, then the tile's rows kMR at a time
@@ -956,6 +1181,7 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
     }
   }
 }
+#endif
 
 // One row (a decode step) of a Q4_K / Q6_K part, k_gemv: each super-block decoded in registers
 // straight into k_micro's dot products, prefetching 16 blocks ahead. k_task's L1 buffer (stores,
@@ -979,21 +1205,6 @@ inline __m512 gemv_block(const KRegs& r, const Q8K& X, int64_t b, __m512 f) {
   }
   f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(r.d * X.d[b]), f);
   return _mm512_fmadd_ps(r.mw, _mm512_loadu_ps(X.mx + 16 * b), f);
-}
-#elif !defined(CELLSERVE_GGML_ZMM) && defined(__AVX2__) && defined(__FMA__)
-#define CELLSERVE_GGML_KGEMV 1
-inline __m256 gemv_block(const KRegs& r, const Q8K& X, int64_t b, __m256 f) {
-  alignas(32) int16_t sc[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(sc), r.sc);
-  __m256i ia = _mm256_setzero_si256();
-  for (int i = 0; i < 8; ++i) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + 256 * b + 32 * i));
-    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(r.u[i], xv), scv_chunk(sc, i)));
-  }
-  const float* m = X.mx + 16 * b;
-  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(r.d * X.d[b]), f);
-  f = _mm256_fmadd_ps(r.mw[0], _mm256_loadu_ps(m), f);
-  return _mm256_fmadd_ps(r.mw[1], _mm256_loadu_ps(m + 8), f);
 }
 #endif
 
@@ -1361,7 +1572,7 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
   TORCH_CHECK_VALUE(!any_q || k % kQ == 0, "ggml_linear: k must be a multiple of 32");
   Q8Rows rows{nullptr, nullptr, nullptr};
   if (any_q) rows = quantize_rows(x);
-  Q8K krows{nullptr, nullptr, nullptr};
+  Q8K krows{nullptr, nullptr, nullptr, nullptr};
   if (any_k) krows = quantize_rows_k(x.data_ptr<float>(), m, k);
   // rows per tile: their int8 values (k bytes a row) within ~32 KB of L1
   const int64_t row_tile = std::clamp<int64_t>(32768 / k, 4, 64);
@@ -1387,7 +1598,20 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
       const int64_t c0 = col0[task.part];
       float* yp = L.y;
       switch (type) {
-#if defined(CELLSERVE_GGML_KGEMV)
+#if defined(CELLSERVE_GGML_KCOL)
+        case Q4_K:
+          if (m == 1) k_gemv<Q4_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
+          else k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
+          break;
+        case Q5_K:
+          if (m == 1) k_gemv<Q5_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
+          else k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
+          break;
+        case Q6_K:
+          if (m == 1) k_gemv<Q6_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
+          else k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
+          break;
+#elif defined(CELLSERVE_GGML_KGEMV)
         case Q4_K:
           if (m == 1) k_gemv<Q4_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
           else k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
@@ -1396,11 +1620,12 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
           if (m == 1) k_gemv<Q6_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
           else k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
           break;
+        case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #else
         case Q4_K: k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q6_K: k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-#endif
         case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+#endif
 #if defined(CELLSERVE_GGML_TILE32)
         case Q4_0: q_task<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q4_1: q_task<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;

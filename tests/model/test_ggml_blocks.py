@@ -143,6 +143,27 @@ def test_linear_each_type(kern, name, m):
     check_linear(kern, x, [w], [name], k)
 
 
+@pytest.mark.parametrize("name", list(K_SCALES))
+@pytest.mark.parametrize("m", [1, 6])
+def test_the_largest_k_quant_sums_stay_exact(kern, name, m):
+    """Every weight value and scale at its largest and every activation at +-127: the AVX2 build
+    sums a K-quant's products in int16 before applying its scales (Q4_K over 32 values, Q5_K 16,
+    Q6_K 8), within 2^15 of overflowing there; a wrapped sum would be off by 2^16 products."""
+    k, n = 512, 20
+    blocks = np.full((n * k // 256, TYPES[name][2]), 0xFF, dtype=np.uint8)
+    if name == "Q6_K":
+        blocks[:, 192:208] = 0x7F  # int8 scales: 127
+    for off in K_SCALES[name]:
+        blocks[:, off : off + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8)
+    w = blocks.reshape(n, -1)
+    signs = np.where(np.arange(m) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    x = torch.from_numpy(np.repeat(signs[:, None], k, axis=1))
+    check_linear(kern, x, [w], [name], k)
+    if name != "Q6_K":  # the minimums at their largest too: a zero dmin leaves the sums alone
+        blocks[:, 2:4] = np.array([0.0], dtype=np.float16).view(np.uint8)
+        check_linear(kern, x, [blocks.reshape(n, -1)], [name], k)
+
+
 def test_linear_on_two_threads(kern):
     """The activation rows are quantized by an OpenMP team and read by the tasks of another:
     every kind on 2 threads (the package runs one) gives the one-thread result exactly."""
