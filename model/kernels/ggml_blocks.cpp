@@ -1188,8 +1188,8 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 // make_scv, reloads) pays off only when several rows share a decoded block; at one row its
 // compute did not overlap the reads (Qwen2.5-Coder-1.5B's lm_head, Q6_K, 27 GB/s on 2 Zen 5
 // cores that read 44 GB/s; `python -m bench.ggml_bench --model qwen2.5-coder-1.5b`). gemv_block
-// (per ISA): the same integer sums and float operations in the same order as k_micro<1, 1>, so
-// the same y to the bit.
+// (the AVX-512 VNNI build; the AVX2 build's k_gemv is with its tiles above): the same integer
+// sums and float operations in the same order as k_micro<1, 1>, so the same y to the bit.
 #if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
 #define CELLSERVE_GGML_KGEMV 1
 inline __m512 gemv_block(const KRegs& r, const Q8K& X, int64_t b, __m512 f) {
