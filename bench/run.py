@@ -327,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the sweep's concurrency levels, comma-separated (default 1,8,32; quick 1,4)",
     )
+    p.add_argument(
+        "--level-max-s",
+        type=float,
+        default=None,
+        help="seconds a concurrency level may start requests (running ones are cut at 1.5x; "
+        "default 150, quick 60): raise it where c=32 on a larger model takes longer, or a "
+        "level's requests are all cut off",
+    )
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparison")
     p.add_argument(
         "--model",
@@ -346,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         if not levels or min(levels) < 1:
             raise SystemExit(f"--concurrency {args.concurrency!r}: positive integers, e.g. 1,32")
         sizes = replace(sizes, concurrencies=levels)
+    if args.level_max_s is not None:
+        if args.level_max_s <= 0:
+            raise SystemExit(f"--level-max-s {args.level_max_s}: a positive number of seconds")
+        sizes = replace(sizes, level_max_s=args.level_max_s)
     if args.isa:  # inherited by the cellserve subprocesses (model/kernels/isa.py)
         os.environ["CELLSERVE_ISA"] = args.isa
     llamacpp = args.llamacpp or default_llamacpp(args.isa)

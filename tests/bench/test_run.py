@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pathlib
 import shlex
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from bench.run import (
     Clock,
     build_parser,
     default_budget_s,
+    main,
     run_llamacpp,
     run_micro,
     sweep_budget_s,
@@ -134,6 +136,15 @@ def test_default_server_args_are_the_fast_cpu_configuration_and_overridable() ->
 def test_the_sweep_budget_gives_every_level_its_full_time_when_the_clock_allows() -> None:
     assert sweep_budget_s(QUICK, Clock(10_000.0), 0.4) == 2 * 60.0 * 1.5 + 30.0
     assert 39.0 < sweep_budget_s(QUICK, Clock(100.0), 0.4) <= 40.0
+    longer = replace(QUICK, level_max_s=480.0)
+    assert sweep_budget_s(longer, Clock(10_000.0), 0.4) == 2 * 480.0 * 1.5 + 30.0
+
+
+def test_level_max_s_must_be_positive() -> None:
+    assert build_parser().parse_args(["--level-max-s", "480"]).level_max_s == 480.0
+    assert build_parser().parse_args([]).level_max_s is None
+    with pytest.raises(SystemExit, match="--level-max-s"):
+        main(["--level-max-s", "0", "--skip-micro", "--skip-serving", "--no-llamacpp"])
 
 
 def write_script(path: pathlib.Path, body: str, mode: int) -> pathlib.Path:
