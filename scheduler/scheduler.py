@@ -310,13 +310,18 @@ class Scheduler:
         """Room for `n` more tokens: LRU holders first, then preempts the most recently
         admitted sequence without rows this step. False when `seq` itself was preempted."""
         while self._n_free(step, evict=False) < n:
-            if self.seq_ids.drop_lru_holder():
-                continue
-            victim = max((s for s in self.running if not step.has(s)), key=lambda s: s.admit_order)
-            self._preempt(victim)
-            if victim is seq:
+            if not self._free_some(seq, step):
                 return False
         return True
+
+    def _free_some(self, seq: Sequence, step: Step) -> bool:
+        """Drops the LRU holder, or else preempts the most recently admitted sequence without
+        rows this step. False when that was `seq` itself."""
+        if self.seq_ids.drop_lru_holder():
+            return True
+        victim = max((s for s in self.running if not step.has(s)), key=lambda s: s.admit_order)
+        self._preempt(victim)
+        return victim is not seq
 
     def _shift(self, seq: Sequence, step: Step) -> bool:
         """Context shift of `seq` at its limit. Where the memory cannot keep what the next
@@ -327,9 +332,12 @@ class Scheduler:
             drop_tokens(seq, plan)
             self._preempt(seq, count=False)
         else:
-            n_copies = self.memory.n_shift_copies(seq.seq_id, plan.n_keep + plan.n_discard)
-            if n_copies and not self._make_room(n_copies, seq, step):
-                return False
+            # the copies-on-write shrink as sharers leave (a preempted sibling, a dropped
+            # holder): counted again after each, or room is made for copies no longer needed
+            p0 = plan.n_keep + plan.n_discard
+            while self._n_free(step, evict=False) < self.memory.n_shift_copies(seq.seq_id, p0):
+                if not self._free_some(seq, step):
+                    return False
             apply_shift(self.memory, seq, plan)
         self.counters.num_context_shifts += 1
         return seq.state is SeqState.RUNNING

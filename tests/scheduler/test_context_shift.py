@@ -78,3 +78,24 @@ def test_shift_of_a_sequence_sharing_cells_with_a_prefix_holder() -> None:
     kv_cells, kv_pos = sched.memory.pools[0].cells.seq_cells(holder)
     assert kv_pos[:40].tolist() == list(range(40))
     assert worker.token[0][kv_cells[:40]].tolist() == system
+
+
+def test_choices_shifting_in_a_cache_too_small_to_copy_their_shared_prompt() -> None:
+    # 48 cells: the shared 33-token prompt and two 5-token tails leave 5 free, and the shift
+    # copies 14 shared cells. Preempting the sibling makes them private (no copy needed): the
+    # shifting choice must see that, not preempt itself and requeue both forever.
+    sched, worker = make_scheduler(n_cells=48, n_ctx_seq=38, n_batch=33)
+    sampling = SamplingParams(temperature=0.7, seed=1)
+    req = make_request("r", prompt_len=33, max_tokens=16, n=2, n_keep=1, sampling=sampling)
+    outcome = Outcome()
+    sched.add_request(req)
+    for _ in range(200):
+        if not sched.has_work:
+            break
+        step(sched, worker, outcome)
+    assert not sched.has_work, "no progress"
+    for i in range(2):
+        assert outcome.tokens[("r", i)] == reference_output(req, 38, choice=i)[0]
+    assert sched.counters.num_context_shifts >= 1
+    sched.clear_prefix_cache()
+    assert sched.memory.num_used == 0
