@@ -1229,6 +1229,30 @@ void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_byt
 }
 #endif
 
+// A task's outputs of a K-quant part: one row goes to k_gemv where this build has one for T
+// (same bits as the tiles, read faster), everything else to k_task's tiles.
+#if defined(CELLSERVE_GGML_KCOL)
+template <int64_t T>
+constexpr bool kHasGemv = true;
+#elif defined(CELLSERVE_GGML_KGEMV)
+template <int64_t T>
+constexpr bool kHasGemv = T != Q5_K;
+#else
+template <int64_t T>
+constexpr bool kHasGemv = false;
+#endif
+
+template <int64_t T>
+void k_part(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
+            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+#if defined(CELLSERVE_GGML_KCOL) || defined(CELLSERVE_GGML_KGEMV)
+  if constexpr (kHasGemv<T>) {
+    if (m == 1) return k_gemv<T>(X, k, y, w, row_bytes, o0, o1, col0);
+  }
+#endif
+  k_task<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
+}
+
 // ---- the 32-value kinds (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on AVX2 / AVX-512: register tiles ----
 //
 // Each block decoded (vectorized, a pair of blocks at a time) into 32 unsigned values u, its
@@ -1598,34 +1622,9 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
       const int64_t c0 = col0[task.part];
       float* yp = L.y;
       switch (type) {
-#if defined(CELLSERVE_GGML_KCOL)
-        case Q4_K:
-          if (m == 1) k_gemv<Q4_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
-          else k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
-          break;
-        case Q5_K:
-          if (m == 1) k_gemv<Q5_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
-          else k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
-          break;
-        case Q6_K:
-          if (m == 1) k_gemv<Q6_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
-          else k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
-          break;
-#elif defined(CELLSERVE_GGML_KGEMV)
-        case Q4_K:
-          if (m == 1) k_gemv<Q4_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
-          else k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
-          break;
-        case Q6_K:
-          if (m == 1) k_gemv<Q6_K>(krows, k, yp, wp, w.size(1), task.o0, task.o1, c0);
-          else k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0);
-          break;
-        case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-#else
-        case Q4_K: k_task<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q6_K: k_task<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q5_K: k_task<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-#endif
+        case Q4_K: k_part<Q4_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_K: k_part<Q5_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q6_K: k_part<Q6_K>(krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #if defined(CELLSERVE_GGML_TILE32)
         case Q4_0: q_task<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q4_1: q_task<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
