@@ -38,6 +38,7 @@ _SCALARS: dict[int, tuple[str, str]] = {
     12: ("<d", "<f8"),
 }
 _STRING, _ARRAY, _BOOL = 8, 9, 7
+_U64 = struct.Struct("<Q")
 
 
 class GGUFError(ValueError):
@@ -157,6 +158,19 @@ class GGUFFile:
             raise struct.error("string past the end")
         return raw.decode("utf-8", errors="replace"), pos + 8 + n
 
+    def _strings(self, count: int, pos: int) -> tuple[list[str], int]:
+        """An array of strings (a vocabulary, its merges: 150k-260k of them) in one tight loop."""
+        buf, size, unpack = self._map, len(self._map), _U64.unpack_from
+        items = []
+        append = items.append
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8 + n
+            if pos > size:
+                raise struct.error("string past the end")
+            append(buf[pos - n : pos].decode("utf-8", errors="replace"))
+        return items, pos
+
     def _value(self, vtype: int, pos: int) -> tuple[Any, int]:
         if vtype == _STRING:
             return self._string(pos)
@@ -175,6 +189,8 @@ class GGUFFile:
                 values = np.frombuffer(self._map, dtype=dtype, count=count, offset=pos)
                 out = values.astype(bool).tolist() if etype == _BOOL else values.tolist()
                 return out, end
+            if etype == _STRING:
+                return self._strings(count, pos)
             items = []
             for _ in range(count):
                 item, pos = self._value(etype, pos)

@@ -11,6 +11,8 @@ from model.load.gguf import open_gguf
 from model.load.gguf_file import GGUFError, GGUFFile
 from model.load.loader import default_model_path
 
+F32 = gguf.GGMLQuantizationType.F32
+
 
 def reader_fields(path) -> dict:
     r = gguf.GGUFReader(path)
@@ -82,7 +84,9 @@ def test_the_embedded_model_reads_as_the_reference_reads_it():
 
 
 @pytest.mark.parametrize(
-    "cut", [0, 3, 20, 200, -1], ids=["empty", "magic", "counts", "metadata", "data"]
+    "cut",
+    [0, 3, 20, 200, 100_000, -1],
+    ids=["empty", "magic", "counts", "metadata", "vocabulary", "data"],
 )
 def test_a_truncated_file_is_a_clear_load_error(tmp_path, cut):
     src = default_model_path().read_bytes()
@@ -97,3 +101,14 @@ def test_not_a_gguf(tmp_path):
     bad.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(GGUFError, match="no GGUF magic"):
         GGUFFile(bad)
+
+
+def test_open_gguf_parses_a_file_once_and_again_once_it_changes(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "m.gguf"
+    write(path, {"w": (rng.standard_normal((2, 32)).astype(np.float32), F32)})
+    first = open_gguf(path)
+    assert open_gguf(path) is first  # start-up's several questions: one parse
+    write(path, {"w": (rng.standard_normal((3, 32)).astype(np.float32), F32)})
+    again = open_gguf(path)
+    assert again is not first and again.tensor("w").shape == (32, 3)
