@@ -6,6 +6,7 @@ of the mapping); otherwise every tensor is dequantized to the serving dtype."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import replace
@@ -95,19 +96,18 @@ _LAYER_TENSORS = {
 # file rewritten in place is read again; a few entries, so mappings of old files do not pile up.
 _OPENED: OrderedDict[tuple[object, ...], GGUFFile] = OrderedDict()
 _OPENED_MAX = 4
+_OPENED_LOCK = threading.Lock()  # adapters load from request handlers' threads too
 
 
 def open_gguf(path: Path) -> GGUFFile:
     try:
         st = Path(path).stat()
         key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        reader = _OPENED.get(key)
-        if reader is None:
-            reader = GGUFFile(path)
-        _OPENED[key] = reader
-        _OPENED.move_to_end(key)
-        while len(_OPENED) > _OPENED_MAX:
-            _OPENED.popitem(last=False)
+        with _OPENED_LOCK:
+            reader = _OPENED.pop(key, None) or GGUFFile(path)
+            _OPENED[key] = reader
+            while len(_OPENED) > _OPENED_MAX:
+                _OPENED.popitem(last=False)
         return reader
     except (GGUFError, OSError) as e:
         raise ModelLoadError(
