@@ -6,9 +6,7 @@ of the mapping); otherwise every tensor is dequantized to the serving dtype."""
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from model.arch import (
 )
 from model.errors import ModelLoadError
 from model.layers.ggml import GGML_TYPES, BlockWeight
-from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor
+from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor, open_shared
 from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
 from model.load.gguf_ssm import read_args as read_ssm_args
 
@@ -90,25 +88,9 @@ _LAYER_TENSORS = {
 }
 
 
-# Start-up asks one file several questions (an encoder? its weights' type? blocks this CPU
-# serves? then the load): the header is parsed once (a 151,936-token vocabulary is ~0.3 s) and
-# the same read-only GGUFFile answers them all. Keyed by the file's identity and mtime, so a
-# file rewritten in place is read again; a few entries, so mappings of old files do not pile up.
-_OPENED: OrderedDict[tuple[object, ...], GGUFFile] = OrderedDict()
-_OPENED_MAX = 4
-_OPENED_LOCK = threading.Lock()  # adapters load from request handlers' threads too
-
-
 def open_gguf(path: Path) -> GGUFFile:
     try:
-        st = Path(path).stat()
-        key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        with _OPENED_LOCK:
-            reader = _OPENED.pop(key, None) or GGUFFile(path)
-            _OPENED[key] = reader
-            while len(_OPENED) > _OPENED_MAX:
-                _OPENED.popitem(last=False)
-        return reader
+        return open_shared(path)
     except (GGUFError, OSError) as e:
         raise ModelLoadError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})."

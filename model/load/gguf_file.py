@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mmap
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,11 +154,8 @@ class GGUFFile:
         return GGUFTensor(name, shape, qtype, start, n_bytes, data)
 
     def _string(self, pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", self._map, pos)
-        raw = self._map[pos + 8 : pos + 8 + n]
-        if len(raw) != n:
-            raise struct.error("string past the end")
-        return raw.decode("utf-8", errors="replace"), pos + 8 + n
+        items, pos = self._strings(1, pos)
+        return items[0], pos
 
     def _strings(self, count: int, pos: int) -> tuple[list[str], int]:
         """An array of strings (a vocabulary, its merges: 150k-260k of them) in one tight loop."""
@@ -197,3 +196,24 @@ class GGUFFile:
                 items.append(item)
             return items, pos
         raise GGUFError(f"unknown metadata value type {vtype}")
+
+
+# Start-up asks one file several questions (an encoder? its weights' type? blocks this CPU
+# serves? then the load): the header is parsed once (a 151,936-token vocabulary is ~0.3 s) and
+# the same read-only GGUFFile answers them all. Keyed by the file's identity and mtime, so a
+# file rewritten in place is read again; a few entries, so mappings of old files do not pile up.
+_OPENED: OrderedDict[tuple[object, ...], GGUFFile] = OrderedDict()
+_OPENED_MAX = 4
+_OPENED_LOCK = threading.Lock()  # adapters load from request handlers' threads too
+
+
+def open_shared(path: str | Path) -> GGUFFile:
+    """The GGUFFile of `path`, parsed once while the file is unchanged."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _OPENED_LOCK:
+        reader = _OPENED.pop(key, None) or GGUFFile(path)
+        _OPENED[key] = reader
+        while len(_OPENED) > _OPENED_MAX:
+            _OPENED.popitem(last=False)
+    return reader
