@@ -10,7 +10,6 @@ failure ends the stream with an `error` event.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +17,7 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from server.chat_reply import ReplyOptions, ReplyStream
-from server.deps import dump_json
+from server.deps import dump_json, on_client_gone
 from server.errors import anthropic_error_body
 from server.generation import Generation, GenerationError
 from server.schemas_anthropic import (
@@ -42,8 +41,6 @@ from server.schemas_anthropic import (
     ToolUseBlock,
 )
 from server.schemas_out import AssistantMessage, ChatDelta
-
-log = logging.getLogger("cellserve.server")
 
 
 def stop_reason(finish_reason: str, stop_string: str | None) -> tuple[StopReason, str | None]:
@@ -188,10 +185,9 @@ def messages_sse(
         finally:
             gen.cancel()
 
-    async def client_gone(_: object) -> None:
-        log.info("client gone: aborting %s", gen.requests[0].req_id)
-        gen.cancel()
-
     return EventSourceResponse(
-        stream(), ping=15, ping_message_factory=_ping, client_close_handler_callable=client_gone
+        stream(),
+        ping=15,
+        ping_message_factory=_ping,
+        client_close_handler_callable=on_client_gone(gen),
     )

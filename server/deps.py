@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -129,6 +129,18 @@ def dump_json(model: BaseModel) -> str:
     return json.dumps(model.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":"))
 
 
+def on_client_gone(gen: Generation) -> Callable[[object], Awaitable[None]]:
+    """The SSE response's close handler: aborts what is unfinished (and says so in the log); a
+    client that closes after the last event is not an abort."""
+
+    async def client_gone(_: object) -> None:
+        if not gen.finished:
+            log.info("client gone: aborting %s", gen.requests[0].req_id)
+            gen.cancel()
+
+    return client_gone
+
+
 def sse_response(
     gen: Generation,
     chunks: Callable[[Generation], AsyncIterator[BaseModel]],
@@ -148,8 +160,4 @@ def sse_response(
         if done:
             yield "[DONE]"
 
-    async def client_gone(_: object) -> None:
-        log.info("client gone: aborting %s", gen.requests[0].req_id)
-        gen.cancel()
-
-    return EventSourceResponse(events(), ping=15, client_close_handler_callable=client_gone)
+    return EventSourceResponse(events(), ping=15, client_close_handler_callable=on_client_gone(gen))

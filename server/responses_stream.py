@@ -10,14 +10,13 @@ max_output_tokens). Every event carries the next `sequence_number`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from sse_starlette import EventSourceResponse
 
 from server.chat_reply import ReplyOptions, ReplyStream
-from server.deps import dump_json
+from server.deps import dump_json, on_client_gone
 from server.errors import error_body
 from server.generation import Generation, GenerationError
 from server.responses_output import ResponseBuilder, new_id, status_of
@@ -41,8 +40,6 @@ from server.schemas_responses_out import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-
-log = logging.getLogger("cellserve.server")
 
 
 class EventWriter:
@@ -240,8 +237,4 @@ def responses_sse(
         finally:
             gen.cancel()
 
-    async def client_gone(_: object) -> None:
-        log.info("client gone: aborting %s", gen.requests[0].req_id)
-        gen.cancel()
-
-    return EventSourceResponse(stream(), ping=15, client_close_handler_callable=client_gone)
+    return EventSourceResponse(stream(), ping=15, client_close_handler_callable=on_client_gone(gen))

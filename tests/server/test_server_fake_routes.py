@@ -308,3 +308,28 @@ def test_non_streamed_client_gone_aborts(fake):
         assert not engine.live
     finally:
         engine.token_delay = 0.002
+
+
+def test_a_client_closing_after_the_last_event_is_not_an_abort(caplog):
+    """sse-starlette calls the close handler when the client hangs up, also after a stream that
+    ended: only an unfinished generation is cancelled and logged as an abort."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.deps import on_client_gone
+
+    class Gen:
+        def __init__(self, finished: bool) -> None:
+            self.finished = finished
+            self.requests = [SimpleNamespace(req_id="cmpl-x")]
+            self.cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    done, running = Gen(finished=True), Gen(finished=False)
+    with caplog.at_level(logging.INFO, logger="cellserve.server"):
+        asyncio.run(on_client_gone(done)(None))
+        assert not done.cancelled and "client gone" not in caplog.text
+        asyncio.run(on_client_gone(running)(None))
+        assert running.cancelled and "client gone: aborting cmpl-x" in caplog.text
