@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (CPU only, Release, static llama/ggml libs) from the
-# llama.cpp source vendored in the llama-cpp-python sdist, so cellserve's benchmark
-# can be run against a pinned reference server.
+# Build llama.cpp's llama-server and llama-quantize (CPU only, Release, static llama/ggml
+# libs) from the llama.cpp source vendored in the llama-cpp-python sdist, so cellserve's
+# benchmark can be run against a pinned reference server; its converter
+# (convert_hf_to_gguf.py with conversion/ and gguf-py/) is kept under PREFIX/convert for
+# bench/make_8b.py, which makes the 8B-shaped benchmark model with it.
 #
 # Usage: [LLAMA_ISA=native|avx2|avx512|avx512_bf16] bench/build_llamacpp.sh [PREFIX]
 #   LLAMA_ISA (default native) picks the instruction set ggml is compiled for, named as
@@ -13,7 +15,8 @@
 #   PREFIX defaults to $HOME/.cache/cellserve/llama.cpp (native) or
 #   $HOME/.cache/cellserve/llama.cpp-$LLAMA_ISA, so each ISA keeps its own binary.
 # Prints the path of PREFIX/bin/llama-server on stdout (and nothing else); all build
-# output goes to stderr. Idempotent: an existing binary is reused.
+# output goes to stderr. Idempotent: an existing build (both binaries and the converter)
+# is reused.
 # Environment: PYTHON (default python3) runs pip; JOBS (default nproc) sets parallelism.
 set -euo pipefail
 
@@ -43,10 +46,12 @@ esac
 readonly PREFIX="${1:-${default_prefix}}"
 readonly PY="${PYTHON:-python3}"
 readonly BIN="${PREFIX}/bin/llama-server"
+readonly QUANTIZE="${PREFIX}/bin/llama-quantize"
+readonly CONVERT="${PREFIX}/convert/convert_hf_to_gguf.py"
 
 log() { printf '[build_llamacpp] %s\n' "$*" >&2; }
 
-if [[ -x "${BIN}" ]]; then
+if [[ -x "${BIN}" && -x "${QUANTIZE}" && -f "${CONVERT}" ]]; then
     log "already built: ${BIN}"
     printf '%s\n' "${BIN}"
     exit 0
@@ -117,9 +122,10 @@ log "configuring: ${cmake_args[*]}"
 "${CMAKE}" "${cmake_args[@]}" >&2
 
 readonly JOBS="${JOBS:-$(nproc)}"
-log "building target llama-server with ${JOBS} jobs"
+log "building targets llama-server llama-quantize with ${JOBS} jobs"
 start_s="${SECONDS}"
-"${CMAKE}" --build "${WORK}/build" --config Release --target llama-server -j "${JOBS}" >&2
+"${CMAKE}" --build "${WORK}/build" --config Release --target llama-server llama-quantize \
+    -j "${JOBS}" >&2
 log "build took $((SECONDS - start_s)) s"
 
 built="${WORK}/build/bin/llama-server"
@@ -134,6 +140,11 @@ if ldd "${built}" 2>/dev/null | grep -q 'not found'; then
 fi
 
 mkdir -p "${PREFIX}/bin"
+install -m 0755 "${WORK}/build/bin/llama-quantize" "${QUANTIZE}.tmp.$$"
+mv -f "${QUANTIZE}.tmp.$$" "${QUANTIZE}"
+rm -rf "${PREFIX}/convert"
+mkdir -p "${PREFIX}/convert"
+cp -r "${SRC}/convert_hf_to_gguf.py" "${SRC}/conversion" "${SRC}/gguf-py" "${PREFIX}/convert/"
 install -m 0755 "${built}" "${BIN}.tmp.$$"
 mv -f "${BIN}.tmp.$$" "${BIN}"
 {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
+from bench import make_8b
 from model.load.packaged import PACKAGED
 
 __all__ = ["PACKAGED", "decode_read_bytes", "resolve_model"]
@@ -26,11 +27,16 @@ def decode_read_bytes(model_path: pathlib.Path | None) -> int | None:
 
 
 def resolve_model(name: str | None) -> pathlib.Path | None:
-    """--model: None (the default model), a packaged model's name, or a path."""
+    """--model: None (the default model), a packaged model's name, the 8B-shaped benchmark model
+    (bench/make_8b.py) or a path."""
     if name is None:
         return None
     if name in PACKAGED:
         return PACKAGED[name].path()
+    if name == make_8b.NAME:
+        if not make_8b.default_path().is_file():
+            raise SystemExit(f"--model {name}: not made yet; `python -m bench.make_8b` makes it")
+        return make_8b.default_path()
     path = pathlib.Path(name)
     if not path.exists():
         raise SystemExit(f"--model {name}: no such file, and not one of {', '.join(PACKAGED)}")

@@ -29,6 +29,7 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from bench import make_8b
 from bench.cli import run_benchmark
 from bench.loadgen import LoadConfig
 from bench.models import PACKAGED, decode_read_bytes, resolve_model
@@ -183,8 +184,10 @@ def run_llamacpp(
     budget_s: float,
     model_path: pathlib.Path | None = None,
     startup_s: float = 120.0,
+    n_ctx: int = 32768,
 ) -> dict[str, Any]:
-    """`run_sweep` against llama-server on the same GGUF; a failure is returned as "error"."""
+    """`run_sweep` against llama-server on the same GGUF with `n_ctx` cells; a failure is returned
+    as "error"."""
     report: dict[str, Any] = {"binary": str(binary)}
     log = out_dir / "llamacpp.log"
     try:
@@ -192,7 +195,7 @@ def run_llamacpp(
 
         model = model_path or default_model_path()
         n_threads = os.cpu_count() or 1
-        with llama_server(binary, model, log, n_threads, startup_s) as srv:
+        with llama_server(binary, model, log, n_threads, startup_s, n_ctx) as srv:
             report["command"] = srv.command
             report["startup_s"] = srv.startup_s
             report["rss_after_start"] = srv.rss_bytes()
@@ -230,8 +233,22 @@ def run_serving(
     _save_sweep(out_dir / "sweep", report["sweep"], title)
     if llamacpp is not None:
         print(f"== serving (llama.cpp: {llamacpp})", flush=True)
-        report["llamacpp"] = run_llamacpp(out_dir, sizes, llamacpp, budget_s, model_path)
+        report["llamacpp"] = run_llamacpp(
+            out_dir, sizes, llamacpp, budget_s, model_path, n_ctx=n_cells(server_args)
+        )
     return {**report, **run_prefix_pair(out_dir, sizes, server_args, clock, startup_s)}
+
+
+def n_cells(server_args: list[str]) -> int:
+    """The cache size in `server_args` (--n-cells N or --n-cells=N), which llama.cpp's -c mirrors;
+    the DEFAULT_SERVER_ARGS' 32768 when absent."""
+    value = "32768"
+    for idx, arg in enumerate(server_args):
+        if arg == "--n-cells" and idx + 1 < len(server_args):
+            value = server_args[idx + 1]
+        elif arg.startswith("--n-cells="):
+            value = arg.split("=", 1)[1]
+    return int(value)
 
 
 def run_prefix_pair(
@@ -340,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="the GGUF both servers serve: a path, or a packaged model's name "
-        f"({', '.join(PACKAGED)}; model/load/packaged.py); default: the embedded SmolLM2-135M",
+        f"({', '.join(PACKAGED)}; model/load/packaged.py), or {make_8b.NAME} (made by "
+        "`python -m bench.make_8b`); default: the embedded SmolLM2-135M",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return p

@@ -153,13 +153,15 @@ def llama_server(
     log_path: pathlib.Path,
     n_threads: int,
     startup_timeout_s: float = 120.0,
+    n_ctx: int = 32768,
 ) -> Iterator[Served]:
-    """Starts llama.cpp's `llama-server`; raises ServerStartError if `binary` cannot run."""
+    """Starts llama.cpp's `llama-server` with `n_ctx` cells (cellserve's --n-cells); raises
+    ServerStartError if `binary` cannot run."""
     if not binary.is_file() or not os.access(binary, os.X_OK):
         raise ServerStartError(f"{binary} is not an executable file")
 
     def command_for(port: int) -> list[str]:
-        return llamacpp_command(binary, model_path, port, n_threads)
+        return llamacpp_command(binary, model_path, port, n_threads, n_ctx)
 
     with served(command_for, log_path, startup_timeout_s) as s:
         yield s
