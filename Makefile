@@ -28,7 +28,7 @@ BENCH_OUT ?= bench/results
 # llama-quantize: ~37 GB of scratch disk, 4.6 GB kept) served side by side with llama.cpp at
 # c=1 and c=8 with a 16k-cell cache after the main run; BENCH_8B= leaves it out.
 BENCH_8B ?= 1
-BENCH_8B_ARGS ?= --skip-micro --concurrency 1,8 --server-args "--n-cells 16384" --level-max-s 400
+BENCH_8B_ARGS ?= --skip-micro --skip-prefix --concurrency 1,8 --server-args "--n-cells 16384" --level-max-s 400
 
 .PHONY: serve test lint bench install format clean
 

@@ -216,7 +216,9 @@ def run_serving(
     startup_s: float,
     llamacpp: pathlib.Path | None = None,
     model_path: pathlib.Path | None = None,
+    prefix: bool = True,
 ) -> dict[str, Any]:
+    """The sweep on cellserve, then on llama.cpp, then (`prefix`) the shared-prefix pair."""
     report: dict[str, Any] = {"decode_read_bytes": decode_read_bytes(model_path)}
     budget_s = sweep_budget_s(sizes, clock, 0.4 if llamacpp else 0.6)
     report["sweep_budget_s"] = budget_s
@@ -236,6 +238,8 @@ def run_serving(
         report["llamacpp"] = run_llamacpp(
             out_dir, sizes, llamacpp, budget_s, model_path, n_ctx=n_cells(server_args)
         )
+    if not prefix:
+        return report
     return {**report, **run_prefix_pair(out_dir, sizes, server_args, clock, startup_s)}
 
 
@@ -321,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument(
+        "--skip-prefix",
+        action="store_true",
+        help="no shared-prefix pair after the sweep (on an 8B its 1000-token prompts without "
+        "the prefix cache outlast any budget)",
+    )
+    p.add_argument(
         "--server-args",
         default=DEFAULT_SERVER_ARGS,
         help=f"`cellserve serve` flags, quoted (default: {DEFAULT_SERVER_ARGS!r})",
@@ -400,7 +410,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_serving:
         print("== serving (cellserve subprocess)", flush=True)
         report["serving"] = run_serving(
-            out_dir, sizes, server_args, clock, args.startup_timeout, llamacpp, model_path
+            out_dir,
+            sizes,
+            server_args,
+            clock,
+            args.startup_timeout,
+            llamacpp,
+            model_path,
+            prefix=not args.skip_prefix,
         )
     write_json(out_dir / "results.json", report)
     summary = write_summary(out_dir / "summary.md", report)

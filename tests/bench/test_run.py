@@ -196,3 +196,36 @@ def test_summary_puts_cellserve_and_llamacpp_side_by_side() -> None:
     assert "llama.cpp skipped for time: concurrency [32]" in text
     report["serving"]["llamacpp"] = {"binary": "/x", "error": "llama.cpp: OSError: boom"}
     assert "**llama.cpp error:** llama.cpp: OSError: boom" in render_summary(report)
+
+
+def test_llamacpp_gets_the_cache_size_it_is_compared_at(tmp_path: pathlib.Path) -> None:
+    binary = write_script(tmp_path / "dies", 'echo "args: $*"; exit 3', 0o755)
+    result = run_llamacpp(tmp_path, QUICK, binary, 30.0, tmp_path / "m.gguf", 10.0, n_ctx=16384)
+    assert "exited with status 3" in result["error"]
+    assert "-c 16384 -np 32" in (tmp_path / "llamacpp.log").read_text()
+
+
+@pytest.mark.parametrize("skip_prefix", [False, True])
+def test_skip_prefix_leaves_out_the_shared_prefix_pair(
+    skip_prefix: bool, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+    from types import SimpleNamespace
+
+    import bench.run as run
+
+    @contextlib.contextmanager
+    def fake_server(log, args, startup_s):
+        yield SimpleNamespace(url="http://x", startup_s=1.0, command="cellserve", rss_bytes=int)
+
+    pairs: list[list[str]] = []
+    monkeypatch.setattr(run, "cellserve_process", fake_server)
+    monkeypatch.setattr(run, "run_sweep", lambda url, sizes, clock: {"levels": []})
+    monkeypatch.setattr(run, "run_prefix_pair", lambda out, s, args, c, t: pairs.append(args) or {})
+    parsed = build_parser().parse_args(["--skip-prefix"] if skip_prefix else [])
+    assert parsed.skip_prefix is skip_prefix
+    report = run.run_serving(
+        tmp_path, QUICK, ["--n-cells", "64"], Clock(60.0), 10.0, prefix=not parsed.skip_prefix
+    )
+    assert report["startup_s"] == 1.0 and report["sweep"] == {"levels": []}
+    assert pairs == ([] if skip_prefix else [["--n-cells", "64"]])
