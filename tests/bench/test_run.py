@@ -9,18 +9,15 @@ import pytest
 
 from bench.run import (
     DEFAULT_SERVER_ARGS,
-    QUICK,
-    Clock,
     build_parser,
     default_budget_s,
     main,
     run_llamacpp,
     run_micro,
-    sweep_budget_s,
-    ttft_ratio,
 )
 from bench.server_proc import llamacpp_command
 from bench.summary import render_summary
+from bench.sweep import QUICK, Clock, sweep_budget_s, ttft_ratio
 
 
 @pytest.fixture
