@@ -56,32 +56,26 @@ def default_path() -> pathlib.Path:
 
 
 def _smollm2_vocab() -> dict:
-    """SmolLM2's tokenizer as the embedded GGUF stores it (gguf, the test-only reader)."""
-    import gguf
-
+    """SmolLM2's tokenizer as the embedded GGUF stores it (cellserve's own header reader)."""
+    from model.load.gguf_file import GGUFFile
     from model.load.loader import default_model_path
 
-    reader = gguf.GGUFReader(str(default_model_path()))
-
-    def value(key: str):
-        return reader.fields[key].contents()
-
+    fields = GGUFFile(default_model_path()).fields
     return {
-        "tokens": value("tokenizer.ggml.tokens"),
-        "merges": value("tokenizer.ggml.merges"),
-        "types": value("tokenizer.ggml.token_type"),
-        "bos": int(value("tokenizer.ggml.bos_token_id")),
-        "eos": int(value("tokenizer.ggml.eos_token_id")),
-        "chat_template": value("tokenizer.chat_template"),
+        "tokens": fields["tokenizer.ggml.tokens"],
+        "merges": fields["tokenizer.ggml.merges"],
+        "types": fields["tokenizer.ggml.token_type"],
+        "bos": int(fields["tokenizer.ggml.bos_token_id"]),
+        "eos": int(fields["tokenizer.ggml.eos_token_id"]),
+        "chat_template": fields["tokenizer.chat_template"],
     }
 
 
-def write_tokenizer(folder: pathlib.Path) -> int:
+def write_tokenizer(folder: pathlib.Path, v: dict) -> None:
     """SmolLM2's tokenizer.json (byte-level BPE, digits split one by one: the pre-tokenizer
-    llama.cpp names `smollm`) and tokenizer_config.json; returns the vocabulary size."""
+    llama.cpp names `smollm`) and tokenizer_config.json, from `_smollm2_vocab()`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    v = _smollm2_vocab()
     vocab = {tok: i for i, tok in enumerate(v["tokens"])}
     merges = [tuple(m.split(" ", 1)) for m in v["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -108,16 +102,14 @@ def write_tokenizer(folder: pathlib.Path) -> int:
         "chat_template": v["chat_template"],
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return len(v["tokens"])
 
 
-def write_config(folder: pathlib.Path, shape: Shape, vocab_size: int) -> None:
+def write_config(folder: pathlib.Path, shape: Shape, v: dict) -> None:
     from transformers import LlamaConfig
 
-    v = _smollm2_vocab()
     LlamaConfig(
         **asdict(shape),
-        vocab_size=vocab_size,
+        vocab_size=len(v["tokens"]),
         rope_scaling=dict(ROPE_SCALING),
         architectures=["LlamaForCausalLM"],
         hidden_act="silu",
@@ -185,9 +177,10 @@ def write_weights(folder: pathlib.Path, shape: Shape, vocab_size: int, seed: int
 
 def write_hf_folder(folder: pathlib.Path, shape: Shape = LLAMA_31_8B, seed: int = 0) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    vocab_size = write_tokenizer(folder)
-    write_config(folder, shape, vocab_size)
-    write_weights(folder, shape, vocab_size, seed)
+    vocab = _smollm2_vocab()  # read once: the tokenizer, the config and the embeddings' size
+    write_tokenizer(folder, vocab)
+    write_config(folder, shape, vocab)
+    write_weights(folder, shape, len(vocab["tokens"]), seed)
 
 
 def _run(cmd: list[str], **kwargs) -> None:
