@@ -4,8 +4,9 @@ Each step fills a token budget (n_batch) with, in order: one decode token per ru
 sequence whose context is computed, prompt chunks of sequences still reading, then new
 admissions (FCFS, except that a request waiting for a prefix a running prompt is computing
 lets the others pass: scheduler/sharing.py) while the memory has room. Room, shifts and prefix
-reuse are questions to the memory (kvcache/memory.py); n > 1 choices live in
-scheduler/choices.py. Not thread-safe: the engine holds a lock.
+reuse are questions to the memory (kvcache/memory.py); who gets the room (admission, holders
+dropped, preemption) is scheduler/admission.py; n > 1 choices live in scheduler/choices.py.
+Not thread-safe: the engine holds a lock.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import numpy as np
 
 from kvcache.memory import Memory
 from scheduler import choices
+from scheduler.admission import Admission
 from scheduler.config import EngineConfig
-from scheduler.context_shift import apply_shift, clamp_n_keep, drop_tokens, plan_shift
+from scheduler.context_shift import clamp_n_keep
 from scheduler.intake import make_choices, prepare_prompt, shift_enabled
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput, group_batches
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
@@ -51,13 +53,15 @@ class Scheduler:
         self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache)
         self.sharing = Sharing(self.prefix, memory, config)
         self.spec = Speculator(config.spec, memory.tail_rollback, drafter)
+        self.admission = Admission(
+            config, memory, self.prefix, self.seq_ids, self.counters, self.running, self.waiting
+        )
         # queued sequences looked at per step: waiters are skipped, the rest admitted FCFS
         self._scan = max(config.n_seq_max, 1)
         self._requests: dict[str, list[Sequence]] = {}
         self._aborts: list[tuple[str, int | None]] = []
         self._events: list[Routed] = []
         self._step = Step(0)  # the last schedule()'s
-        self._admit_clock = 0
         self._rng = random.Random(config.seed)
 
     # ---- requests in ----------------------------------------------------------------------
@@ -102,13 +106,13 @@ class Scheduler:
                 break
             if seq.state is not SeqState.RUNNING:
                 continue  # preempted for an older sequence in this loop
-            if seq.num_computed >= n_ctx and not self._shift(seq, step):
+            if seq.num_computed >= n_ctx and not self.admission.shift(seq, step):
                 continue
-            if self._make_room(1, seq, step):
+            if self.admission.make_room(1, seq, step):
                 step.add(seq, 1)
         step.num_decode = len(step.rows)
         if self.spec.enabled:  # drafts never evict nor preempt
-            free = self._n_free(step, evict=False)
+            free = self.admission.n_free(step, evict=False)
             busy = len(self.running) + len(self.waiting)
             self.spec.add_drafts(step, free, n_ctx, busy, self._live_seq_ids)
 
@@ -121,9 +125,9 @@ class Scheduler:
             cap = min(cap, self._stop(seq) - seq.num_computed)
             if cap <= 0:
                 continue
-            n = min(cap, self._n_free(step, evict=True))
+            n = min(cap, self.admission.n_free(step, evict=True))
             if n == 0:
-                if not self._make_room(1, seq, step):
+                if not self.admission.make_room(1, seq, step):
                     continue
                 n = 1
             step.add(seq, n)
@@ -136,15 +140,15 @@ class Scheduler:
                 i += 1  # its prefix is being computed or read: it takes it in a later step
                 continue
             if self.config.whole_prompts and seq.num_tokens > min(
-                step.budget, self._n_free(step, evict=False)
+                step.budget, self.admission.n_free(step, evict=False)
             ):
                 break  # an encoder's input is read whole: it waits for a step with room
-            if not self._admit(seq, step, match):
+            if not self.admission.admit(seq, step, match):
                 break
             del self.waiting[i]
             cap = min(seq.num_uncomputed, step.budget, n_ctx - seq.num_computed)
             cap = min(cap, self._stop(seq) - seq.num_computed)
-            n = min(cap, self._n_free(step, evict=False))
+            n = min(cap, self.admission.n_free(step, evict=False))
             if n > 0:
                 step.add(seq, n)
 
@@ -252,9 +256,7 @@ class Scheduler:
     def _fork(self, seq: Sequence) -> list[Sequence]:
         forks = choices.fork(seq, self.memory)
         for child in forks:
-            self._admit_clock += 1
-            child.admit_order = self._admit_clock
-            self.running.append(child)
+            self.admission.add_running(child)
         return forks
 
     def _append_token(self, seq: Sequence, sample: SampleRow, out: StepOutput, i: int) -> None:
@@ -296,66 +298,7 @@ class Scheduler:
         self._events.append((seq.req_id, EmbeddingEvent(seq.index, vector)))
         self._finish(seq, "stop")
 
-    # ---- room: holders, preemption, context shift -----------------------------------------
-
-    def _n_free(self, step: Step, evict: bool) -> int:
-        """Tokens the memory can still take this step; with `evict`, drops every holder
-        first if that is what it takes to get any."""
-        free = self.memory.n_free() - step.num_scheduled
-        while evict and free <= 0 and self.seq_ids.drop_lru_holder():
-            free = self.memory.n_free() - step.num_scheduled
-        return max(free, 0)
-
-    def _make_room(self, n: int, seq: Sequence, step: Step) -> bool:
-        """Room for `n` more tokens: LRU holders first, then preempts the most recently
-        admitted sequence without rows this step. False when `seq` itself was preempted."""
-        while self._n_free(step, evict=False) < n:
-            if not self._free_some(seq, step):
-                return False
-        return True
-
-    def _free_some(self, seq: Sequence, step: Step) -> bool:
-        """Drops the LRU holder, or else preempts the most recently admitted sequence without
-        rows this step. False when that was `seq` itself."""
-        if self.seq_ids.drop_lru_holder():
-            return True
-        victim = max((s for s in self.running if not step.has(s)), key=lambda s: s.admit_order)
-        self._preempt(victim)
-        return victim is not seq
-
-    def _shift(self, seq: Sequence, step: Step) -> bool:
-        """Context shift of `seq` at its limit. Where the memory cannot keep what the next
-        rows need (a sliding window reaching into the discarded part), the shifted context is
-        recomputed: `seq` is requeued, and False returned."""
-        plan = plan_shift(seq, self.config.n_ctx_seq)
-        if not self.memory.can_shift(seq.seq_id, plan.n_keep, plan.n_discard):
-            drop_tokens(seq, plan)
-            self._preempt(seq, count=False)
-        else:
-            # the copies-on-write shrink as sharers leave (a preempted sibling, a dropped
-            # holder): counted again after each, or room is made for copies no longer needed
-            p0 = plan.n_keep + plan.n_discard
-            while self._n_free(step, evict=False) < self.memory.n_shift_copies(seq.seq_id, p0):
-                if not self._free_some(seq, step):
-                    return False
-            apply_shift(self.memory, seq, plan)
-        self.counters.num_context_shifts += 1
-        return seq.state is SeqState.RUNNING
-
-    def _preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Frees every cell and seq id of `seq`; it goes to the front of the queue and
-        recomputes its context (prompt + generated) when readmitted."""
-        self.memory.seq_rm(seq.seq_id, -1, -1)
-        self.seq_ids.release(seq.seq_id)
-        seq.seq_id = -1
-        choices.release_fork_ids(seq, self.seq_ids)
-        seq.num_computed = 0
-        seq.state = SeqState.WAITING
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
-        if count:
-            seq.num_preemptions += 1
-            self.counters.num_preemptions += 1
+    # ---- prefix sharing -------------------------------------------------------------------
 
     def _match(self, seq: Sequence) -> PrefixMatch:
         """The computed prefix `seq` would start from: a holder's or a running sequence's."""
@@ -366,44 +309,6 @@ class Scheduler:
     def _stop(self, seq: Sequence) -> int:
         """Where the prompt chunk of `seq` must end for the queued sequences that wait for it."""
         return self.sharing.next_stop(seq, itertools.islice(self.waiting, self._scan))
-
-    def _admit(self, seq: Sequence, step: Step, match: PrefixMatch) -> bool:
-        """Gives `seq` (and its pending forks) seq ids and `match`'s prefix, if the memory
-        can hold its whole uncomputed context beside what running prompts still need."""
-        # a context at its limit shifts before its last token is fed: it never needs more
-        need = min(seq.num_tokens, self.config.n_ctx_seq)
-        # tokens that running prompts will still take after this step's rows
-        running_prompts = sum(s.num_uncomputed for s in self.running if not s.is_decoding)
-        committed = running_prompts - step.num_prompt_rows
-        while (
-            self._n_free(step, evict=False) - committed < need - match.length
-            or self.seq_ids.num_free < seq.num_seq_ids
-        ):
-            if self.seq_ids.drop_lru_holder(exclude=match.seq_id if match.holder else -1):
-                continue
-            if match.seq_id < 0 or not match.holder:
-                return False
-            match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
-
-        choices.take_seq_ids(seq, self.seq_ids)
-        if match.length:
-            self.memory.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
-            if match.holder:
-                self.prefix.touch(match.seq_id)
-        seq.num_computed = match.length
-        if self.config.prefix_cache:
-            self.counters.prefix_queried_tokens += seq.num_tokens
-            self.counters.prefix_hit_tokens += match.length
-            if not match.holder:
-                self.counters.prefix_running_hit_tokens += match.length
-        if seq.queue_time is None:
-            seq.queue_time = time.monotonic() - seq.submit_time
-            seq.num_cached = min(match.length, seq.num_prompt)
-        self._admit_clock += 1
-        seq.admit_order = self._admit_clock
-        seq.state = SeqState.RUNNING
-        self.running.append(seq)
-        return True
 
     # ---- finishing ------------------------------------------------------------------------
 

@@ -173,11 +173,11 @@ def test_preempting_the_reader_loses_no_waiter_and_no_follower() -> None:
             sched.add_request(r)
         outcome = Outcome()
         step(sched, worker, outcome)
-        sched._preempt(by_id(sched, "q0"))  # while the others wait for its prompt
+        sched.admission.preempt(by_id(sched, "q0"))  # while the others wait for its prompt
         while len(sched.running) < 6:
             step(sched, worker, outcome)
         assert sched.counters.num_preemptions == 1
-        sched._preempt(by_id(sched, "q0"))  # after the others took its cells by seq_cp
+        sched.admission.preempt(by_id(sched, "q0"))  # after the others took its cells by seq_cp
         while sched.has_work:
             step(sched, worker, outcome)
         assert_cold_outputs(outcome, reqs, kind)
