@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache.cell_check import check_cells
 from kvcache.cell_types import CellStats, PendingOps, longest_run
 
 FREE = -1  # owner_map value of a cell no sequence owns
@@ -18,7 +19,7 @@ _NO_POS = np.iinfo(np.int64).max  # seq_min sentinel for an empty sequence
 class KVCells:
     """Cell metadata of the unified KV cache, after llama.cpp's llama_kv_cells + llama_kv_cache."""
 
-    # NOTE: invariants (check() asserts them):
+    # NOTE: invariants (check() asserts them: kvcache/cell_check.py):
     #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and n_owners[c] == 0;
     #   owner_xor[c] == XOR of c's owner ids, so the single owner's id where n_owners[c] == 1;
     #   used == count(pos != -1); seq_count[s] == owners[s].sum();
@@ -299,24 +300,7 @@ class KVCells:
 
     def check(self) -> None:
         """Recompute every cached quantity from pos/owners and assert the invariants."""
-        empty = self.pos == -1
-        n_owners = self.owners.sum(axis=0)
-        assert (n_owners == self.n_owners).all(), "n_owners cache"
-        assert ((n_owners == 0) == empty).all(), "pos == -1 <=> no owner"
-        assert (self.shift[empty] == 0).all(), "shift of an empty cell"
-        assert (self.pos >= -1).all(), "negative position"
-        assert self.used == int((~empty).sum()), "used"
-        assert 0 <= self.head < self.n_cells, "head"
-        assert (self.seq_count == self.owners.sum(axis=1)).all(), "seq_count"
-        owner_xor = np.zeros(self.n_cells, dtype=np.int32)
-        for s in range(self.n_seq_max):
-            owner_xor[self.owners[s]] ^= s
-        assert (owner_xor == self.owner_xor).all(), "owner_xor"
-        assert self.has_shift or not self.shift.any(), "has_shift"
-        for s in range(self.n_seq_max):
-            p = self.pos[self.owners[s]]
-            want = (int(p.min()), int(p.max())) if p.size else (-1, -1)
-            assert (self.seq_pos_min(s), self.seq_pos_max(s)) == want, f"seq {s} min/max"
+        check_cells(self)
 
     # -- internals -----------------------------------------------------------------------------
 
