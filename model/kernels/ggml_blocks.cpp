@@ -375,33 +375,24 @@ void rows_q(const Linear& L, const uint8_t* wrow, int64_t r0, int64_t r1, float*
 // ---- the K-quants (Q4_K, Q5_K, Q6_K): activations per 256, integer super-blocks, register tiles
 //
 // As llama.cpp's q8_K: each activation row quantized per 256 values (one super-block) with one
-// float d = max|x| / 127 and, per 16 values, mx = d * the sum of their int8 values. A weight
-// super-block is decoded into unsigned values u (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, in order),
-// an integer scale per 16 values sc (Q4_K/Q5_K: the 6-bit scale of its 32, Q6_K: its int8 scale)
-// and a float "minimum" per 16 mw (Q4_K/Q5_K: -dmin * the 6-bit minimum; Q6_K: -32 * d * sc, its
-// offset), so that per super-block
-//   y[r, o] += d_w * d_x * sum_j sc[j] * dot16(u_j, xq_j) + sum_j mw[j] * mx[j]
-// with the first sum exact in int32: vpmaddubsw (u * xq pairs: 2 * 63 * 127 < 2^15) then
-// vpdpwssd by the scales (AVX-512 VNNI; vpmaddwd + vpaddd otherwise), one float FMA per
-// super-block and (output, row). Register tiles of kNO outputs x kMR rows (float accumulators in
-// registers over the super-blocks): each loaded activation vector feeds kNO outputs, each decoded
-// weight vector kMR rows. The weights are decoded once per tile of rows into an L1 buffer of
-// kKB super-blocks of kNO outputs.
+// float d = max|x| / 127 and, per 16 values, the sum s16 of their int8 values (mx = d * s16). A
+// weight super-block is unsigned values u (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, in order), an
+// integer scale per 16 values sc (Q4_K/Q5_K: the 6-bit scale of its 32, Q6_K: its int8 scale)
+// and an integer minimum per 16 mn with a float factor dm (Q4_K/Q5_K: the 6-bit minimum and
+// dmin; Q6_K: mn = sc and dm = 32 d, its offset of 32), so that per super-block
+//   y[r, o] += d_x * d * sum_j sc[j] * dot16(u_j, xq_j)  -  d_x * dm * sum_j mn[j] * s16[j]
+// with both sums exact in int32, then two float operations per super-block and (output, row).
+// Every x86 build with AVX2 interleaves the outputs into the lanes of a vector ("the K-quant
+// tiles" below: 8 outputs a vector, 16 with AVX-512 VNNI); one row goes to k_gemv, which sums
+// the same integers in its own order and applies the same float operations in the same order.
+// The portable build: k_micro<1, 1> below over blocks decoded into KBlk, with float minimums mw
+// (-dm * mn) against mx.
 
 struct Q8K {
   const int8_t* q;     // [m, k]
   const float* d;      // [m, k / 256]
   const float* mx;     // [m, k / 16]: d * the sum of each 16 int8 values
   const int16_t* s16;  // [m, k / 16]: the sums themselves
-};
-
-// one decoded super-block
-struct KBlk {
-  alignas(64) uint8_t u[256];
-  alignas(64) int16_t scv[128];  // per pair of values (an int16 lane of vpmaddubsw): its scale
-  alignas(64) float mw[16];
-  alignas(64) int16_t sc[16];
-  float d;
 };
 
 // a K super-block's 12 packed scale bytes -> 8 scales, then 8 minimums (6 bits each), as 4 words
@@ -432,127 +423,11 @@ inline __m128i k_scale_vec(const uint8_t* s) {
 }
 #endif
 
-// Q4_K / Q5_K: sc, mw and d from the block's header (plain C++: Q5_K and the portable build)
-inline void k_mins(const uint8_t* blk, KBlk& o) {
-  uint8_t bytes[16];
-  k_scale_bytes(blk + 4, bytes);
-  const float dmin = fp16(blk + 2);
-  for (int j = 0; j < 16; ++j) {
-    o.sc[j] = bytes[j / 2];
-    o.mw[j] = -(dmin * static_cast<float>(bytes[8 + j / 2]));
-  }
-  o.d = fp16(blk);
-}
-
-template <int64_t T>
-void dec_k(const uint8_t* blk, KBlk& o);
-
-template <>
-void dec_k<Q5_K>(const uint8_t* blk, KBlk& o) {
-  float sc[16], mn[8];
-  Fmt<Q5_K>::decode(blk, reinterpret_cast<int8_t*>(o.u), sc, mn);
-  k_mins(blk, o);
-}
-
-#if defined(CELLSERVE_GGML_ZMM)
-// a super-block decoded in registers: KBlk's u as 4 chunks of 64, sc, mw and d (dec_k stores it
-// for the tiles; k_gemv uses it as is)
-struct KRegs {
-  __m512i u[4];
-  __m256i sc;
-  __m512 mw;
-  float d;
-};
-
-template <int64_t T>
-void dec_k_regs(const uint8_t* blk, KRegs& o);
-
-template <>
-inline void dec_k_regs<Q4_K>(const uint8_t* blk, KRegs& o) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {  // 64 bytes: sub-blocks 4h, 4h + 2 low, 4h + 1, 4h + 3 high
-    const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
-    const __m512i lo = _mm512_and_si512(v, low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    o.u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-    o.u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-  }
-  const __m128i b = k_scale_vec(blk + 4);
-  const __m128i sc2 = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  const __m128i mn2 =
-      _mm_shuffle_epi8(b, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-  o.sc = _mm256_cvtepu8_epi16(sc2);
-  o.mw = _mm512_mul_ps(_mm512_set1_ps(-fp16(blk + 2)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn2)));
-  o.d = fp16(blk);
-}
-
-template <>
-inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-    o.u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
-                                 _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
-    o.u[2 * h + 1] = _mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), three), 4));
-  }
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-  o.sc = _mm256_cvtepi8_epi16(s);
-  const float d = fp16(blk + 208);
-  o.mw = _mm512_mul_ps(_mm512_set1_ps(-32.f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
-  o.d = d;
-}
-
-// 512-bit stores: the micro-kernel's 512-bit loads of them forward from the store buffer
-template <int64_t T>
-inline void dec_k_stored(const uint8_t* blk, KBlk& o) {
-  KRegs r;
-  dec_k_regs<T>(blk, r);
-  for (int c = 0; c < 4; ++c) _mm512_store_si512(o.u + 64 * c, r.u[c]);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(o.sc), r.sc);
-  _mm512_store_ps(o.mw, r.mw);
-  o.d = r.d;
-}
-
-#if defined(__AVX512VNNI__)
-// k_micro's layout: vpackssdw of two chunks' vpdpbusd sums (int32 lane L of chunk i: values
-// 4L..4L+3 of it, the 16 4i + L / 4) -> int16 lane 8c + e: chunk 2h's lane 4c + e (e < 4) or
-// 2h + 1's lane 4c + e - 4: the 16 8h + c or 8h + 4 + c
-inline void scv_regs(__m256i sc16, __m512i* scv) {
-  const __m512i sc = _mm512_castsi256_si512(sc16);
-  const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
-                                     16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i c = _mm512_srli_epi16(q, 3);
-  const __m512i e4 = _mm512_and_si512(_mm512_srli_epi16(q, 2), _mm512_set1_epi16(1));  // e >= 4
-  const __m512i idx = _mm512_add_epi16(c, _mm512_slli_epi16(e4, 2));
-  for (int h = 0; h < 2; ++h)
-    scv[h] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), sc);
-}
-inline void make_scv(KBlk& o) {
-  __m512i scv[2];
-  scv_regs(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)), scv);
-  for (int h = 0; h < 2; ++h) _mm512_store_si512(o.scv + 32 * h, scv[h]);
-}
-#else
-inline void make_scv(KBlk& o) {
-  const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(o.sc)));
-  const __m512i lane = _mm512_srli_epi16(
-      _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
-                       12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      3);
-  for (int i = 0; i < 4; ++i)
-    _mm512_store_si512(o.scv + 32 * i, _mm512_permutexvar_epi16(
-                                           _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * i)), lane), sc));
-}
-#endif
-#elif defined(__AVX2__)
-// The AVX2 build's K-quants: every super-block's sums exact in integers (see "the AVX2 tiles"
-// below). A super-block decoded in registers: its values u as 8 chunks of 32 in order; per 16
-// values an integer scale sc and an integer minimum mn (Q4_K / Q5_K: the 6-bit scale and
-// minimum of its 32; Q6_K: its int8 scale, and mn = sc for its offset of 32); the float factors
+#if defined(__AVX2__)
+// The AVX2 and AVX-512 builds' K-quants: every super-block's sums exact in integers (see "the
+// K-quant tiles" below). A super-block decoded in registers: its values u as 8 chunks of 32 in
+// order; per 16 values an integer scale sc and an integer minimum mn (Q4_K / Q5_K: the 6-bit
+// scale and minimum of its 32; Q6_K: its int8 scale, and mn = sc for its offset of 32); the float factors
 // d and dm (Q4_K / Q5_K: dmin; Q6_K: 32 d). Its dot product with a Q8K row (d_x, and s16: the
 // sums of its int8 values per 16) is
 //   d_x * d * sum_i sc[i] * dot16(u_i, x_i)  -  d_x * dm * sum_i mn[i] * s16[i]
@@ -625,6 +500,36 @@ inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
   o.dm = 32.f * o.d;
 }
 #else
+// the portable build's super-block, decoded
+struct KBlk {
+  alignas(64) uint8_t u[256];
+  alignas(64) float mw[16];
+  alignas(64) int16_t sc[16];
+  float d;
+};
+
+// Q4_K / Q5_K: sc, mw and d from the block's header
+inline void k_mins(const uint8_t* blk, KBlk& o) {
+  uint8_t bytes[16];
+  k_scale_bytes(blk + 4, bytes);
+  const float dmin = fp16(blk + 2);
+  for (int j = 0; j < 16; ++j) {
+    o.sc[j] = bytes[j / 2];
+    o.mw[j] = -(dmin * static_cast<float>(bytes[8 + j / 2]));
+  }
+  o.d = fp16(blk);
+}
+
+template <int64_t T>
+void dec_k(const uint8_t* blk, KBlk& o);
+
+template <>
+void dec_k<Q5_K>(const uint8_t* blk, KBlk& o) {
+  float sc[16], mn[8];
+  Fmt<Q5_K>::decode(blk, reinterpret_cast<int8_t*>(o.u), sc, mn);
+  k_mins(blk, o);
+}
+
 template <>
 void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
   const uint8_t* qs = blk + 16;
@@ -649,20 +554,6 @@ void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
     o.mw[j] = -32.f * d * static_cast<float>(scales[j]);
   }
   o.d = d;
-}
-
-inline void make_scv(KBlk&) {}  // the portable kernel reads sc
-#endif
-
-#if defined(CELLSERVE_GGML_ZMM)
-template <>
-void dec_k<Q4_K>(const uint8_t* blk, KBlk& o) {
-  dec_k_stored<Q4_K>(blk, o);
-}
-
-template <>
-void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
-  dec_k_stored<Q6_K>(blk, o);
 }
 #endif
 
@@ -743,109 +634,16 @@ Q8K quantize_rows_k(const float* x, int64_t m, int64_t k) {
   return {qp, d, mx, sp};
 }
 
-// the register micro-kernels: rows [0, MR) of a tile (x: row 0 at super-block 0 of the chunk,
-// rows k apart; xd, xm: row 0's d and mx at it, rows nb and k / 16 apart) times outputs [0, NO)
-// over nkb super-blocks of buf (output j's at buf + j * kKB); facc[j * nr + r] accumulates.
-constexpr int64_t kKB = 8;  // super-blocks decoded at a time
-
-// Rows a tile: at most kKTile, their int8 values within kKTileBytes. Every kNO outputs pass over
-// the whole tile, kKB super-blocks (2 KB a row) at a time, so the tile is read from L2 (256 KB:
-// half of Zen 3's, a quarter of Zen 4/5's), each decoded block feeding the tile's rows. An L1
-// budget (32 KB) left 2 rows a tile at k = 8960 (Qwen2.5-1.5B's ffn_down): each block decoded
-// for every 2 rows, 100 against 220-270 GMAC/s for the L2 budget (2 Zen 5 cores, 300 rows).
+// Rows a tile: at most kKTile, their int8 values within kKTileBytes. Every column of outputs
+// passes over the whole tile, a few super-blocks (1-2 KB a row) at a time, so the tile is read
+// from L2 (256 KB: half of Zen 3's, a quarter of Zen 4/5's), each decoded block feeding the
+// tile's rows. An L1 budget (32 KB) left 2 rows a tile at k = 8960 (Qwen2.5-1.5B's ffn_down):
+// each block decoded for every 2 rows, 100 against 220-270 GMAC/s for the L2 budget (2 Zen 5
+// cores, 300 rows).
 constexpr int64_t kKTile = 64;
 constexpr int64_t kKTileBytes = 262144;
-#if defined(CELLSERVE_GGML_ZMM)
-#if defined(__AVX512VNNI__)
-// per pair of 64-value chunks and (output, row): two vpdpbusd (int32 sums of 4 values: at most
-// 4 * 63 * 127 < 2^15), one vpackssdw (exact) and one vpdpwssd by the scales (make_scv's layout)
-constexpr int kNO = 4, kMR = 2;
-#else
-constexpr int kNO = 4, kMR = 3;
-#endif
-using KAcc = __m512;
-inline __m512i madd_scaled(__m512i acc, __m512i w, __m512i x, __m512i s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), s));
-}
-template <int NO, int MR>
-void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
-             const float* xm, KAcc* facc, int64_t nr, bool first) {
-  __m512 f[NO][MR];
-  for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < MR; ++r) f[j][r] = first ? _mm512_setzero_ps() : facc[j * nr + r];
-  for (int64_t b = 0; b < nkb; ++b) {
-    __m512i ia[NO][MR];
-    for (int j = 0; j < NO; ++j)
-      for (int r = 0; r < MR; ++r) ia[j][r] = _mm512_setzero_si512();
-#if defined(__AVX512VNNI__)
-    for (int h = 0; h < 2; ++h) {
-      __m512i x0[MR], x1[MR];
-      for (int r = 0; r < MR; ++r) {
-        x0[r] = _mm512_loadu_si512(x + r * k + 256 * b + 128 * h);
-        x1[r] = _mm512_loadu_si512(x + r * k + 256 * b + 128 * h + 64);
-      }
-      for (int j = 0; j < NO; ++j) {
-        const KBlk& w = buf[j * kKB + b];
-        const __m512i w0 = _mm512_load_si512(w.u + 128 * h), w1 = _mm512_load_si512(w.u + 128 * h + 64);
-        const __m512i s = _mm512_load_si512(w.scv + 32 * h);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0[r]);
-          const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1[r]);
-          ia[j][r] = _mm512_dpwssd_epi32(ia[j][r], _mm512_packs_epi32(t0, t1), s);
-        }
-      }
-    }
-#else
-    for (int i = 0; i < 4; ++i) {
-      __m512i xv[MR];
-      for (int r = 0; r < MR; ++r) xv[r] = _mm512_loadu_si512(x + r * k + 256 * b + 64 * i);
-      for (int j = 0; j < NO; ++j) {
-        const KBlk& w = buf[j * kKB + b];
-        const __m512i wv = _mm512_load_si512(w.u + 64 * i);
-        const __m512i s = _mm512_load_si512(w.scv + 32 * i);
-        for (int r = 0; r < MR; ++r) ia[j][r] = madd_scaled(ia[j][r], wv, xv[r], s);
-      }
-    }
-#endif
-    for (int j = 0; j < NO; ++j) {
-      const KBlk& w = buf[j * kKB + b];
-      const __m512 mw = _mm512_load_ps(w.mw);
-      for (int r = 0; r < MR; ++r) {
-        f[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[j][r]), _mm512_set1_ps(w.d * xd[r * nb + b]), f[j][r]);
-        f[j][r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xm + r * (k / 16) + 16 * b), f[j][r]);
-      }
-    }
-  }
-  for (int j = 0; j < NO; ++j)
-    for (int r = 0; r < MR; ++r) facc[j * nr + r] = f[j][r];
-}
-// the sum of a's 16 lanes as a tree: lane i + i + 8, then i + i + 4, i + i + 2, i + i + 1
-// (written out: kacc_sum4 must add in this order, whatever the compiler's _mm512_reduce_add_ps)
-inline float kacc_sum(KAcc a) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-}
-// kacc_sum of a, b, c and d in lanes 0-3 (the same additions: the same sums to the bit), in
-// 14 instructions instead of 4 x 8 and 4 scalar stores (a tile's end, per row and 4 outputs:
-// at k = 1536 a fifth of a Q4_K prompt's time went there)
-inline __m128 kacc_sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // 128-bit chunks: [a0 + a2, a1 + a3, b0 + b2, b1 + b3] (lane i + i + 8)
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
-  // [a, b, c, d] (i + i + 4), then within each chunk i + i + 2 and i + i + 1
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m512i lane0 = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0, u));
-}
-#elif defined(CELLSERVE_GGML_KCOL)
-// ---- the AVX2 build's K-quant tiles: 8 outputs in the 8 lanes of a vector ----
+#if defined(CELLSERVE_GGML_KCOL)
+// ---- the K-quant tiles (AVX2 and AVX-512 builds): 8 outputs in the 8 lanes of a vector ----
 //
 // A tile is 8 outputs x kMR rows. The 8 outputs' super-blocks are decoded (dec_k_regs) and
 // interleaved into a KCol: per 4 values, one vector of the 8 outputs' 4 bytes, so that one
@@ -888,44 +686,59 @@ inline void transpose8(const __m256i* in, __m256i* out) {
   }
 }
 
-// outputs [0, no) of a super-block column (output o's block at blk + o * row_bytes; the others
-// zeros) -> col
-template <int64_t T>
-inline void pack_kcol(const uint8_t* blk, int64_t row_bytes, int no, KCol& col) {
+// outputs [0, no) of a super-block column, at most 8 (output o's block at blk + o * row_bytes; the
+// others zeros), interleaved: group g's 8 outputs' 4 values at u + g * u_step, the scales of the
+// 16s i at sc + i * step (as int16 pairs (sc, sc) for vpmaddwd, or with kSc32 as int32 for
+// vpmulld), the minimums' pairs i at mn + i * step, d and dm. One KCol (AVX2), half a KCol16.
+template <int64_t T, bool kSc32>
+inline void pack8(const uint8_t* blk, int64_t row_bytes, int no, uint8_t* u, void* sc, int16_t* mn,
+                  int64_t step, float* d, float* dm) {
   constexpr int64_t B = Fmt<T>::B;
-  __m256i u[8][8], sc_lo[8], sc_hi[8], mn[8];
+  __m256i uo[8][8], sc_lo[8], sc_hi[8], mo[8];
   for (int o = 0; o < 8; ++o) {
     if (o < no) {
       const uint8_t* p = blk + o * row_bytes;
       for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(p + kKBCol * B + l);
       KRegs r;
       dec_k_regs<T>(p, r);
-      for (int c = 0; c < 8; ++c) u[o][c] = r.u[c];
-      // the 16 scales as dwords (sc, sc) in order: unpack works within 128-bit halves
-      const __m256i lo = _mm256_unpacklo_epi16(r.sc, r.sc), hi = _mm256_unpackhi_epi16(r.sc, r.sc);
-      sc_lo[o] = _mm256_permute2x128_si256(lo, hi, 0x20);
-      sc_hi[o] = _mm256_permute2x128_si256(lo, hi, 0x31);
-      mn[o] = r.mn;
-      col.d[o] = r.d;
-      col.dm[o] = r.dm;
+      for (int c = 0; c < 8; ++c) uo[o][c] = r.u[c];
+      if constexpr (kSc32) {  // the 16 scales as dwords in order
+        sc_lo[o] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(r.sc));
+        sc_hi[o] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(r.sc, 1));
+      } else {  // as dwords (sc, sc) in order: unpack works within 128-bit halves
+        const __m256i lo = _mm256_unpacklo_epi16(r.sc, r.sc), hi = _mm256_unpackhi_epi16(r.sc, r.sc);
+        sc_lo[o] = _mm256_permute2x128_si256(lo, hi, 0x20);
+        sc_hi[o] = _mm256_permute2x128_si256(lo, hi, 0x31);
+      }
+      mo[o] = r.mn;
+      d[o] = r.d;
+      dm[o] = r.dm;
     } else {
-      for (int c = 0; c < 8; ++c) u[o][c] = _mm256_setzero_si256();
-      sc_lo[o] = sc_hi[o] = mn[o] = _mm256_setzero_si256();
-      col.d[o] = col.dm[o] = 0.f;
+      for (int c = 0; c < 8; ++c) uo[o][c] = _mm256_setzero_si256();
+      sc_lo[o] = sc_hi[o] = mo[o] = _mm256_setzero_si256();
+      d[o] = dm[o] = 0.f;
     }
   }
+  auto store = [step](void* base, int i, __m256i v) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(static_cast<uint8_t*>(base) + i * step), v);
+  };
   __m256i in[8], out[8];
   for (int c = 0; c < 8; ++c) {
-    for (int o = 0; o < 8; ++o) in[o] = u[o][c];
+    for (int o = 0; o < 8; ++o) in[o] = uo[o][c];
     transpose8(in, out);
-    for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(col.u[8 * c + g]), out[g]);
+    for (int g = 0; g < 8; ++g) store(u, 8 * c + g, out[g]);
   }
   transpose8(sc_lo, out);
-  for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(col.sc[i]), out[i]);
+  for (int i = 0; i < 8; ++i) store(sc, i, out[i]);
   transpose8(sc_hi, out);
-  for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(col.sc[8 + i]), out[i]);
-  transpose8(mn, out);
-  for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(col.mn[i]), out[i]);
+  for (int i = 0; i < 8; ++i) store(sc, 8 + i, out[i]);
+  transpose8(mo, out);
+  for (int i = 0; i < 8; ++i) store(mn, i, out[i]);
+}
+
+template <int64_t T>
+inline void pack_kcol(const uint8_t* blk, int64_t row_bytes, int no, KCol& col) {
+  pack8<T, false>(blk, row_bytes, no, col.u[0], col.sc[0], col.mn[0], 32, col.d, col.dm);
 }
 
 inline __m256i bcast4(const void* p) {
@@ -1043,7 +856,40 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 
 // a super-block's two integer sums with a Q8K row (x: its int8 values there, xs: its s16 there)
 // as vectors whose lanes add up to them: ia to sum_i sc[i] * dot16(u_i, x_i), im to
-// sum_i mn[i] * s16[i] (vpmaddubsw, vpmaddwd by the scale of each 16, in the block's own order)
+// sum_i mn[i] * s16[i]
+#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
+// VNNI: per 64 values one vpdpbusd (int32 lane L: values 4L .. 4L + 3), two 64s' lanes packed to
+// int16 (exact: 4 * 63 * 127 < 2^15) and one vpdpwssd by the scales in that order (scv), the
+// 512-bit sum folded to 256 bits: 11 vector instructions a block where the AVX2 form takes 32
+template <int64_t T>
+inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs, __m256i& ia,
+                         __m256i& im, float& d, float& dm) {
+  KRegs r;
+  dec_k_regs<T>(blk, r);
+  // vpackssdw of the 64s 2h and 2h + 1 (per 128 bits c: 4 lanes of each): int16 lane 8c + e
+  // holds the 16 8h + c (e < 4) or 8h + 4 + c (e >= 4), whose scale the pair of lanes takes
+  const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
+                                     16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i e4 = _mm512_and_si512(_mm512_srli_epi16(q, 2), _mm512_set1_epi16(1));  // e >= 4
+  const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(q, 3), _mm512_slli_epi16(e4, 2));
+  const __m512i sc = _mm512_castsi256_si512(r.sc);
+  __m512i acc = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i u0 = _mm512_inserti64x4(_mm512_castsi256_si512(r.u[4 * h]), r.u[4 * h + 1], 1);
+    const __m512i u1 = _mm512_inserti64x4(_mm512_castsi256_si512(r.u[4 * h + 2]), r.u[4 * h + 3], 1);
+    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512(x + 128 * h));
+    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_loadu_si512(x + 128 * h + 64));
+    const __m512i h8 = _mm512_set1_epi16(static_cast<int16_t>(8 * h));
+    const __m512i scv = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, h8), sc);
+    acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(t0, t1), scv);
+  }
+  ia = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+  im = _mm256_madd_epi16(r.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
+  d = r.d;
+  dm = r.dm;
+}
+#else
+// (vpmaddubsw, vpmaddwd by the scale of each 16, in the block's own order)
 template <int64_t T>
 inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs, __m256i& ia,
                          __m256i& im, float& d, float& dm) {
@@ -1067,6 +913,7 @@ inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs,
   d = r.d;
   dm = r.dm;
 }
+#endif
 
 // One row (a decode step): an output at a time along its row (one stream for the prefetcher),
 // two super-blocks at a time: each decoded in registers straight into its integer sums
@@ -1104,175 +951,195 @@ void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_byt
     y[col0 + o] = f;
   }
 }
-#else
-constexpr int kNO = 1, kMR = 1;
-using KAcc = float;
-template <int NO, int MR>
-void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd, int64_t nb,
-             const float* xm, KAcc* facc, int64_t nr, bool first) {
-  if (first)
-    for (int j = 0; j < NO; ++j)
-      for (int r = 0; r < MR; ++r) facc[j * nr + r] = 0.f;
+
+#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
+// ---- the AVX-512 VNNI build's K-quant tiles: 16 outputs in the lanes of a zmm ----
+//
+// The AVX2 tiles' design at 16 lanes, with vpdpbusd: per group of 4 values and row, one
+// vpdpbusd of the 16 outputs' 4 bytes by the row's 4 int8 values (broadcast from memory) adds
+// each output's 4 products in int32; the sums of a 16 (Q6_K) or a 32 (Q4_K, Q5_K: one scale)
+// times the outputs' int32 scales (vpmulld); the minimums by vpdpwssd of the outputs' pairs of
+// minimums and the row's pair of s16. The same exact integers as the AVX2 tiles and k_gemv, then
+// the same two float operations per super-block, row and output: a row's y does not depend on
+// the rows beside it. Against kMR16 rows of 32 values: 8 vpdpbusd + 1 vpmulld + 1 vpaddd per
+// row, where the 512-bit form of the AVX2 tiles takes 8 vpmaddubsw + 7 vpaddw + 1 vpmaddwd + 1
+// vpaddd, and k_micro over row-major blocks (the design before) 3 per 128 values and
+// (output, row) plus a horizontal sum per output at a tile's end.
+#define CELLSERVE_GGML_KCOL16 1
+constexpr int kMR16 = 8;
+constexpr int64_t kKBCol16 = 2;  // super-blocks interleaved at a time: 2 x 5760 bytes of L1
+
+struct KCol16 {
+  alignas(64) uint8_t u[64][64];   // per 4 values g: output o's 4 bytes at 4o
+  alignas(64) int32_t sc[16][16];  // per 16 values i: output o's scale in lane o
+  alignas(64) int16_t mn[8][32];   // per pair of 16s i: output o's mn[2i], mn[2i + 1] in 2o, 2o + 1
+  alignas(64) float d[16], dm[16];
+};
+
+template <int64_t T>
+inline void pack_kcol16(const uint8_t* blk, int64_t row_bytes, int no, KCol16& col) {
+  for (int h = 0; h < 2; ++h)  // outputs 8h .. 8h + 7 into the half h of each 64 bytes
+    pack8<T, true>(blk + 8 * h * row_bytes, row_bytes, std::clamp(no - 8 * h, 0, 8), col.u[0] + 32 * h,
+                   col.sc[0] + 8 * h, col.mn[0] + 16 * h, 64, col.d + 8 * h, col.dm + 8 * h);
+}
+
+inline __m512i bcast4z(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// rows [0, MR) times a KCol16 column over nkb super-blocks (arguments as k_micro's); facc[r]
+// accumulates row r's 16 outputs
+template <int64_t T, int MR>
+__attribute__((noinline)) void k_micro16(const KCol16* buf, int64_t nkb, const int8_t* x, int64_t k,
+                                         const float* xd, int64_t nb, const int16_t* xs, __m512* facc,
+                                         bool first) {
+  constexpr int L = T == Q6_K ? 4 : 8;  // groups of 4 values under one scale
+  __m512 f[MR];
+  for (int r = 0; r < MR; ++r) f[r] = first ? _mm512_setzero_ps() : facc[r];
   for (int64_t b = 0; b < nkb; ++b) {
-    for (int j = 0; j < NO; ++j) {
-      const KBlk& w = buf[j * kKB + b];
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = x + r * k + 256 * b;
-        int32_t tot = 0;
-        for (int g = 0; g < 16; ++g) {
-          int32_t s = 0;
-          for (int l = 16 * g; l < 16 * g + 16; ++l) s += static_cast<int32_t>(w.u[l]) * xr[l];
-          tot += w.sc[g] * s;
-        }
-        float mm = 0.f;
-        for (int g = 0; g < 16; ++g) mm += w.mw[g] * xm[r * (k / 16) + 16 * b + g];
-        facc[j * nr + r] += static_cast<float>(tot) * (w.d * xd[r * nb + b]) + mm;
+    const KCol16& w = buf[b];
+    const int8_t* xb = x + 256 * b;
+    __m512i acc[MR], t[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int g0 = 0; g0 < 64; g0 += L) {
+      for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = g0; g < g0 + L; ++g) {
+        const __m512i wv = _mm512_load_si512(w.u[g]);
+        for (int r = 0; r < MR; ++r) t[r] = _mm512_dpbusd_epi32(t[r], wv, bcast4z(xb + r * k + 4 * g));
       }
+      const __m512i s = _mm512_load_si512(w.sc[g0 / 4]);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(t[r], s));
+    }
+    // the minimums: t's registers
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m512i mv = _mm512_load_si512(w.mn[i]);
+      for (int r = 0; r < MR; ++r)
+        t[r] = _mm512_dpwssd_epi32(i == 0 ? _mm512_setzero_si512() : t[r], mv,
+                                   bcast4z(xs + r * (k / 16) + 16 * b + 2 * i));
+    }
+    const __m512 d = _mm512_load_ps(w.d), dm = _mm512_load_ps(w.dm);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, dx), f[r]);
+      f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(dm, dx), f[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) facc[r] = f[r];
+}
+
+template <int64_t T, int MR = kMR16>
+inline void k_micro16_rows(int mr, const KCol16* buf, int64_t nkb, const int8_t* x, int64_t k,
+                           const float* xd, int64_t nb, const int16_t* xs, __m512* facc, bool first) {
+  if constexpr (MR > 1)
+    if (mr < MR) return k_micro16_rows<T, MR - 1>(mr, buf, nkb, x, k, xd, nb, xs, facc, first);
+  k_micro16<T, MR>(buf, nkb, x, k, xd, nb, xs, facc, first);
+}
+
+// k_task's loops with KCol16 columns of 16 outputs
+template <int64_t T>
+void k_task16(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
+              const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+  constexpr int64_t B = Fmt<T>::B;
+  const int64_t nb = k / 256;
+  thread_local std::vector<KCol16> bufv(kKBCol16);
+  KCol16* buf = bufv.data();
+  alignas(64) __m512 facc[kKTile];
+  for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
+    const int64_t nr = std::min(m, r0 + row_tile) - r0;
+    for (int64_t og = o0; og < o1; og += 16) {
+      const int no = static_cast<int>(std::min<int64_t>(16, o1 - og));
+      for (int64_t b0 = 0; b0 < nb; b0 += kKBCol16) {
+        const int64_t nkb = std::min(kKBCol16, nb - b0);
+        for (int64_t b = 0; b < nkb; ++b) pack_kcol16<T>(w + og * row_bytes + (b0 + b) * B, row_bytes, no, buf[b]);
+        for (int64_t rr = 0; rr < nr; rr += kMR16) {
+          const int64_t row = r0 + rr;
+          k_micro16_rows<T>(static_cast<int>(std::min<int64_t>(kMR16, nr - rr)), buf, nkb, X.q + row * k + b0 * 256,
+                            k, X.d + row * nb + b0, nb, X.s16 + row * (k / 16) + b0 * 16, facc + rr, b0 == 0);
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << no) - 1);
+      for (int64_t r = 0; r < nr; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * n + col0 + og, mask, facc[r]);
     }
   }
 }
-inline float kacc_sum(KAcc a) { return a; }
 #endif
+#else
+constexpr int64_t kKB = 8;  // super-blocks decoded at a time
 
-#if !defined(CELLSERVE_GGML_KCOL)
-template <int NO>
-inline void k_micro_rows(int mr, const KBlk* buf, int64_t nkb, const int8_t* x, int64_t k,
-                         const float* xd, int64_t nb, const float* xm, KAcc* facc, int64_t nr,
-                         bool first) {
-  static_assert(kMR <= 4);
-  switch (mr) {
-    case 1: return k_micro<NO, 1>(buf, nkb, x, k, xd, nb, xm, facc, nr, first);
-    case 2: if constexpr (kMR >= 2) return k_micro<NO, 2>(buf, nkb, x, k, xd, nb, xm, facc, nr, first); break;
-    case 3: if constexpr (kMR >= 3) return k_micro<NO, 3>(buf, nkb, x, k, xd, nb, xm, facc, nr, first); break;
-    case 4: if constexpr (kMR >= 4) return k_micro<NO, 4>(buf, nkb, x, k, xd, nb, xm, facc, nr, first); break;
+// the portable build: one output and one row at a time (x: the row at super-block 0 of the
+// chunk, xd, xm: its d and mx there), over nkb decoded super-blocks; f accumulates
+void k_micro(const KBlk* buf, int64_t nkb, const int8_t* x, const float* xd, const float* xm, float& f) {
+  for (int64_t b = 0; b < nkb; ++b) {
+    const KBlk& w = buf[b];
+    const int8_t* xr = x + 256 * b;
+    int32_t tot = 0;
+    for (int g = 0; g < 16; ++g) {
+      int32_t s = 0;
+      for (int l = 16 * g; l < 16 * g + 16; ++l) s += static_cast<int32_t>(w.u[l]) * xr[l];
+      tot += w.sc[g] * s;
+    }
+    float mm = 0.f;
+    for (int g = 0; g < 16; ++g) mm += w.mw[g] * xm[16 * b + g];
+    f += static_cast<float>(tot) * (w.d * xd[b]) + mm;
   }
 }
 
-
-// a task's outputs [o0, o1) of a K part over every row: per tile of rows, per kNO outputs, per
-// kKB super-blocks: those blocks decoded once into buf, then the tile's rows kMR at a time
-// through the micro-kernel
+// a task's outputs [o0, o1) of a K part over every row: per tile of rows, per output, per kKB
+// super-blocks: those decoded once into buf, then every row of the tile
 template <int64_t T>
 void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
   const int64_t nb = k / 256;
-  thread_local std::vector<KBlk> bufv(kNO * kKB);
+  thread_local std::vector<KBlk> bufv(kKB);
   KBlk* buf = bufv.data();
-  alignas(64) KAcc facc[kNO * kKTile];
+  float facc[kKTile];
   for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
     const int64_t nr = std::min(m, r0 + row_tile) - r0;
-    for (int64_t og = o0; og < o1; og += kNO) {
-      const int no = static_cast<int>(std::min<int64_t>(kNO, o1 - og));
+    for (int64_t o = o0; o < o1; ++o) {
+      for (int64_t r = 0; r < nr; ++r) facc[r] = 0.f;
       for (int64_t b0 = 0; b0 < nb; b0 += kKB) {
         const int64_t nkb = std::min(kKB, nb - b0);
-        for (int j = 0; j < no; ++j) {
-          const uint8_t* row = w + (og + j) * row_bytes;
-          for (int64_t b = 0; b < nkb; ++b) {
-            const uint8_t* blk = row + (b0 + b) * B;
-            for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 4 * B + l);
-            dec_k<T>(blk, buf[j * kKB + b]);
-            make_scv(buf[j * kKB + b]);
-          }
-        }
-        for (int64_t rr = 0; rr < nr; rr += kMR) {
-          const int mr = static_cast<int>(std::min<int64_t>(kMR, nr - rr));
-          const int64_t row = r0 + rr;
-          const int8_t* x = X.q + row * k + b0 * 256;
-          const float* xd = X.d + row * nb + b0;
-          const float* xm = X.mx + row * (k / 16) + b0 * 16;
-          KAcc* f = facc + rr;
-          switch (no) {
-            case 1: k_micro_rows<1>(mr, buf, nkb, x, k, xd, nb, xm, f, nr, b0 == 0); break;
-            case 2: if constexpr (kNO >= 2) k_micro_rows<2>(mr, buf, nkb, x, k, xd, nb, xm, f, nr, b0 == 0); break;
-            case 3: if constexpr (kNO >= 3) k_micro_rows<3>(mr, buf, nkb, x, k, xd, nb, xm, f, nr, b0 == 0); break;
-            case 4: if constexpr (kNO >= 4) k_micro_rows<4>(mr, buf, nkb, x, k, xd, nb, xm, f, nr, b0 == 0); break;
-          }
+        for (int64_t b = 0; b < nkb; ++b) dec_k<T>(w + o * row_bytes + (b0 + b) * B, buf[b]);
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t row = r0 + r;
+          k_micro(buf, nkb, X.q + row * k + b0 * 256, X.d + row * nb + b0, X.mx + row * (k / 16) + b0 * 16,
+                  facc[r]);
         }
       }
-      for (int64_t r = 0; r < nr; ++r) {
-        float* yr = y + (r0 + r) * n + col0 + og;
-#if defined(CELLSERVE_GGML_ZMM)
-        if (no == 4) {  // the 4 sums at once, one store
-          _mm_storeu_ps(yr, kacc_sum4(facc[r], facc[nr + r], facc[2 * nr + r], facc[3 * nr + r]));
-          continue;
-        }
-#endif
-        for (int j = 0; j < no; ++j) yr[j] = kacc_sum(facc[j * nr + r]);
-      }
+      for (int64_t r = 0; r < nr; ++r) y[(r0 + r) * n + col0 + o] = facc[r];
     }
   }
 }
 #endif
 
-// One row (a decode step) of a Q4_K / Q6_K part, k_gemv: each super-block decoded in registers
-// straight into k_micro's dot products, prefetching 16 blocks ahead. k_task's L1 buffer (stores,
-// make_scv, reloads) pays off only when several rows share a decoded block; at one row its
-// compute did not overlap the reads (Qwen2.5-Coder-1.5B's lm_head, Q6_K, 27 GB/s on 2 Zen 5
-// cores that read 44 GB/s; `python -m bench.ggml_bench --model qwen2.5-coder-1.5b`). gemv_block
-// (the AVX-512 VNNI build; the AVX2 build's k_gemv is with its tiles above): the same integer
-// sums and float operations in the same order as k_micro<1, 1>, so the same y to the bit.
-#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
-#define CELLSERVE_GGML_KGEMV 1
-inline __m512 gemv_block(const KRegs& r, const Q8K& X, int64_t b, __m512 f) {
-  __m512i scv[2];
-  scv_regs(r.sc, scv);
-  __m512i ia = _mm512_setzero_si512();
-  for (int h = 0; h < 2; ++h) {
-    const __m512i x0 = _mm512_loadu_si512(X.q + 256 * b + 128 * h);
-    const __m512i x1 = _mm512_loadu_si512(X.q + 256 * b + 128 * h + 64);
-    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h], x0);
-    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), r.u[2 * h + 1], x1);
-    ia = _mm512_dpwssd_epi32(ia, _mm512_packs_epi32(t0, t1), scv[h]);
-  }
-  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(r.d * X.d[b]), f);
-  return _mm512_fmadd_ps(r.mw, _mm512_loadu_ps(X.mx + 16 * b), f);
-}
-#endif
-
-#if defined(CELLSERVE_GGML_KGEMV)
-template <int64_t T>
-void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
-            int64_t o1, int64_t col0) {
-  constexpr int64_t B = Fmt<T>::B;
-  const int64_t nb = k / 256;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* row = w + o * row_bytes;
-    KAcc f = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * B;
-      for (int64_t l = 0; l < B; l += 64) __builtin_prefetch(blk + 16 * B + l);
-      KRegs r;
-      dec_k_regs<T>(blk, r);
-      f = gemv_block(r, X, b, f);
-    }
-    y[col0 + o] = kacc_sum(f);
-  }
-}
-#endif
-
-// A task's outputs of a K-quant part: one row goes to k_gemv where this build has one for T
-// (same bits as the tiles, read faster), everything else to k_task's tiles.
-#if defined(CELLSERVE_GGML_KCOL)
-template <int64_t T>
-constexpr bool kHasGemv = true;
-#elif defined(CELLSERVE_GGML_KGEMV)
-template <int64_t T>
-constexpr bool kHasGemv = T != Q5_K;
+// a K tile's rows: a multiple of the micro-kernel's
+#if defined(CELLSERVE_GGML_KCOL16)
+constexpr int64_t kTileMR = kMR16;
+#elif defined(CELLSERVE_GGML_KCOL)
+constexpr int64_t kTileMR = kMR;
 #else
-template <int64_t T>
-constexpr bool kHasGemv = false;
+constexpr int64_t kTileMR = 1;
 #endif
 
+// A task's outputs of a K-quant part: one row goes to k_gemv where this build has one (same bits
+// as the tiles, read faster), everything else to the tiles (16 outputs a tile with VNNI).
 template <int64_t T>
 void k_part(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
-#if defined(CELLSERVE_GGML_KCOL) || defined(CELLSERVE_GGML_KGEMV)
-  if constexpr (kHasGemv<T>) {
-    if (m == 1) return k_gemv<T>(X, k, y, w, row_bytes, o0, o1, col0);
-  }
+#if defined(CELLSERVE_GGML_KCOL)
+  if (m == 1) return k_gemv<T>(X, k, y, w, row_bytes, o0, o1, col0);
 #endif
+#if defined(CELLSERVE_GGML_KCOL16)
+  k_task16<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
+#else
   k_task<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
+#endif
 }
 
 // ---- the 32-value kinds (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on AVX2 / AVX-512: register tiles ----
@@ -1616,7 +1483,7 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
   if (any_k) krows = quantize_rows_k(x.data_ptr<float>(), m, k);
   // rows per tile: their int8 values (k bytes a row) within ~32 KB of L1
   const int64_t row_tile = std::clamp<int64_t>(32768 / k, 4, 64);
-  const int64_t k_tile = std::max<int64_t>(kMR, std::min<int64_t>(kKTile, kKTileBytes / k) / kMR * kMR);
+  const int64_t k_tile = std::max<int64_t>(kTileMR, std::min<int64_t>(kKTile, kKTileBytes / k) / kTileMR * kTileMR);
 #if defined(CELLSERVE_GGML_TILE32)
   const int64_t q_tile = std::max<int64_t>(kMR32, std::min<int64_t>(kQTile, 32768 / k) / kMR32 * kMR32);
 #endif
