@@ -1,6 +1,6 @@
-"""Optional C++ CPU kernels (attention*.cpp, gemm.cpp, ggml_blocks.cpp, int4.cpp, int8.cpp,
-layers.cpp, step.cpp): one build per ISA level, chosen at run time from cpuid
-(model/kernels/isa.py).
+"""Optional C++ CPU kernels (attention*.cpp, gemm.cpp, ggml_blocks.cpp, ggml_kquants.cpp,
+int4.cpp, int8.cpp, kv_rows.cpp, layers.cpp, step.cpp): one build per ISA level, chosen at run
+time from cpuid (model/kernels/isa.py).
 
 `build_kernels()` compiles them ahead of time (`cellserve build-kernels`; `make install` and
 the Dockerfile's builder stage call it), one extension per level with that level's explicit
@@ -49,6 +49,7 @@ _SOURCE_NAMES = (
     "attention_f32.cpp",
     "gemm.cpp",
     "ggml_blocks.cpp",
+    "ggml_kquants.cpp",
     "int4.cpp",
     "int8.cpp",
     "kv_rows.cpp",
@@ -56,7 +57,7 @@ _SOURCE_NAMES = (
     "step.cpp",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [HERE / "kernels.h"]
+HEADERS = [HERE / "kernels.h", HERE / "ggml_formats.h"]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-mtune=generic"]
 
 # Each level's target flags: what its CPUs all have (model/kernels/isa.py says which CPUs).

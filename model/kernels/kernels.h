@@ -188,7 +188,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 // y_tile[r * n + o] for r < m_tile, o in [o0, o1).
 using Q8Tile = c10::function_ref<void(const Q8Rows&, int64_t, int64_t, int64_t, float*)>;
 at::Tensor q8_matmul(const at::Tensor& x, int64_t n, Q8Tile tile);
-// ggml_blocks.cpp: a GGUF file's own quantized blocks (GGML type ids: F32=0, F16=1, Q4_0=2,
+// ggml_blocks.cpp (the K-quants: ggml_kquants.cpp): a GGUF file's own quantized blocks (GGML type ids: F32=0, F16=1, Q4_0=2,
 // Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, BF16=30), rows as the file stores
 // them ([n, row_bytes] uint8). ggml_linear: x [m, k] float32 or bfloat16 times every part's rows
 // (concatenated along the outputs) -> [m, sum n_i] in x's dtype, in int8 per block;

@@ -1,5 +1,6 @@
-"""model/kernels/ggml_blocks.cpp: computing on a GGUF file's own quantized blocks, on the build
-the dispatcher picks (CELLSERVE_ISA=avx2 / generic run the other levels' code).
+"""model/kernels/ggml_blocks.cpp and ggml_kquants.cpp: computing on a GGUF file's own quantized
+blocks, on the build the dispatcher picks (CELLSERVE_ISA=avx2 / generic run the other levels'
+code).
 
 For every GGML type: random weights quantized to it (gguf-py's quantize where it has one, K-quant
 blocks built byte-wise with finite fp16 scales, and the real tensors of the Gemma-3-270M GGUF
