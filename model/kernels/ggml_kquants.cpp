@@ -472,11 +472,46 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 // VNNI: per 64 values one vpdpbusd (int32 lane L: values 4L .. 4L + 3), two 64s' lanes packed to
 // int16 (exact: 4 * 63 * 127 < 2^15) and one vpdpwssd by the scales in that order (scv), the
 // 512-bit sum folded to 256 bits: 11 vector instructions a block where the AVX2 form takes 32
+// (a super-block's values in 4 zmm of 64: Q4_K and Q6_K decoded at 512 bits, Q5_K through
+// dec_k_regs; the header through the AVX2 decoders)
+template <int64_t T>
+inline void dec_k_zmm(const uint8_t* blk, __m512i* u, KRegs& r) {
+  if constexpr (T == Q4_K) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 2; ++h) {  // 64 bytes: the low nibbles of 2 chunks, then the high ones
+      const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+      u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+    }
+    k_header_regs(blk, r);
+  } else if constexpr (T == Q6_K) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {  // ql's 64 bytes with qh's 2-bit pairs 0 and 1, then 2 and 3
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
+      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), three), 4));
+    }
+    r.sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    r.mn = r.sc;
+    r.d = fp16(blk + 208);
+    r.dm = 32.f * r.d;
+  } else {
+    dec_k_regs<T>(blk, r);
+    for (int c = 0; c < 4; ++c) u[c] = _mm512_inserti64x4(_mm512_castsi256_si512(r.u[2 * c]), r.u[2 * c + 1], 1);
+  }
+}
+
 template <int64_t T>
 inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs, __m256i& ia,
                          __m256i& im, float& d, float& dm) {
   KRegs r;
-  dec_k_regs<T>(blk, r);
+  __m512i u[4];
+  dec_k_zmm<T>(blk, u, r);
   // vpackssdw of the 64s 2h and 2h + 1 (per 128 bits c: 4 lanes of each): int16 lane 8c + e
   // holds the 16 8h + c (e < 4) or 8h + 4 + c (e >= 4), whose scale the pair of lanes takes
   const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
@@ -486,10 +521,8 @@ inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs,
   const __m512i sc = _mm512_castsi256_si512(r.sc);
   __m512i acc = _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
-    const __m512i u0 = _mm512_inserti64x4(_mm512_castsi256_si512(r.u[4 * h]), r.u[4 * h + 1], 1);
-    const __m512i u1 = _mm512_inserti64x4(_mm512_castsi256_si512(r.u[4 * h + 2]), r.u[4 * h + 3], 1);
-    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512(x + 128 * h));
-    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_loadu_si512(x + 128 * h + 64));
+    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h], _mm512_loadu_si512(x + 128 * h));
+    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h + 1], _mm512_loadu_si512(x + 128 * h + 64));
     const __m512i h8 = _mm512_set1_epi16(static_cast<int16_t>(8 * h));
     const __m512i scv = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, h8), sc);
     acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(t0, t1), scv);
