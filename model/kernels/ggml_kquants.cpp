@@ -429,41 +429,25 @@ inline void store_outputs(float* y, __m256 v, int no) {
   std::copy(t, t + no, y);
 }
 
-// a task's outputs [o0, o1) of a K part over every row: per tile of rows, per 8 outputs, per
-// kKBCol super-blocks: those interleaved once into buf, then the tile's rows kMR at a time
-template <int64_t T>
-void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
-            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
-  constexpr int64_t B = Fmt<T>::B;
-  const int64_t nb = k / 256;
-  thread_local std::vector<KCol> bufv(kKBCol);
-  KCol* buf = bufv.data();
-  alignas(32) __m256 facc[kKTile];
-  for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
-    const int64_t nr = std::min(m, r0 + row_tile) - r0;
-    for (int64_t og = o0; og < o1; og += 8) {
-      const int no = static_cast<int>(std::min<int64_t>(8, o1 - og));
-      for (int64_t b0 = 0; b0 < nb; b0 += kKBCol) {
-        const int64_t nkb = std::min(kKBCol, nb - b0);
-        for (int64_t b = 0; b < nkb; ++b) pack_kcol<T>(w + og * row_bytes + (b0 + b) * B, row_bytes, no, buf[b]);
-        for (int64_t rr = 0; rr < nr; rr += kMR) {
-          const int64_t row = r0 + rr;
-          const int8_t* x = X.q + row * k + b0 * 256;
-          const float* xd = X.d + row * nb + b0;
-          const int16_t* xs = X.s16 + row * (k / 16) + b0 * 16;
-          __m256* f = facc + rr;
-          switch (std::min<int64_t>(kMR, nr - rr)) {
-            case 1: k_micro<T, 1>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
-            case 2: k_micro<T, 2>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
-            case 3: k_micro<T, 3>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
-            default: k_micro<T, kMR>(buf, nkb, x, k, xd, nb, xs, f, b0 == 0); break;
-          }
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r) store_outputs(y + (r0 + r) * n + col0 + og, facc[r], no);
-    }
+// what k_task needs of a tile's width: the interleaved column, the accumulator, lanes (outputs
+// a column), super-blocks interleaved at a time, rows a micro-kernel, and the three steps
+struct Tile8 {
+  using Col = KCol;
+  using Acc = __m256;
+  static constexpr int64_t kLanes = 8, kKB = kKBCol, kRows = kMR;
+  template <int64_t T>
+  static void pack(const uint8_t* blk, int64_t row_bytes, int no, Col& col) {
+    pack_kcol<T>(blk, row_bytes, no, col);
   }
-}
+  template <int64_t T, int MR = kMR>  // mr rows (at most MR)
+  static void micro(int mr, const Col* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd,
+                    int64_t nb, const int16_t* xs, Acc* facc, bool first) {
+    if constexpr (MR > 1)
+      if (mr < MR) return micro<T, MR - 1>(mr, buf, nkb, x, k, xd, nb, xs, facc, first);
+    k_micro<T, MR>(buf, nkb, x, k, xd, nb, xs, facc, first);
+  }
+  static void store(float* y, Acc v, int no) { store_outputs(y, v, no); }
+};
 
 // a super-block's two integer sums with a Q8K row (x: its int8 values there, xs: its s16 there)
 // as vectors whose lanes add up to them: ia to sum_i sc[i] * dot16(u_i, x_i), im to
@@ -609,7 +593,6 @@ void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_byt
 // row, where the 512-bit form of the AVX2 tiles takes 8 vpmaddubsw + 7 vpaddw + 1 vpmaddwd + 1
 // vpaddd, and k_micro over row-major blocks (the design before) 3 per 128 values and
 // (output, row) plus a horizontal sum per output at a tile's end.
-#define CELLSERVE_GGML_KCOL16 1
 constexpr int kMR16 = 8;
 constexpr int64_t kKBCol16 = 2;  // super-blocks interleaved at a time: 2 x 5760 bytes of L1
 
@@ -676,42 +659,60 @@ __attribute__((noinline)) void k_micro16(const KCol16* buf, int64_t nkb, const i
   for (int r = 0; r < MR; ++r) facc[r] = f[r];
 }
 
-template <int64_t T, int MR = kMR16>
-inline void k_micro16_rows(int mr, const KCol16* buf, int64_t nkb, const int8_t* x, int64_t k,
-                           const float* xd, int64_t nb, const int16_t* xs, __m512* facc, bool first) {
-  if constexpr (MR > 1)
-    if (mr < MR) return k_micro16_rows<T, MR - 1>(mr, buf, nkb, x, k, xd, nb, xs, facc, first);
-  k_micro16<T, MR>(buf, nkb, x, k, xd, nb, xs, facc, first);
-}
+struct Tile16 {
+  using Col = KCol16;
+  using Acc = __m512;
+  static constexpr int64_t kLanes = 16, kKB = kKBCol16, kRows = kMR16;
+  template <int64_t T>
+  static void pack(const uint8_t* blk, int64_t row_bytes, int no, Col& col) {
+    pack_kcol16<T>(blk, row_bytes, no, col);
+  }
+  template <int64_t T, int MR = kMR16>
+  static void micro(int mr, const Col* buf, int64_t nkb, const int8_t* x, int64_t k, const float* xd,
+                    int64_t nb, const int16_t* xs, Acc* facc, bool first) {
+    if constexpr (MR > 1)
+      if (mr < MR) return micro<T, MR - 1>(mr, buf, nkb, x, k, xd, nb, xs, facc, first);
+    k_micro16<T, MR>(buf, nkb, x, k, xd, nb, xs, facc, first);
+  }
+  static void store(float* y, Acc v, int no) {
+    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << no) - 1), v);
+  }
+};
+using KTile = Tile16;
+#else
+using KTile = Tile8;
+#endif
 
-// k_task's loops with KCol16 columns of 16 outputs
-template <int64_t T>
-void k_task16(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
-              const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+// a task's outputs [o0, o1) of a K part over every row: per tile of rows, per column of
+// Tile::kLanes outputs, per Tile::kKB super-blocks: those interleaved once into buf, then the
+// tile's rows Tile::kRows at a time
+template <int64_t T, class Tile>
+void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row_tile,
+            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
   const int64_t nb = k / 256;
-  thread_local std::vector<KCol16> bufv(kKBCol16);
-  KCol16* buf = bufv.data();
-  alignas(64) __m512 facc[kKTile];
+  thread_local std::vector<typename Tile::Col> bufv(Tile::kKB);
+  typename Tile::Col* buf = bufv.data();
+  alignas(64) typename Tile::Acc facc[kKTile];
   for (int64_t r0 = 0; r0 < m; r0 += row_tile) {
     const int64_t nr = std::min(m, r0 + row_tile) - r0;
-    for (int64_t og = o0; og < o1; og += 16) {
-      const int no = static_cast<int>(std::min<int64_t>(16, o1 - og));
-      for (int64_t b0 = 0; b0 < nb; b0 += kKBCol16) {
-        const int64_t nkb = std::min(kKBCol16, nb - b0);
-        for (int64_t b = 0; b < nkb; ++b) pack_kcol16<T>(w + og * row_bytes + (b0 + b) * B, row_bytes, no, buf[b]);
-        for (int64_t rr = 0; rr < nr; rr += kMR16) {
+    for (int64_t og = o0; og < o1; og += Tile::kLanes) {
+      const int no = static_cast<int>(std::min(Tile::kLanes, o1 - og));
+      for (int64_t b0 = 0; b0 < nb; b0 += Tile::kKB) {
+        const int64_t nkb = std::min(Tile::kKB, nb - b0);
+        for (int64_t b = 0; b < nkb; ++b)
+          Tile::template pack<T>(w + og * row_bytes + (b0 + b) * B, row_bytes, no, buf[b]);
+        for (int64_t rr = 0; rr < nr; rr += Tile::kRows) {
           const int64_t row = r0 + rr;
-          k_micro16_rows<T>(static_cast<int>(std::min<int64_t>(kMR16, nr - rr)), buf, nkb, X.q + row * k + b0 * 256,
-                            k, X.d + row * nb + b0, nb, X.s16 + row * (k / 16) + b0 * 16, facc + rr, b0 == 0);
+          Tile::template micro<T>(static_cast<int>(std::min(Tile::kRows, nr - rr)), buf, nkb,
+                                  X.q + row * k + b0 * 256, k, X.d + row * nb + b0, nb,
+                                  X.s16 + row * (k / 16) + b0 * 16, facc + rr, b0 == 0);
         }
       }
-      const __mmask16 mask = static_cast<__mmask16>((1u << no) - 1);
-      for (int64_t r = 0; r < nr; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * n + col0 + og, mask, facc[r]);
+      for (int64_t r = 0; r < nr; ++r) Tile::store(y + (r0 + r) * n + col0 + og, facc[r], no);
     }
   }
 }
-#endif
 #else
 constexpr int64_t kKB = 8;  // super-blocks decoded at a time
 
@@ -763,10 +764,8 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
 #endif
 
 // a K tile's rows: a multiple of the micro-kernel's
-#if defined(CELLSERVE_GGML_KCOL16)
-constexpr int64_t kTileMR = kMR16;
-#elif defined(CELLSERVE_GGML_KCOL)
-constexpr int64_t kTileMR = kMR;
+#if defined(CELLSERVE_GGML_KCOL)
+constexpr int64_t kTileMR = KTile::kRows;
 #else
 constexpr int64_t kTileMR = 1;
 #endif
@@ -778,9 +777,7 @@ void k_part_t(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
 #if defined(CELLSERVE_GGML_KCOL)
   if (m == 1) return k_gemv<T>(X, k, y, w, row_bytes, o0, o1, col0);
-#endif
-#if defined(CELLSERVE_GGML_KCOL16)
-  k_task16<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
+  k_task<T, KTile>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
 #else
   k_task<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
 #endif
