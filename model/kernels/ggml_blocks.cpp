@@ -478,10 +478,26 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
     n += parts[i].size(0);
   }
   const int64_t m = x_in.size(0);
-  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous()
-                                                        : x_in.to(at::kFloat).contiguous();
+  // bfloat16 rows (the AVX-512 BF16 path's activations) in and out through plain loops: a
+  // torch conversion of a verification step's 17 x 8960 outputs is a parallel region of its
+  // own, ~12% of a speculative step in a profile on a busy 2-core Zen 4
+  const bool bf16_io = x_in.scalar_type() == at::kBFloat16;
+  at::Tensor x;
+  if (x_in.scalar_type() == at::kFloat) {
+    x = x_in.contiguous();
+  } else if (bf16_io) {
+    const at::Tensor xb = x_in.contiguous();
+    x = at::empty({m, k}, xb.options().dtype(at::kFloat));
+    const at::BFloat16* src = xb.data_ptr<at::BFloat16>();
+    float* dst = x.data_ptr<float>();
+    for (int64_t i = 0; i < m * k; ++i) dst[i] = to_float(src[i]);
+  } else {
+    x = x_in.to(at::kFloat).contiguous();
+  }
   auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  at::Tensor out = bf16_io ? at::empty({m, n}, x_in.options()) : y;
+  const bool direct = x_in.scalar_type() == at::kFloat || bf16_io;  // else: y converted at the end
+  if (m == 0 || n == 0) return direct ? out : y.to(x_in.scalar_type());
   TORCH_CHECK_VALUE(!any_q || k % kQ == 0, "ggml_linear: k must be a multiple of 32");
   Q8Rows rows{nullptr, nullptr, nullptr};
   if (any_q) rows = quantize_rows(x);
@@ -523,9 +539,14 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
 #endif
         default: run_task(L, type, wp, w.size(1), task.o0, task.o1, c0);
       }
+      if (bf16_io) {  // this task's outputs, while they are in cache
+        at::BFloat16* ob = out.data_ptr<at::BFloat16>();
+        for (int64_t r = 0; r < m; ++r)
+          to_bf16(yp + r * n + c0 + task.o0, ob + r * n + c0 + task.o0, task.o1 - task.o0);
+      }
     }
   });
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  return direct ? out : y.to(x_in.scalar_type());
 }
 
 at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids_in, int64_t k) {

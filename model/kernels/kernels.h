@@ -90,6 +90,19 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
+// n float32 values -> bfloat16, rounded to nearest even as at::BFloat16 rounds (one
+// vcvtneps2bf16 per 16 where the CPU has it); a loop, not a torch op: no dispatch, no
+// parallel region for a few thousand values
+inline void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef CELLSERVE_AVX512_BF16
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
 // kv_rows.cpp: K/V rows in kvcache/cache_types.py's types. A layer's cache [n_kv, n_cells, row]
 // is float32, float16 or bfloat16 rows of head_dim, or uint8 rows of q8_0 / q4_0 blocks of 32
 // (which one: its dtype and row length, cache_kind).
