@@ -449,15 +449,15 @@ struct Tile8 {
   static void store(float* y, Acc v, int no) { store_outputs(y, v, no); }
 };
 
-// a super-block's two integer sums with a Q8K row (x: its int8 values there, xs: its s16 there)
-// as vectors whose lanes add up to them: ia to sum_i sc[i] * dot16(u_i, x_i), im to
-// sum_i mn[i] * s16[i]
+// A super-block decoded once for every row of a small batch (KDec), then its two integer sums
+// with a Q8K row (k_block_sums; x: the row's int8 values there, xs: its s16 there) as vectors
+// whose lanes add up to them: ia to sum_i sc[i] * dot16(u_i, x_i), im to sum_i mn[i] * s16[i]
 #if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
 // VNNI: per 64 values one vpdpbusd (int32 lane L: values 4L .. 4L + 3), two 64s' lanes packed to
 // int16 (exact: 4 * 63 * 127 < 2^15) and one vpdpwssd by the scales in that order (scv), the
-// 512-bit sum folded to 256 bits: 11 vector instructions a block where the AVX2 form takes 32
-// (a super-block's values in 4 zmm of 64: Q4_K and Q6_K decoded at 512 bits, Q5_K through
-// dec_k_regs; the header through the AVX2 decoders)
+// 512-bit sum folded to 256 bits: 7 vector instructions a block and row, the decoding and the
+// scales' permutation once a block (a super-block's values in 4 zmm of 64: Q4_K and Q6_K decoded
+// at 512 bits, Q5_K through dec_k_regs; the header through the AVX2 decoders)
 template <int64_t T>
 inline void dec_k_zmm(const uint8_t* blk, __m512i* u, KRegs& r) {
   if constexpr (T == Q4_K) {
@@ -490,12 +490,17 @@ inline void dec_k_zmm(const uint8_t* blk, __m512i* u, KRegs& r) {
   }
 }
 
-template <int64_t T>
-inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs, __m256i& ia,
-                         __m256i& im, float& d, float& dm) {
-  KRegs r;
+struct KDec {
   __m512i u[4];
-  dec_k_zmm<T>(blk, u, r);
+  __m512i scv[2];  // the scales of the int16 lanes of the 64s 2h and 2h + 1 packed (h = 0, 1)
+  __m256i mn;
+  float d, dm;
+};
+
+template <int64_t T>
+inline void k_dec(const uint8_t* blk, KDec& D) {
+  KRegs r;
+  dec_k_zmm<T>(blk, D.u, r);
   // vpackssdw of the 64s 2h and 2h + 1 (per 128 bits c: 4 lanes of each): int16 lane 8c + e
   // holds the 16 8h + c (e < 4) or 8h + 4 + c (e >= 4), whose scale the pair of lanes takes
   const __m512i q = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
@@ -503,80 +508,101 @@ inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs,
   const __m512i e4 = _mm512_and_si512(_mm512_srli_epi16(q, 2), _mm512_set1_epi16(1));  // e >= 4
   const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(q, 3), _mm512_slli_epi16(e4, 2));
   const __m512i sc = _mm512_castsi256_si512(r.sc);
+  D.scv[0] = _mm512_permutexvar_epi16(idx, sc);
+  D.scv[1] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(8)), sc);
+  D.mn = r.mn;
+  D.d = r.d;
+  D.dm = r.dm;
+}
+
+inline void k_block_sums(const KDec& D, const int8_t* x, const int16_t* xs, __m256i& ia, __m256i& im) {
   __m512i acc = _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
-    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h], _mm512_loadu_si512(x + 128 * h));
-    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h + 1], _mm512_loadu_si512(x + 128 * h + 64));
-    const __m512i h8 = _mm512_set1_epi16(static_cast<int16_t>(8 * h));
-    const __m512i scv = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, h8), sc);
-    acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(t0, t1), scv);
+    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), D.u[2 * h], _mm512_loadu_si512(x + 128 * h));
+    const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), D.u[2 * h + 1], _mm512_loadu_si512(x + 128 * h + 64));
+    acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(t0, t1), D.scv[h]);
   }
   ia = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-  im = _mm256_madd_epi16(r.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
-  d = r.d;
-  dm = r.dm;
+  im = _mm256_madd_epi16(D.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
 }
 #else
 // (vpmaddubsw, vpmaddwd by the scale of each 16, in the block's own order)
-template <int64_t T>
-inline void k_block_sums(const uint8_t* blk, const int8_t* x, const int16_t* xs, __m256i& ia,
-                         __m256i& im, float& d, float& dm) {
+struct KDec {
   KRegs r;
-  dec_k_regs<T>(blk, r);
-  // the scales of the 16s 2i and 2i + 1 in int16 lanes 0-7 and 8-15: one byte shuffle of a half
-  // of sc held in both lanes (a store and 16 scalar broadcasts before: ~10% of a decode step)
-  const __m256i halves[2] = {_mm256_permute2x128_si256(r.sc, r.sc, 0x00),
-                             _mm256_permute2x128_si256(r.sc, r.sc, 0x11)};
+  __m256i s[8];  // the scales of the 16s 2i and 2i + 1 in int16 lanes 0-7 and 8-15
+  float d, dm;
+};
+
+template <int64_t T>
+inline void k_dec(const uint8_t* blk, KDec& D) {
+  dec_k_regs<T>(blk, D.r);
+  D.d = D.r.d;
+  D.dm = D.r.dm;
+  // one byte shuffle of a half of sc held in both lanes (a store and 16 scalar broadcasts
+  // before: ~10% of a decode step)
+  const __m256i halves[2] = {_mm256_permute2x128_si256(D.r.sc, D.r.sc, 0x00),
+                             _mm256_permute2x128_si256(D.r.sc, D.r.sc, 0x11)};
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    const int j = 4 * (i % 4);  // byte of sc[2i] within its half
+    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((j + 3) << 8) | (j + 2))),
+                                          _mm_set1_epi16(static_cast<int16_t>(((j + 1) << 8) | j)));
+    D.s[i] = _mm256_shuffle_epi8(halves[i / 4], pick);
+  }
+}
+
+inline void k_block_sums(const KDec& D, const int8_t* x, const int16_t* xs, __m256i& ia, __m256i& im) {
   ia = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i));
-    const int j = 4 * (i % 4);  // byte of sc[2i] within its half
-    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((j + 3) << 8) | (j + 2))),
-                                          _mm_set1_epi16(static_cast<int16_t>(((j + 1) << 8) | j)));
-    const __m256i s = _mm256_shuffle_epi8(halves[i / 4], pick);
-    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(r.u[i], xv), s));
+    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(D.r.u[i], xv), D.s[i]));
   }
-  im = _mm256_madd_epi16(r.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
-  d = r.d;
-  dm = r.dm;
+  im = _mm256_madd_epi16(D.r.mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
 }
 #endif
 
-// One row (a decode step): an output at a time along its row (one stream for the prefetcher),
-// two super-blocks at a time: each decoded in registers straight into its integer sums
-// (k_block_sums: no interleaving at one row), the two blocks' four sums reduced into the lanes of
-// one vector, then k_micro's float operations in scalar form, block by block: the same integers
-// and the same roundings as a lane of the tiles.
-template <int64_t T>
-void k_gemv(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
-            int64_t o1, int64_t col0) {
+// A few rows (a decode step's one, a short speculative verification): an output at a time along
+// its row (one stream for the prefetcher), two super-blocks at a time, each decoded in registers
+// once (no interleaving) and summed with each row's values (k_block_sums), a row's four sums
+// reduced into the lanes of one vector, then k_micro's float operations in scalar form, block by
+// block: the same integers and the same roundings as a lane of the tiles. x rows k apart, y rows n.
+template <int64_t T, int R>
+void k_gemv(const Q8K& X, int64_t k, int64_t n, float* y, const uint8_t* w, int64_t row_bytes,
+            int64_t o0, int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
   const int64_t nb = k / 256;
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = w + o * row_bytes;
-    float f = 0.f;
+    float f[R] = {};
     for (int64_t b = 0; b < nb; b += 2) {
-      __m256i ia0, im0, ia1 = _mm256_setzero_si256(), im1 = _mm256_setzero_si256();
-      float d0, dm0, d1 = 0.f, dm1 = 0.f;
       const uint8_t* blk = row + b * B;
       for (int64_t l = 0; l < 2 * B; l += 64) __builtin_prefetch(blk + 16 * B + l);
-      k_block_sums<T>(blk, X.q + 256 * b, X.s16 + 16 * b, ia0, im0, d0, dm0);
       const bool two = b + 1 < nb;
-      if (two) k_block_sums<T>(blk + B, X.q + 256 * (b + 1), X.s16 + 16 * (b + 1), ia1, im1, d1, dm1);
-      // [ia0, im0, ia1, im1] summed: the lanes' pairs, then the halves
-      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(ia0, im0), _mm256_hadd_epi32(ia1, im1));
-      const __m128 v = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-      const float dx0 = X.d[b];
-      f = std::fma(_mm_cvtss_f32(v), d0 * dx0, f);
-      f = std::fma(-_mm_cvtss_f32(_mm_movehdup_ps(v)), dm0 * dx0, f);
-      if (two) {
-        const float dx1 = X.d[b + 1];
-        f = std::fma(_mm_cvtss_f32(_mm_movehl_ps(v, v)), d1 * dx1, f);
-        f = std::fma(-_mm_cvtss_f32(_mm_shuffle_ps(v, v, 3)), dm1 * dx1, f);
+      KDec D0, D1;
+      k_dec<T>(blk, D0);
+      if (two) k_dec<T>(blk + B, D1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = X.q + r * k + 256 * b;
+        const int16_t* xs = X.s16 + r * (k / 16) + 16 * b;
+        __m256i ia0, im0, ia1 = _mm256_setzero_si256(), im1 = _mm256_setzero_si256();
+        k_block_sums(D0, xq, xs, ia0, im0);
+        if (two) k_block_sums(D1, xq + 256, xs + 16, ia1, im1);
+        // [ia0, im0, ia1, im1] summed: the lanes' pairs, then the halves
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(ia0, im0), _mm256_hadd_epi32(ia1, im1));
+        const __m128 v = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+        const float dx0 = X.d[r * nb + b];
+        f[r] = std::fma(_mm_cvtss_f32(v), D0.d * dx0, f[r]);
+        f[r] = std::fma(-_mm_cvtss_f32(_mm_movehdup_ps(v)), D0.dm * dx0, f[r]);
+        if (two) {
+          const float dx1 = X.d[r * nb + b + 1];
+          f[r] = std::fma(_mm_cvtss_f32(_mm_movehl_ps(v, v)), D1.d * dx1, f[r]);
+          f[r] = std::fma(-_mm_cvtss_f32(_mm_shuffle_ps(v, v, 3)), D1.dm * dx1, f[r]);
+        }
       }
     }
-    y[col0 + o] = f;
+    for (int r = 0; r < R; ++r) y[r * n + col0 + o] = f[r];
   }
 }
 
@@ -770,13 +796,28 @@ constexpr int64_t kTileMR = KTile::kRows;
 constexpr int64_t kTileMR = 1;
 #endif
 
+// rows up to which k_gemv takes a batch (4 at a time) instead of the tiles
+constexpr int64_t kGemvRows = 5;
+
 // A task's outputs of a K-quant part: one row goes to k_gemv where this build has one (same bits
 // as the tiles, read faster), everything else to the tiles (16 outputs a tile with VNNI).
 template <int64_t T>
 void k_part_t(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
 #if defined(CELLSERVE_GGML_KCOL)
-  if (m == 1) return k_gemv<T>(X, k, y, w, row_bytes, o0, o1, col0);
+  if (m <= kGemvRows) {  // up to 4 rows at a time
+    for (int64_t r = 0; r < m; r += 4) {
+      const Q8K Xr{X.q + r * k, X.d + r * (k / 256), X.mx, X.s16 + r * (k / 16)};
+      float* yr = y + r * n;
+      switch (std::min<int64_t>(4, m - r)) {
+        case 1: k_gemv<T, 1>(Xr, k, n, yr, w, row_bytes, o0, o1, col0); break;
+        case 2: k_gemv<T, 2>(Xr, k, n, yr, w, row_bytes, o0, o1, col0); break;
+        case 3: k_gemv<T, 3>(Xr, k, n, yr, w, row_bytes, o0, o1, col0); break;
+        default: k_gemv<T, 4>(Xr, k, n, yr, w, row_bytes, o0, o1, col0);
+      }
+    }
+    return;
+  }
   k_task<T, KTile>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
 #else
   k_task<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);

@@ -355,21 +355,25 @@ QUANT_TYPES = [nm for nm in TYPES if nm in K_SCALES or nm.startswith("Q")]
 
 @pytest.mark.parametrize("name", QUANT_TYPES)
 def test_a_row_alone_equals_it_in_a_batch(kern, name):
-    """A decode step's single row takes its own kernel (k_gemv for Q4_K / Q6_K on AVX-512 VNNI
-    and AVX2): the same sums in the same order as the tiles, so the same y to the bit."""
+    """A decode step's few rows take their own kernel (k_gemv for Q4_K / Q6_K on AVX-512 VNNI
+    and AVX2, up to 5 rows, 4 at a time): the same sums in the same order as the tiles, so the
+    same y to the bit."""
     check_row_alone_equals_it_in_a_batch(kern, name)
 
 
 def check_row_alone_equals_it_in_a_batch(kern: Any, name: str) -> None:
-    """Each of 5 rows alone gives the bits it gets in the 5-row batch (the portable build too:
-    test_kernels.py's generic build, where -ffast-math once summed a tile's rows vectorized
-    across rows and a lone row another way)."""
+    """Each of 11 rows alone gives the bits it gets in batches of 11 (the tiles), 5 and 3
+    (k_gemv's 4 + 1 and 3 rows at a time; the portable build too: test_kernels.py's generic
+    build, where -ffast-math once summed a tile's rows vectorized across rows and a lone row
+    another way)."""
     rng = np.random.default_rng(11)
     k = 768 if name in K_SCALES else 800
     w = torch.from_numpy(make_weights(name, 45, k, rng))
     t = int(TYPES[name][0])
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)).to(dtype)
-        batch = kern.ggml_linear(x, [w], [t], k)
-        for i in range(5):
-            assert torch.equal(kern.ggml_linear(x[i : i + 1], [w], [t], k)[0], batch[i])
+        x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32)).to(dtype)
+        alone = [kern.ggml_linear(x[i : i + 1], [w], [t], k)[0] for i in range(11)]
+        for m in (11, 5, 3):
+            batch = kern.ggml_linear(x[:m], [w], [t], k)
+            for i in range(m):
+                assert torch.equal(alone[i], batch[i]), (m, i)
