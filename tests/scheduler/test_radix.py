@@ -145,3 +145,20 @@ def test_kv_events_keep_a_demoted_prefix_and_remove_what_is_evicted() -> None:
     assert radix.num_nodes > 2  # demoted, and some evicted under pressure (300 cells)
     sched.clear_prefix_cache()
     assert replay(ledger.take(), live) == set()
+
+
+def test_stats_count_the_index_and_its_cells_as_free_for_the_usage_ratio() -> None:
+    from scheduler.snapshot import engine_stats
+
+    sched, worker = make_scheduler(n_cells=400, n_seq_max=2, n_ctx_seq=128)
+    for i in range(6):
+        run(sched, worker, [make_request(f"s{i}", prompt_len=30, max_tokens=3, seed=i)])
+    stats = engine_stats(sched, alive=True, draining=False)
+    radix = sched.seq_ids.radix
+    assert radix is not None and stats.prefix_index_nodes == radix.num_nodes >= 4
+    assert stats.prefix_index_cells == radix.num_cells
+    assert 0 < stats.cells_index_only <= radix.num_cells  # a holder may share some
+    kv = sched.memory.pools[0].cells
+    holders = np.unique(np.concatenate([kv.seq_cells(s)[0] for s in sched.prefix.seq_ids]))
+    assert stats.cells_used == stats.cells_index_only + holders.size
+    assert stats.cache_usage == holders.size / 400
