@@ -9,8 +9,9 @@ from kvcache.cell_types import CellStats, PendingOps, longest_run
 
 FREE = -1  # owner_map value of a cell no sequence owns
 SHARED = -2  # owner_map value of a cell two or more sequences own
+HELD = -3  # owner_map value of a cell only the memory itself holds (kvcache/held_cells.py)
 
-__all__ = ["FREE", "SHARED", "CellStats", "KVCells", "PendingOps"]
+__all__ = ["FREE", "HELD", "SHARED", "CellStats", "KVCells", "PendingOps"]
 
 
 _NO_POS = np.iinfo(np.int64).max  # seq_min sentinel for an empty sequence
@@ -23,7 +24,9 @@ class KVCells:
     #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and n_owners[c] == 0;
     #   owner_xor[c] == XOR of c's owner ids, so the single owner's id where n_owners[c] == 1;
     #   used == count(pos != -1); seq_count[s] == owners[s].sum();
-    #   seq_min/seq_max[s] are exact unless seq_dirty[s] (then recomputed on read).
+    #   seq_min/seq_max[s] are exact unless seq_dirty[s] (then recomputed on read);
+    #   held[c] (a cell-level owner with no seq id: kvcache/held_cells.py) counts as one owner
+    #   in n_owners[c], never in owner_xor.
     # NOTE: pending copies are recorded in the logical order of the cell operations and
     #   read storage rows that hold the data as of the last applied forward: shift[c] is the
     #   rotation still owed to the row that cell c holds once all pending copies are applied.
@@ -41,6 +44,7 @@ class KVCells:
         self.shift = np.zeros(n_cells, dtype=np.int64)
         self.owners = np.zeros((n_seq_max, n_cells), dtype=bool)  # [n_seq_max, n_cells]
         self.n_owners = np.zeros(n_cells, dtype=np.int32)
+        self.held = np.zeros(n_cells, dtype=bool)
         self.owner_xor = np.zeros(n_cells, dtype=np.int32)
         self.seq_count = np.zeros(n_seq_max, dtype=np.int64)
         self.seq_min = np.full(n_seq_max, _NO_POS, dtype=np.int64)
@@ -108,6 +112,7 @@ class KVCells:
             self.seq_dirty |= self.owners[:, cells].any(axis=1)
             self.owners[:, cells] = False
             self.n_owners[cells] = 0
+            self.held[cells] = False
             self.owner_xor[cells] = 0
             freed = cells
         else:
@@ -145,6 +150,7 @@ class KVCells:
         self.owners[:] = False
         self.owners[seq_id] = keep
         self.n_owners[:] = keep
+        self.held[:] = False
         self.owner_xor[:] = np.where(keep, seq_id, 0)
         self._free(freed)
         self.seq_count[:] = 0
@@ -222,7 +228,8 @@ class KVCells:
         single, shared, drop = self._below(cut)
         mask = np.zeros(self.n_cells, dtype=bool)
         mask[single] = True
-        mask[shared[(self.owners[:, shared] & ~drop).sum(axis=0) == 0]] = True
+        left = (self.owners[:, shared] & ~drop).sum(axis=0) + self.held[shared]
+        mask[shared[left == 0]] = True
         return mask
 
     # -- queries -------------------------------------------------------------------------------
@@ -252,9 +259,11 @@ class KVCells:
         return int(self.seq_count[seq_id])
 
     def owner_map(self) -> np.ndarray:
-        """Per cell: FREE, SHARED (2+ owners), else the single owner's seq id (int32)."""
+        """Per cell: FREE, SHARED (2+ owners), HELD (only the memory holds it), else the single
+        owner's seq id (int32)."""
         n = self.n_owners
-        return np.where(n == 1, self.owner_xor, np.where(n == 0, FREE, SHARED)).astype(np.int32)
+        single = np.where(self.held, HELD, self.owner_xor)
+        return np.where(n == 1, single, np.where(n == 0, FREE, SHARED)).astype(np.int32)
 
     def take_pending(self) -> PendingOps:
         """Copies (in order) then K-shifts recorded since the last call; resets them."""
@@ -278,6 +287,7 @@ class KVCells:
         self.shift[:] = 0
         self.owners[:] = False
         self.n_owners[:] = 0
+        self.held[:] = False
         self.owner_xor[:] = 0
         self.seq_count[:] = 0
         self._reset_empty_seqs()
@@ -318,7 +328,7 @@ class KVCells:
     def _below(self, cut: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> (single-owner cells below their owner's cut, shared cells, [n_seq_max, n_shared]
         which owners drop each shared cell)."""
-        single = np.flatnonzero(self.n_owners == 1)
+        single = np.flatnonzero((self.n_owners == 1) & ~self.held)
         single = single[self.pos[single] < cut[self.owner_xor[single]]]
         shared = np.flatnonzero(self.n_owners > 1)
         drop = self.owners[:, shared] & (self.pos[shared][None, :] < cut[:, None])

@@ -194,6 +194,31 @@ class Memory(ABC):
         a sliding-window pool prunes behind the window, a recurrent state moves on."""
         return False
 
+    # -- cells the memory holds itself (kvcache/held_cells.py: the prefix index) ----------------
+
+    @property
+    def holds_cells(self) -> bool:
+        """Whether this memory can hold a prefix's cells without a seq id (the unified cache);
+        the others keep prefixes under seq ids (sliding-window pools prune behind the window,
+        a recurrent state serves only its checkpoints)."""
+        return False
+
+    def seq_prefix_cells(self, seq_id: int, n: int) -> np.ndarray:
+        """The cells of seq_id's [0, n), in position order, as cells_hold takes them."""
+        raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
+
+    def cells_hold(self, cells: np.ndarray) -> None:
+        """The memory holds `cells` (counted as one owner) until cells_release."""
+        raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
+
+    def cells_release(self, cells: np.ndarray) -> None:
+        """Drop the hold on `cells`; those no sequence owns are free."""
+        raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
+
+    def cells_cp(self, cells: np.ndarray, dst: int) -> None:
+        """dst shares the held `cells` (seq_cp by cell): no data is copied."""
+        raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
+
     # -- accounting ------------------------------------------------------------------------------
 
     @abstractmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache import held_cells
 from kvcache.cells import KVCells, PendingOps
 from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells, seq_cells_view
 from kvcache.spec import Attention, MemorySpec
@@ -98,6 +99,22 @@ class UnifiedMemory(Memory):
 
     def seq_num_cells(self, seq_id: int) -> int:
         return self.cells.seq_num_cells(seq_id)
+
+    @property
+    def holds_cells(self) -> bool:
+        return True
+
+    def seq_prefix_cells(self, seq_id: int, n: int) -> np.ndarray:
+        return held_cells.seq_prefix_cells(self.cells, seq_id, n)
+
+    def cells_hold(self, cells: np.ndarray) -> None:
+        held_cells.cells_hold(self.cells, cells)
+
+    def cells_release(self, cells: np.ndarray) -> None:
+        held_cells.cells_release(self.cells, cells)
+
+    def cells_cp(self, cells: np.ndarray, dst: int) -> None:
+        held_cells.cells_cp(self.cells, cells, dst)
 
 
 def shared_from(cells: KVCells, seq_id: int, p0: int) -> int:

@@ -1,11 +1,12 @@
 """Who holds the memory: room for a step's rows, admission of queued sequences, preemption.
 
-Room comes from free cells first, then from the least-recently-used prefix-cache holder, and
-last from preempting the most recently admitted running sequence without rows this step. A
-preempted sequence goes to the front of the queue and recomputes its context (prompt +
-generated) when readmitted, so nothing is lost. A queued sequence is admitted only when the
-memory can hold its whole uncomputed context beside what running prompts still need; a context
-shift's copies-on-write need room like any other rows.
+Room comes from free cells first, then from the least-recently-used leaf of the prefix index
+(scheduler/radix.py) or prefix-cache holder, and last from preempting the most recently
+admitted running sequence without rows this step. A preempted sequence goes to the front of
+the queue and recomputes its context (prompt + generated) when readmitted, so nothing is lost.
+A queued sequence is admitted only when the memory can hold its whole uncomputed context
+beside what running prompts still need; a context shift's copies-on-write need room like any
+other rows. Seq ids come from free ones, then from demoting the LRU holder into the index.
 """
 
 from __future__ import annotations
@@ -103,18 +104,34 @@ class Admission:
         # tokens that running prompts will still take after this step's rows
         running_prompts = sum(s.num_uncomputed for s in self.running if not s.is_decoding)
         committed = running_prompts - step.num_prompt_rows
-        while (
-            self.n_free(step, evict=False) - committed < need - match.length
-            or self.seq_ids.num_free < seq.num_seq_ids
-        ):
-            if self.seq_ids.drop_lru_holder(exclude=match.seq_id if match.holder else -1):
-                continue
-            if match.seq_id < 0 or not match.holder:
-                return False
-            match = PrefixMatch(-1, 0)  # only the matched holder is left: drop it too
+        if match.radix is not None:
+            self.seq_ids.radix_lock(match.radix.node, 1)  # evictions below keep its cells
+        try:
+            while True:
+                short_ids = self.seq_ids.num_free < seq.num_seq_ids
+                short_cells = self.n_free(step, evict=False) - committed < need - match.length
+                if not (short_ids or short_cells):
+                    break
+                keep = match.seq_id if match.holder else -1
+                if short_ids and self.seq_ids.free_lru_id(exclude=keep):
+                    continue
+                if short_cells and self.seq_ids.drop_lru_holder(exclude=keep):
+                    continue
+                if (match.seq_id < 0 and match.radix is None) or not match.holder:
+                    return False
+                # only the matched prefix is left: drop it too
+                if match.radix is not None:
+                    self.seq_ids.radix_lock(match.radix.node, -1)
+                match = PrefixMatch(-1, 0)
+        finally:
+            if match.radix is not None:
+                self.seq_ids.radix_lock(match.radix.node, -1)
 
         choices.take_seq_ids(seq, self.seq_ids)
-        if match.length:
+        if match.radix is not None:
+            self.memory.cells_cp(match.radix.cells, seq.seq_id)
+            self.seq_ids.radix_touch(match.radix.node)
+        elif match.length:
             self.memory.seq_cp(match.seq_id, seq.seq_id, 0, match.length)
             if match.holder:
                 self.prefix.touch(match.seq_id)

@@ -221,7 +221,7 @@ class CacheTier:
             if best is None:
                 continue
             n, i, entry = best
-            live = sched.prefix.match(tokens, sched.memory.usable_prefix, lora).length
+            live = sched.sharing.cached(tokens, lora).length
             if n - live < self.min_gain:
                 continue
             if entry.key not in self._loads:
@@ -240,8 +240,10 @@ class CacheTier:
             return
         if sched.prefix.is_covered(entry.tokens, sched.memory.usable_prefix, entry.lora):
             return  # the live cache got it meanwhile
+        if sched.sharing.cached(entry.tokens, entry.lora).length >= entry.tokens.shape[0]:
+            return  # the prefix index has it
         sid = sched.seq_ids.peek_free()
-        if sid < 0 and sched.seq_ids.drop_lru_holder():
+        if sid < 0 and sched.seq_ids.free_lru_id():
             sid = sched.seq_ids.peek_free()
         if sid < 0:
             return  # every seq id runs: the waiters compute their prompts

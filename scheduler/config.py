@@ -16,12 +16,15 @@ MemoryKind = Literal["auto", "unified", "iswa"]
 @dataclass(slots=True)
 class EngineConfig:
     n_cells: int  # KV cache cells (tokens) shared by every sequence
-    n_seq_max: int  # seq ids: running choices plus prefix-cache holders
+    n_seq_max: int  # seq ids: running choices plus prefix-cache holders (not the prefix index)
     n_batch: int  # token budget of one step
     n_ctx_seq: int  # context limit of one sequence (positions 0..n_ctx_seq-1)
     context_shift: bool = True  # default for requests that do not say
     max_queue: int = 256  # waiting requests before submit raises QueueFullError
     prefix_cache: bool = True
+    # keep finished conversations past the seq ids in the prefix index over held cells
+    # (scheduler/radix.py), where the memory can hold cells (the unified cache)
+    prefix_index: bool = True
     # a new request waits for a running prompt's cells (scheduler/sharing.py) when they share
     # at least this many tokens (a chat template's common header alone makes nobody wait)
     prefix_wait_min: int = 32

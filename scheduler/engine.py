@@ -250,6 +250,8 @@ class Engine:
                 prefix = self.scheduler.prefix
                 ledger.add(sid, prefix.tokens(sid), prefix.lora(sid))
             self.scheduler.prefix.ledger = ledger
+            if self.scheduler.seq_ids.radix is not None:
+                self.scheduler.seq_ids.radix.announce(ledger)
             self._publish_kv = publish
 
     def _publish_kv_events(self) -> None:

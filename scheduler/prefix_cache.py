@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from scheduler.kv_blocks import BlockLedger
 from scheduler.plan import LoraKey
+
+if TYPE_CHECKING:
+    from scheduler.radix import RadixMatch
 
 Usable = Callable[[int, int], int]
 
@@ -35,6 +39,7 @@ class PrefixMatch:
     seq_id: int  # -1: no match
     length: int
     holder: bool = True  # False: a running sequence's computed cells (scheduler/sharing.py)
+    radix: RadixMatch | None = None  # cells held by the prefix index (seq_id -1): cells_cp
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

@@ -50,8 +50,8 @@ class Scheduler:
         self.counters = Counters()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
-        self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache)
-        self.sharing = Sharing(self.prefix, memory, config)
+        self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache, config.prefix_index)
+        self.sharing = Sharing(self.prefix, memory, config, self.seq_ids.radix)
         self.spec = Speculator(config.spec, memory.tail_rollback, drafter)
         self.admission = Admission(
             config, memory, self.prefix, self.seq_ids, self.counters, self.running, self.waiting

@@ -1,4 +1,8 @@
-"""Who holds each seq id of the KV cache: nobody, a running choice, or a prefix-cache holder."""
+"""Who holds each seq id of the KV cache: nobody, a running choice, or a prefix-cache holder.
+
+Where the memory holds cells itself, a holder whose seq id is wanted is demoted into the prefix
+index (scheduler/radix.py) and keeps its cells; under memory pressure the index's least
+recently used leaf goes before any holder."""
 
 from __future__ import annotations
 
@@ -9,13 +13,18 @@ import numpy as np
 from kvcache.memory import Memory
 from scheduler.plan import LoraKey
 from scheduler.prefix_cache import PrefixCache
+from scheduler.radix import Node, RadixCache
 
 
 class SeqIds:
-    def __init__(self, memory: Memory, prefix: PrefixCache, prefix_enabled: bool) -> None:
+    def __init__(
+        self, memory: Memory, prefix: PrefixCache, prefix_enabled: bool, index: bool = True
+    ) -> None:
         self.memory = memory
         self.prefix = prefix
         self.prefix_enabled = prefix_enabled
+        index = index and prefix_enabled and memory.holds_cells
+        self.radix = RadixCache(memory) if index else None
         self._free = list(range(memory.n_seq_max))  # min-heap
 
     @property
@@ -74,14 +83,44 @@ class SeqIds:
         self.memory.seq_rm(sid, -1, -1)
         self.release(sid)
 
+    def demote_holder(self, sid: int) -> None:
+        """Free `sid` and keep what it holds in the prefix index (or drop it without one)."""
+        if self.radix is not None:
+            tokens = self.prefix.tokens(sid)
+            cells = self.memory.seq_prefix_cells(sid, int(tokens.shape[0]))
+            self.radix.insert(tokens, cells, self.prefix.lora(sid), self.prefix.lora_name(sid))
+        self.drop_holder(sid)
+
+    def free_lru_id(self, exclude: int = -1) -> bool:
+        """Free a seq id by demoting the least recently used holder (other than `exclude`);
+        False when there is none."""
+        sid = self.prefix.lru(exclude)
+        if sid < 0:
+            return False
+        self.demote_holder(sid)
+        return True
+
     def drop_lru_holder(self, exclude: int = -1) -> bool:
-        """False when there is no holder (other than `exclude`) to drop."""
+        """Free cells: evict the prefix index's least recently used leaf, or else drop the
+        least recently used holder (other than `exclude`). False when there is neither."""
+        if self.radix is not None and self.radix.evict_lru():
+            return True
         sid = self.prefix.lru(exclude)
         if sid < 0:
             return False
         self.drop_holder(sid)
         return True
 
+    def radix_lock(self, node: Node | None, delta: int) -> None:
+        if self.radix is not None:
+            self.radix.lock(node, delta)
+
+    def radix_touch(self, node: Node | None) -> None:
+        if self.radix is not None:
+            self.radix.touch(node)
+
     def clear_holders(self) -> None:
         for sid in self.prefix.seq_ids:
             self.drop_holder(sid)
+        if self.radix is not None:
+            self.radix.clear()

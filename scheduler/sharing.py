@@ -4,7 +4,8 @@ waits for one that another sequence is computing right now.
 Only what was computed under the same LoRA adapters is shared (Request.lora).
 
 A new sequence starts from the longest usable computed prefix (Memory.usable_prefix) of
-either a prefix-cache holder (PrefixCache) or a running sequence: tokens[:num_computed] of
+a prefix-cache holder (PrefixCache), the prefix index over held cells (RadixCache) or a
+running sequence: tokens[:num_computed] of
 any running choice (only up to n_keep once it has shifted, as for a holder), taken by seq_cp
 (vLLM and SGLang share every computed block of running requests the same way).
 
@@ -32,7 +33,9 @@ import numpy as np
 from kvcache.memory import Memory
 from scheduler.config import EngineConfig
 from scheduler.context_shift import clamp_n_keep
+from scheduler.plan import LoraKey
 from scheduler.prefix_cache import PrefixCache, PrefixMatch, common_prefix_len
+from scheduler.radix import RadixCache
 from scheduler.sequence import SeqState, Sequence
 
 
@@ -50,10 +53,27 @@ def is_reading(seq: Sequence) -> bool:
 
 
 class Sharing:
-    def __init__(self, prefix: PrefixCache, memory: Memory, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        prefix: PrefixCache,
+        memory: Memory,
+        config: EngineConfig,
+        radix: RadixCache | None = None,
+    ) -> None:
         self.prefix = prefix
         self.memory = memory
         self.config = config
+        self.radix = radix
+
+    def cached(self, tokens: np.ndarray, lora: LoraKey = ()) -> PrefixMatch:
+        """The longest usable prefix of `tokens` that the prefix cache keeps (a holder, or
+        the prefix index where it is longer); never mutates."""
+        best = self.prefix.match(tokens, self.memory.usable_prefix, lora)
+        if self.radix is not None:
+            r = self.radix.match(tokens, lora)
+            if r.length > best.length:
+                best = PrefixMatch(-1, r.length, radix=r)
+        return best
 
     def computed(self, seq: Sequence) -> np.ndarray:
         """The tokens a running sequence holds at positions 0..n-1 with their cold values:
@@ -69,7 +89,7 @@ class Sharing:
         never mutates."""
         tokens = query_tokens(seq)
         lora = seq.request.lora
-        best = self.prefix.match(tokens, self.memory.usable_prefix, lora)
+        best = self.cached(tokens, lora)
         for s in running:
             if s.state is not SeqState.RUNNING or s.seq_id < 0 or s.request.lora != lora:
                 continue

@@ -71,6 +71,10 @@ def engine_stats(
     running_cells = [cells.seq_cells(s.seq_id)[0] for s in sched.running]
     num_running_cells = np.unique(np.concatenate(running_cells)).size if running_cells else 0
     c = sched.counters
+    radix = sched.seq_ids.radix
+    held = getattr(cells, "held", None)  # KVCells' (kvcache/held_cells.py)
+    n_owners = getattr(cells, "n_owners", None)
+    index_only = 0 if held is None else int(np.count_nonzero(held & (n_owners == 1)))
     return EngineStats(
         num_waiting=sum(s.num_seq_ids for s in sched.waiting),
         num_running=len(sched.running),
@@ -81,6 +85,9 @@ def engine_stats(
         prefix_cache_queried_tokens=c.prefix_queried_tokens,
         prefix_cache_hit_tokens=c.prefix_hit_tokens,
         prefix_cache_running_hit_tokens=c.prefix_running_hit_tokens,
+        prefix_index_nodes=radix.num_nodes if radix is not None else 0,
+        prefix_index_cells=radix.num_cells if radix is not None else 0,
+        cells_index_only=index_only,
         spec=sched.spec.snapshot(),
         running_lora_ids=_lora_ids(sched.running),
         waiting_lora_ids=_lora_ids(sched.waiting),

@@ -60,6 +60,10 @@ class EngineStats:
     draining: bool
     pools: list[PoolUsage] = field(default_factory=list)
     prefix_cache_running_hit_tokens: int = 0  # cumulative; of the hits, from running sequences
+    # the prefix index over held cells (scheduler/radix.py): its nodes and the cells they hold
+    prefix_index_nodes: int = 0
+    prefix_index_cells: int = 0
+    cells_index_only: int = 0  # of cells_used: held only by the prefix index (evictable)
     spec: SpecStats | None = None  # speculative decoding's counters; None when it is off
     # LoRA adapter ids of the running / waiting requests (vllm:lora_requests_info)
     running_lora_ids: tuple[int, ...] = ()
@@ -67,7 +71,10 @@ class EngineStats:
 
     @property
     def cache_usage(self) -> float:
-        return self.cells_used / self.n_cells if self.n_cells else 0.0
+        """Used cells but those only the prefix index holds: it gives them back on demand,
+        without preempting anyone (vLLM counts its unreferenced cached blocks as free too)."""
+        used = self.cells_used - self.cells_index_only
+        return used / self.n_cells if self.n_cells else 0.0
 
 
 @dataclass(slots=True)

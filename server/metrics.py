@@ -47,7 +47,18 @@ class _EngineCollector(Collector):
             "cellserve_kv_cells_used": ("Cells owned by a sequence", s.cells_used),
             "cellserve_kv_cells_shared": ("Cells with more than one owner", s.cells_shared),
             "cellserve_kv_cells_cached": ("Cells held only by the prefix cache", s.cells_cached),
-            "cellserve_kv_cache_usage_ratio": ("cells_used / cells_total", s.cache_usage),
+            "cellserve_kv_cache_usage_ratio": (
+                "(cells_used - cells held only by the prefix index) / cells_total",
+                s.cache_usage,
+            ),
+            "cellserve_prefix_index_nodes": (
+                "Nodes of the prefix index over held cells",
+                s.prefix_index_nodes,
+            ),
+            "cellserve_prefix_index_cells": (
+                "Cells the prefix index holds (some also owned by running requests)",
+                s.prefix_index_cells,
+            ),
             "vllm:num_requests_waiting": ("Gateway API protocol: queued requests", s.num_waiting),
             "vllm:num_requests_running": ("Gateway API protocol: running requests", s.num_running),
             "vllm:gpu_cache_usage_perc": (

@@ -1,11 +1,14 @@
 // The live map of the KV cells: one square per cell on a <canvas>, coloured by owner.
-// Payload: GET /v1/cache/cells (owner_runs = [value, run_length, ...]; -1 free, -2 shared).
+// Payload: GET /v1/cache/cells (owner_runs = [value, run_length, ...]; -1 free, -2 shared,
+// -3 held by the prefix index over cells, no seq id).
 // The main canvas is the full-attention pool; each other pool of `pools` (a sliding-window
 // model's "swa" pool, a recurrent or hybrid model's state slots) gets its own labelled canvas
 // below it, drawn the same way. A model without attention layers has only its state slots.
 
 const FREE = -1;
 const SHARED = -2;
+const HELD = -3;
+const HELD_COLOR = "hsl(210, 15%, 80%)";
 const MAX_CELL_PX = 14;
 const GRID_GAP_MIN_PX = 5; // cells at least this big are drawn with a 1px gap
 
@@ -54,6 +57,7 @@ function decodeRuns(runs) {
 
 function fillStyleFor(value, holders, pattern) {
   if (value === SHARED) return pattern;
+  if (value === HELD) return HELD_COLOR;
   if (holders.has(value)) return holderColor(value);
   return seqColor(value);
 }
@@ -148,6 +152,7 @@ function createGrid(canvas, tip, maxHeight) {
     const where = last.pool.name ? `${last.pool.name} ${unit} ${cell}` : `${unit} ${cell}`;
     if (owner === FREE) return `${where}: free`;
     if (owner === SHARED) return `${where}: shared by 2+ sequences`;
+    if (owner === HELD) return `${where}: prefix cache (index)`;
     const slot = last.slots.find((s) => s.seq_id === owner);
     if (slot) return `${where}: seq ${owner} (${slot.req_id})`;
     if (last.holders.has(owner)) return `${where}: prefix cache (seq ${owner})`;

@@ -76,6 +76,17 @@ def test_holders_are_dropped_lru_when_seq_ids_run_out() -> None:
 
     assert cached(0) == 0 and cached(1) == 0  # the two least recently used
     assert cached(2) == 30 and cached(10) == 30
+    # their seq ids went, their cells stay in the prefix index (scheduler/radix.py)
+    assert sched.sharing.cached(np.asarray(make_prompt(30, 0))).length == 30
+    assert sched.sharing.cached(np.asarray(make_prompt(30, 1))).length == 30
+
+
+def test_without_the_prefix_index_holders_are_dropped_with_their_cells() -> None:
+    sched, worker = make_scheduler(n_cells=512, n_seq_max=3, n_ctx_seq=256, prefix_index=False)
+    for i in range(4):
+        run(sched, worker, [make_request(f"r{i}", prompt_len=30, max_tokens=2, seed=i)])
+    assert sched.seq_ids.radix is None
+    assert sched.sharing.cached(np.asarray(make_prompt(30, 0))).length == 0
 
 
 def test_holders_are_dropped_when_cells_run_out_and_cleared_to_zero() -> None:

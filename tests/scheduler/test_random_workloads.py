@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +89,17 @@ def test_random_workloads_end_cleanly(cfg: dict[str, object], work: list[Arrival
     run_workload(cfg, work, windows=(0,))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cfg=configs(),
+    work=st.integers(6, 14).flatmap(lambda k: st.tuples(*[arrivals(i) for i in range(k)])),
+)
+def test_random_workloads_past_the_seq_ids(cfg: dict[str, object], work: list[Arrival]) -> None:
+    """More requests than seq ids: holders are demoted into the prefix index and its leaves
+    evicted under pressure, checked against the memory's held cells after every step."""
+    run_workload({**cfg, "n_seq_max": 3, "prefix_cache": True}, list(work), windows=(0,))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     cfg=configs(),
@@ -127,6 +139,7 @@ def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int
             if a.abort_at is not None and a.at_step + a.abort_at == n_step:
                 sched.abort(a.request.req_id, a.abort_index)
         step(sched, worker, outcome)
+        check_prefix_index(sched)
         n_step += 1
         assert n_step < 5000, "no progress"
 
@@ -148,6 +161,8 @@ def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int
                 limit = len(expected) if shift else config.n_ctx_seq - len(r.prompt_ids) + 1
                 assert tokens == expected[:limit]
     c = sched.counters
+    radix = sched.seq_ids.radix
+    event(f"prefix index used: {radix is not None and radix.num_nodes > 0}")
     event(f"preempted: {c.num_preemptions > 0}")
     event(f"shifted: {c.num_context_shifts > 0}")
     event(f"prefix hit: {c.prefix_hit_tokens > 0}")
@@ -156,8 +171,20 @@ def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int
     holders = sched.prefix.seq_ids
     assert sched.num_free_seq_ids == config.n_seq_max - len(holders)
     owned = sum(sched.memory.seq_num_cells(h) for h in holders)
-    assert sched.memory.num_used <= owned
+    held = 0 if radix is None else radix.num_cells  # the prefix index's (scheduler/radix.py)
+    assert sched.memory.num_used <= owned + held
     sched.clear_prefix_cache()
     assert sched.memory.num_used == 0
     assert sched.num_free_seq_ids == config.n_seq_max
     sched.memory.check()
+
+
+def check_prefix_index(sched: Scheduler) -> None:
+    """The cells the prefix index points at are exactly the cells the memory holds."""
+    radix = sched.seq_ids.radix
+    if radix is None:
+        return
+    tree = np.sort(radix.held())
+    assert np.unique(tree).size == tree.size == radix.num_cells
+    held = sched.memory.pools[0].cells.held  # type: ignore[attr-defined]
+    assert (tree == np.flatnonzero(held)).all()

@@ -88,3 +88,21 @@ def test_a_burst_with_one_new_system_prompt_computes_it_once(tiny: LoadedModel) 
     assert cold_sched.counters.num_prompt_tokens == 6 * 420
     assert sched.counters.prefix_running_hit_tokens == 5 * 400
     assert warm.tokens == cold.tokens
+
+
+def test_conversations_past_the_seq_ids_continue_from_held_cells(tiny: LoadedModel) -> None:
+    # 2 seq ids, 8 conversations: the continuations take their history from the prefix
+    # index over held cells (scheduler/radix.py), a context shift copies held cells first
+    firsts = [request(f"c{i}", make_prompt(20, seed=50 + i), 4) for i in range(8)]
+    cfg: dict[str, object] = dict(n_cells=512, n_seq_max=2, n_ctx_seq=48, n_batch=64)
+    first, _ = serve(tiny, [firsts], **cfg)
+    follows = [
+        request(f"f{i}", r.prompt_ids + first.tokens[(r.req_id, 0)] + [7, 8], 24, n_keep=4)
+        for i, r in enumerate(firsts)
+    ]
+    warm, sched = serve(tiny, [firsts] + [[f] for f in follows], **cfg)
+    cold, _ = serve(tiny, [[f] for f in follows], prefix_cache=False, **cfg)
+    for f in follows:
+        assert warm.finish[(f.req_id, 0)].num_cached_tokens >= 0.9 * 24
+        assert warm.tokens[(f.req_id, 0)] == cold.tokens[(f.req_id, 0)]
+    assert sched.counters.num_context_shifts > 0

@@ -94,8 +94,10 @@ def complete(url: str, ids: list[int]) -> None:
 def holder_blocks(server) -> set[int]:
     engine = server.app.state.backend.engine
     with engine._cond:  # the engine thread changes holders under this lock
-        prefix = engine.scheduler.prefix
-        return {h for sid in prefix.seq_ids for h, _, _ in prefix.ledger.chain(prefix.tokens(sid))}
+        prefix, radix = engine.scheduler.prefix, engine.scheduler.seq_ids.radix
+        kept = [prefix.tokens(sid) for sid in prefix.seq_ids]
+        kept += [radix.path_tokens(n) for n in radix.nodes()] if radix is not None else []
+        return {h for tokens in kept for h, _, _ in prefix.ledger.chain(tokens)}
 
 
 def test_subscriber_view_matches_the_prefix_cache(replica):
@@ -110,7 +112,7 @@ def test_subscriber_view_matches_the_prefix_cache(replica):
     complete(server.url, [*base, 15, 16, 17, 18, 19, 20])  # extends the cached prompt
     sub.drain()
     assert sub.live == holder_blocks(server) and len(sub.live) == 4
-    for k in range(30):  # distinct prompts: 4 seq ids, 256 cells -> LRU holders are dropped
+    for k in range(30):  # distinct prompts: 4 seq ids, 256 cells -> LRU leaves are evicted
         complete(server.url, [30 + k, *range(40, 40 + 20 + k % 7)])
         sub.drain(quiet=0.05)
     sub.drain()

@@ -1,0 +1,38 @@
+"""Through the real server on a tiny random Llama with `--n-seq-max 2`: twenty conversations,
+then each continued once; every continuation's history comes from the cache (the prefix index
+over held cells, scheduler/radix.py), and /metrics shows the index."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.live_server import start_server
+from tests.server.test_prefix_sharing_server import scrape
+from tests.tiny_models import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+    live = start_server(model=str(folder), n_cells=4096, n_seq_max=2, n_batch=128)
+    yield live
+    live.stop()
+
+
+def cached_tokens(url: str, prompt: list[int]) -> int:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_twenty_conversations_on_two_seq_ids_all_continue_from_the_cache(server) -> None:  # noqa: ANN001
+    url = server.url
+    prompts = [[5 + (i * 13 + k * 7) % 200 for k in range(40)] for i in range(20)]
+    for p in prompts:
+        cached_tokens(url, p)
+    for i, p in enumerate(prompts):  # without the index only the last 2 would be cached
+        assert cached_tokens(url, p + [300 + i, 301, 302]) >= 40
+    metrics = scrape(url)
+    assert metrics["cellserve_prefix_index_nodes"] >= 20
+    assert metrics["cellserve_prefix_index_cells"] >= 20 * 40
