@@ -191,6 +191,9 @@ def test_bad_model_names_get_openai_errors(start) -> None:
         resp = httpx.post(f"{server.url}{path}", json={"model": "gamma"})
         assert resp.status_code == 404, resp.text
     assert httpx.get(f"{server.url}/v1/models/gamma").status_code == 404
+    # GET endpoints name their model in the query (llama.cpp's router)
+    assert httpx.get(f"{server.url}/slots").status_code == 400
+    assert httpx.get(f"{server.url}/slots", params={"model": "gamma"}).status_code == 404
     assert statuses(server.url) == {"alpha": "unloaded", "beta": "unloaded"}
 
 
@@ -217,6 +220,7 @@ def test_load_and_unload_endpoints(start) -> None:
         resp = httpx.post(f"{server.url}/models/unload", json={"model": "alpha"})
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "model_busy"
         assert "data: [DONE]" in list(lines)
+    assert httpx.get(f"{server.url}/slots", params={"model": "alpha"}).json() == []
     resp = httpx.post(f"{server.url}/models/unload", json={"model": "alpha"})
     assert resp.status_code == 200, resp.text
     assert statuses(server.url)["alpha"] == "unloaded"
