@@ -73,13 +73,16 @@ def _named(spec: str) -> ModelSource:
 
 
 def model_sources(settings: Settings) -> list[ModelSource]:
-    """Every model the server offers, in listing order; ValueError for a missing path, two
-    models with one name, or none at all."""
+    """Every model the server offers, in listing order; ValueError for a missing path (that is
+    no packaged model's name either), two models with one name, or none at all."""
+    from model.load.packaged import PACKAGED, PACKAGED_FOLDERS
+
     sources = [_named(spec) for spec in settings.models]
     if settings.model:
         sources.append(_named(settings.model))
     for source in sources:
-        if not Path(source.path).exists():
+        packaged = source.path.lower() in PACKAGED or source.path.lower() in PACKAGED_FOLDERS
+        if not packaged and not Path(source.path).exists():
             raise ValueError(f"--model {source.name}={source.path}: no such file or folder")
     if settings.models_dir:
         sources += scan_models_dir(settings.models_dir)
