@@ -9,7 +9,9 @@ memory is freed: mapped weights unmapped, the cache and owned weights collected)
 Statuses: unloaded -> loading -> loaded -> unloading -> unloaded. A load that fails leaves
 the model unloaded with its error: requests for it get a 503 that says why, and an explicit
 POST /models/load retries. Loads take their room one at a time (the lock), so that two cannot
-each wait for the other's room; then they load side by side.
+each wait for the other's room; then they load side by side. When every loaded model is busy,
+the least recently used one takes no new requests until it is idle and unloaded (its new
+requests wait, then load it again): no model waits for room for ever.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ class ModelEntry:
     error: str | None = None  # why the last load failed; None: it did not
     task: asyncio.Future[None] | None = None  # the load or unload under way
     num_users: int = 0  # requests holding the backend (server.deps.get_backend)
+    num_waiting: int = 0  # requests waiting in ModelRouter.acquire for it
     # counts toward --models-max: from the moment a load has room until the unload is done
     holds_room: bool = False
+    # chosen to make room while busy: takes no new request (they wait on `task`), so that
+    # a steady stream for it cannot keep another model from loading
+    evicting: bool = False
     last_used: float = 0.0  # time.monotonic() of the last request
     num_loads: int = 0
     num_unloads: int = 0
@@ -56,8 +62,11 @@ class ModelEntry:
         return self.source.name
 
     def is_idle(self) -> bool:
-        """Loaded and used by no request (the engine's queue included)."""
+        """Loaded and used by no request (the engine's queue included) nor about to be (a
+        request woken by its load; not those that came after an eviction began)."""
         if self.status != "loaded" or self.backend is None or self.num_users:
+            return False
+        if self.num_waiting and not self.evicting:
             return False
         stats = self.backend.engine.stats()
         return stats.num_running + stats.num_waiting == 0
@@ -110,7 +119,7 @@ class ModelRouter:
         while True:
             if self.closed:
                 raise APIError(503, "the server is shutting down", code="draining")
-            if entry.status == "loaded" and entry.backend is not None:
+            if entry.status == "loaded" and entry.backend is not None and not entry.evicting:
                 entry.num_users += 1
                 entry.last_used = time.monotonic()
                 return entry.backend
@@ -132,8 +141,12 @@ class ModelRouter:
                     code="model_not_ready",
                     headers={"Retry-After": "1"},
                 )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(entry.task), left)
+            entry.num_waiting += 1
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(entry.task), left)
+            finally:
+                entry.num_waiting -= 1
 
     def release(self, entry: ModelEntry) -> None:
         entry.num_users -= 1
@@ -185,16 +198,30 @@ class ModelRouter:
         """Unload least recently used idle models until `entry` fits under --models-max;
         TimeoutError when the others stayed busy for the request timeout."""
         deadline = time.monotonic() + self.settings.request_timeout
-        while sum(e.holds_room for e in self.entries.values()) >= self.settings.models_max:
-            idle = [e for e in self.entries.values() if e is not entry and e.is_idle()]
-            if idle:
-                victim = min(idle, key=lambda e: e.last_used)
-                log.info("unloading the model %s to make room for %s", victim.name, entry.name)
-                await self.unload(victim)
-                continue
-            if self.closed or time.monotonic() > deadline:
-                raise TimeoutError
-            await asyncio.sleep(_POLL_S)
+        marked: ModelEntry | None = None
+        try:
+            while sum(e.holds_room for e in self.entries.values()) >= self.settings.models_max:
+                others = [e for e in self.entries.values() if e is not entry]
+                idle = [e for e in others if e.is_idle()]
+                if idle:
+                    victim = min(idle, key=lambda e: (not e.evicting, e.last_used))
+                    log.info("unloading the model %s to make room for %s", victim.name, entry.name)
+                    await self.unload(victim)
+                    continue
+                # NOTE: only a model that serves requests: one whose waiters are about to be
+                # served would be unloaded under them
+                busy = [e for e in others if e.status == "loaded" and e.num_users]
+                if marked is None and busy and not any(e.evicting for e in busy):
+                    marked = min(busy, key=lambda e: e.last_used)
+                    marked.evicting = True
+                    marked.task = asyncio.get_running_loop().create_future()
+                    log.info("model %s: finishing its requests to make room", marked.name)
+                if self.closed or time.monotonic() > deadline:
+                    raise TimeoutError
+                await asyncio.sleep(_POLL_S)
+        finally:
+            if marked is not None and marked.evicting:  # room came otherwise, or never
+                _end_eviction(marked)
 
     def check_unload(self, entry: ModelEntry) -> None:
         """400 for a model not loaded, 409 for one that requests are using."""
@@ -221,8 +248,10 @@ class ModelRouter:
         if backend is None:
             return
         entry.status = "unloading"
-        done = asyncio.get_running_loop().create_future()
-        entry.task = asyncio.ensure_future(done)
+        pending = entry.task if entry.evicting else None  # its waiters wake once unloaded
+        if pending is None or pending.done():
+            pending = asyncio.get_running_loop().create_future()
+        entry.task = done = pending
         try:
             engine = backend.engine
             del backend
@@ -232,7 +261,9 @@ class ModelRouter:
         finally:
             entry.status, entry.holds_room = "unloaded", False
             entry.num_unloads += 1
-            done.set_result(None)
+            _end_eviction(entry)
+            if not done.done():
+                done.set_result(None)
             log.info("model %s unloaded", entry.name)
 
     async def close(self) -> None:
@@ -245,6 +276,13 @@ class ModelRouter:
         await asyncio.gather(
             *(self.unload(e, self.settings.drain_timeout) for e in self.entries.values())
         )
+
+
+def _end_eviction(entry: ModelEntry) -> None:
+    """The model takes requests again (or is unloaded): wake the ones that waited."""
+    entry.evicting = False
+    if entry.task is not None and not entry.task.done():
+        entry.task.set_result(None)
 
 
 def _collect() -> None:

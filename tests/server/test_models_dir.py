@@ -4,6 +4,7 @@ backends: discovery, load on first use, LRU unload under --models-max, /models/l
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli.main import build_settings, make_parser
 from server.backend import Backend
+from server.model_router import ModelRouter
 from server.models_dir import model_sources, scan_models_dir
 from server.settings import Settings
 from tests.live_server import LiveServer
@@ -176,6 +178,40 @@ def test_a_loading_model_holds_its_requests_not_the_others(start) -> None:
     assert statuses(server.url)["beta"] == "loading"
     waiter.join(timeout=30)
     assert slow[0].status_code == 200 and slow[0].json()["model"] == "beta"
+
+
+def test_a_busy_model_cannot_keep_another_from_loading(tmp_path: Path) -> None:
+    """alpha is never idle (each holder takes it before the last lets go), yet beta loads: alpha
+    finishes what it holds, takes nothing new (its new requests wait), and is unloaded."""
+    settings = Settings(models_dir=str(make_models_dir(tmp_path)), models_max=1)
+    router = ModelRouter(settings, model_sources(settings), FakeModels(), lambda step: None)
+    alpha, beta = router.entries["alpha"], router.entries["beta"]
+
+    async def hold_alpha(seconds: float) -> None:
+        await router.acquire(alpha)
+        await asyncio.sleep(seconds)
+        router.release(alpha)
+
+    async def scenario() -> tuple[float, list[str]]:
+        await hold_alpha(0)  # loaded
+        relay, done_at = [], []
+        for _ in range(20):  # 2 s of overlapping holders
+            relay.append(asyncio.create_task(hold_alpha(0.2)))
+            await asyncio.sleep(0.1)
+            if len(relay) == 3:
+                started = time.monotonic()
+                beta_task = asyncio.create_task(router.acquire(beta))
+                beta_task.add_done_callback(lambda _: done_at.append(time.monotonic()))
+        await beta_task
+        took = done_at[0] - started
+        router.release(beta)
+        await asyncio.gather(*relay)
+        await router.close()
+        return took, router.factory.loads
+
+    took, loads = asyncio.run(scenario())
+    assert took < 1.0
+    assert loads[:2] == ["alpha", "beta"] and loads[2:] in (["alpha"], ["alpha", "beta"])
 
 
 def test_bad_model_names_get_openai_errors(start) -> None:
