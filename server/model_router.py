@@ -248,10 +248,9 @@ class ModelRouter:
         if backend is None:
             return
         entry.status = "unloading"
-        pending = entry.task if entry.evicting else None  # its waiters wake once unloaded
-        if pending is None or pending.done():
-            pending = asyncio.get_running_loop().create_future()
-        entry.task = done = pending
+        if not entry.evicting or entry.task is None or entry.task.done():
+            entry.task = asyncio.get_running_loop().create_future()
+        # else: the eviction's future, which its waiting requests hold
         try:
             engine = backend.engine
             del backend
@@ -262,8 +261,6 @@ class ModelRouter:
             entry.status, entry.holds_room = "unloaded", False
             entry.num_unloads += 1
             _end_eviction(entry)
-            if not done.done():
-                done.set_result(None)
             log.info("model %s unloaded", entry.name)
 
     async def close(self) -> None:

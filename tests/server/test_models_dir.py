@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.main import build_settings, make_parser
+from cli.main import build_settings, main, make_parser
 from server.backend import Backend
 from server.model_router import ModelRouter
 from server.models_dir import model_sources, scan_models_dir
@@ -124,7 +124,7 @@ def test_models_dir_lists_ggufs_and_folders_by_name(tmp_path: Path) -> None:
     }
 
 
-def test_flags_pick_router_mode_and_refuse_what_it_cannot_do(tmp_path: Path) -> None:
+def test_flags_pick_router_mode_and_refuse_what_it_cannot_do(tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.write_bytes(b"GGUF")
     b.write_bytes(b"GGUF")
@@ -143,6 +143,8 @@ def test_flags_pick_router_mode_and_refuse_what_it_cannot_do(tmp_path: Path) -> 
         model_sources(Settings(models_dir=str(tmp_path / "empty")))
     with pytest.raises(ValueError, match="--lora: not supported with several models"):
         Settings(models_dir=str(tmp_path), lora=["adapter"])
+    assert main(["serve", "--models-dir", str(tmp_path / "nowhere")]) == 2
+    assert "--models-dir" in capsys.readouterr().err
 
 
 def test_alternating_requests_with_models_max_1_load_and_unload(start) -> None:
