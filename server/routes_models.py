@@ -59,7 +59,8 @@ async def routed_backend(request: Request) -> AsyncIterator[Backend]:
 
 
 def model_card(entry: ModelEntry, created: int, n_ctx: int) -> dict[str, Any]:
-    """OpenAI's model object plus llama.cpp's router `status` (value, failed) and the error."""
+    """OpenAI's model object plus llama.cpp's router `path` and `status` (value, failed) and
+    the error; vLLM's `root` (the path too) and `max_model_len`."""
     status: dict[str, Any] = {"value": entry.status, "failed": entry.error is not None}
     if entry.error is not None:
         status["error"] = entry.error
@@ -69,6 +70,7 @@ def model_card(entry: ModelEntry, created: int, n_ctx: int) -> dict[str, Any]:
         "object": "model",
         "created": created,
         "owned_by": "cellserve",
+        "path": entry.source.path,
         "root": entry.source.path,
         "max_model_len": backend.n_ctx_seq if backend is not None else n_ctx,
         "status": status,
