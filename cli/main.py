@@ -30,6 +30,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         "with several models: most loaded at once, each with its own --n-cells KV cache; the "
         "least recently used idle one is unloaded to load another (default 4)",
     ),
+    (
+        "models_autoload",
+        None,
+        "with several models: a request loads the model it names (default); off: only "
+        "POST /models/load does, and requests for a model not loaded get 400",
+    ),
     ("chat_template", str, "Jinja chat template (file or string) replacing the model's own"),
     ("host", str, "bind address (default 127.0.0.1)"),
     ("port", int, "port (default 8000)"),

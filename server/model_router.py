@@ -124,6 +124,14 @@ class ModelRouter:
                 entry.last_used = time.monotonic()
                 return entry.backend
             if entry.status == "unloaded":
+                if not self.settings.models_autoload:
+                    raise APIError(
+                        400,
+                        f"the model {entry.name!r} is not loaded: load it with POST /models/load "
+                        "(--no-models-autoload)",
+                        param="model",
+                        code="model_not_loaded",
+                    )
                 if entry.error is not None:
                     raise APIError(
                         503,

@@ -21,6 +21,7 @@ class Settings(BaseSettings):
     models_dir: str | None = None
     models: list[str] = Field(default_factory=list)
     models_max: int = Field(4, ge=1)
+    models_autoload: bool = True  # off: only POST /models/load loads a model
     chat_template: str | None = None  # Jinja file or string; None = the model's own
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

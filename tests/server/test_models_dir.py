@@ -134,7 +134,9 @@ def test_flags_pick_router_mode_and_refuse_what_it_cannot_do(tmp_path: Path, cap
     two = build_settings(
         parse(["serve", "--model", f"x={a}", "--model", f"y={b}", "--models-max", "1"])
     )
-    assert two.router_mode and two.models_max == 1
+    assert two.router_mode and two.models_max == 1 and two.models_autoload
+    off = build_settings(parse(["serve", "--models-dir", str(tmp_path), "--no-models-autoload"]))
+    assert not off.models_autoload
     assert [(s.name, s.path) for s in model_sources(two)] == [("x", str(a)), ("y", str(b))]
     with pytest.raises(ValueError, match="two models with one name"):
         model_sources(Settings(models=[f"x={a}", f"x={b}"]))
@@ -266,6 +268,15 @@ def test_load_and_unload_endpoints(start) -> None:
     assert models.engines[0]() is None
     assert chat(server.url, "alpha").status_code == 200  # loads again on use
     assert models.loads == ["alpha", "alpha"]
+
+
+def test_without_autoload_only_an_explicit_load_loads(start) -> None:
+    server = start(FakeModels(), models_autoload=False)
+    resp = chat(server.url, "alpha")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_loaded"
+    assert httpx.post(f"{server.url}/models/load", json={"model": "alpha"}).status_code == 200
+    wait_status(server.url, "alpha", "loaded")
+    assert chat(server.url, "alpha").status_code == 200
 
 
 def test_a_model_that_fails_to_load_says_why_and_breaks_nothing(start) -> None:
