@@ -20,7 +20,7 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     (
         "models_dir",
         str,
-        "serve every GGUF file and model folder in DIR, each named by its file (without "
+        "serve every GGUF file and model folder in this folder, each named by its file (without "
         ".gguf) or folder: a request's `model` picks one, loaded on first use (llama.cpp's "
         "router mode; GET /models, POST /models/load, POST /models/unload)",
     ),
