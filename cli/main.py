@@ -261,7 +261,9 @@ def serve(args: argparse.Namespace, backend_factory: BackendFactory | None = Non
     except ValidationError as exc:
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"])
-            print(f"cellserve serve: --{where.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+            flag = f"--{where.replace('_', '-')}: " if where else ""  # "": a whole-settings check
+            msg = err["msg"].removeprefix("Value error, ")
+            print(f"cellserve serve: {flag}{msg}", file=sys.stderr)
         return 2
     if settings.router_mode:
         from server.models_dir import model_sources

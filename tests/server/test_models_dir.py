@@ -147,6 +147,9 @@ def test_flags_pick_router_mode_and_refuse_what_it_cannot_do(tmp_path: Path, cap
         Settings(models_dir=str(tmp_path), lora=["adapter"])
     assert main(["serve", "--models-dir", str(tmp_path / "nowhere")]) == 2
     assert "--models-dir" in capsys.readouterr().err
+    assert main(["serve", "--models-dir", str(tmp_path), "--lora", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == "cellserve serve: --lora: not supported with several models (--models-dir)\n"
 
 
 def test_alternating_requests_with_models_max_1_load_and_unload(start) -> None:
