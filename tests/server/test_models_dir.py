@@ -273,6 +273,18 @@ def test_load_and_unload_endpoints(start) -> None:
     assert models.loads == ["alpha", "alpha"]
 
 
+def test_a_client_gone_mid_stream_leaves_its_model_idle(start) -> None:
+    server = start(FakeModels(token_delay=0.05))
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as stream:
+        next(line for line in stream.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 10
+    while (resp := httpx.post(f"{server.url}/models/unload", json={"model": "alpha"})).is_error:
+        assert resp.status_code == 409 and time.monotonic() < deadline, resp.text
+        time.sleep(0.05)
+    assert statuses(server.url)["alpha"] == "unloaded"
+
+
 def test_without_autoload_only_an_explicit_load_loads(start) -> None:
     server = start(FakeModels(), models_autoload=False)
     resp = chat(server.url, "alpha")
