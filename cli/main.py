@@ -4,13 +4,38 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from server.backend import BackendFactory
 from server.settings import Settings
 
 # flag -> Settings field; booleans use --x/--no-x
 _FLAGS: list[tuple[str, type | None, str]] = [
-    ("model", str, "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)"),
+    (
+        "model",
+        str,
+        "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M); NAME=PATH, "
+        "repeatable: one of several models, as with --models-dir",
+    ),
+    (
+        "models_dir",
+        str,
+        "serve every GGUF file and model folder in this folder, each named by its file (without "
+        ".gguf) or folder: a request's `model` picks one, loaded on first use (llama.cpp's "
+        "router mode; GET /models, POST /models/load, POST /models/unload)",
+    ),
+    (
+        "models_max",
+        int,
+        "with several models: most loaded at once, each with its own --n-cells KV cache; the "
+        "least recently used idle one is unloaded to load another (default 4)",
+    ),
+    (
+        "models_autoload",
+        None,
+        "with several models: a request loads the model it names (default); off: only "
+        "POST /models/load does, and requests for a model not loaded get 400",
+    ),
     ("chat_template", str, "Jinja chat template (file or string) replacing the model's own"),
     ("host", str, "bind address (default 127.0.0.1)"),
     ("port", int, "port (default 8000)"),
@@ -177,6 +202,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                 default=None,
                 help=help_text,
             )
+        elif name == "model":  # repeatable: several models (server/model_router.py)
+            p.add_argument(*flags, dest=name, action="append", default=None, help=help_text)
         else:
             p.add_argument(*flags, dest=name, type=kind, default=None, help=help_text)
     _lora_flags(p)
@@ -185,6 +212,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def build_settings(args: argparse.Namespace) -> Settings:
     """CELLSERVE_* environment variables, overridden by the flags given on the command line."""
     given = {name: getattr(args, name) for name, _, _ in _FLAGS if getattr(args, name) is not None}
+    models = given.pop("model", [])
+    if len(models) == 1 and ("=" not in models[0] or Path(models[0]).exists()):
+        given["model"] = models[0]
+    elif models:
+        given["models"] = models
     if args.lora:
         given["lora"] = args.lora
     if args.lora_scaled:
@@ -229,8 +261,18 @@ def serve(args: argparse.Namespace, backend_factory: BackendFactory | None = Non
     except ValidationError as exc:
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"])
-            print(f"cellserve serve: --{where.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+            flag = f"--{where.replace('_', '-')}: " if where else ""  # "": a whole-settings check
+            msg = err["msg"].removeprefix("Value error, ")
+            print(f"cellserve serve: {flag}{msg}", file=sys.stderr)
         return 2
+    if settings.router_mode:
+        from server.models_dir import model_sources
+
+        try:
+            model_sources(settings)
+        except ValueError as exc:
+            print(f"cellserve serve: {exc}", file=sys.stderr)
+            return 2
     return run_server(settings, backend_factory)
 
 

@@ -28,6 +28,7 @@ from server import (
     routes_llama,
     routes_lora,
     routes_misc,
+    routes_models,
     routes_render,
     routes_responses,
     routes_slots,
@@ -35,10 +36,14 @@ from server import (
 from server.auth import check_api_key
 from server.backend import Backend, BackendFactory
 from server.cache_config import cache_config_labels
+from server.deps import get_backend
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
 from server.kv_events import start_kv_events
 from server.memory import MemoryParts, memory_breakdown
 from server.metrics import Metrics
+from server.metrics_models import ModelsCollector
+from server.model_router import ModelRouter
+from server.models_dir import model_sources
 from server.settings import Settings
 
 log = logging.getLogger("cellserve.server")
@@ -162,6 +167,8 @@ async def _drain(app: FastAPI) -> None:
         state.load_task.cancel()
     if state.backend is not None:
         await asyncio.to_thread(state.backend.engine.shutdown, state.settings.drain_timeout)
+    if state.router is not None:
+        await state.router.close()
     if state.kv_events is not None:
         state.kv_events.close()
         state.kv_events = None
@@ -171,12 +178,30 @@ async def _drain(app: FastAPI) -> None:
         await asyncio.sleep(0.05)
 
 
+def _start_router(app: FastAPI, factory: BackendFactory) -> None:
+    """Several models: nothing loads before a request (or POST /models/load) names one."""
+    settings: Settings = app.state.settings
+    metrics: Metrics = app.state.metrics
+    sources = model_sources(settings)
+    app.state.router = ModelRouter(settings, sources, factory, metrics.on_step)
+    metrics.registry.register(ModelsCollector(app.state.router))
+    print(
+        f"cellserve: serving {len(sources)} models, at most {settings.models_max} loaded "
+        f"(KV cache {settings.n_cells} cells each) | {settings.url} | "
+        + ", ".join(s.name for s in sources),
+        flush=True,
+    )
+
+
 def create_app(settings: Settings, backend_factory: BackendFactory | None = None) -> FastAPI:
     factory = backend_factory or build_default_backend
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.load_task = asyncio.create_task(_load(app, factory))
+        if settings.router_mode:
+            _start_router(app, factory)
+        else:
+            app.state.load_task = asyncio.create_task(_load(app, factory))
         try:
             yield
         finally:
@@ -191,6 +216,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.state.load_task = None
     app.state.drain_task = None
     app.state.kv_events = None  # server.kv_events.KVEventPublisher when enabled
+    app.state.router = None  # server.model_router.ModelRouter with several models
     app.state.draining = False
     app.state.num_in_flight = 0
     app.state.started_at = int(time.time())
@@ -208,6 +234,10 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
             max_age=600,
         )
 
+    if settings.router_mode:
+        # NOTE: before routes_misc: its GET /v1/models lists one Backend's model
+        app.include_router(routes_models.router)
+        app.dependency_overrides[get_backend] = routes_models.routed_backend
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)
     app.include_router(routes_embeddings.router)

@@ -104,6 +104,8 @@ async def health(request: Request) -> JSONResponse:
     state = request.app.state
     if state.draining:
         return JSONResponse({"status": "draining"}, 503)
+    if state.router is not None:  # several models, each loaded on demand (routes_models.py)
+        return JSONResponse({"status": "ok"})
     if state.backend is None:
         status = "error" if state.load_error else "loading"
         return JSONResponse({"status": status}, 503)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.speculative import SPEC_TYPES
@@ -15,6 +15,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CELLSERVE_", extra="ignore")
 
     model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2
+    # many models in one server (server/model_router.py, llama.cpp's router mode): every GGUF
+    # file and HF folder in models_dir, and each "NAME=PATH" in models; a request's `model`
+    # picks one, loaded on first use; at most models_max stay loaded (LRU idle one unloaded)
+    models_dir: str | None = None
+    models: list[str] = Field(default_factory=list)
+    models_max: int = Field(4, ge=1)
+    models_autoload: bool = True  # off: only POST /models/load loads a model
     chat_template: str | None = None  # Jinja file or string; None = the model's own
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -85,6 +92,29 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_prompts: bool = False  # prompts are never logged unless this is on
     cors_allow_origins: str = ""  # comma-separated origins (or "*"); "" = no CORS headers
+
+    @model_validator(mode="after")
+    def _router_flags(self) -> Settings:
+        if not self.router_mode:
+            return self
+        clash = [
+            flag
+            for flag, given in (
+                ("--served-model-name", self.served_model_name),
+                ("--lora", self.lora or self.lora_scaled),
+                ("--kv-events-endpoint", self.kv_events_endpoint or self.kv_events_config),
+            )
+            if given
+        ]
+        if clash:
+            flags = ", ".join(clash)
+            raise ValueError(f"{flags}: not supported with several models (--models-dir)")
+        return self
+
+    @property
+    def router_mode(self) -> bool:
+        """Several models (--models-dir, --model NAME=PATH): server/model_router.py."""
+        return bool(self.models_dir or self.models)
 
     @property
     def spec_kind(self) -> str:

@@ -1,0 +1,62 @@
+"""Per-model metrics of a multi-model server (server/model_router.py), read at scrape time.
+
+Beside server/metrics.py (the one registry per app); the engine-wide gauges there stay unbound
+in router mode, so the per-model ones here say what each loaded engine holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.model_router import ModelRouter
+
+_STATUSES = ("unloaded", "loading", "loaded", "unloading")
+
+
+class ModelsCollector(Collector):
+    def __init__(self, models: ModelRouter) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        entries = list(self.models.entries.values())
+        status = GaugeMetricFamily(
+            "cellserve_model_status",
+            "1 for each model's status (unloaded, loading, loaded, unloading), else 0",
+            labels=["model", "status"],
+        )
+        counters = [
+            ("cellserve_model_loads", "Models loaded (each load once)", "num_loads"),
+            ("cellserve_model_unloads", "Models unloaded (LRU or asked)", "num_unloads"),
+            ("cellserve_model_load_failures", "Loads that failed", "num_load_failures"),
+        ]
+        families = [(CounterMetricFamily(n, d, labels=["model"]), a) for n, d, a in counters]
+        load_time = CounterMetricFamily(
+            "cellserve_model_load_seconds", "Seconds spent loading the model", labels=["model"]
+        )
+        running = GaugeMetricFamily(
+            "cellserve_model_requests_running", "Requests holding a sequence", labels=["model"]
+        )
+        waiting = GaugeMetricFamily(
+            "cellserve_model_requests_waiting", "Requests waiting for admission", labels=["model"]
+        )
+        cells = GaugeMetricFamily(
+            "cellserve_model_kv_cells_used", "Cells owned by a sequence", labels=["model"]
+        )
+        for e in entries:
+            for value in _STATUSES:
+                status.add_metric([e.name, value], float(e.status == value))
+            for family, attr in families:
+                family.add_metric([e.name], float(getattr(e, attr)))
+            load_time.add_metric([e.name], sum(e.load_seconds))
+            backend = e.backend
+            if backend is not None:
+                s = backend.engine.stats()
+                running.add_metric([e.name], float(s.num_running))
+                waiting.add_metric([e.name], float(s.num_waiting))
+                cells.add_metric([e.name], float(s.cells_used))
+        yield status
+        yield from (f for f, _ in families)
+        yield from (load_time, running, waiting, cells)
