@@ -264,6 +264,8 @@ def read_weights(
     and the embedding table as BlockWeights (the file's bytes; a row permutation copies)."""
     names: dict[str, str] = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight"}
     present = {t.name for t in reader.tensors}
+    if args.arch == "lfm2" and "token_embd_norm.weight" in present:
+        names["norm"] = "token_embd_norm.weight"  # llama.cpp's lfm2: the final norm's name
     if "output.weight" in present:
         names["output"] = "output.weight"
     fused = _FUSED_KINDS.get(args.arch, frozenset())

@@ -70,7 +70,7 @@ def read_weights(
                     raw[key] = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own SafetensorError on bad files
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
-    if args.ssm is not None:
+    if args.memory_spec.has_recurrent:
         return read_ssm_weights(raw, args, config, dtype, folder)
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))
