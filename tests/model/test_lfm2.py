@@ -44,7 +44,8 @@ def hf(folder):
 
 @pytest.fixture(scope="module")
 def gguf_path(folder):
-    return convert_with_llamacpp(folder, folder.parent / "lfm2.gguf")
+    # LFM2's GGUFs name their pre-tokenizer "lfm2" (llama.cpp: Llama 3's regex)
+    return convert_with_llamacpp(folder, folder.parent / "lfm2.gguf", pre="lfm2")
 
 
 @pytest.fixture(scope="module", params=["hf", "gguf"])
@@ -187,10 +188,18 @@ def test_quantized_bfloat16_and_padded_steps_stay_close(folder, mode):
     assert kl < {"int8": 0.03, "bfloat16": 0.05, "batch-invariant": 1e-6}[mode], kl
 
 
+TEXTS = ["It is 0123456789 now! It's 12 o'clock.", "  two  spaces\n\nlines", "x=3.1; I'M ok"]
+
+
 def test_llama_cpp_gives_the_same_next_token_logprobs(gguf_path, tmp_path):
+    """And the same token ids: "lfm2" is Llama 3's pre-tokenizer (digits in threes, ...)."""
     binary = require_llamacpp(llamacpp_default())
     tiny, compared, worst = load_model(gguf_path), 0, 0.0
     with llama_server(binary, gguf_path, tmp_path / "llama.log", n_threads=1) as served:
+        for text in TEXTS:
+            body = {"content": text, "add_special": False}
+            want = httpx.post(f"{served.url}/tokenize", json=body, timeout=60).json()["tokens"]
+            assert tiny.tokenizer.encode(text) == want, text
         for seed in range(8):
             ids = prompt(5 + 6 * seed, seed=20 + seed)
             body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
