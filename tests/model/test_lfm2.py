@@ -5,6 +5,8 @@ a random model with every weight redrawn (tests/tiny_ssm.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import types
 from dataclasses import replace
 
@@ -14,6 +16,7 @@ import torch
 
 from bench.server_proc import llama_server, llamacpp_default
 from model import load_model
+from model.errors import ModelLoadError
 from model.layers.quant import quantize
 from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
@@ -81,6 +84,27 @@ def test_description_read_from_the_folder_and_the_gguf(folder, gguf_path):
     assert worker.state_bytes_per_slot == 3 * 64 * 2 * 4  # 3 conv layers x [dim, L - 1]
     reason = NativeDecoder.build(worker.model, worker.storage, types.SimpleNamespace())[1]
     assert "recurrent mixers run in Python" in reason  # what the start-up line says
+
+
+def test_released_config_keys_read_alike(folder, tmp_path):
+    """LFM2's published config.json predates transformers' names: full_attn_idxs instead of
+    layer_types, block_ff_dim, tie_embedding, a top-level rope_theta."""
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("layer_types", "intermediate_size", "tie_word_embeddings", "rope_parameters"):
+        config.pop(key)
+    attn = [i for i, t in enumerate(LFM2_LAYERS) if t == "full_attention"]
+    config |= {"full_attn_idxs": attn, "block_ff_dim": 160, "tie_embedding": True}
+    config |= {"rope_theta": 1000000.0}
+    legacy = tmp_path / "legacy"
+    shutil.copytree(folder, legacy)
+    (legacy / "config.json").write_text(json.dumps(config))
+    old, new = load_model(legacy), load_model(folder)
+    assert old.config == new.config
+    ids = prompt(20, seed=10)
+    assert torch.equal(driver(old).logits([Chunk(0, ids)]), driver(new).logits([Chunk(0, ids)]))
+    (legacy / "config.json").write_text(json.dumps(config | {"conv_bias": True}))
+    with pytest.raises(ModelLoadError, match="conv_bias"):
+        load_model(legacy)
 
 
 def test_gguf_weights_are_the_folders(folder, gguf_path):
