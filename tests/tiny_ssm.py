@@ -187,8 +187,8 @@ def write_tiny_lfm2(
     seed: int = 0,
 ) -> Path:
     """A random Lfm2ForCausalLM (LFM2: gated short convolutions and GQA attention with q/k
-    norms, tied embeddings) with write_tiny_llama's tokenizer. `ff_dim` 160 goes through LFM2's
-    auto-adjust (2/3, rounded up to block_multiple_of 32): an MLP of width 128."""
+    norms, tied embeddings of N(0, 0.15)) with write_tiny_llama's tokenizer. `ff_dim` 160 goes
+    through LFM2's auto-adjust (2/3, rounded up to block_multiple_of 32): an MLP of width 128."""
     import transformers
 
     folder, ids = _tokenizer_folder(folder)
@@ -212,5 +212,7 @@ def write_tiny_lfm2(
     )
     model = transformers.Lfm2ForCausalLM(config)
     _redraw(model, seed)
+    with torch.no_grad():  # NOTE: tied, so also the output: logits spread ~10, not ~65
+        model.model.embed_tokens.weight.mul_(0.15)
     model.tie_weights()
     return _save(folder, model)

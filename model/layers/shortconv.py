@@ -15,18 +15,19 @@ from torch import nn
 from kvcache.state_storage import RecurrentStorage
 from model.arch import ModelArgs
 from model.layers.batch import ForwardBatch, StatePrompt
-from model.layers.blocks import Linear
+from model.layers.ggml import make_linear
 
 
 class ShortConvMixer(nn.Module):
     """`weights` prefix + shortconv_in [3 dim, dim] (rows B, C, x), shortconv_conv [dim, L]
-    (column L - 1 multiplies the newest token), shortconv_out [dim, dim]."""
+    (column L - 1 multiplies the newest token), shortconv_out [dim, dim]; the projections may
+    be a GGUF's own blocks (model/layers/ggml.py)."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
-        self.in_proj = Linear(weights[prefix + "shortconv_in"])
+        self.in_proj = make_linear([weights[prefix + "shortconv_in"]])
         self.conv_w = nn.Parameter(weights[prefix + "shortconv_conv"], requires_grad=False)
-        self.out_proj = Linear(weights[prefix + "shortconv_out"])
+        self.out_proj = make_linear([weights[prefix + "shortconv_out"]])
 
     def forward(
         self, u: torch.Tensor, batch: ForwardBatch, storage: object, layer: int

@@ -249,11 +249,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
-# dense weights)
-BLOCK_ARCHS = (*DENSE_ARCHS, *MOE_ARCHS)
+# the architectures whose attention/FFN blocks take BlockLinears (the Mamba2 mixers read
+# dense weights; LFM2's short convs are two linears around a conv, which stays dense)
+BLOCK_ARCHS = (*DENSE_ARCHS, *MOE_ARCHS, "lfm2")
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
-BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
+BLOCK_KINDS = frozenset(
+    ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings")
+    + ("shortconv_in", "shortconv_out")
+)
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
 
 
