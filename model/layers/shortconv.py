@@ -59,7 +59,7 @@ class ShortConvMixer(nn.Module):
         return (window * self.conv_w).sum(-1)
 
     def _scan(self, v: torch.Tensor, conv: torch.Tensor, p: StatePrompt) -> torch.Tensor:
-        """A chunk of one sequence: v [L, dim] -> [L, dim] from p.slot's state, which moves L
+        """A chunk of one sequence: v [n, dim] -> [n, dim] from p.slot's state, which moves n
         steps; each capture's slot gets the state at its row."""
         k1 = conv.shape[-1]
         raw = torch.cat((conv[p.slot], v.T), dim=1)  # [dim, L - 1 + n]
