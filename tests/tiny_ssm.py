@@ -171,3 +171,48 @@ def write_tiny_bamba(
     model = transformers.BambaForCausalLM(config)
     _redraw(model, seed)
     return _save(folder, model)
+
+
+LFM2_LAYERS = ("conv", "full_attention", "conv", "conv", "full_attention")
+
+
+def write_tiny_lfm2(
+    folder: str | Path,
+    layer_types: tuple[str, ...] = LFM2_LAYERS,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    ff_dim: int = 160,
+    conv_cache: int = 3,
+    seed: int = 0,
+) -> Path:
+    """A random Lfm2ForCausalLM (LFM2: gated short convolutions and GQA attention with q/k
+    norms, tied embeddings of N(0, 0.15)) with write_tiny_llama's tokenizer. `ff_dim` 160 goes
+    through LFM2's auto-adjust (2/3, rounded up to block_multiple_of 32): an MLP of width 128."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.Lfm2Config(
+        vocab_size=2048,
+        hidden_size=dim,
+        intermediate_size=ff_dim,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        layer_types=list(layer_types),
+        conv_L_cache=conv_cache,
+        block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        **ids,
+    )
+    model = transformers.Lfm2ForCausalLM(config)
+    _redraw(model, seed)
+    with torch.no_grad():  # NOTE: tied, so also the output: logits spread ~10, not ~65
+        model.model.embed_tokens.weight.mul_(0.15)
+    model.tie_weights()
+    return _save(folder, model)

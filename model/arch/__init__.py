@@ -21,7 +21,7 @@ from kvcache.spec import MemorySpec
 from kvcache.spec import Recurrent as RecurrentSpec
 
 Activation = Literal["silu", "gelu_tanh"]
-Mixer = Literal["attn", "mamba2"]
+Mixer = Literal["attn", "mamba2", "shortconv"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,7 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "qwen3moe": QWEN3,  # Qwen3's block, the MLP a mixture of experts (ModelArgs.moe)
     "olmoe": OLMOE,
     "granitemoe": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
+    "lfm2": QWEN3,  # q/k norms per head; most layers a gated short conv (ModelArgs.short_conv)
 }
 # Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base
 # (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).
@@ -171,7 +172,8 @@ class LayerDesc:
     K/V into the cells of the layer's pool (window 0: the full pool, W: the window's); attention
     over the cells the row may see (p - W, p], softmax of the scores s = scale q.k, capped to
     softcap * tanh(s / softcap) where softcap > 0 (Gemma 2); then wo. mixer "mamba2":
-    model/layers/mamba2.py over the sequence's state slot. m = residual_mult. Without
+    model/layers/mamba2.py over the sequence's state slot; "shortconv": LFM2's gated short
+    convolution (model/layers/shortconv.py) over it. m = residual_mult. Without
     `pre_norms` attn_norm and ffn_norm are the identity (OLMo 2, EXAONE 4.0)."""
 
     mixer: Mixer
@@ -202,6 +204,8 @@ class LayerDesc:
         if self.mixer == "mamba2":
             kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
             return tuple([*kinds, "ssm_out", *ffn])
+        if self.mixer == "shortconv":
+            return ("attn_norm", "shortconv_in", "shortconv_conv", "shortconv_out", *ffn)
         kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn][0 if self.pre_norms else 1 :]
         if self.qkv_bias:
             kinds += ["bq", "bk", "bv"]
@@ -235,11 +239,12 @@ class ModelArgs:
     final_softcap: float = 0.0
     # LongRoPE (Phi-3): `rope` is longrope.short until use_context picks the long factors
     longrope: LongRope | None = None
-    # recurrent and hybrid models (Mamba2, Granite 4.0-H): per layer "attn" or "mamba2"
-    # (() every layer attention), the Mamba2 sizes, and whether blocks have an MLP at all
+    # recurrent and hybrid models (Mamba2, Granite 4.0-H, LFM2): per layer "attn", "mamba2" or
+    # "shortconv" (() every layer attention), the Mamba2 sizes, and whether blocks have an MLP
     mixers: tuple[Mixer, ...] = ()
     ssm: SSMArgs | None = None
     ffn: bool = True  # False: Mamba2 (the block is h = x + mixer(norm(x)))
+    short_conv: int = 0  # LFM2's "shortconv" layers: the kernel length L (conv_L_cache)
     nope: bool = False  # attention without any position encoding (Granite 4.0-H)
     nope_layers: tuple[bool, ...] = ()  # per layer: True skips RoPE there (SmolLM3's every 4th)
     # Granite scalars: x = embed * embed_mult; h = x + residual_mult * sublayer(..);
@@ -316,9 +321,17 @@ class ModelArgs:
             if self.mixer(i) == "attn":
                 specs.append(AttentionSpec(self.n_kv_heads, self.head_dim, self.window(i)))
             else:
-                assert self.ssm is not None, "a mamba2 layer needs ModelArgs.ssm"
-                specs.append(RecurrentSpec(self.ssm.state_shapes))
+                specs.append(RecurrentSpec(self.state_shapes))
         return MemorySpec.of(specs)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One sequence's (conv, ssm) state in a recurrent layer (kvcache/state_storage.py):
+        Mamba2's, or LFM2's short conv: conv [dim, L - 1], oldest column first, and no ssm."""
+        if self.ssm is not None:
+            return self.ssm.state_shapes
+        assert self.short_conv > 1, "a recurrent layer needs ModelArgs.ssm or short_conv"
+        return ((self.dim, self.short_conv - 1), (0,))
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -348,6 +361,9 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "w2": (d, f),
         **_ssm_shapes(args),
         **_moe_shapes(args),
+        "shortconv_in": (3 * d, d),  # LFM2: rows B, C, x; conv.weight [dim, 1, L] squeezed
+        "shortconv_conv": (d, args.short_conv),
+        "shortconv_out": (d, d),
     }
 
 

@@ -1,7 +1,8 @@
 """The decoder-only forward over the cell cache, built from an architecture's description
 (model/arch): Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, Phi-3,
 OLMo 2, EXAONE 4.0, GLM-4, Granite, the mixture-of-experts families (model/layers/moe.py), and
-with Mamba2 mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H.
+with Mamba2 mixers (model/layers/mamba2.py) over state slots, Mamba2 and Granite 4.0-H, and
+with LFM2's gated short convolutions (model/layers/shortconv.py) over them.
 
 Weights are in Hugging Face layout ([out_features, in_features], rotate-half RoPE, Gemma norms as
 w of (1 + w)); the GGUF loader converts llama.cpp's layouts to it. The batch and its attention
@@ -25,6 +26,7 @@ from model.layers.blocks import FeedForward, Linear, RMSNorm
 from model.layers.ggml import BlockEmbedding, BlockWeight, make_linear
 from model.layers.mamba2 import Mamba2Mixer
 from model.layers.moe import MoEFeedForward
+from model.layers.shortconv import ShortConvMixer
 
 __all__ = [
     "Attention",
@@ -204,8 +206,9 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """One layer as its model.arch.LayerDesc describes it: h = x + m * [post_attn_norm](mixer(
     attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
-    mixer is Attention, or Mamba2Mixer on a "mamba2" layer; no MLP half without `ffn` (Mamba2);
-    the MLP is MoEFeedForward on a `moe` layer (model/layers/moe.py).
+    mixer is Attention, Mamba2Mixer on a "mamba2" layer, ShortConvMixer on a "shortconv" one;
+    no MLP half without `ffn` (Mamba2); the MLP is MoEFeedForward on a `moe` layer
+    (model/layers/moe.py).
     model/runner/native.py's C++ step reads the same desc and the same modules' weights."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], layer: int) -> None:
@@ -218,11 +221,13 @@ class Block(nn.Module):
         self.attention_norm = None  # no pre-norms (OLMo 2): the sublayers read x and h as they are
         if desc.pre_norms:
             self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, desc.norm_shift)
-        self.attention: Attention | Mamba2Mixer = (
-            Mamba2Mixer(args, weights, prefix)
-            if desc.mixer == "mamba2"
-            else Attention(args, weights, prefix, layer)
-        )
+        self.attention: Attention | Mamba2Mixer | ShortConvMixer
+        if desc.mixer == "mamba2":
+            self.attention = Mamba2Mixer(args, weights, prefix)
+        elif desc.mixer == "shortconv":
+            self.attention = ShortConvMixer(args, weights, prefix)
+        else:
+            self.attention = Attention(args, weights, prefix, layer)
         self.ffn_norm = None
         self.feed_forward: FeedForward | MoEFeedForward | None = None
         if desc.ffn and desc.pre_norms:

@@ -249,11 +249,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# the architectures whose attention/FFN blocks take BlockLinears (the recurrent mixers read
-# dense weights)
-BLOCK_ARCHS = (*DENSE_ARCHS, *MOE_ARCHS)
+# the architectures whose attention/FFN blocks take BlockLinears (the Mamba2 mixers read
+# dense weights; LFM2's short convs are two linears around a conv, which stays dense)
+BLOCK_ARCHS = (*DENSE_ARCHS, *MOE_ARCHS, "lfm2")
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
-BLOCK_KINDS = frozenset(("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings"))
+BLOCK_KINDS = frozenset(
+    ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings")
+    + ("shortconv_in", "shortconv_out")
+)
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
 
 
@@ -264,6 +267,8 @@ def read_weights(
     and the embedding table as BlockWeights (the file's bytes; a row permutation copies)."""
     names: dict[str, str] = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight"}
     present = {t.name for t in reader.tensors}
+    if args.arch == "lfm2" and "token_embd_norm.weight" in present:
+        names["norm"] = "token_embd_norm.weight"  # llama.cpp's lfm2: the final norm's name
     if "output.weight" in present:
         names["output"] = "output.weight"
     fused = _FUSED_KINDS.get(args.arch, frozenset())

@@ -1,5 +1,6 @@
-"""The GGUF side of the recurrent and hybrid architectures: llama.cpp's "mamba2" and
-"granitehybrid" (Granite 4.0-H, Bamba) metadata and tensors -> ModelArgs and HF-layout weights.
+"""The GGUF side of the recurrent and hybrid architectures: llama.cpp's "mamba2",
+"granitehybrid" (Granite 4.0-H, Bamba) and "lfm2" metadata and tensors -> ModelArgs and HF-layout
+weights.
 
 Layout (llama.cpp convert_hf_to_gguf Mamba2Model / GraniteHybridModel, llama-model.cpp):
 ssm.inner_size = d_inner, ssm.time_step_rank = the number of heads H (not HF's time_step_rank),
@@ -7,7 +8,9 @@ ssm.group_count, ssm.state_size, ssm.conv_kernel; granitehybrid's attention.head
 per-layer array where 0 marks a recurrent layer, rope.scaling.finetuned false means no position
 encoding, and logit_scale divides the logits. Numpy shapes of the tensors (ggml's reversed):
 ssm_conv1d.weight [conv_dim, K] (HF's [conv_dim, 1, K] squeezed), ssm_a = -exp(A_log) [H, 1],
-ssm_d [H, 1], ssm_norm.weight [G, d_inner / G].
+ssm_d [H, 1], ssm_norm.weight [G, d_inner / G]. lfm2 (LFM2ColBertModel's parent LFM2Model):
+attention.head_count_kv 0 marks a short-conv layer, shortconv.l_cache its kernel length,
+shortconv.conv.weight [dim, L]; the final norm is token_embd_norm (model/load/gguf.py).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from kvcache.rope import RopeConfig
-from model.arch import Mixer, ModelArgs, SSMArgs
+from model.arch import ARCH_BLOCKS, Mixer, ModelArgs, SSMArgs
 from model.errors import ModelLoadError
 from model.load.gguf_file import GGUFFile
 
-SSM_ARCHS = ("mamba2", "granitehybrid")
+SSM_ARCHS = ("mamba2", "granitehybrid", "lfm2")
 
 SSM_TENSORS = {
     "ssm_in": "ssm_in.weight",
@@ -34,6 +37,9 @@ SSM_TENSORS = {
     "ssm_d": "ssm_d",
     "ssm_norm": "ssm_norm.weight",
     "ssm_out": "ssm_out.weight",
+    "shortconv_in": "shortconv.in_proj.weight",
+    "shortconv_conv": "shortconv.conv.weight",
+    "shortconv_out": "shortconv.out_proj.weight",
 }
 # tensors llama.cpp reads for these archs that our forward does not implement
 _UNSUPPORTED = {
@@ -72,6 +78,10 @@ def _uniform(values: list[int], key: str, path: Path) -> int:
 def read_args(reader: GGUFFile, arch: str, get: Any, vocab_size: int, path: Path) -> ModelArgs:
     """`get(key, default)`: the value of `{arch}.{key}`; raises ModelLoadError when it is
     missing and no default is given."""
+    if arch == "lfm2":
+        args = _lfm2_args(get, vocab_size, path)
+        _check_tensors(reader, args, path)
+        return args
     expert_count = int(get("expert_count", 0))
     if expert_count > 0:
         raise ModelLoadError(
@@ -130,6 +140,38 @@ def read_args(reader: GGUFFile, arch: str, get: Any, vocab_size: int, path: Path
     )
     _check_tensors(reader, args, path)
     return args
+
+
+def _lfm2_args(get: Any, vocab_size: int, path: Path) -> ModelArgs:
+    n_layers = int(get("block_count"))
+    dim = int(get("embedding_length"))
+    kv = _int_list(get("attention.head_count_kv"), n_layers, "attention.head_count_kv", path)
+    mixers: list[Mixer] = ["attn" if k else "shortconv" for k in kv]
+    heads = _int_list(get("attention.head_count"), n_layers, "attention.head_count", path)
+    attn_heads = [h for h, m in zip(heads, mixers, strict=True) if m == "attn"]
+    n_heads = _uniform(attn_heads, "attention.head_count", path)
+    head_dim = int(get("attention.key_length", dim // n_heads if n_heads else 0))
+    ff = _int_list(get("feed_forward_length"), n_layers, "feed_forward_length", path)
+    return ModelArgs(
+        arch="lfm2",
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=_uniform(kv, "attention.head_count_kv", path),
+        head_dim=head_dim,
+        hidden_dim=_uniform(ff, "feed_forward_length", path),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope=RopeConfig(
+            theta=float(get("rope.freq_base", 10000.0)),
+            dim=int(get("rope.dimension_count", head_dim)),
+            layout="neox",  # llama.cpp's LLM_ARCH_LFM2 is LLAMA_ROPE_TYPE_NEOX: not permuted
+        ),
+        n_ctx_train=int(get("context_length", 2048)),
+        block=ARCH_BLOCKS["lfm2"],
+        mixers=tuple(mixers),
+        short_conv=int(get("shortconv.l_cache")),
+    )
 
 
 def _ssm_args(get: Any, eps: float, path: Path) -> SSMArgs:

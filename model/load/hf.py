@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from model.arch import ModelArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
-from model.load.hf_ssm import read_ssm_weights
+from model.load.hf_ssm import SSM_MODEL_TYPES, read_ssm_weights
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -70,7 +70,7 @@ def read_weights(
                     raw[key] = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own SafetensorError on bad files
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
-    if args.ssm is not None:
+    if args.arch in SSM_MODEL_TYPES:
         return read_ssm_weights(raw, args, config, dtype, folder)
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))

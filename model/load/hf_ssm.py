@@ -1,7 +1,8 @@
-"""Hugging Face folders of models with Mamba2 mixers: Mamba2 (`mamba2`), Granite 4.0-H
-(`granitemoehybrid`, dense only) and Bamba (`bamba`), read into ModelArgs and HF-layout weights
-under model.arch's names (ssm_a = -exp(A_log), the conv squeezed to [conv_dim, K], Granite's
-shared_mlp.input_linear split into w1 (gate, first half) and w3 (up))."""
+"""Hugging Face folders of models with recurrent mixers: Mamba2 (`mamba2`), Granite 4.0-H
+(`granitemoehybrid`, dense only), Bamba (`bamba`) and LFM2's short convolutions (`lfm2`), read
+into ModelArgs and HF-layout weights under model.arch's names (ssm_a = -exp(A_log), the convs
+squeezed to [channels, K], Granite's shared_mlp.input_linear split into w1 (gate, first half)
+and w3 (up))."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Any
 import torch
 
 from kvcache.rope import RopeConfig
-from model.arch import LLAMA, Mixer, ModelArgs, SSMArgs, layer_weights, weight_shapes
+from model.arch import ARCH_BLOCKS, LLAMA, Mixer, ModelArgs, SSMArgs, layer_weights, weight_shapes
 from model.errors import ModelLoadError
 
-SSM_MODEL_TYPES = ("mamba2", "granitemoehybrid", "bamba")
+SSM_MODEL_TYPES = ("mamba2", "granitemoehybrid", "bamba", "lfm2")
 
 # transformers 5 writes linear_attention / full_attention; released configs say mamba / attention
 _LAYER_KINDS: dict[str, Mixer] = {
@@ -41,6 +42,20 @@ _ATTN_TENSORS = {
     "wv": "self_attn.v_proj.weight",
     "wo": "self_attn.o_proj.weight",
 }
+_LFM2_TENSORS = _ATTN_TENSORS | {
+    "wo": "self_attn.out_proj.weight",
+    "q_norm": "self_attn.q_layernorm.weight",
+    "k_norm": "self_attn.k_layernorm.weight",
+    "attn_norm": "operator_norm.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "w1": "feed_forward.w1.weight",
+    "w3": "feed_forward.w3.weight",
+    "w2": "feed_forward.w2.weight",
+    "shortconv_in": "conv.in_proj.weight",
+    "shortconv_conv": "conv.conv.weight",
+    "shortconv_out": "conv.out_proj.weight",
+}
+_LFM2_LAYER_KINDS: dict[str, Mixer] = {"conv": "shortconv", "full_attention": "attn"}
 
 
 def read_ssm_args(config: dict[str, Any], model_type: str) -> ModelArgs:
@@ -49,6 +64,8 @@ def read_ssm_args(config: dict[str, Any], model_type: str) -> ModelArgs:
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
     dim = int(config["hidden_size"])
+    if model_type == "lfm2":
+        return _lfm2_args(config, dim)
     if model_type == "mamba2":
         n = int(config["num_hidden_layers"])
         eps = float(config.get("layer_norm_epsilon", 1e-5))
@@ -140,6 +157,56 @@ def _ssm(config: dict[str, Any], dim: int, eps: float, pre: str) -> SSMArgs:
     )
 
 
+def _lfm2_args(config: dict[str, Any], dim: int) -> ModelArgs:
+    """Lfm2Config: layer_types "conv" / "full_attention" (or full_attn_idxs: the attention
+    layers), RoPE on whole heads, the MLP width as Lfm2MLP adjusts it."""
+    if config.get("conv_bias"):
+        raise ValueError("conv_bias is not supported (llama.cpp's lfm2 has no conv biases)")
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        attn = config.get("full_attn_idxs")
+        attn = set(range(n)) if attn is None else {int(i) for i in attn}
+        types = ["full_attention" if i in attn else "conv" for i in range(n)]
+    if len(types) != n or not set(types) <= set(_LFM2_LAYER_KINDS):
+        raise ValueError(f"layer_types {types} for {n} layers (conv / full_attention)")
+    n_heads = int(config["num_attention_heads"])
+    params = config.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {params['rope_type']!r} is not supported")
+    theta = float(config.get("rope_theta", params.get("rope_theta", 1000000.0)))
+    return ModelArgs(
+        arch="lfm2",
+        vocab_size=int(config["vocab_size"]),
+        dim=dim,
+        n_layers=n,
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_dim=dim // n_heads,
+        hidden_dim=_lfm2_ff_dim(config),
+        norm_eps=float(config.get("norm_eps", 1e-5)),
+        rope=RopeConfig(theta, dim // n_heads, "neox"),
+        n_ctx_train=int(config.get("max_position_embeddings", 0)),
+        block=ARCH_BLOCKS["lfm2"],
+        mixers=tuple(_LFM2_LAYER_KINDS[t] for t in types),
+        short_conv=int(config.get("conv_L_cache", 3)),
+    )
+
+
+def _lfm2_ff_dim(config: dict[str, Any]) -> int:
+    """transformers' Lfm2MLP: block_ff_dim (or intermediate_size), with auto-adjust 2/3 of it,
+    then times the multiplier rounded up to block_multiple_of (only where a multiplier is set:
+    llama.cpp's converter rounds either way, and writes its width as feed_forward_length)."""
+    ff = int(config.get("block_ff_dim") or config["intermediate_size"])
+    if config.get("block_auto_adjust_ff_dim", True):
+        ff = int(2 * ff / 3)
+        mult = config.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            of = int(config.get("block_multiple_of", 256))
+            ff = of * ((int(float(mult) * ff) + of - 1) // of)
+    return ff
+
+
 def _mixers(config: dict[str, Any]) -> tuple[Mixer, ...]:
     n = int(config["num_hidden_layers"])
     types = config.get("layer_types") or config.get("layers_block_type")
@@ -158,6 +225,16 @@ def _mixers(config: dict[str, Any]) -> tuple[Mixer, ...]:
 
 def hf_names(args: ModelArgs) -> dict[str, str]:
     """Our weight name -> the HF tensor it comes from (before convert_tensor)."""
+    if args.arch == "lfm2":
+        names = {
+            "tok_embeddings": "model.embed_tokens.weight",
+            "norm": "model.embedding_norm.weight",  # NOTE: LFM2's final norm, by this name
+            "output": "lm_head.weight",
+        }
+        for i in range(args.n_layers):
+            for ours in layer_weights(args, i):
+                names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{_LFM2_TENSORS[ours]}"
+        return names
     if args.arch == "mamba2":
         layer_fmt, mixer = "backbone.layers.{}.", "mixer."
         names = {
@@ -191,8 +268,8 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
 def convert_tensor(ours: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """An HF tensor -> the shape and meaning model.arch.weight_shapes gives `ours`."""
     kind = ours.rsplit(".", 1)[-1]
-    if kind == "ssm_conv":
-        return w.reshape(w.shape[0], w.shape[-1])  # [conv_dim, 1, K]
+    if kind in ("ssm_conv", "shortconv_conv"):
+        return w.reshape(w.shape[0], w.shape[-1])  # [channels, 1, K]
     if kind == "ssm_a":
         return -torch.exp(w.float())  # A_log -> A
     if args.arch == "granitemoehybrid" and kind in ("w1", "w3"):
@@ -211,7 +288,10 @@ def read_ssm_weights(
     names = hf_names(args)
     if "backbone.embedding.weight" in raw:  # older Mamba2 checkpoints (transformers' load_hook)
         raw.setdefault("backbone.embeddings.weight", raw["backbone.embedding.weight"])
-    if "lm_head.weight" not in raw and config.get("tie_word_embeddings", False):
+    # LFM2 ties by default (transformers' Lfm2Config; its released configs say tie_embedding)
+    lfm2 = args.arch == "lfm2"
+    tied = config.get("tie_embedding", config.get("tie_word_embeddings", lfm2))
+    if "lm_head.weight" not in raw and tied:
         del names["output"]
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}

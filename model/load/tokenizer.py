@@ -19,7 +19,8 @@ _LLAMA3_RE = (
     r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
-_SPLIT_RES = {"llama3": _LLAMA3_RE, "llama-bpe": _LLAMA3_RE, "qwen2": _QWEN2_RE}
+# "lfm2": llama.cpp gives LFM2 Llama 3's pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_LLAMA3)
+_SPLIT_RES = {"llama3": _LLAMA3_RE, "llama-bpe": _LLAMA3_RE, "lfm2": _LLAMA3_RE, "qwen2": _QWEN2_RE}
 # Tokens llama.cpp treats as end-of-generation when present (llama_vocab::impl::load).
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4

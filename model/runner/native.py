@@ -73,7 +73,7 @@ class NativeDecoder:
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
-            return None, "recurrent mixers run in Python (model/layers/mamba2.py)"
+            return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
         if any(d.softcap for d in descs):
             return None, "attention logit soft-capping: the C++ attention kernels do not cap"
         if not all(d.pre_norms for d in descs):

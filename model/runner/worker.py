@@ -382,8 +382,7 @@ def make_worker(
         parts: list[KVStorage | RecurrentStorage] = []
         for g, n in zip(groups, cells, strict=True):
             if g.key == "recurrent":
-                assert args.ssm is not None
-                conv_shape, ssm_shape = args.ssm.state_shapes
+                conv_shape, ssm_shape = args.state_shapes
                 dt, dev = model.dtype, model.device
                 parts.append(RecurrentStorage(g.layers, n, conv_shape, ssm_shape, dt, dev))
                 continue

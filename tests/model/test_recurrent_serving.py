@@ -1,7 +1,7 @@
-"""The real scheduler and memory (recurrent / hybrid) driving the real worker on a random Mamba2
-and a random Granite 4.0-H: batching, forks, the prefix cache through state checkpoints and
-preemption give what each request gives alone; and `python -m cli` serves a Mamba2
-folder."""
+"""The real scheduler and memory (recurrent / hybrid) driving the real worker on a random Mamba2,
+a random Granite 4.0-H and a random LFM2 (short-conv states): batching, forks, the prefix cache
+through state checkpoints and preemption give what each request gives alone; and
+`python -m cli` serves a Mamba2 folder."""
 
 from __future__ import annotations
 
@@ -17,16 +17,18 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.live_server import start_server_process
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
-from tests.tiny_ssm import write_tiny_granite_hybrid, write_tiny_mamba2
+from tests.tiny_ssm import write_tiny_granite_hybrid, write_tiny_lfm2, write_tiny_mamba2
 
 CFG = dict(n_cells=1024, n_seq_max=10, n_batch=64, n_ctx_seq=512)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "granite"])
+@pytest.fixture(scope="module", params=["mamba2", "granite", "lfm2"])
 def tiny(request, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     folder = Path(tmp_path_factory.mktemp(request.param)) / "tiny"
     if request.param == "mamba2":
         return load_model(write_tiny_mamba2(folder))
+    if request.param == "lfm2":
+        return load_model(write_tiny_lfm2(folder))
     return load_model(write_tiny_granite_hybrid(folder))
 
 
