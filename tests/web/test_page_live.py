@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from selenium.webdriver.common.by import By
 
-from kvcache.cells import FREE, SHARED
+from kvcache.cells import FREE, HELD, SHARED
 from server.cache_map import decode_runs
 from tests.web.page import (
     ask,
@@ -127,7 +127,8 @@ def test_map_shows_two_streams_then_frees_their_cells(page, live_server, artifac
     cells = wait_idle(live_server.url)
     wait_for(lambda: table_rows(page) == [], 10, "the table to empty")
     owners = set(decode_runs(cells["owner_runs"]).tolist())
-    assert owners <= {FREE, SHARED, *cells["holder_seq_ids"]}
+    # what stays: prefix-cache holders, and cells only the prefix index holds (HELD)
+    assert owners <= {FREE, SHARED, HELD, *cells["holder_seq_ids"]}
     assert not live_seqs & drawn_seqs(page) - set(cells["holder_seq_ids"])
 
 
