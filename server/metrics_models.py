@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
+from server.metrics import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
 from server.model_router import ModelRouter
 
 _STATUSES = ("unloaded", "loading", "loaded", "unloading")
