@@ -152,13 +152,7 @@ void dequant_row(CacheKind kind, const uint8_t* src, at::BFloat16* dst, int64_t 
   float row[32 * kMaxChunks];
   TORCH_CHECK(hd <= 32 * kMaxChunks, "head_dim ", hd, " past ", 32 * kMaxChunks);
   dequant_row(kind, src, row, hd);
-  int64_t i = 0;
-#ifdef CELLSERVE_AVX512_BF16
-  for (; i + 16 <= hd; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + i)));
-#endif
-  for (; i < hd; ++i) dst[i] = at::BFloat16(row[i]);
+  to_bf16(row, dst, hd);
 }
 
 void encode_row(CacheKind kind, const float* x, uint8_t* dst, int64_t hd) {
