@@ -61,7 +61,7 @@ def random_model(args: Any, seed: int = 0) -> Loaded:
     """Random weights for every kind model.arch lists for `args` (norms near 1, A < 0)."""
     import torch
 
-    from model.arch import layer_weights, weight_shapes
+    from model.arch.weights import layer_weights, weight_shapes
     from model.layers.decoder import Transformer
 
     gen = torch.Generator().manual_seed(seed)

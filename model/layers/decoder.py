@@ -19,7 +19,8 @@ from torch import nn
 
 from kvcache.rope import rope_partner
 from kvcache.storage import KVStorage
-from model.arch import ModelArgs, weight_shapes
+from model.arch import ModelArgs
+from model.arch.weights import weight_shapes
 from model.kernels import DecodeAttention, PromptAttention
 from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
 from model.layers.blocks import FeedForward, Linear, RMSNorm
@@ -262,7 +263,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """`weights` (HF layout, serving dtype): tok_embeddings, output, norm, and per layer
-    layers.{i}.{...} of model.arch.layer_weights(args): attn_norm, wq, wk, wv, [bq, bk, bv],
+    layers.{i}.{...} of model.arch.weights.layer_weights(args): attn_norm, wq, wk, wv, [bq, bk, bv],
     [q_norm, k_norm], wo, [post_attn_norm], ffn_norm, w1 (gate), w3 (up), w2, [post_ffn_norm];
     a mamba2 layer has the ssm_* weights instead of the attention ones, a moe layer moe_router
     and w1_exps, w3_exps, w2_exps (each indexable by expert) instead of w1, w3, w2."""

@@ -84,7 +84,7 @@ def _pad_rows(
 class Mamba2Mixer(nn.Module):
     """`weights` prefix + ssm_in [d_in_proj, dim] (rows z, xBC, dt), ssm_conv [conv_dim, K],
     ssm_dt_b, ssm_a (= -exp(A_log)), ssm_d [H], ssm_norm [d_inner], ssm_out [dim, d_inner],
-    and the optional biases ssm_in_b, ssm_conv_b, ssm_out_b (model.arch.layer_weights)."""
+    and the optional biases ssm_in_b, ssm_conv_b, ssm_out_b (model.arch.weights.layer_weights)."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()

@@ -25,10 +25,9 @@ from model.arch import (
     ModelArgs,
     MoEArgs,
     gemma3_windows,
-    layer_weights,
     smollm3_nope_layers,
-    weight_shapes,
 )
+from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
 from model.layers.ggml import GGML_TYPES, BlockWeight
 from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor, open_shared

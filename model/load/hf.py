@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from model.arch import ModelArgs, layer_weights, weight_shapes
+from model.arch import ModelArgs
+from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
 from model.load.hf_ssm import SSM_MODEL_TYPES, read_ssm_weights
 

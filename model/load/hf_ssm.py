@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from kvcache.rope import RopeConfig
-from model.arch import ARCH_BLOCKS, LLAMA, Mixer, ModelArgs, SSMArgs, layer_weights, weight_shapes
+from model.arch import ARCH_BLOCKS, LLAMA, Mixer, ModelArgs, SSMArgs
+from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
 
 SSM_MODEL_TYPES = ("mamba2", "granitemoehybrid", "bamba", "lfm2")
@@ -266,7 +267,7 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
 
 
 def convert_tensor(ours: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """An HF tensor -> the shape and meaning model.arch.weight_shapes gives `ours`."""
+    """An HF tensor -> the shape and meaning model.arch.weights.weight_shapes gives `ours`."""
     kind = ours.rsplit(".", 1)[-1]
     if kind in ("ssm_conv", "shortconv_conv"):
         return w.reshape(w.shape[0], w.shape[-1])  # [channels, 1, K]

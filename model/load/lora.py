@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from model.arch import ModelArgs, weight_shapes
+from model.arch import ModelArgs
+from model.arch.weights import weight_shapes
 from model.errors import ModelLoadError
 from model.load import gguf as gguf_load
 

@@ -1,0 +1,85 @@
+"""The weights an architecture needs: each kind's expected shape and the kinds of each block.
+
+The loaders (model/load/gguf.py, hf.py, hf_ssm.py, lora.py) check every tensor against these."""
+
+from __future__ import annotations
+
+from model.arch import ModelArgs
+
+
+def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Expected shape of each weight kind (the last part of its name)."""
+    d, f = args.dim, args.hidden_dim
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    full = args.block.qk_norm_full
+    return {
+        "tok_embeddings": (args.vocab_size, d),
+        "output": (args.vocab_size, d),
+        "norm": (d,),
+        "attn_norm": (d,),
+        "ffn_norm": (d,),
+        "post_attn_norm": (d,),
+        "post_ffn_norm": (d,),
+        "q_norm": (q_dim if full else args.head_dim,),
+        "k_norm": (kv_dim if full else args.head_dim,),
+        "wq": (q_dim, d),
+        "wk": (kv_dim, d),
+        "wv": (kv_dim, d),
+        "wo": (d, q_dim),
+        "bq": (q_dim,),
+        "bk": (kv_dim,),
+        "bv": (kv_dim,),
+        "w1": (f, d),
+        "w3": (f, d),
+        "w2": (d, f),
+        **_ssm_shapes(args),
+        **_moe_shapes(args),
+        "shortconv_in": (3 * d, d),  # LFM2: rows B, C, x; conv.weight [dim, 1, L] squeezed
+        "shortconv_conv": (d, args.short_conv),
+        "shortconv_out": (d, d),
+    }
+
+
+def _moe_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The router and the experts' gate, up and down weights stacked [n_experts, out, in]."""
+    m = args.moe
+    if m is None:
+        return {}
+    e, d, f = m.n_experts, args.dim, m.expert_dim
+    return {
+        "moe_router": (e, d),
+        "w1_exps": (e, f, d),
+        "w3_exps": (e, f, d),
+        "w2_exps": (e, d, f),
+    }
+
+
+def _ssm_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """A Mamba2 layer's weights (HF layout; A = -exp(A_log) as llama.cpp's ssm_a)."""
+    s = args.ssm
+    if s is None:
+        return {}
+    return {
+        "ssm_in": (s.d_in_proj, args.dim),  # rows: z, xBC, dt
+        "ssm_in_b": (s.d_in_proj,),
+        "ssm_conv": (s.conv_dim, s.d_conv),  # conv1d.weight [conv_dim, 1, K] squeezed
+        "ssm_conv_b": (s.conv_dim,),
+        "ssm_dt_b": (s.n_heads,),
+        "ssm_a": (s.n_heads,),  # A = -exp(A_log)
+        "ssm_d": (s.n_heads,),
+        "ssm_norm": (s.d_inner,),
+        "ssm_out": (args.dim, s.d_inner),
+        "ssm_out_b": (args.dim,),
+    }
+
+
+def layer_weights(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
+    """The weight kinds block `layer` of `args` needs (its LayerDesc, and the Mamba2 biases)."""
+    kinds = list(args.layer_desc(layer).weights)
+    if args.mixer(layer) == "mamba2":
+        assert args.ssm is not None
+        if args.ssm.conv_bias:
+            kinds.append("ssm_conv_b")
+        if args.ssm.proj_bias:
+            kinds += ["ssm_in_b", "ssm_out_b"]
+    return tuple(kinds)
