@@ -1,4 +1,4 @@
-"""What the cell metadata hands out: pending storage work and accounting."""
+"""What the cell metadata hands out: the owner map's values, pending storage work, accounting."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+FREE = -1  # owner_map value of a cell no sequence owns
+SHARED = -2  # owner_map value of a cell two or more sequences own
+HELD = -3  # owner_map value of a cell only the memory itself holds (kvcache/held_cells.py)
 
 
 @dataclass(slots=True)

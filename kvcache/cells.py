@@ -5,11 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcache.cell_check import check_cells
-from kvcache.cell_types import CellStats, PendingOps, longest_run
-
-FREE = -1  # owner_map value of a cell no sequence owns
-SHARED = -2  # owner_map value of a cell two or more sequences own
-HELD = -3  # owner_map value of a cell only the memory itself holds (kvcache/held_cells.py)
+from kvcache.cell_types import FREE, HELD, SHARED, CellStats, PendingOps, longest_run
 
 __all__ = ["FREE", "HELD", "SHARED", "CellStats", "KVCells", "PendingOps"]
 
