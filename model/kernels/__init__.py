@@ -57,7 +57,10 @@ _SOURCE_NAMES = (
     "step.cpp",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [HERE / "kernels.h", HERE / "ggml_formats.h"]
+HEADERS = [
+    HERE / name
+    for name in ("kernels.h", "ggml_formats.h", "ggml_kdecode.h", "ggml_kgemv.h", "ggml_ktiles.h")
+]
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-mtune=generic"]
 
 # Each level's target flags: what its CPUs all have (model/kernels/isa.py says which CPUs).
