@@ -111,10 +111,13 @@ class ModelRouter:
             )
         return entry
 
-    async def acquire(self, entry: ModelEntry) -> Backend:
+    async def acquire(self, entry: ModelEntry, autoload: bool | None = None) -> Backend:
         """The model's Backend, loading it first if needed (the caller waits; other models'
-        requests go on); the caller must `release` it. 503 for a model that failed to load or
-        no room before the request timeout."""
+        requests go on); the caller must `release` it. `autoload` (llama.cpp's `?autoload=`)
+        overrides --[no-]models-autoload for this request. 503 for a model that failed to load
+        or no room before the request timeout."""
+        if autoload is None:
+            autoload = self.settings.models_autoload
         deadline = time.monotonic() + self.settings.request_timeout
         while True:
             if self.closed:
@@ -124,11 +127,11 @@ class ModelRouter:
                 entry.last_used = time.monotonic()
                 return entry.backend
             if entry.status == "unloaded":
-                if not self.settings.models_autoload:
+                if not autoload:
                     raise APIError(
                         400,
                         f"the model {entry.name!r} is not loaded: load it with POST /models/load "
-                        "(--no-models-autoload)",
+                        "(or ask with ?autoload=true)",
                         param="model",
                         code="model_not_loaded",
                     )
@@ -189,10 +192,8 @@ class ModelRouter:
             backend = await asyncio.to_thread(self.factory, settings, self.on_step)
             backend.engine.start()
         except Exception as exc:
-            entry.status, entry.error = "unloaded", f"{type(exc).__name__}: {exc}"
             entry.holds_room = False
-            entry.num_load_failures += 1
-            log.error("cannot load the model %s: %s", entry.name, entry.error)
+            self._failed(entry, exc)
             return
         entry.backend, entry.status = backend, "loaded"
         entry.last_used = time.monotonic()
@@ -201,6 +202,11 @@ class ModelRouter:
         log.info("model %s loaded in %.1f s", entry.name, entry.load_seconds[-1])
         if self.closed:  # the server began to drain while the model loaded
             await self.unload(entry)
+
+    def _failed(self, entry: ModelEntry, exc: Exception) -> None:
+        entry.status, entry.error = "unloaded", f"{type(exc).__name__}: {exc}"
+        entry.num_load_failures += 1
+        log.error("cannot load the model %s: %s", entry.name, entry.error)
 
     async def _make_room(self, entry: ModelEntry) -> None:
         """Unload least recently used idle models until `entry` fits under --models-max;

@@ -43,15 +43,29 @@ async def requested_model(request: Request) -> str | None:
     return None if name in (None, "", ROUTER_NO_MODEL) else name
 
 
+def requested_autoload(request: Request) -> bool | None:
+    """llama.cpp's per-request `?autoload=true|false` (also 1|0); None: --[no-]models-autoload."""
+    value = request.query_params.get("autoload")
+    if value is None or value == "":
+        return None
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise APIError(400, f"autoload must be true or false, not {value!r}", param="autoload")
+
+
 async def routed_backend(request: Request) -> AsyncIterator[Backend]:
     """Replaces server.deps.get_backend in router mode: the named model's Backend, loaded
-    first if it is not (this request waits), held busy until the response is sent."""
+    first if it is not (this request waits; `?autoload=` decides whether it may load it),
+    held busy until the response is sent."""
     state = request.app.state
     if state.draining:
         raise APIError(503, "the server is shutting down", code="draining")
     models: ModelRouter = state.router
+    autoload = requested_autoload(request)
     entry = models.find(await requested_model(request))
-    backend = await models.acquire(entry)
+    backend = await models.acquire(entry, autoload)
     try:
         yield backend
     finally:
