@@ -8,10 +8,12 @@ memory is freed: mapped weights unmapped, the cache and owned weights collected)
 
 Statuses: unloaded -> loading -> loaded -> unloading -> unloaded. A load that fails leaves
 the model unloaded with its error: requests for it get a 503 that says why, and an explicit
-POST /models/load retries. Loads take their room one at a time (the lock), so that two cannot
-each wait for the other's room; then they load side by side. When every loaded model is busy,
-the least recently used one takes no new requests until it is idle and unloaded (its new
-requests wait, then load it again): no model waits for room for ever.
+POST /models/load retries. A load checks the file first (server/model_check.py), then makes
+room: a missing or unsupported model does not unload an idle one. Loads take their room one
+at a time (the lock), so that two cannot each wait for the other's room; then they load side
+by side. When every loaded model is busy, the least recently used one takes no new requests
+until it is idle and unloaded (its new requests wait, then load it again): no model waits for
+room for ever.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from scheduler.stats import StepStats
 from server.backend import Backend, BackendFactory
 from server.errors import APIError
+from server.model_check import check_model_path
 from server.models_dir import ModelSource
 from server.settings import Settings
 
@@ -79,10 +82,12 @@ class ModelRouter:
         sources: list[ModelSource],
         factory: BackendFactory,
         on_step: Callable[[StepStats], None],
+        check: Callable[[str], None] = check_model_path,
     ) -> None:
         self.settings = settings
         self.entries = {s.name: ModelEntry(s) for s in sources}
         self.factory = factory
+        self.check = check  # raises for a path the factory would fail on, before room is made
         self.on_step = on_step
         self.closed = False
         self._room_lock = asyncio.Lock()
@@ -170,6 +175,11 @@ class ModelRouter:
         entry.task = asyncio.create_task(self._load(entry), name=f"load {entry.name}")
 
     async def _load(self, entry: ModelEntry) -> None:
+        try:
+            await asyncio.to_thread(self.check, entry.source.path)
+        except Exception as exc:
+            self._failed(entry, exc)
+            return
         async with self._room_lock:
             try:
                 await self._make_room(entry)

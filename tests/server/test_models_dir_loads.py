@@ -1,7 +1,10 @@
 """Loads in a multi-model server (server/model_router.py): llama.cpp's per-request
-`?autoload=true|false`."""
+`?autoload=true|false`, and a load that fails on its file (server/model_check.py) costing no
+idle model its place under --models-max."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -10,7 +13,10 @@ from tests.server.test_models_dir import (
     FakeModels,
     chat,
     make_models_dir,
+    model_metrics,
     statuses,
+    wait_status,
+    write_gguf_header,
 )
 
 
@@ -54,3 +60,43 @@ def test_a_bad_autoload_value_is_a_400(server_factory, folder) -> None:
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["param"] == "autoload" and "'maybe'" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (lambda path: path.unlink(), "no such file"),
+        (lambda path: path.write_bytes(b"not a gguf at all"), "not a readable GGUF"),
+        (lambda path: write_gguf_header(path, arch="gpt2"), "architecture 'gpt2'"),
+    ],
+    ids=["missing", "not-gguf", "unsupported-arch"],
+)
+def test_a_load_that_fails_on_its_file_keeps_the_idle_model(
+    server_factory, folder, spoil, why
+) -> None:
+    models = FakeModels()
+    server = server_factory(models, models_dir=str(folder), models_max=1)
+    assert chat(server.url, "beta").status_code == 200
+    spoil(folder / "alpha.gguf")
+    resp = chat(server.url, "alpha")
+    assert resp.status_code == 503
+    error = resp.json()["error"]
+    assert error["code"] == "model_load_failed" and why in error["message"]
+    assert statuses(server.url) == {"alpha": "unloaded", "beta": "loaded"}
+    metrics = model_metrics(server.url)
+    assert metrics[("cellserve_model_unloads_total", "beta")] == 0
+    assert metrics[("cellserve_model_load_failures_total", "alpha")] == 1
+    # the explicit retry checks first too
+    assert httpx.post(f"{server.url}/models/load", json={"model": "alpha"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while model_metrics(server.url)[("cellserve_model_load_failures_total", "alpha")] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert statuses(server.url)["beta"] == "loaded"
+    assert models.loads == ["beta"]
+    # once the file is good, the model loads (in beta's place)
+    write_gguf_header(folder / "alpha.gguf")
+    assert chat(server.url, "alpha").status_code == 503  # the failure stays until a retry
+    assert httpx.post(f"{server.url}/models/load", json={"model": "alpha"}).status_code == 200
+    wait_status(server.url, "alpha", "loaded")
+    assert statuses(server.url)["beta"] == "unloaded"
