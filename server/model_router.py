@@ -190,16 +190,10 @@ class ModelRouter:
             entry.holds_room = True
         started = time.monotonic()
         log.info("loading the model %s from %s", entry.name, entry.source.path)
-        settings = self.settings.model_copy(
-            update={
-                "model": entry.source.path,
-                "served_model_name": entry.name,
-                "models_dir": None,
-                "models": [],
-            }
-        )
         try:
-            backend = await asyncio.to_thread(self.factory, settings, self.on_step)
+            backend = await asyncio.to_thread(
+                self.factory, self.model_settings(entry), self.on_step
+            )
             backend.engine.start()
         except Exception as exc:
             entry.holds_room = False
@@ -212,6 +206,11 @@ class ModelRouter:
         log.info("model %s loaded in %.1f s", entry.name, entry.load_seconds[-1])
         if self.closed:  # the server began to drain while the model loaded
             await self.unload(entry)
+
+    def model_settings(self, entry: ModelEntry) -> Settings:
+        """What the model loads with: the server's settings, as if it served this model alone."""
+        update = {"model": entry.source.path, "served_model_name": entry.name}
+        return self.settings.model_copy(update=update | {"models_dir": None, "models": []})
 
     def _failed(self, entry: ModelEntry, exc: Exception) -> None:
         entry.status, entry.error = "unloaded", f"{type(exc).__name__}: {exc}"

@@ -314,7 +314,8 @@ def test_a_model_that_fails_to_load_says_why_and_breaks_nothing(start) -> None:
     assert error["code"] == "model_load_failed" and "not a GGUF file" in error["message"]
     listed = {m["id"]: m["status"] for m in httpx.get(f"{server.url}/models").json()["data"]}
     assert listed["alpha"]["value"] == "unloaded" and listed["alpha"]["failed"] is True
-    assert listed["beta"] == {"value": "unloaded", "failed": False}
+    assert listed["beta"]["value"] == "unloaded" and listed["beta"]["failed"] is False
+    assert "error" not in listed["beta"]
     assert "not a GGUF file" in listed["alpha"]["error"]
     assert chat(server.url, "beta").status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
