@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from server.metrics import (
-    Collector,
-    CounterMetricFamily,
-    EngineRows,
-    GaugeMetricFamily,
-    Metric,
-    engine_metrics,
-)
+from server.metrics import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
+from server.metrics_engine import EngineRows, engine_metrics
 from server.model_router import ModelRouter
 
 _STATUSES = ("unloaded", "loading", "loaded", "unloading")
