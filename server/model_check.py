@@ -52,9 +52,10 @@ def _check_folder(folder: Path) -> None:
     if not config.is_file():
         raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
     try:
-        model_type = read_json(config).get("model_type")
+        data = read_json(config)  # ModelLoadError: not JSON
     except OSError as e:
         raise ModelLoadError(f"{config}: cannot read it ({e})") from e
+    model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type not in (*SUPPORTED_MODEL_TYPES, *ENCODER_ARCHS):
         raise ModelLoadError(
             f"{folder}: model_type {model_type!r} is not supported (supported: "

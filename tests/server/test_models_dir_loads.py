@@ -100,3 +100,27 @@ def test_a_load_that_fails_on_its_file_keeps_the_idle_model(
     assert httpx.post(f"{server.url}/models/load", json={"model": "alpha"}).status_code == 200
     wait_status(server.url, "alpha", "loaded")
     assert statuses(server.url)["beta"] == "unloaded"
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (None, "no config.json"),
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "model_type None"),
+        ('{"model_type": "gpt2"}', "model_type 'gpt2'"),
+    ],
+    ids=["no-config", "not-json", "not-an-object", "unsupported"],
+)
+def test_a_folder_is_checked_by_its_config(tmp_path, config, why) -> None:
+    from model.errors import ModelLoadError
+    from server.model_check import check_model_path
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match=why.replace("(", r"\(")):
+        check_model_path(str(folder))
+    (folder / "config.json").write_text('{"model_type": "qwen2"}')
+    check_model_path(str(folder))  # what the loader reads: no error here
