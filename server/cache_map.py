@@ -2,14 +2,17 @@
 
 The owner map is sent run-length encoded (`owner_runs = [value, run_length, ...]`), so the
 payload grows with the number of runs, not with `n_cells`: 65,536 free cells are 2 numbers.
+
+With several models (server/model_router.py) `?model=` picks the loaded model whose cache is
+shown; the map only watches: it never loads a model nor keeps one from being unloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
@@ -19,10 +22,43 @@ from kvcache.cells import FREE, SHARED
 from scheduler.speculative import SpecStats
 from scheduler.stats import CellMapSnapshot, PoolMap, SlotInfo
 from server.auth import check_api_key
-from server.deps import EngineDep
-from server.engine_client import EngineClient
+from server.deps import ROUTER_NO_MODEL, get_backend
+from server.errors import APIError
+from server.model_router import ModelRouter
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
+
+# a snapshot of the watched cache; None once its model is unloaded (the stream ends)
+CellSource = Callable[[], CellMapSnapshot | None]
+
+
+def get_cell_source(request: Request) -> CellSource:
+    """The one engine's cell map, or with several models the loaded model `?model=` names
+    (400 `model_required` without it, 404 for an unknown name, 400 `model_not_loaded`)."""
+    models: ModelRouter | None = request.app.state.router
+    if models is None:
+        return get_backend(request).engine.cell_map
+    name = request.query_params.get("model")
+    entry = models.find(None if name in (None, "", ROUTER_NO_MODEL) else name)
+    if entry.backend is None or entry.status != "loaded":
+        raise APIError(
+            400,
+            f"the model {entry.name!r} is not loaded (it is {entry.status}): the cell map shows "
+            "a loaded model's cache",
+            param="model",
+            code="model_not_loaded",
+        )
+
+    def snapshot() -> CellMapSnapshot | None:
+        # NOTE: through the entry, not the Backend: a watching stream must not keep an
+        # unloaded model's engine and cache alive
+        backend = entry.backend
+        return backend.engine.cell_map() if backend is not None else None
+
+    return snapshot
+
+
+CellSourceDep = Annotated[CellSource, Depends(get_cell_source)]
 
 
 def encode_runs(owner_map: np.ndarray) -> list[int]:
@@ -125,18 +161,24 @@ def _spec_row(spec: SpecStats) -> dict[str, Any]:
 
 
 @router.get("/v1/cache/cells")
-async def get_cells(engine: EngineDep) -> dict[str, Any]:
-    return cell_map_payload(engine.cell_map())
+async def get_cells(source: CellSourceDep) -> dict[str, Any]:
+    snap = source()
+    if snap is None:
+        raise APIError(400, "the model was unloaded", param="model", code="model_not_loaded")
+    return cell_map_payload(snap)
 
 
 async def _cell_events(
-    request: Request, engine: EngineClient, interval: float
+    request: Request, source: CellSource, interval: float
 ) -> AsyncIterator[dict[str, str]]:
-    """One event per tick while the client is connected; unchanged snapshots are skipped
-    (sse-starlette's pings keep an idle connection alive)."""
+    """One event per tick while the client is connected and the model loaded; unchanged
+    snapshots are skipped (sse-starlette's pings keep an idle connection alive)."""
     last = ""
     while not await request.is_disconnected():
-        data = json.dumps(cell_map_payload(engine.cell_map()), separators=(",", ":"))
+        snap = source()
+        if snap is None:
+            return
+        data = json.dumps(cell_map_payload(snap), separators=(",", ":"))
         if data != last:
             last = data
             yield {"event": "cells", "data": data}
@@ -145,6 +187,6 @@ async def _cell_events(
 
 @router.get("/v1/cache/cells/stream")
 async def stream_cells(
-    request: Request, engine: EngineDep, interval_ms: int = Query(250, ge=50, le=5000)
+    request: Request, source: CellSourceDep, interval_ms: int = Query(250, ge=50, le=5000)
 ) -> EventSourceResponse:
-    return EventSourceResponse(_cell_events(request, engine, interval_ms / 1000), ping=5)
+    return EventSourceResponse(_cell_events(request, source, interval_ms / 1000), ping=5)

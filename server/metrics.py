@@ -12,17 +12,12 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import HistogramMetricFamily as HistogramMetricFamily  # metrics_engine
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from scheduler.cache_tier import TierStats
-from scheduler.speculative import SpecStats
 from scheduler.stats import EngineStats, StepStats
 from server.memory import MemoryParts, memory_breakdown
 
@@ -30,157 +25,6 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 StatsSource = Callable[[], EngineStats | None]
-
-
-class _EngineCollector(Collector):
-    def __init__(self, source: StatsSource) -> None:
-        self.source = source
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.source()
-        if s is None:
-            return
-        gauges = {
-            "cellserve_requests_waiting": ("Requests waiting for admission", s.num_waiting),
-            "cellserve_requests_running": ("Requests holding a sequence", s.num_running),
-            "cellserve_kv_cells_total": ("Cells in the KV cache", s.n_cells),
-            "cellserve_kv_cells_used": ("Cells owned by a sequence", s.cells_used),
-            "cellserve_kv_cells_shared": ("Cells with more than one owner", s.cells_shared),
-            "cellserve_kv_cells_cached": ("Cells held only by the prefix cache", s.cells_cached),
-            "cellserve_kv_cache_usage_ratio": (
-                "(cells_used - cells held only by the prefix index) / cells_total",
-                s.cache_usage,
-            ),
-            "cellserve_prefix_index_nodes": (
-                "Nodes of the prefix index over held cells",
-                s.prefix_index_nodes,
-            ),
-            "cellserve_prefix_index_cells": (
-                "Cells the prefix index holds (some also owned by running requests)",
-                s.prefix_index_cells,
-            ),
-            "vllm:num_requests_waiting": ("Gateway API protocol: queued requests", s.num_waiting),
-            "vllm:num_requests_running": ("Gateway API protocol: running requests", s.num_running),
-            "vllm:gpu_cache_usage_perc": (
-                "Gateway API protocol: KV cache usage 0..1",
-                s.cache_usage,
-            ),
-            "vllm:kv_cache_usage_perc": (
-                "Gateway API protocol: KV cache usage 0..1",
-                s.cache_usage,
-            ),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(value))
-        yield from _pool_gauges(s)
-        counters = {
-            "cellserve_prefix_cache_queried_tokens": (
-                "Prompt tokens looked up in the prefix cache",
-                s.prefix_cache_queried_tokens,
-            ),
-            "cellserve_prefix_cache_hit_tokens": (
-                "Prompt tokens served by the prefix cache",
-                s.prefix_cache_hit_tokens,
-            ),
-            "cellserve_prefix_cache_running_hit_tokens": (
-                "Of the prefix-cache hits, tokens shared from running sequences",
-                s.prefix_cache_running_hit_tokens,
-            ),
-            "cellserve_context_shifts": ("Context shifts applied", s.num_context_shifts),
-            "cellserve_preemptions": ("Sequences preempted for cells", s.num_preemptions),
-            "cellserve_prompt_tokens": ("Prompt tokens computed by the model", s.num_prompt_tokens),
-            "cellserve_generation_tokens": ("Tokens generated", s.num_generated_tokens),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=float(value))
-        if s.spec is not None:
-            yield from _spec_metrics(s.spec)
-
-
-def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
-    """Speculative decoding (scheduler/speculative.py), under vLLM's spec_decode names and
-    cellserve's: rounds (a drafted sequence verified), drafted / accepted / emitted tokens,
-    acceptances per draft position, and the accepted length of each round."""
-    totals = {
-        "num_drafts": ("Speculation rounds: a drafted sequence verified", spec.num_drafts),
-        "num_draft_tokens": ("Draft tokens verified", spec.num_draft_tokens),
-        "num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
-    }
-    for key, (doc, value) in totals.items():
-        for prefix in ("vllm:spec_decode_", "cellserve_spec_decode_"):
-            yield CounterMetricFamily(prefix + key, doc, value=float(value))
-    yield CounterMetricFamily(
-        "cellserve_spec_decode_num_emitted_tokens",
-        "Tokens emitted by speculation rounds (accepted drafts + the target's own token)",
-        value=float(spec.num_emitted_tokens),
-    )
-    per_pos = CounterMetricFamily(
-        "vllm:spec_decode_num_accepted_tokens_per_pos",
-        "Draft tokens accepted, per position in the draft",
-        labels=["position"],
-    )
-    for pos, n in enumerate(spec.accepted_per_pos):
-        per_pos.add_metric([str(pos)], float(n))
-    yield per_pos
-    cumulative, buckets = 0, []
-    for length, n in enumerate(spec.acceptance_lengths):
-        cumulative += n
-        buckets.append((str(float(length)), float(cumulative)))
-    buckets.append(("+Inf", float(cumulative)))
-    total = sum(length * n for length, n in enumerate(spec.acceptance_lengths))
-    yield HistogramMetricFamily(
-        "cellserve_spec_decode_acceptance_length",
-        "Draft tokens accepted per speculation round",
-        buckets=buckets,
-        sum_value=float(total),
-    )
-
-
-def _pool_gauges(s: EngineStats) -> Iterator[Metric]:
-    """Per pool of cells, labelled pool="full" | "swa": the unlabelled cellserve_kv_cells_*
-    gauges above are the full pool's (every pool of the unified cache; the one that grows
-    with context under iSWA), so existing dashboards keep their meaning. Pools of recurrent
-    state slots get cellserve_state_* gauges instead."""
-    per_pool = {
-        "cellserve_kv_pool_cells_total": "Cells in each pool of the KV cache",
-        "cellserve_kv_pool_cells_used": "Cells owned by a sequence, per pool",
-        "cellserve_kv_pool_cells_shared": "Cells with more than one owner, per pool",
-        "cellserve_kv_pool_usage_ratio": "used / total, per pool",
-    }
-    families = {
-        name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in per_pool.items()
-    }
-    for p in s.pools:
-        if p.kind != "cells":
-            continue
-        values = (p.n_cells, p.used, p.shared, p.used / p.n_cells if p.n_cells else 0.0)
-        for family, value in zip(families.values(), values, strict=True):
-            family.add_metric([p.name], float(value))
-    yield from families.values()
-    yield from _slot_gauges(s)
-
-
-def _slot_gauges(s: EngineStats) -> Iterator[Metric]:
-    """Recurrent (Mamba-style) state slots, labelled by pool: one per sequence id plus the
-    prefix-cache checkpoints; a slot holds one whole state of `bytes` bytes."""
-    per_pool = {
-        "cellserve_state_slots_total": "Recurrent state slots (one state each)",
-        "cellserve_state_slots_used": "State slots holding a sequence's state or a checkpoint",
-        "cellserve_state_slots_shared": "State slots more than one sequence references",
-        "cellserve_state_slot_bytes": "Bytes of one state slot (every recurrent layer)",
-        "cellserve_state_bytes_used": "Bytes of the used state slots",
-    }
-    slots = [p for p in s.pools if p.kind == "slots"]
-    if not slots:
-        return
-    families = {
-        name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in per_pool.items()
-    }
-    for p in slots:
-        values = (p.n_cells, p.used, p.shared, p.bytes_per_cell, p.used * p.bytes_per_cell)
-        for family, value in zip(families.values(), values, strict=True):
-            family.add_metric([p.name], float(value))
-    yield from families.values()
 
 
 class _ExpertCollector(Collector):
@@ -329,7 +173,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._stats_source: StatsSource = lambda: None
-        self.registry.register(_EngineCollector(lambda: self._stats_source()))
+        from server.metrics_engine import EngineCollector  # NOTE: it imports this module
+
+        self.registry.register(EngineCollector(lambda: self._stats_source()))
         # what the model runs with (ISA path, kernels, dtype, quant): Backend.runtime
         self._runtime = _InfoCollector(
             "cellserve_runtime_info",

@@ -1,7 +1,8 @@
 """Per-model metrics of a multi-model server (server/model_router.py), read at scrape time.
 
-Beside server/metrics.py (the one registry per app); the engine-wide gauges there stay unbound
-in router mode, so the per-model ones here say what each loaded engine holds.
+Beside server/metrics.py (the one registry per app): the engine-wide families there (`vllm:*`,
+`cellserve_kv_*`, ...) once per loaded model, labelled `model_name` as vLLM labels them, and the
+router's own: each model's status, loads and unloads.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from server.metrics import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
+from server.metrics_engine import EngineRows, engine_metrics
 from server.model_router import ModelRouter
 
 _STATUSES = ("unloaded", "loading", "loaded", "unloading")
@@ -43,6 +45,7 @@ class ModelsCollector(Collector):
         cells = GaugeMetricFamily(
             "cellserve_model_kv_cells_used", "Cells owned by a sequence", labels=["model"]
         )
+        engines: EngineRows = []
         for e in entries:
             for value in _STATUSES:
                 status.add_metric([e.name, value], float(e.status == value))
@@ -55,6 +58,8 @@ class ModelsCollector(Collector):
                 running.add_metric([e.name], float(s.num_running))
                 waiting.add_metric([e.name], float(s.num_waiting))
                 cells.add_metric([e.name], float(s.cells_used))
+                engines.append(([e.name], s))
         yield status
         yield from (f for f, _ in families)
         yield from (load_time, running, waiting, cells)
+        yield from engine_metrics(engines, ["model_name"])

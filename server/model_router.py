@@ -8,10 +8,12 @@ memory is freed: mapped weights unmapped, the cache and owned weights collected)
 
 Statuses: unloaded -> loading -> loaded -> unloading -> unloaded. A load that fails leaves
 the model unloaded with its error: requests for it get a 503 that says why, and an explicit
-POST /models/load retries. Loads take their room one at a time (the lock), so that two cannot
-each wait for the other's room; then they load side by side. When every loaded model is busy,
-the least recently used one takes no new requests until it is idle and unloaded (its new
-requests wait, then load it again): no model waits for room for ever.
+POST /models/load retries. A load checks the file first (server/model_check.py), then makes
+room: a missing or unsupported model does not unload an idle one. Loads take their room one
+at a time (the lock), so that two cannot each wait for the other's room; then they load side
+by side. When every loaded model is busy, the least recently used one takes no new requests
+until it is idle and unloaded (its new requests wait, then load it again): no model waits for
+room for ever.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from scheduler.stats import StepStats
 from server.backend import Backend, BackendFactory
 from server.errors import APIError
+from server.model_check import check_model_path
 from server.models_dir import ModelSource
 from server.settings import Settings
 
@@ -79,10 +82,12 @@ class ModelRouter:
         sources: list[ModelSource],
         factory: BackendFactory,
         on_step: Callable[[StepStats], None],
+        check: Callable[[str], None] = check_model_path,
     ) -> None:
         self.settings = settings
         self.entries = {s.name: ModelEntry(s) for s in sources}
         self.factory = factory
+        self.check = check  # raises for a path the factory would fail on, before room is made
         self.on_step = on_step
         self.closed = False
         self._room_lock = asyncio.Lock()
@@ -111,10 +116,13 @@ class ModelRouter:
             )
         return entry
 
-    async def acquire(self, entry: ModelEntry) -> Backend:
+    async def acquire(self, entry: ModelEntry, autoload: bool | None = None) -> Backend:
         """The model's Backend, loading it first if needed (the caller waits; other models'
-        requests go on); the caller must `release` it. 503 for a model that failed to load or
-        no room before the request timeout."""
+        requests go on); the caller must `release` it. `autoload` (llama.cpp's `?autoload=`)
+        overrides --[no-]models-autoload for this request. 503 for a model that failed to load
+        or no room before the request timeout."""
+        if autoload is None:
+            autoload = self.settings.models_autoload
         deadline = time.monotonic() + self.settings.request_timeout
         while True:
             if self.closed:
@@ -124,11 +132,11 @@ class ModelRouter:
                 entry.last_used = time.monotonic()
                 return entry.backend
             if entry.status == "unloaded":
-                if not self.settings.models_autoload:
+                if not autoload:
                     raise APIError(
                         400,
                         f"the model {entry.name!r} is not loaded: load it with POST /models/load "
-                        "(--no-models-autoload)",
+                        "(or ask with ?autoload=true)",
                         param="model",
                         code="model_not_loaded",
                     )
@@ -167,6 +175,11 @@ class ModelRouter:
         entry.task = asyncio.create_task(self._load(entry), name=f"load {entry.name}")
 
     async def _load(self, entry: ModelEntry) -> None:
+        try:
+            await asyncio.to_thread(self.check, entry.source.path)
+        except Exception as exc:
+            self._failed(entry, exc)
+            return
         async with self._room_lock:
             try:
                 await self._make_room(entry)
@@ -177,22 +190,14 @@ class ModelRouter:
             entry.holds_room = True
         started = time.monotonic()
         log.info("loading the model %s from %s", entry.name, entry.source.path)
-        settings = self.settings.model_copy(
-            update={
-                "model": entry.source.path,
-                "served_model_name": entry.name,
-                "models_dir": None,
-                "models": [],
-            }
-        )
         try:
-            backend = await asyncio.to_thread(self.factory, settings, self.on_step)
+            backend = await asyncio.to_thread(
+                self.factory, self.model_settings(entry), self.on_step
+            )
             backend.engine.start()
         except Exception as exc:
-            entry.status, entry.error = "unloaded", f"{type(exc).__name__}: {exc}"
             entry.holds_room = False
-            entry.num_load_failures += 1
-            log.error("cannot load the model %s: %s", entry.name, entry.error)
+            self._failed(entry, exc)
             return
         entry.backend, entry.status = backend, "loaded"
         entry.last_used = time.monotonic()
@@ -201,6 +206,16 @@ class ModelRouter:
         log.info("model %s loaded in %.1f s", entry.name, entry.load_seconds[-1])
         if self.closed:  # the server began to drain while the model loaded
             await self.unload(entry)
+
+    def model_settings(self, entry: ModelEntry) -> Settings:
+        """What the model loads with: the server's settings, as if it served this model alone."""
+        update = {"model": entry.source.path, "served_model_name": entry.name}
+        return self.settings.model_copy(update=update | {"models_dir": None, "models": []})
+
+    def _failed(self, entry: ModelEntry, exc: Exception) -> None:
+        entry.status, entry.error = "unloaded", f"{type(exc).__name__}: {exc}"
+        entry.num_load_failures += 1
+        log.error("cannot load the model %s: %s", entry.name, entry.error)
 
     async def _make_room(self, entry: ModelEntry) -> None:
         """Unload least recently used idle models until `entry` fits under --models-max;

@@ -1,4 +1,6 @@
 // Wires the page: model picker, chat form, and the live cell map fed by an SSE stream.
+// With several models (llama.cpp's router cards carry a `status`), a second picker chooses
+// whose cache the map shows (`?model=`); it follows the chat's model when that changes.
 
 import { apiFetch, errorMessage, readEvents } from "./api.js";
 import { createCellMap } from "./cellmap.js";
@@ -27,6 +29,7 @@ async function loadModels() {
       if (!response.ok) throw new Error(await errorMessage(response));
       const { data } = await response.json();
       $("model").replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+      if (data.some((m) => m.status !== undefined)) showMapPicker(data);
       return;
     } catch (err) {
       setStatus(`models: ${err.message}`, false);
@@ -35,12 +38,35 @@ async function loadModels() {
   }
 }
 
-async function followCells(views) {
-  const leaving = new AbortController();
-  window.addEventListener("pagehide", () => leaving.abort());
-  while (!leaving.signal.aborted) {
+// Router mode: every model in the map's picker, a loaded one first chosen.
+function showMapPicker(models) {
+  const picker = $("map-model");
+  picker.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+  const loaded = models.find((m) => m.status?.value === "loaded");
+  picker.value = (loaded || models[0]).id;
+  $("map-model-picker").hidden = false;
+}
+
+function mapStreamUrl() {
+  if ($("map-model-picker").hidden) return STREAM_URL;
+  return `${STREAM_URL}&model=${encodeURIComponent($("map-model").value)}`;
+}
+
+// Reconnects after an error or the end of the stream (the model unloaded), and at once
+// when the map's model changes.
+async function followCells(views, modelsLoaded) {
+  let leaving = false;
+  let connection = null;
+  window.addEventListener("pagehide", () => {
+    leaving = true;
+    connection?.abort();
+  });
+  $("map-model").addEventListener("change", () => connection?.abort());
+  await modelsLoaded;
+  while (!leaving) {
+    connection = new AbortController();
     try {
-      const response = await apiFetch(STREAM_URL, { signal: leaving.signal });
+      const response = await apiFetch(mapStreamUrl(), { signal: connection.signal });
       if (!response.ok) throw new Error(await errorMessage(response));
       setStatus("live", true);
       await readEvents(response, ({ event, data }) => {
@@ -50,10 +76,19 @@ async function followCells(views) {
       });
       setStatus("map stream ended; reconnecting…", false);
     } catch (err) {
+      if (connection.signal.aborted) continue; // another model chosen, or the page left
       setStatus(`map: ${err.message}`, false);
     }
     await sleep(RECONNECT_MS);
   }
+}
+
+function followChatModel() {
+  $("model").addEventListener("change", () => {
+    if ($("map-model-picker").hidden) return;
+    $("map-model").value = $("model").value;
+    $("map-model").dispatchEvent(new Event("change"));
+  });
 }
 
 function wireChat(chat) {
@@ -103,8 +138,8 @@ function main() {
     legend: $("legend"),
     tbody: document.querySelector("#seq-table tbody"),
   });
-  loadModels();
-  followCells([map, stats]);
+  followChatModel();
+  followCells([map, stats], loadModels());
 }
 
 main();

@@ -11,6 +11,7 @@ import time
 import weakref
 from pathlib import Path
 
+import gguf
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,11 +25,21 @@ from tests.live_server import LiveServer
 from tests.server.fake_engine import FakeEngine, FakeTemplate, FakeTokenizer
 
 
+def write_gguf_header(path: Path, arch: str = "llama") -> None:
+    """A GGUF file with only its header: what a load checks before it makes room
+    (server/model_check.py); FakeModels loads the rest."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+
+
 def make_models_dir(root: Path, names: tuple[str, ...] = ("alpha", "beta")) -> Path:
     folder = root / "models"
     folder.mkdir()
     for name in names:
-        (folder / f"{name}.gguf").write_bytes(b"GGUF")
+        write_gguf_header(folder / f"{name}.gguf")
     return folder
 
 
@@ -303,7 +314,8 @@ def test_a_model_that_fails_to_load_says_why_and_breaks_nothing(start) -> None:
     assert error["code"] == "model_load_failed" and "not a GGUF file" in error["message"]
     listed = {m["id"]: m["status"] for m in httpx.get(f"{server.url}/models").json()["data"]}
     assert listed["alpha"]["value"] == "unloaded" and listed["alpha"]["failed"] is True
-    assert listed["beta"] == {"value": "unloaded", "failed": False}
+    assert listed["beta"]["value"] == "unloaded" and listed["beta"]["failed"] is False
+    assert "error" not in listed["beta"]
     assert "not a GGUF file" in listed["alpha"]["error"]
     assert chat(server.url, "beta").status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
