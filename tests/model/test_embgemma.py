@@ -162,3 +162,23 @@ def test_unsupported_modules_are_refused(tmp_path):
             load_encoder(folder)
     pooling.write_text(json.dumps({**without, "pooling_mode_mean_tokens": True}))
     assert load_encoder(folder).config.pooling == "mean"
+
+
+def test_a_gguf_without_the_dense_layers_serves_the_pooled_vectors(folder, tmp_path):
+    """convert_hf_to_gguf.py without --sentence-transformers-dense-modules leaves the Dense
+    layers out: the model's own width, mean-pooled and normalised, as llama-server gives them."""
+    from tests.model.test_bert_llamacpp import llama_embed
+
+    path = convert_with_llamacpp(folder, tmp_path / "no-dense.gguf")
+    assert not any(t.name.startswith("dense_") for t in open_gguf(path).tensors)
+    ours = load_encoder(path)
+    assert ours.config.dense == () and ours.config.dim == 32
+    vectors, ids = llama_embed(path, tmp_path / "llama.log", TEXTS)
+    assert cosines(vectors, ours.encoder.embed(ids)).min() >= MIN_COSINE
+
+
+def test_bfloat16_weights_stay_close(folder, reference):
+    loaded = load_encoder(folder, dtype="bfloat16")
+    got = loaded.encoder.embed(token_lists(loaded))
+    assert got.dtype == np.float32
+    assert cosines(got, reference).min() > 0.99
