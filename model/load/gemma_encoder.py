@@ -76,7 +76,7 @@ def read_gemma_folder(folder: Path) -> tuple[GemmaEncoderArgs, dict[str, torch.T
     config = read_json(folder / "config.json")
     if not is_gemma_folder(config):
         raise ModelLoadError(f"{folder}: not a gemma3_text model with bidirectional attention.")
-    model = read_args(config, folder)
+    model = read_args(config, folder, allow_bidirectional=True)
     raw = _safetensors(sorted(folder.glob("*.safetensors")), folder)
     raw = {k.removeprefix("model."): v for k, v in raw.items()}
     names = {"tok_embeddings": "embed_tokens.weight", "norm": "norm.weight"}

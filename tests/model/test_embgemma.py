@@ -182,3 +182,10 @@ def test_bfloat16_weights_stay_close(folder, reference):
     got = loaded.encoder.embed(token_lists(loaded))
     assert got.dtype == np.float32
     assert cosines(got, reference).min() > 0.99
+
+
+def test_the_generative_loader_refuses_it(folder):
+    from model import load_model
+
+    with pytest.raises(ModelLoadError, match="embedding model"):
+        load_model(folder)
