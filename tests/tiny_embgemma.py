@@ -22,14 +22,21 @@ DIM = 32
 
 def write_tiny_embgemma(folder: Path, seed: int = 0, max_seq_length: int = 96) -> Path:
     """The sentence-transformers folder of a random EmbeddingGemma-shaped model; returns it."""
+    import pytest
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import (
-        Dense,
-        Normalize,
-        Pooling,
-        Transformer,
-    )
     from transformers import Gemma3TextConfig, Gemma3TextModel, PreTrainedTokenizerFast
+
+    try:  # sentence-transformers >= 6; before, sentence_transformers.models
+        from sentence_transformers.sentence_transformer.modules import (
+            Dense,
+            Normalize,
+            Pooling,
+            Transformer,
+        )
+    except ImportError:
+        from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
+    if not hasattr(Gemma3TextConfig(), "use_bidirectional_attention"):
+        pytest.skip("transformers without Gemma 3's use_bidirectional_attention (>= 4.56 has it)")
 
     hf = folder.parent / f"{folder.name}-hf"
     hf.mkdir(parents=True, exist_ok=True)
