@@ -82,3 +82,12 @@ def test_the_llama_cpp_gguf_serves_the_same_vectors(folder, tmp_path):
     finally:
         live.stop()
     assert cosines(got, reference_vectors(folder, TEXTS)).min() >= MIN_COSINE
+
+
+def test_dimensions_other_than_the_models_are_refused(server):
+    """EmbeddingGemma is trained for shortened vectors, but cellserve does not truncate them."""
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hi", "dimensions": 16})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "dimensions"
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hi", "dimensions": 32})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 32
