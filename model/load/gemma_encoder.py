@@ -91,7 +91,7 @@ def read_gemma_folder(folder: Path) -> tuple[GemmaEncoderArgs, dict[str, torch.T
         # NOTE: Gemma3RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w
         weights[ours] = w + 1.0 if ours == "norm" or ours.rsplit(".", 1)[-1] in NORM_KEYS else w
     dense, normalize = _st_modules(folder, weights)
-    # sentence-transformers' max_seq_length (>= 5 keeps it as the tokenizer's model_max_length)
+    # sentence-transformers' max_seq_length (6 keeps it as the tokenizer's model_max_length)
     max_seq = read_json(folder / "sentence_bert_config.json").get("max_seq_length") or read_json(
         folder / "tokenizer_config.json"
     ).get("model_max_length")
@@ -133,7 +133,7 @@ def _st_modules(
         sub = folder / module.get("path", "")
         cfg = read_json(sub / "config.json")
         if kind == "Pooling":
-            # sentence-transformers >= 5 writes one "pooling_mode" string, older ones flags
+            # sentence-transformers 6 writes one "pooling_mode" string, older ones flags
             flags = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
             mode = cfg.get("pooling_mode", flags)
             if mode not in ("mean", ["pooling_mode_mean_tokens"]):
