@@ -1,5 +1,5 @@
-"""The Backend of an encoder embedding model (BERT): the same engine and scheduler as a generative
-model, driving model.runner.encoder_worker.EncoderWorker.
+"""The Backend of an encoder embedding model (BERT, EmbeddingGemma): the same engine and
+scheduler as a generative model, driving model.runner.encoder_worker.EncoderWorker.
 
 Each step the scheduler packs whole inputs of any number of /v1/embeddings requests (up to
 n_batch tokens) into one forward (EngineConfig.whole_prompts: no chunks, no prefix cache, no

@@ -60,8 +60,8 @@ async def embeddings(
     if body.dimensions is not None and body.dimensions != backend.embedding_dim:
         raise APIError(
             400,
-            f"dimensions: this model's embeddings have {backend.embedding_dim} dimensions and it "
-            "was not trained for shortened (Matryoshka) ones; omit dimensions or give "
+            f"dimensions: this model's embeddings have {backend.embedding_dim} dimensions and "
+            "cellserve serves no shortened (Matryoshka) ones; omit dimensions or give "
             f"{backend.embedding_dim}",
             param="dimensions",
             code="unsupported_parameter",

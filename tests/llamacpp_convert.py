@@ -20,7 +20,7 @@ import runpy, sys
 convert, out, outtype, folder, pre = sys.argv[1:6]
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [convert, folder, "--outfile", out, "--outtype", outtype]
+sys.argv = [convert, folder, "--outfile", out, "--outtype", outtype, *sys.argv[6:]]
 runpy.run_path(convert, run_name="__main__")
 """
 
@@ -43,14 +43,14 @@ def require_llamacpp(path: Path) -> Path:
 
 
 def convert_with_llamacpp(
-    folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2"
+    folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2", flags: tuple[str, ...] = ()
 ) -> Path:
     """folder -> out (a GGUF) by convert_hf_to_gguf.py with its own gguf-py; `pre`: the
-    tokenizer.ggml.pre it writes."""
+    tokenizer.ggml.pre it writes; `flags`: more of its command-line options."""
     script = require_llamacpp(converter())
     paths = [str(script.parent), str(script.parent / "gguf-py")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    cmd = [sys.executable, "-c", _RUN, str(script), str(out), outtype, str(folder), pre]
+    cmd = [sys.executable, "-c", _RUN, str(script), str(out), outtype, str(folder), pre, *flags]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -9,6 +9,8 @@ vectors are).
 GGUF: llama.cpp's tensor names (gguf-py's BERT map), `bert.*` hyper-parameters, `bert.pooling_type`
 (llama.cpp's enum: 1 mean, 2 CLS, 3 last) and a WordPiece vocabulary (model/load/wordpiece.py);
 normalised, as llama.cpp's server does for /v1/embeddings.
+EmbeddingGemma (a bidirectional gemma3_text folder, a `gemma-embedding` GGUF): read by
+model/load/gemma_encoder.py into model/layers/gemma_encoder.py's GemmaEncoder.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from safetensors import safe_open
 
 from model.errors import ModelLoadError
 from model.layers.encoder import Encoder, EncoderArgs, weight_names
+from model.layers.gemma_encoder import GemmaEncoder, GemmaEncoderArgs
 from model.load.dtypes import resolve_dtype
+from model.load.gemma_encoder import GGUF_ARCH, is_gemma_folder, read_gemma_folder, read_gemma_gguf
 from model.load.gguf import open_gguf
 from model.load.hf_config import read_json
 from model.load.tokenizer import Tokenizer
@@ -44,8 +48,8 @@ _ST_POOLING = {  # sentence-transformers' Pooling config flag -> ours
 class LoadedEncoder:
     path: Path
     name: str
-    config: EncoderArgs
-    encoder: Encoder
+    config: EncoderArgs | GemmaEncoderArgs
+    encoder: Encoder | GemmaEncoder
     tokenizer: Tokenizer
 
 
@@ -54,13 +58,13 @@ def is_encoder(path: str | Path) -> bool:
     path = Path(path)
     if path.is_dir():
         config = read_json(path / "config.json")
-        return config.get("model_type") in ENCODER_ARCHS
+        return config.get("model_type") in ENCODER_ARCHS or is_gemma_folder(config)
     if path.is_file():
         try:
             reader = open_gguf(path)
         except ModelLoadError:
             return False
-        return reader.fields.get("general.architecture") in ENCODER_ARCHS
+        return reader.fields.get("general.architecture") in (*ENCODER_ARCHS, GGUF_ARCH)
     return False
 
 
@@ -69,9 +73,15 @@ def load_encoder(
 ) -> LoadedEncoder:
     """Raises ModelLoadError (one sentence naming the file) for anything it cannot serve."""
     path = Path(path)
-    if path.is_dir():
+    args: EncoderArgs | GemmaEncoderArgs
+    if path.is_dir() and is_gemma_folder(read_json(path / "config.json")):
+        args, weights = read_gemma_folder(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    elif path.is_dir():
         args, weights = read_folder(path)
         tokenizer = Tokenizer.from_hf_dir(path)
+    elif path.is_file() and open_gguf(path).fields.get("general.architecture") == GGUF_ARCH:
+        args, weights, tokenizer = read_gemma_gguf(open_gguf(path), path)
     elif path.is_file():
         args, weights, tokenizer = _read_gguf(path)
     else:
@@ -88,7 +98,10 @@ def load_encoder(
     torch_dtype = resolve_dtype(dtype)
     try:
         args.check()
-        encoder = Encoder(args, {k: v.to(torch_dtype) for k, v in weights.items()}).to(device)
+        cast = {k: v.to(torch_dtype) for k, v in weights.items()}
+        encoder: Encoder | GemmaEncoder = (
+            GemmaEncoder(args, cast) if isinstance(args, GemmaEncoderArgs) else Encoder(args, cast)
+        ).to(device)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{path}: {e}.") from e
     return LoadedEncoder(path, path.stem if path.is_file() else path.name, args, encoder, tokenizer)

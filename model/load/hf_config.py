@@ -60,12 +60,18 @@ def read_config(folder: Path) -> dict[str, Any]:
     return read_json(folder / "config.json")
 
 
-def read_args(config: dict[str, Any], folder: Path) -> ModelArgs:
+def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = False) -> ModelArgs:
+    """`allow_bidirectional`: read an EmbeddingGemma config (its encoder's loader does)."""
     model_type = config.get("model_type")
     if model_type == "gemma3":
         raise ModelLoadError(
             f"{folder}: a multimodal gemma3 checkpoint is not supported (a text-only "
             "gemma3_text one is)."
+        )
+    if config.get("use_bidirectional_attention") and not allow_bidirectional:
+        raise ModelLoadError(
+            f"{folder}: an embedding model (EmbeddingGemma: bidirectional attention), "
+            "served on /v1/embeddings (model/load/encoder.py), not a generative one."
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(

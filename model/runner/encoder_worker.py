@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from model.layers.encoder import Encoder
+from model.layers.gemma_encoder import GemmaEncoder
 from model.runner.worker import set_torch_threads
 from scheduler.plan import BatchPlan, StepOutput
 
@@ -19,7 +20,7 @@ from scheduler.plan import BatchPlan, StepOutput
 class EncoderWorker:
     kv_bytes = 0  # no cache
 
-    def __init__(self, encoder: Encoder, threads: int | None = None) -> None:
+    def __init__(self, encoder: Encoder | GemmaEncoder, threads: int | None = None) -> None:
         """`threads`: torch's CPU threads, set in the thread that runs the steps (see
         model.runner.worker.set_torch_threads); None leaves torch's setting."""
         self.encoder = encoder
