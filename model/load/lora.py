@@ -164,7 +164,7 @@ def _read_gguf(path: Path, args: ModelArgs, dtype: torch.dtype) -> LoraAdapter:
                 f"LoRA adapter {path}: tensor {t.name} adapts a tensor this server does not "
                 f"(it serves adapters on {', '.join(_GGUF_PROJ)})"
             )
-        w = gguf_load._dequantize(t).reshape(tuple(reversed(t.shape)))
+        w = gguf_load.dequantize(t).reshape(tuple(reversed(t.shape)))
         pairs.setdefault(f"layers.{m.group(1)}.{kind}", {})[m.group(3)] = w
     weights, ranks = {}, set()
     for ours, pair in pairs.items():
