@@ -57,10 +57,7 @@ _SOURCE_NAMES = (
     "step.cpp",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [
-    HERE / name
-    for name in ("kernels.h", "ggml_formats.h", "ggml_kdecode.h", "ggml_kgemv.h", "ggml_ktiles.h")
-]
+HEADERS = sorted(HERE.glob("*.h"))  # every header: a change to one rebuilds
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-mtune=generic"]
 
 # Each level's target flags: what its CPUs all have (model/kernels/isa.py says which CPUs).
