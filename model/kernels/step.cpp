@@ -128,13 +128,13 @@ void norm_heads_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const 
 
 // One layer's attention output [n, heads, hd] over its window's groups, assembled as
 // model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
-// each chunk; rows in no group are zero).
+// each chunk; rows in no group are zero); softcap > 0 caps the scores (Gemma 2).
 at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, double scale) {
+                  const at::Tensor& v, double scale, double softcap) {
   const int64_t n = q.size(0), n_dec = static_cast<int64_t>(g.decode_rows.size());
   const int64_t n_prompt = static_cast<int64_t>(g.prompt_cells.size());
   if (n_dec == 1 && n_prompt == 0 && g.decode_rows[0].numel() == 0)
-    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale);
+    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale, softcap);
   auto out = at::zeros({n, q.size(1), q.size(2)}, q.options());
   for (int64_t i = 0; i < n_dec; ++i) {
     const at::Tensor& rows = g.decode_rows[i];
@@ -142,13 +142,13 @@ at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
     out.index_copy_(
         0, rows,
         decode_attention(q.index_select(0, rows), k, v, g.decode_cells[i], g.decode_lens[i],
-                         scale));
+                         scale, softcap));
   }
   for (int64_t i = 0; i < n_prompt; ++i) {
     const int64_t start = g.prompt_bounds[2 * i], end = g.prompt_bounds[2 * i + 1];
     out.slice(0, start, end)
         .copy_(prompt_attention(q.slice(0, start, end), k, v, g.prompt_cells[i],
-                                g.prompt_lens[i], scale));
+                                g.prompt_lens[i], scale, softcap));
   }
   return out;
 }
@@ -186,6 +186,7 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                 layer.groups, " is not one of the step's ", n_groups);
     TORCH_CHECK(layer.rope < static_cast<int64_t>(ropes.size()) / 2,
                 "step_layers: a layer's rope table ", layer.rope, " is not given");
+    TORCH_CHECK(layer.softcap >= 0.0, "step_layers: a layer's softcap must be >= 0");
     const auto& k = layer.k_cache;
     TORCH_CHECK(layer.head_dim > 0 && k.dim() == 3 && layer.v_cache.dim() == 3 &&
                     k.is_contiguous() && layer.v_cache.is_contiguous() &&
@@ -306,7 +307,7 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     write_kv(layer.k_cache, wc, base + n_heads * hd * elem, n, n_kv, hd, width, x.scalar_type());
     write_kv(layer.v_cache, wc, base + qk_width * elem, n, n_kv, hd, width, x.scalar_type());
     auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
-    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale);
+    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap);
     auto a = mm(attn.view({n, n_heads * hd}), layer.wo);
     if (layer.post_attn_norm) {
       rms_norm_into(a, *layer.post_attn_norm, eps, normed);

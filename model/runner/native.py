@@ -12,11 +12,13 @@ bits), so the logits equal the Python path's bit for bit: tests/model/test_nativ
 Llama (SmolLM2), Qwen2 (q/k/v biases) and Gemma 3 (q/k norms, post norms, GeGLU, sliding
 windows over their own pool, two RoPE bases), and the mixture-of-experts MLP (step.cpp
 moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
-(tests/model/test_moe.py). An architecture described in model/arch.py runs
-here without C++ of its own; recurrent (Mamba2) layers stay in Python. It takes decode steps,
-prompt chunks and steps that mix both, wherever every attention group of every window has the
-C++ kernels' cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16;
-a window's prompt chunks take the masked torch path) and covers its rows.
+(tests/model/test_moe.py); tests/model/test_dense_families.py for Gemma 2 (scores capped in
+the attention kernels). An architecture described in
+model/arch.py runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
+takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
+every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
+bfloat16 with AVX-512 BF16; a window's prompt chunks take the masked torch path) and covers its
+rows.
 Each linear picks its kernel by its kind and row count as QuantLinear does (int4: torch's for
 bfloat16 activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past
 them; q8, int8 with float32 activations: int8.cpp; int8 with bfloat16 ones: torch's; past
@@ -74,8 +76,6 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
-        if any(d.softcap for d in descs):
-            return None, "attention logit soft-capping: the C++ attention kernels do not cap"
         if not all(d.pre_norms for d in descs):
             return None, "blocks without pre-norms (OLMo 2, EXAONE 4.0): step.cpp norms each input"
         if any(
@@ -116,6 +116,7 @@ class NativeDecoder:
             layer.head_dim = args.head_dim
             layer.groups = windows.index(desc.window)
             layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
+            layer.softcap = desc.softcap
             layer.gelu = desc.activation == "gelu_tanh"
             layer.residual_mult = desc.residual_mult
             layers.append(layer)
