@@ -159,9 +159,9 @@ struct StepLinear {
 // One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
 struct StepLayer {
-  at::Tensor attn_norm, ffn_norm;
+  // attn_norm / ffn_norm: absent where the block has no pre-norms (OLMo 2, EXAONE 4.0);
   // q_norm / k_norm: [head_dim] per head, or [n_heads * head_dim] / [n_kv * head_dim] (OLMoE)
-  std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;
+  std::optional<at::Tensor> attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm;
   StepLinear wqkv, wo, w13, w2;
   at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, row] of its pool (any cache type)
   int64_t head_dim = 0;

@@ -287,8 +287,8 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
   for (const StepLayer& layer : layers) {
     const int64_t n_kv = layer.k_cache.size(0), hd = layer.head_dim;
     const int64_t qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
-    rms_norm_into(x, layer.attn_norm, eps, normed);
-    auto qkv = mm(normed, layer.wqkv);  // [n, width]
+    if (layer.attn_norm) rms_norm_into(x, *layer.attn_norm, eps, normed);
+    auto qkv = mm(layer.attn_norm ? normed : x, layer.wqkv);  // [n, width]
     TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
                 width);
     if (layer.q_norm && layer.k_norm) {  // per head, or (OLMoE) over the whole projection
@@ -314,13 +314,14 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
       a = normed;
     }
     add_residual_(x, a, layer.residual_mult);
-    rms_norm_into(x, layer.ffn_norm, eps, normed);
+    if (layer.ffn_norm) rms_norm_into(x, *layer.ffn_norm, eps, normed);
+    const at::Tensor& ffn_in = layer.ffn_norm ? normed : x;
     if (layer.router) {
-      auto out = moe_ffn(normed, layer, group_size);
+      auto out = moe_ffn(ffn_in, layer, group_size);
       add_residual_(x, out, layer.residual_mult);
       continue;
     }
-    auto gate_up = mm(normed, layer.w13);  // [n, 2 ffn]: gate, up
+    auto gate_up = mm(ffn_in, layer.w13);  // [n, 2 ffn]: gate, up
     const int64_t f = gate_up.size(1) / 2;
     at::Tensor hidden;
     if (layer.gelu) {  // model/blocks.py FeedForward: gelu(gate, tanh) * up, two ATen ops

@@ -13,7 +13,8 @@ Llama (SmolLM2), Qwen2 (q/k/v biases) and Gemma 3 (q/k norms, post norms, GeGLU,
 windows over their own pool, two RoPE bases), and the mixture-of-experts MLP (step.cpp
 moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
 (tests/model/test_moe.py); tests/model/test_dense_families.py for Gemma 2 (scores capped in
-the attention kernels). An architecture described in
+the attention kernels), OLMo 2 and EXAONE 4.0 (no pre-norms: StepLayer's attn_norm / ffn_norm
+None). An architecture described in
 model/arch.py runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
@@ -76,8 +77,6 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
-        if not all(d.pre_norms for d in descs):
-            return None, "blocks without pre-norms (OLMo 2, EXAONE 4.0): step.cpp norms each input"
         if any(
             d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
             for d in descs
@@ -91,10 +90,10 @@ class NativeDecoder:
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
             attn, ffn = block.attention, block.feed_forward
-            assert isinstance(attn, Attention) and ffn is not None and block.ffn_norm is not None
-            layer.attn_norm = block.attention_norm.weight.detach()
-            layer.ffn_norm = block.ffn_norm.weight.detach()
+            assert isinstance(attn, Attention) and ffn is not None
             for name, norm in (  # the optional ones: None where the description has none
+                ("attn_norm", block.attention_norm),
+                ("ffn_norm", block.ffn_norm),
                 ("q_norm", attn.q_norm),
                 ("k_norm", attn.k_norm),
                 ("post_attn_norm", block.post_attention_norm),
