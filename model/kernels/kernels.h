@@ -167,6 +167,8 @@ struct StepLayer {
   int64_t head_dim = 0;
   int64_t groups = 0;           // which of the step's StepGroups it attends (its window's)
   int64_t rope = 0;             // which rope table pair rotates it; -1: NoPE
+  int64_t rope_dim = 0;         // the dims it rotates, from each head's start (0: the whole head)
+  bool rope_interleaved = false;  // pairs (2i, 2i + 1) (GLM-4), not rotate-half's (i, i + dim/2)
   double softcap = 0.0;         // > 0: attention scores capped (Gemma 2)
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;

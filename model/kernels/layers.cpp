@@ -344,6 +344,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_dim", &StepLayer::head_dim)
       .def_readwrite("groups", &StepLayer::groups)
       .def_readwrite("rope", &StepLayer::rope)
+      .def_readwrite("rope_dim", &StepLayer::rope_dim)
+      .def_readwrite("rope_interleaved", &StepLayer::rope_interleaved)
       .def_readwrite("softcap", &StepLayer::softcap)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult)

@@ -126,6 +126,23 @@ void norm_heads_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const 
   view.copy_(out);
 }
 
+// RoPE on qk [n, heads, hd] (a view of qkv) other than rope_neox_'s whole rotate-half heads
+// (GLM-4: the first rot dims of each head, pairs interleaved), in place, with the ATen ops of
+// model/layers/decoder.py Attention: qk * c + rope_partner(qk) * s (kvcache/rope.py).
+void rope_partial_(at::Tensor& qk, const at::Tensor& c, const at::Tensor& s, int64_t rot,
+                   bool interleaved) {
+  const int64_t hd = qk.size(2), half = rot / 2;
+  std::vector<at::Tensor> parts;
+  if (interleaved) {
+    auto pairs = qk.slice(2, 0, rot).reshape({qk.size(0), qk.size(1), half, 2});
+    parts.push_back(pairs.flip({-1}).flatten(-2));
+  } else {
+    parts = {qk.slice(2, half, rot), qk.slice(2, 0, half)};
+  }
+  if (rot < hd) parts.push_back(qk.slice(2, rot));
+  qk.copy_(at::addcmul(qk * c, at::cat(parts, -1), s));
+}
+
 // One layer's attention output [n, heads, hd] over its window's groups, assembled as
 // model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
 // each chunk; rows in no group are zero); softcap > 0 caps the scores (Gemma 2).
@@ -186,7 +203,10 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                 layer.groups, " is not one of the step's ", n_groups);
     TORCH_CHECK(layer.rope < static_cast<int64_t>(ropes.size()) / 2,
                 "step_layers: a layer's rope table ", layer.rope, " is not given");
-    TORCH_CHECK(layer.softcap >= 0.0, "step_layers: a layer's softcap must be >= 0");
+    TORCH_CHECK(0 <= layer.rope_dim && layer.rope_dim <= layer.head_dim &&
+                    layer.rope_dim % 2 == 0 && layer.softcap >= 0.0,
+                "step_layers: a layer's rope_dim must be even, in [0, head_dim]; its softcap "
+                ">= 0");
     const auto& k = layer.k_cache;
     TORCH_CHECK(layer.head_dim > 0 && k.dim() == 3 && layer.v_cache.dim() == 3 &&
                     k.is_contiguous() && layer.v_cache.is_contiguous() &&
@@ -299,7 +319,12 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     }
     if (layer.rope >= 0) {
       auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
-      rope_neox_(qk, rope_tables[2 * layer.rope], rope_tables[2 * layer.rope + 1]);
+      const at::Tensor &c = rope_tables[2 * layer.rope], &s = rope_tables[2 * layer.rope + 1];
+      const int64_t rot = layer.rope_dim ? layer.rope_dim : hd;
+      if (rot == hd && !layer.rope_interleaved)
+        rope_neox_(qk, c, s);
+      else
+        rope_partial_(qk, c, s, rot, layer.rope_interleaved);
     }
     const StepGroups& g = groups[layer.groups];
     const char* base = static_cast<const char*>(qkv.data_ptr());

@@ -14,7 +14,8 @@ windows over their own pool, two RoPE bases), and the mixture-of-experts MLP (st
 moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
 (tests/model/test_moe.py); tests/model/test_dense_families.py for Gemma 2 (scores capped in
 the attention kernels), OLMo 2 and EXAONE 4.0 (no pre-norms: StepLayer's attn_norm / ffn_norm
-None). An architecture described in
+None), GLM-4 and partial Phi-3 (RoPE on part of each head, GLM's pairs interleaved:
+step.cpp rope_partial_, the Python layers' ATen ops). An architecture described in
 model/arch.py runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
@@ -77,11 +78,8 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
-        if any(
-            d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
-            for d in descs
-        ):
-            return None, "rope_neox_ rotates whole heads in the rotate-half layout only"
+        if any(d.rope is not None and d.rope.dim % 2 for d in descs):
+            return None, "RoPE over an odd number of dims"
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
@@ -115,6 +113,9 @@ class NativeDecoder:
             layer.head_dim = args.head_dim
             layer.groups = windows.index(desc.window)
             layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
+            if desc.rope is not None:  # GLM-4: half of each head, pairs interleaved
+                layer.rope_dim = desc.rope.dim
+                layer.rope_interleaved = desc.rope.layout == "interleaved"
             layer.softcap = desc.softcap
             layer.gelu = desc.activation == "gelu_tanh"
             layer.residual_mult = desc.residual_mult

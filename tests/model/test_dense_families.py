@@ -282,11 +282,13 @@ NATIVE_SIZES = dict(dim=128, n_heads=4, n_kv_heads=2, hidden_dim=256)
 # The families as the one-call step takes them: (model_type, write_tiny_dense's overrides)
 NATIVE_FAMILIES = {
     "phi3": ("phi3", {}),  # LongRoPE's factors and attention factor in the RoPE tables
+    "phi3_partial": ("phi3", {"partial_rotary_factor": 0.5}),  # rotate-half on half a head
     "granite": ("granite", {}),  # the multipliers
     "gemma2": ("gemma2", {}),  # capped scores, windows of 8 on layers 0 and 2, post norms
     "olmo2": ("olmo2", {}),  # no pre-norms, q/k norms over the whole projection
     "exaone4": ("exaone4", {}),  # no pre-norms, q/k norms per head
     "exaone4_swa": ("exaone4", {"sliding_window": 8}),  # LLLG, NoPE on the global layer
+    "glm4": ("glm4", {}),  # interleaved RoPE on half of each head, q/k/v biases
 }
 
 
@@ -319,6 +321,11 @@ def test_the_one_call_step_runs_each_family_as_the_python_layers(
     worker = make_worker(loaded, n_cells=512)
     assert worker.paths.native is not None, worker.paths.describe()
     assert worker.paths.decode_attention is not None  # Gemma 2 too: the kernels cap
+    steps = worker.paths.native.layers_
+    if family in ("glm4", "phi3_partial"):  # half of each head of 32: step.cpp rope_partial_
+        assert {(s.rope_dim, s.rope_interleaved) for s in steps} == {(16, family == "glm4")}
+    assert all((s.attn_norm is None) == (model_type in ("olmo2", "exaone4")) for s in steps)
+    assert all(s.softcap == (2.0 if family == "gemma2" else 0.0) for s in steps)
     prompts = [prompt(9 + 5 * s, seed=s) for s in range(n_seq)]
     calls = []
     layers = NativeDecoder.layers
@@ -329,24 +336,6 @@ def test_the_one_call_step_runs_each_family_as_the_python_layers(
     assert len(calls) == 6 + prefill_native
     worker.paths.native = None
     assert torch.equal(native, decode(worker, prompts, steps=6))
-
-
-TORCH_PATH_REASONS = {
-    "glm4": "rotate-half",  # RoPE on half of each head, interleaved pairs
-}
-
-
-@pytest.mark.parametrize("model_type", list(TORCH_PATH_REASONS))
-def test_families_the_one_call_step_refuses_say_why(tmp_path, model_type):
-    """RoPE the step does not rotate (GLM-4): no one-call step, the attention kernels still.
-    It says why in the start-up line."""
-    require_kernels()
-    loaded = load_model(write_tiny_dense(tmp_path / "m", model_type, seed=2, **NATIVE_SIZES))
-    quantize(loaded.transformer, "int8")
-    paths = make_worker(loaded, n_cells=64).paths
-    assert paths.native is None
-    assert TORCH_PATH_REASONS[model_type] in paths.why["one-call step"]
-    assert paths.decode_attention is not None
 
 
 def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
