@@ -9,9 +9,10 @@ version: a build made on one machine is only loaded where the CPU has its instru
 stale build is never loaded. `load_kernels()` imports the best built level that the CPU runs
 (CELLSERVE_ISA can force a lower one), or returns None: nothing built (it logs the command to
 run, and never compiles during start-up), CELLSERVE_KERNELS=0, or a non-CPU device. Callers
-then keep the torch path. The module offers `decode_attention(q, k, v, cells, lens, scale)`,
-`prompt_attention(...)` where `has_bf16_kernels()` (the avx512_bf16 build), the fused bfloat16
-ops and `step_layers(...)`; `LEVEL` says which build it is.
+then keep the torch path. The module offers
+`decode_attention(q, k, v, cells, lens, scale, softcap=0)`, `prompt_attention(...)` where
+`has_bf16_kernels()` (the avx512_bf16 build), the fused bfloat16 ops and `step_layers(...)`;
+`LEVEL` says which build it is.
 
 Builds go to CELLSERVE_KERNEL_DIR, by default <sys.prefix>/share/cellserve/kernels (inside the
 virtual environment, so that they travel with it, as into the Docker image's final stage).
@@ -38,10 +39,12 @@ from model.kernels import isa
 
 log = logging.getLogger("cellserve.model")
 
+# (q, k, v, cells, lens, scale, softcap): softcap > 0 caps the scores (Gemma 2), 0 does not
 DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float],
+    torch.Tensor,
 ]
-PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale), bfloat16
+PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale, softcap)
 HERE = pathlib.Path(__file__).parent
 _SOURCE_NAMES = (
     "attention.cpp",

@@ -43,7 +43,7 @@ void check_lens(const at::Tensor& lens, int64_t n_cells) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
-         const at::Tensor& lens, double scale, at::Tensor& out) {
+         const at::Tensor& lens, double scale, double softcap, at::Tensor& out) {
   const int64_t n_seq = q.size(0), n_heads = q.size(1), hd = q.size(2);
   const int64_t n_kv = k.size(0), group = n_heads / n_kv, max_kv = cells.size(1);
   // cells of another type than q's (kvcache/cache_types.py): a task dequantizes its sequence's
@@ -61,7 +61,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t kb0 = k.stride(0) * k.element_size(), kb1 = k.stride(1) * k.element_size();
   const int64_t vb0 = v.stride(0) * v.element_size(), vb1 = v.stride(1) * v.element_size();
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   // one task per (sequence, kv head): its `group` query heads share every K/V row read
   at::parallel_for(0, n_seq * n_kv, 1, [&](int64_t begin, int64_t end) {
@@ -111,8 +111,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
               prefetch_row(kp1 + sc1[r] * ks1, hd);
           }
           scores.resize(group * (n + 1));
-          attend_bf16(qrows, group, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, scores.data(),
-                      dst);
+          attend_bf16(qrows, group, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, cap,
+                      scores.data(), dst);
           continue;
         }
       }
@@ -127,7 +127,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
           scores.resize(group * n);
-          attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, scores.data(), dst);
+          attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, scores.data(),
+                     dst);
           continue;
         }
       }
@@ -147,7 +148,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           scores[g * n + j] = dot;
         }
       }
-      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
+      for (int64_t g = 0; g < group; ++g) {
+        softcap_inplace(scores.data() + g * n, n, cap);
+        softmax_inplace(scores.data() + g * n, n);
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         if (j + kAhead < n) __builtin_prefetch(vp + sc[j + kAhead] * vs1);
@@ -169,8 +173,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cells, const at::Tensor& lens, double scale) {
+                            const at::Tensor& cells, const at::Tensor& lens, double scale,
+                            double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "the last dim must be contiguous");
   TORCH_CHECK(q.size(1) % k.size(0) == 0, "n_heads must be a multiple of n_kv_heads");
@@ -186,9 +192,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   check_lens(l, c.size(1));
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k, v, c, l, scale, out);
+    run<float>(q, k, v, c, l, scale, softcap, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, k, v, c, l, scale, out);
+    run<at::BFloat16>(q, k, v, c, l, scale, softcap, out);
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
   }
@@ -205,8 +211,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // ~1.3 ms a layer for SDPA's flash kernel with the mask.
 
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cells, const at::Tensor& lens, double scale) {
+                            const at::Tensor& cells, const at::Tensor& lens, double scale,
+                            double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
     // cells of another cache type: the chunk's cells dequantized once (not once per task),
     // in position order, then read in place
@@ -215,7 +223,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
     auto kd = dequant_cells(k.contiguous(), c, q.size(2), q.scalar_type());
     auto vd = dequant_cells(v.contiguous(), c, q.size(2), q.scalar_type());
     auto order = at::arange(c.size(0), c.options());
-    return prompt_attention(q, kd, vd, order, lens, scale);
+    return prompt_attention(q, kd, vd, order, lens, scale, softcap);
   }
   const bool f32 = q.scalar_type() == at::kFloat;
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
@@ -247,7 +255,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* lp = l.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // A task is one kv head and a block of rows: its query heads x rows (<= kMaxQueries) share
   // every K/V row read. Scheduled dynamically, the longest rows first.
 #ifdef CELLSERVE_F32_AVX2
@@ -276,7 +284,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
           }
         scores.resize(nq * n);
         attend_f32(qf.data(), nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n,
-                   scores.data(), dst);
+                   cap, scores.data(), dst);
       }
     }
     return out;
@@ -307,7 +315,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
         }
       scores.resize(nq * (n + 1));
       attend_bf16(qrows, nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n, fscale,
-                  scores.data(), dst);
+                  cap, scores.data(), dst);
     }
   }
 #endif

@@ -61,7 +61,8 @@ inline void softmax_f32(float* s, int64_t m) {
 // per kv head), 32 sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
 void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
                 const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
-                const int64_t* cells, int64_t n, float* scores, float* const* out) {
+                const int64_t* cells, int64_t n, float softcap, float* scores,
+                float* const* out) {
   // a partial last block repeats its last row (the same operations for every score, so a
   // query's values do not depend on n)
   for (int64_t j = 0; j < n; j += 4) {
@@ -86,7 +87,10 @@ void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
       for (int64_t i = 0; i < valid; ++i) scores[g * n + j + i] = four[i];
     }
   }
-  for (int64_t g = 0; g < group; ++g) softmax_f32(scores + g * n, qlens ? qlens[g] : n);
+  for (int64_t g = 0; g < group; ++g) {
+    softcap_inplace(scores + g * n, qlens ? qlens[g] : n, softcap);
+    softmax_f32(scores + g * n, qlens ? qlens[g] : n);
+  }
   constexpr int64_t kMaxVec = 32;  // hd <= 256
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * n;

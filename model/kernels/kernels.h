@@ -56,14 +56,23 @@ inline void softmax_inplace(float* s, int64_t m) {
   for (int64_t i = 0; i < m; ++i) s[i] *= inv;
 }
 
+// s[0, m) -> tanh(s / cap) * cap in place where cap > 0: Gemma 2's attention logit soft-capping
+// (transformers' eager attention), on the scaled scores before the softmax
+inline void softcap_inplace(float* s, int64_t m, float cap) {
+  if (cap <= 0.0f) return;
+  for (int64_t i = 0; i < m; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define CELLSERVE_F32_AVX2 1
 // One task in float32, head_dim % 8 == 0, head_dim <= 256 (attention_f32.cpp): `group` scaled
 // query vectors q [group, hd] over the first n K/V rows read in place at cells (query g over
-// its first qlens[g] <= n, where qlens is given); out[g] <- its output; scores: group * n floats.
+// its first qlens[g] <= n, where qlens is given); out[g] <- its output; scores: group * n floats;
+// softcap > 0: the scores capped (softcap_inplace) before the softmax.
 void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
                 const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
-                const int64_t* cells, int64_t n, float* scores, float* const* out);
+                const int64_t* cells, int64_t n, float softcap, float* scores,
+                float* const* out);
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -74,11 +83,11 @@ inline void prefetch_row(const at::BFloat16* row, int64_t hd) {  // every 64-byt
 
 // One task in bfloat16, head_dim % 32 == 0 (attention_bf16.cpp): nq query vectors sharing one kv
 // head over the K/V rows of cells sc[0, n) (query g over the first qlens[g]; null: all n);
-// scores: room for nq * (n + 1) floats.
+// scores: room for nq * (n + 1) floats; softcap > 0: the scaled scores capped before the softmax.
 void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
                  const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
-                 int64_t vstride, const int64_t* sc, int64_t n, float scale, float* scores,
-                 at::BFloat16* const* dst);
+                 int64_t vstride, const int64_t* sc, int64_t n, float scale, float softcap,
+                 float* scores, at::BFloat16* const* dst);
 #endif
 
 // bfloat16 -> float32 (exact: the top 16 bits of the float)
@@ -116,10 +125,13 @@ at::Tensor dequant_cells(const at::Tensor& rows, const at::Tensor& cells, int64_
                          at::ScalarType dtype);
 bool reads_cache_types();
 
+// softcap > 0: scores tanh(s / softcap) * softcap before the softmax (Gemma 2); 0: none
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cells, const at::Tensor& lens, double scale);
+                            const at::Tensor& cells, const at::Tensor& lens, double scale,
+                            double softcap);
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cells, const at::Tensor& lens, double scale);
+                            const at::Tensor& cells, const at::Tensor& lens, double scale,
+                            double softcap);
 bool has_bf16_kernels();
 // layers.cpp: the fused ops both paths call (into `out`: x's shape, contiguous)
 void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
@@ -147,14 +159,17 @@ struct StepLinear {
 // One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
 struct StepLayer {
-  at::Tensor attn_norm, ffn_norm;
+  // attn_norm / ffn_norm: absent where the block has no pre-norms (OLMo 2, EXAONE 4.0);
   // q_norm / k_norm: [head_dim] per head, or [n_heads * head_dim] / [n_kv * head_dim] (OLMoE)
-  std::optional<at::Tensor> q_norm, k_norm, post_attn_norm, post_ffn_norm;
+  std::optional<at::Tensor> attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffn_norm;
   StepLinear wqkv, wo, w13, w2;
   at::Tensor k_cache, v_cache;  // this layer's [n_kv_heads, n_cells, row] of its pool (any cache type)
   int64_t head_dim = 0;
   int64_t groups = 0;           // which of the step's StepGroups it attends (its window's)
   int64_t rope = 0;             // which rope table pair rotates it; -1: NoPE
+  int64_t rope_dim = 0;         // the dims it rotates, from each head's start (0: the whole head)
+  bool rope_interleaved = false;  // pairs (2i, 2i + 1) (GLM-4), not rotate-half's (i, i + dim/2)
+  double softcap = 0.0;         // > 0: attention scores capped (Gemma 2)
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;
   // a mixture-of-experts MLP (model/layers/moe.py MoEFeedForward) instead of w13 / w2: the

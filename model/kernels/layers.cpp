@@ -282,8 +282,12 @@ std::string compiled_isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over cells, in place");
-  m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells, bf16");
+  m.def("decode_attention", &decode_attention, "decode attention over cells, in place",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
+        py::arg("scale"), py::arg("softcap") = 0.0);
+  m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
+        py::arg("scale"), py::arg("softcap") = 0.0);
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
   m.def("reads_cache_types", &reads_cache_types,
         "whether the attention kernels and step_layers read and write every cache type");
@@ -340,6 +344,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_dim", &StepLayer::head_dim)
       .def_readwrite("groups", &StepLayer::groups)
       .def_readwrite("rope", &StepLayer::rope)
+      .def_readwrite("rope_dim", &StepLayer::rope_dim)
+      .def_readwrite("rope_interleaved", &StepLayer::rope_interleaved)
+      .def_readwrite("softcap", &StepLayer::softcap)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult)
       .def_readwrite("router", &StepLayer::router)

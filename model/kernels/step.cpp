@@ -126,15 +126,32 @@ void norm_heads_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const 
   view.copy_(out);
 }
 
+// RoPE on qk [n, heads, hd] (a view of qkv) other than rope_neox_'s whole rotate-half heads
+// (GLM-4: the first rot dims of each head, pairs interleaved), in place, with the ATen ops of
+// model/layers/decoder.py Attention: qk * c + rope_partner(qk) * s (kvcache/rope.py).
+void rope_partial_(at::Tensor& qk, const at::Tensor& c, const at::Tensor& s, int64_t rot,
+                   bool interleaved) {
+  const int64_t hd = qk.size(2), half = rot / 2;
+  std::vector<at::Tensor> parts;
+  if (interleaved) {
+    auto pairs = qk.slice(2, 0, rot).reshape({qk.size(0), qk.size(1), half, 2});
+    parts.push_back(pairs.flip({-1}).flatten(-2));
+  } else {
+    parts = {qk.slice(2, half, rot), qk.slice(2, 0, half)};
+  }
+  if (rot < hd) parts.push_back(qk.slice(2, rot));
+  qk.copy_(at::addcmul(qk * c, at::cat(parts, -1), s));
+}
+
 // One layer's attention output [n, heads, hd] over its window's groups, assembled as
 // model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
-// each chunk; rows in no group are zero).
+// each chunk; rows in no group are zero); softcap > 0 caps the scores (Gemma 2).
 at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, double scale) {
+                  const at::Tensor& v, double scale, double softcap) {
   const int64_t n = q.size(0), n_dec = static_cast<int64_t>(g.decode_rows.size());
   const int64_t n_prompt = static_cast<int64_t>(g.prompt_cells.size());
   if (n_dec == 1 && n_prompt == 0 && g.decode_rows[0].numel() == 0)
-    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale);
+    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale, softcap);
   auto out = at::zeros({n, q.size(1), q.size(2)}, q.options());
   for (int64_t i = 0; i < n_dec; ++i) {
     const at::Tensor& rows = g.decode_rows[i];
@@ -142,13 +159,13 @@ at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
     out.index_copy_(
         0, rows,
         decode_attention(q.index_select(0, rows), k, v, g.decode_cells[i], g.decode_lens[i],
-                         scale));
+                         scale, softcap));
   }
   for (int64_t i = 0; i < n_prompt; ++i) {
     const int64_t start = g.prompt_bounds[2 * i], end = g.prompt_bounds[2 * i + 1];
     out.slice(0, start, end)
         .copy_(prompt_attention(q.slice(0, start, end), k, v, g.prompt_cells[i],
-                                g.prompt_lens[i], scale));
+                                g.prompt_lens[i], scale, softcap));
   }
   return out;
 }
@@ -186,6 +203,10 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                 layer.groups, " is not one of the step's ", n_groups);
     TORCH_CHECK(layer.rope < static_cast<int64_t>(ropes.size()) / 2,
                 "step_layers: a layer's rope table ", layer.rope, " is not given");
+    TORCH_CHECK(0 <= layer.rope_dim && layer.rope_dim <= layer.head_dim &&
+                    layer.rope_dim % 2 == 0 && layer.softcap >= 0.0,
+                "step_layers: a layer's rope_dim must be even, in [0, head_dim]; its softcap "
+                ">= 0");
     const auto& k = layer.k_cache;
     TORCH_CHECK(layer.head_dim > 0 && k.dim() == 3 && layer.v_cache.dim() == 3 &&
                     k.is_contiguous() && layer.v_cache.is_contiguous() &&
@@ -286,8 +307,8 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
   for (const StepLayer& layer : layers) {
     const int64_t n_kv = layer.k_cache.size(0), hd = layer.head_dim;
     const int64_t qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
-    rms_norm_into(x, layer.attn_norm, eps, normed);
-    auto qkv = mm(normed, layer.wqkv);  // [n, width]
+    if (layer.attn_norm) rms_norm_into(x, *layer.attn_norm, eps, normed);
+    auto qkv = mm(layer.attn_norm ? normed : x, layer.wqkv);  // [n, width]
     TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
                 width);
     if (layer.q_norm && layer.k_norm) {  // per head, or (OLMoE) over the whole projection
@@ -298,7 +319,12 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     }
     if (layer.rope >= 0) {
       auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
-      rope_neox_(qk, rope_tables[2 * layer.rope], rope_tables[2 * layer.rope + 1]);
+      const at::Tensor &c = rope_tables[2 * layer.rope], &s = rope_tables[2 * layer.rope + 1];
+      const int64_t rot = layer.rope_dim ? layer.rope_dim : hd;
+      if (rot == hd && !layer.rope_interleaved)
+        rope_neox_(qk, c, s);
+      else
+        rope_partial_(qk, c, s, rot, layer.rope_interleaved);
     }
     const StepGroups& g = groups[layer.groups];
     const char* base = static_cast<const char*>(qkv.data_ptr());
@@ -306,20 +332,21 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     write_kv(layer.k_cache, wc, base + n_heads * hd * elem, n, n_kv, hd, width, x.scalar_type());
     write_kv(layer.v_cache, wc, base + qk_width * elem, n, n_kv, hd, width, x.scalar_type());
     auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
-    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale);
+    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap);
     auto a = mm(attn.view({n, n_heads * hd}), layer.wo);
     if (layer.post_attn_norm) {
       rms_norm_into(a, *layer.post_attn_norm, eps, normed);
       a = normed;
     }
     add_residual_(x, a, layer.residual_mult);
-    rms_norm_into(x, layer.ffn_norm, eps, normed);
+    if (layer.ffn_norm) rms_norm_into(x, *layer.ffn_norm, eps, normed);
+    const at::Tensor& ffn_in = layer.ffn_norm ? normed : x;
     if (layer.router) {
-      auto out = moe_ffn(normed, layer, group_size);
+      auto out = moe_ffn(ffn_in, layer, group_size);
       add_residual_(x, out, layer.residual_mult);
       continue;
     }
-    auto gate_up = mm(normed, layer.w13);  // [n, 2 ffn]: gate, up
+    auto gate_up = mm(ffn_in, layer.w13);  // [n, 2 ffn]: gate, up
     const int64_t f = gate_up.size(1) / 2;
     at::Tensor hidden;
     if (layer.gelu) {  // model/blocks.py FeedForward: gelu(gate, tanh) * up, two ATen ops

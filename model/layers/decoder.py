@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.window = desc.window
         self.scale = desc.scale
         self.sdpa_scale = args.attn_scale  # None: SDPA's own head_dim ** -0.5
-        self.softcap = desc.softcap  # > 0: scores capped (Gemma 2), neither SDPA nor the kernels
+        self.softcap = desc.softcap  # > 0: scores capped (Gemma 2): the kernels or _attend, no SDPA
         self.q_norm = self.k_norm = None
         self.qk_norm_full = desc.qk_norm_full
         if desc.qk_norm:
@@ -113,8 +113,6 @@ class Attention(nn.Module):
         storage.write(layer, batch.write_cells(self.window), k, v)
 
         kernel = batch.decode_kernel
-        if self.softcap:
-            assert kernel is None and batch.prompt_kernel is None, "decide_paths: torch for caps"
         decodes, prompts = batch.groups(self.window)
         if not prompts and len(decodes) == 1 and decodes[0].rows is None:
             out = self._decode(q, storage, layer, decodes[0], kernel)  # all decode, 1 group
@@ -143,7 +141,8 @@ class Attention(nn.Module):
         h_kv, hd = self.n_kv_heads, self.head_dim
         if kernel is not None and g.lens is not None:  # the worker checked the cache types
             qs = q if g.rows is None else q.index_select(0, g.rows)
-            return kernel(qs, storage.k[layer], storage.v[layer], g.cells, g.lens, self.scale)
+            k, v = storage.k[layer], storage.v[layer]
+            return kernel(qs, k, v, g.cells, g.lens, self.scale, self.softcap)
         # GQA without repeat: the h / h_kv query heads of a kv head become its query rows,
         # batched over (kv head, sequence): [h_kv, n_seq, h / h_kv, hd].
         qd = q if g.rows is None else q.index_select(0, g.rows)
@@ -183,7 +182,8 @@ class Attention(nn.Module):
         kernel: PromptAttention | None = None,
     ) -> torch.Tensor:
         if kernel is not None and p.lens is not None:  # the worker checked dtypes and shapes
-            return kernel(q, storage.k[layer], storage.v[layer], p.cells, p.lens, self.scale)
+            k, v = storage.k[layer], storage.v[layer]
+            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap)
         k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)

@@ -12,11 +12,15 @@ bits), so the logits equal the Python path's bit for bit: tests/model/test_nativ
 Llama (SmolLM2), Qwen2 (q/k/v biases) and Gemma 3 (q/k norms, post norms, GeGLU, sliding
 windows over their own pool, two RoPE bases), and the mixture-of-experts MLP (step.cpp
 moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
-(tests/model/test_moe.py). An architecture described in model/arch.py runs
-here without C++ of its own; recurrent (Mamba2) layers stay in Python. It takes decode steps,
-prompt chunks and steps that mix both, wherever every attention group of every window has the
-C++ kernels' cells and lens (the prompt kernel: float32 with AVX2, bfloat16 with AVX-512 BF16;
-a window's prompt chunks take the masked torch path) and covers its rows.
+(tests/model/test_moe.py); tests/model/test_dense_families.py for Gemma 2 (scores capped in
+the attention kernels), OLMo 2 and EXAONE 4.0 (no pre-norms: StepLayer's attn_norm / ffn_norm
+None), GLM-4 and partial Phi-3 (RoPE on part of each head, GLM's pairs interleaved:
+step.cpp rope_partial_, the Python layers' ATen ops). An architecture described in
+model/arch.py runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
+takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
+every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
+bfloat16 with AVX-512 BF16; a window's prompt chunks take the masked torch path) and covers its
+rows.
 Each linear picks its kernel by its kind and row count as QuantLinear does (int4: torch's for
 bfloat16 activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past
 them; q8, int8 with float32 activations: int8.cpp; int8 with bfloat16 ones: torch's; past
@@ -74,15 +78,8 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
-        if any(d.softcap for d in descs):
-            return None, "attention logit soft-capping: the C++ attention kernels do not cap"
-        if not all(d.pre_norms for d in descs):
-            return None, "blocks without pre-norms (OLMo 2, EXAONE 4.0): step.cpp norms each input"
-        if any(
-            d.rope is not None and (d.rope.layout, d.rope.dim) != ("neox", args.head_dim)
-            for d in descs
-        ):
-            return None, "rope_neox_ rotates whole heads in the rotate-half layout only"
+        if any(d.rope is not None and d.rope.dim % 2 for d in descs):
+            return None, "RoPE over an odd number of dims"
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
@@ -91,10 +88,10 @@ class NativeDecoder:
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
             attn, ffn = block.attention, block.feed_forward
-            assert isinstance(attn, Attention) and ffn is not None and block.ffn_norm is not None
-            layer.attn_norm = block.attention_norm.weight.detach()
-            layer.ffn_norm = block.ffn_norm.weight.detach()
+            assert isinstance(attn, Attention) and ffn is not None
             for name, norm in (  # the optional ones: None where the description has none
+                ("attn_norm", block.attention_norm),
+                ("ffn_norm", block.ffn_norm),
                 ("q_norm", attn.q_norm),
                 ("k_norm", attn.k_norm),
                 ("post_attn_norm", block.post_attention_norm),
@@ -116,6 +113,10 @@ class NativeDecoder:
             layer.head_dim = args.head_dim
             layer.groups = windows.index(desc.window)
             layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
+            if desc.rope is not None:  # GLM-4: half of each head, pairs interleaved
+                layer.rope_dim = desc.rope.dim
+                layer.rope_interleaved = desc.rope.layout == "interleaved"
+            layer.softcap = desc.softcap
             layer.gelu = desc.activation == "gelu_tanh"
             layer.residual_mult = desc.residual_mult
             layers.append(layer)

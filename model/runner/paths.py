@@ -4,8 +4,7 @@ Three choices, each with the reason a start-up log line gives:
 - the one-call step (model/runner/native.py): every block of a step in one C++ call;
 - the attention kernels (model/kernels attention*.cpp): decode rows always when the cache has
   the model's dtype, prompt chunks where this CPU's build has the kernel for that dtype and the
-  head shape fits it; never for soft-capped attention scores (Gemma 2), which neither they nor
-  the one-call step compute;
+  head shape fits it (soft-capped scores too: Gemma 2's cap is the kernels' `softcap`);
 - the fused RMSNorm / SiLU-mul / RoPE: bfloat16 models, and float32 ones that the one-call step
   runs (the Python layers must then compute the same as the C++ step).
 Everything not chosen here runs torch. Per step, the worker only asks whether the step's rows
@@ -62,16 +61,12 @@ def decide_paths(
     why = paths.why
     reads = _reads_cells(model, storage, kernels)
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
-    if model.args.attn_softcap:
-        capped = "attention logit soft-capping (Gemma 2): the C++ kernels do not cap scores"
-        why["decode attention"] = why["prompt attention"] = capped
-    elif reads is None:
+    if reads is None:
         paths.decode_attention = kernels.decode_attention
         why["decode attention"] = f"{_cells(storage)} cells"
     else:
         why["decode attention"] = reads
-    if not model.args.attn_softcap:
-        paths.prompt_attention, why["prompt attention"] = _prompt_kernel(model, storage, kernels)
+    paths.prompt_attention, why["prompt attention"] = _prompt_kernel(model, storage, kernels)
     if model.dtype == torch.bfloat16 or paths.native is not None:
         paths.fused = kernels
         why["fused norms"] = "bfloat16" if model.dtype == torch.bfloat16 else "as the C++ step"
