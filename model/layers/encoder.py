@@ -10,6 +10,7 @@ the pooling).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -154,22 +155,34 @@ class Encoder(nn.Module):
             out = F.normalize(out, p=2.0, dim=-1)
         return out
 
-    @torch.inference_mode()
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One pooled vector per token list: [len(inputs), dim] float32. Inputs of similar
-        lengths share a padded forward (length_groups)."""
-        lengths = [len(ids) for ids in inputs]
-        if min(lengths) < 1 or max(lengths) > self.args.n_ctx:
-            raise ValueError(f"an input has {max(lengths)} tokens; at most {self.args.n_ctx}")
-        out = np.empty((len(inputs), self.args.dim), dtype=np.float32)
-        for group in length_groups(lengths):
-            n = lengths[group[0]]  # the longest first
-            ids = torch.zeros(len(group), n, dtype=torch.long)
-            for row, i in enumerate(group):
-                ids[row, : lengths[i]] = torch.as_tensor(inputs[i], dtype=torch.long)
-            sizes = torch.as_tensor([lengths[i] for i in group], device=self.device)
-            out[group] = self.forward(ids.to(self.device), sizes).cpu().numpy()
-        return out
+        """One pooled vector per token list: [len(inputs), dim] float32 (embed_padded)."""
+        return embed_padded(self, inputs, self.args.n_ctx, self.args.dim)
+
+
+class PaddedEncoder(Protocol):
+    @property
+    def device(self) -> torch.device: ...
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor: ...
+
+
+@torch.inference_mode()
+def embed_padded(model: PaddedEncoder, inputs: list[list[int]], n_ctx: int, dim: int) -> np.ndarray:
+    """One vector per token list through `model.forward(ids [B, n], lengths [B]) -> [B, dim]`:
+    [len(inputs), dim] float32; inputs of similar lengths share a padded forward (length_groups)."""
+    lengths = [len(ids) for ids in inputs]
+    if min(lengths) < 1 or max(lengths) > n_ctx:
+        raise ValueError(f"an input has {max(lengths)} tokens; at most {n_ctx}")
+    out = np.empty((len(inputs), dim), dtype=np.float32)
+    for group in length_groups(lengths):
+        n = lengths[group[0]]  # the longest first
+        ids = torch.zeros(len(group), n, dtype=torch.long)
+        for row, i in enumerate(group):
+            ids[row, : lengths[i]] = torch.as_tensor(inputs[i], dtype=torch.long)
+        sizes = torch.as_tensor([lengths[i] for i in group], device=model.device)
+        out[group] = model.forward(ids.to(model.device), sizes).cpu().numpy()
+    return out
 
 
 def length_groups(lengths: list[int], slack: float = 1.5, pad_free: int = 64) -> list[list[int]]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.arch import ModelArgs
-from model.layers.encoder import length_groups
+from model.layers.encoder import embed_padded
 
 # per layer, our names (model/arch's layer_weights for a Gemma 3 block)
 LAYER_KEYS = (
@@ -179,19 +179,6 @@ class GemmaEncoder(nn.Module):
             out = F.normalize(out, p=2.0, dim=-1)
         return out
 
-    @torch.inference_mode()
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One vector per token list: [len(inputs), args.dim] float32; inputs of similar lengths
-        share a padded forward (model/layers/encoder.py's length_groups)."""
-        lengths = [len(ids) for ids in inputs]
-        if min(lengths) < 1 or max(lengths) > self.args.n_ctx:
-            raise ValueError(f"an input has {max(lengths)} tokens; at most {self.args.n_ctx}")
-        out = np.empty((len(inputs), self.args.dim), dtype=np.float32)
-        for group in length_groups(lengths):
-            n = lengths[group[0]]  # the longest first
-            ids = torch.zeros(len(group), n, dtype=torch.long)
-            for row, i in enumerate(group):
-                ids[row, : lengths[i]] = torch.as_tensor(inputs[i], dtype=torch.long)
-            sizes = torch.as_tensor([lengths[i] for i in group], device=self.device)
-            out[group] = self.forward(ids.to(self.device), sizes).cpu().numpy()
-        return out
+        """One vector per token list: [len(inputs), args.dim] float32 (encoder.embed_padded)."""
+        return embed_padded(self, inputs, self.args.n_ctx, self.args.dim)

@@ -20,12 +20,12 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from kvcache.rope import RopeConfig
 from model.arch import ARCH_BLOCKS, GEMMA3_LOCAL_ROPE_BASE, ModelArgs, gemma3_windows
 from model.errors import ModelLoadError
 from model.layers.gemma_encoder import LAYER_KEYS, NORM_KEYS, GemmaEncoderArgs
+from model.load.hf import read_safetensors
 from model.load.hf_config import read_args, read_json
 from model.load.tokenizer import Tokenizer
 
@@ -77,7 +77,7 @@ def read_gemma_folder(folder: Path) -> tuple[GemmaEncoderArgs, dict[str, torch.T
     if not is_gemma_folder(config):
         raise ModelLoadError(f"{folder}: not a gemma3_text model with bidirectional attention.")
     model = read_args(config, folder, allow_bidirectional=True)
-    raw = _safetensors(sorted(folder.glob("*.safetensors")), folder)
+    raw = read_safetensors(sorted(folder.glob("*.safetensors")), folder)
     raw = {k.removeprefix("model."): v for k, v in raw.items()}
     names = {"tok_embeddings": "embed_tokens.weight", "norm": "norm.weight"}
     for i in range(model.n_layers):
@@ -97,20 +97,6 @@ def read_gemma_folder(folder: Path) -> tuple[GemmaEncoderArgs, dict[str, torch.T
     ).get("model_max_length")
     n_ctx = min(int(max_seq or model.n_ctx_train), model.n_ctx_train)
     return GemmaEncoderArgs(model, tuple(dense), normalize, n_ctx), weights
-
-
-def _safetensors(files: list[Path], where: Path) -> dict[str, torch.Tensor]:
-    if not files:
-        raise ModelLoadError(f"{where}: no *.safetensors file.")
-    raw: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    raw[key] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own SafetensorError on bad files
-            raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
-    return raw
 
 
 def _st_modules(
@@ -145,7 +131,7 @@ def _st_modules(
                 f"{sub}: a Dense layer with a bias or an activation "
                 f"({cfg.get('activation_function')}) is not supported."
             )
-        w = _safetensors([sub / "model.safetensors"], sub).get("linear.weight")
+        w = read_safetensors([sub / "model.safetensors"], sub).get("linear.weight")
         shape = (int(cfg["out_features"]), int(cfg["in_features"]))
         if w is None or tuple(w.shape) != shape:
             raise ModelLoadError(f"{sub}: linear.weight is missing or not of shape {shape}.")

@@ -57,12 +57,10 @@ _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
 
 
-def read_weights(
-    folder: Path, args: ModelArgs, config: dict[str, Any], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+def read_safetensors(files: list[Path], where: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `files` by name; a ModelLoadError naming `where` or the bad file."""
     if not files:
-        raise ModelLoadError(f"{folder}: no *.safetensors file.")
+        raise ModelLoadError(f"{where}: no *.safetensors file.")
     raw: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -71,6 +69,13 @@ def read_weights(
                     raw[key] = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own SafetensorError on bad files
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
+    return raw
+
+
+def read_weights(
+    folder: Path, args: ModelArgs, config: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    raw = read_safetensors(sorted(folder.glob("*.safetensors")), folder)
     if args.arch in SSM_MODEL_TYPES:
         return read_ssm_weights(raw, args, config, dtype, folder)
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
