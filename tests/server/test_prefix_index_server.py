@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from cli.main import build_settings, make_parser
 from tests.live_server import start_server
 from tests.server.test_prefix_sharing_server import scrape
 from tests.tiny_models import write_tiny_llama
@@ -36,3 +37,22 @@ def test_twenty_conversations_on_two_seq_ids_all_continue_from_the_cache(server)
     metrics = scrape(url)
     assert metrics["cellserve_prefix_index_nodes"] >= 20
     assert metrics["cellserve_prefix_index_cells"] >= 20 * 40
+
+
+def test_no_prefix_index_keeps_only_the_holders(tmp_path) -> None:  # noqa: ANN001
+    args = make_parser().parse_args(["serve", "--no-prefix-index", "--n-seq-max", "2"])
+    settings = build_settings(args)
+    assert settings.prefix_index is False
+    folder = write_tiny_llama(tmp_path / "llama")
+    live = start_server(
+        model=str(folder), n_cells=4096, n_seq_max=2, n_batch=128, prefix_index=False
+    )
+    try:
+        prompts = [[5 + (i * 13 + k * 7) % 200 for k in range(40)] for i in range(6)]
+        for p in prompts:
+            cached_tokens(live.url, p)
+        # the first conversation's holder went when later ones needed its seq id
+        assert cached_tokens(live.url, prompts[0] + [300, 301, 302]) == 0
+        assert scrape(live.url)["cellserve_prefix_index_nodes"] == 0
+    finally:
+        live.stop()
