@@ -46,6 +46,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("context_shift", None, "shift the context instead of stopping at the limit"),
     ("prefix_cache", None, "keep finished prompts in the cache for reuse"),
     (
+        "prefix_index",
+        None,
+        "full-attention models: remember finished conversations past the n_seq_max holders in "
+        "a radix index over cells (default on; off: only the holders)",
+    ),
+    (
         "state_checkpoints",
         int,
         "recurrent and hybrid models (Mamba2, Granite 4.0-H): state slots kept as prefix-cache "

@@ -1,14 +1,16 @@
 """A second tier for the prefix cache: host RAM (`--cache-ram`, llama.cpp's flag) and a disk
 that survives restarts (`--cache-dir`).
 
-Every prefix-cache holder of at least `min_tokens` tokens is copied out when it appears (its
-tokens and K/V rows as stored: what a slot file keeps, scheduler/saved_slots.py) and given to
-each store, which keeps it within its byte budget, least recently used out first. When the live
-cache later evicts the holder under pressure, the copy stays. A queued request whose prompt
-matches a stored entry by at least `min_gain` tokens more than anything live waits while the
-entry is read (off the engine thread), is restored into fresh cells as a holder again, and is
-then admitted as an ordinary prefix hit. A restarted server indexes what its disk store holds
-for the same model file.
+Every prefix-cache holder of at least `min_tokens` tokens is copied out when it appears (its tokens
+and K/V rows as stored: what a slot file keeps, scheduler/saved_slots.py) and given to each store,
+which keeps it within its byte budget, least recently used out first. When the live cache later
+evicts the holder under pressure, the copy stays. The prefix index over held cells
+(scheduler/radix.py) holds only demoted holders, each copied out when it was a holder, so what the
+index evicts is in the tier too (within the tier's budget) with nothing copied at eviction. A queued
+request whose prompt matches a stored entry by at least `min_gain` tokens more than anything live
+waits while the entry is read (off the engine thread), is restored into fresh cells as a holder
+again, and is then admitted as an ordinary prefix hit. A restarted server indexes what its disk
+store holds for the same model file.
 
 Torch-free: the rows are whatever the store's worker side makes of them (kvcache/tier_store.py).
 Every method runs on the engine thread between two steps (scheduler/engine.py).

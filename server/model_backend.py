@@ -188,6 +188,7 @@ def load_backend(
         context_shift=settings.context_shift,
         max_queue=settings.max_queue,
         prefix_cache=settings.prefix_cache,
+        prefix_index=settings.prefix_index,
         memory_spec=loaded.config.memory_spec,
         state_checkpoints=settings.state_checkpoints,
         state_checkpoint_interval=settings.state_checkpoint_interval,

@@ -126,20 +126,29 @@ def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
 
 
 @router.get("/slots/cached")
-async def cached_slots(backend: BackendDep) -> list[dict[str, int]]:
-    """The slots that hold a finished conversation (what save can write), most recent last:
-    their ids, token counts and the order they were last used in."""
+async def cached_slots(backend: BackendDep) -> list[dict[str, Any]]:
+    """The finished conversations the cache holds: first those in the prefix index over cells
+    (no slot: `id_slot` -1, one row per leaf, `n_tokens` its whole path), then the slots that
+    hold one (what save can write); each part oldest first by its own `last_used` clock."""
 
-    def held(sched: Any, _worker: Any) -> list[dict[str, int]]:
-        rows = [
+    def held(sched: Any, _worker: Any) -> list[dict[str, Any]]:
+        radix = sched.seq_ids.radix
+        leaves = [n for n in radix.nodes() if not n.children] if radix is not None else []
+        indexed = [
+            {"id_slot": -1, "n_tokens": n.end, "last_used": n.last_used, "source": "index"}
+            for n in leaves
+        ]
+        slots = [
             {
                 "id_slot": sid,
                 "n_tokens": int(sched.prefix.tokens(sid).shape[0]),
                 "last_used": sched.prefix.last_used(sid),
+                "source": "slot",
             }
             for sid in sched.prefix.seq_ids
         ]
-        return sorted(rows, key=lambda r: r["last_used"])
+        by_age = lambda r: r["last_used"]  # noqa: E731
+        return sorted(indexed, key=by_age) + sorted(slots, key=by_age)
 
     return await run_in_threadpool(_call, backend, held)
 

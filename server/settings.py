@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     ctx_per_seq: int = Field(2048, ge=8)
     context_shift: bool = True
     prefix_cache: bool = True
+    # full-attention models: finished conversations past the n_seq_max holders stay in a radix
+    # index over held cells (scheduler/radix.py); off: only the holders are remembered
+    prefix_index: bool = True
     # positions per virtual block of a cached prompt (server.cache_config): the block_size of
     # vllm:cache_config_info; must equal the router's block size (llm-d's guides use 64)
     kv_events_block_size: int = Field(16, ge=1, le=4096)

@@ -209,3 +209,27 @@ def test_entries_serve_only_requests_under_the_same_lora_adapters(tmp_path: Path
     assert held and sched.prefix.lora_name(held[0]) == "sql"
     sched.memory.check()
     tier.close()
+
+
+def test_a_conversation_evicted_from_the_prefix_index_comes_back_from_ram() -> None:
+    # two seq ids: a holder is demoted into the prefix index when a later conversation needs its
+    # seq id; 700 cells hold four conversations, so the fifth evicts the index's oldest leaf
+    config = make_config(n_cells=700, n_seq_max=2, n_batch=64, n_ctx_seq=700)
+    sched = Scheduler(config)
+    radix = sched.seq_ids.radix
+    assert radix is not None
+    worker = TierWorker(config.n_cells, len(sched.memory.group_pools))
+    tier = CacheTier([RamStore(1 << 30, MODEL)], MODEL, min_tokens=32)
+    run(sched, worker, tier, [conversation(0)])
+    second = conversation(1)
+    out = run(sched, worker, tier, [second])
+    prompt = np.array(second.prompt_ids, dtype=np.int64)
+    run(sched, worker, tier, [conversation(2)])
+    assert radix.match(prompt).length == 150, "demoted into the index, not dropped"
+    assert all(sched.prefix.tokens(s)[:150].tolist() != second.prompt_ids for s in (0, 1))
+    for i in range(3, 5):
+        run(sched, worker, tier, [conversation(i)])
+    assert radix.match(prompt).length == 0, "the index still holds the conversation"
+    assert all(sched.prefix.tokens(s)[:150].tolist() != second.prompt_ids for s in (0, 1))
+    check_follow_up(sched, worker, tier, "unified", second, out)
+    assert tier.stats[0].hits == 1 and tier.stats[0].hit_tokens >= 150

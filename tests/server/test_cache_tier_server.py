@@ -72,7 +72,8 @@ def test_an_evicted_prompt_comes_back_from_ram(tmp_path: Path) -> None:
         cold = complete(server.url, prompt(0, 10))
         for i in range(1, 6):
             complete(server.url, prompt(i, 10))
-        assert len(httpx.get(f"{server.url}/slots/cached").json()) <= 2  # 6 prompts were seen
+        # 512 cells keep three of the six 145-token conversations (two slots, one in the index)
+        assert len(httpx.get(f"{server.url}/slots/cached").json()) <= 3
         warm = complete(server.url, prompt(0, 10))
         n = warm["usage"]["prompt_tokens"]
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * n

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from cli.main import build_settings, make_parser
 from tests.live_server import start_server
 from tests.server.test_prefix_sharing_server import scrape
 from tests.tiny_models import write_tiny_llama
@@ -36,3 +37,38 @@ def test_twenty_conversations_on_two_seq_ids_all_continue_from_the_cache(server)
     metrics = scrape(url)
     assert metrics["cellserve_prefix_index_nodes"] >= 20
     assert metrics["cellserve_prefix_index_cells"] >= 20 * 40
+
+
+def test_slots_cached_lists_the_index_conversations_before_the_slots(server) -> None:  # noqa: ANN001
+    prompts = [[7 + (i * 17 + k * 5) % 190 for k in range(50)] for i in range(6)]
+    for p in prompts:
+        cached_tokens(server.url, p)
+    rows = httpx.get(f"{server.url}/slots/cached").json()
+    indexed = [r for r in rows if r["source"] == "index"]
+    slots = [r for r in rows if r["source"] == "slot"]
+    assert rows == indexed + slots  # index rows first
+    assert len(slots) <= 2 and all(r["id_slot"] >= 0 for r in slots)
+    assert all(r["id_slot"] == -1 for r in indexed)
+    assert len(indexed) >= 4  # six conversations on two seq ids: four or more left as leaves
+    assert sum(r["n_tokens"] >= 50 for r in indexed) >= 4
+    for part in (indexed, slots):
+        assert [r["last_used"] for r in part] == sorted(r["last_used"] for r in part)
+
+
+def test_no_prefix_index_keeps_only_the_holders(tmp_path) -> None:  # noqa: ANN001
+    args = make_parser().parse_args(["serve", "--no-prefix-index", "--n-seq-max", "2"])
+    settings = build_settings(args)
+    assert settings.prefix_index is False
+    folder = write_tiny_llama(tmp_path / "llama")
+    live = start_server(
+        model=str(folder), n_cells=4096, n_seq_max=2, n_batch=128, prefix_index=False
+    )
+    try:
+        prompts = [[5 + (i * 13 + k * 7) % 200 for k in range(40)] for i in range(6)]
+        for p in prompts:
+            cached_tokens(live.url, p)
+        # the first conversation's holder went when later ones needed its seq id
+        assert cached_tokens(live.url, prompts[0] + [300, 301, 302]) == 0
+        assert scrape(live.url)["cellserve_prefix_index_nodes"] == 0
+    finally:
+        live.stop()
