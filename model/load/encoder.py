@@ -22,7 +22,6 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from model.errors import ModelLoadError
 from model.layers.encoder import Encoder, EncoderArgs, weight_names
@@ -30,6 +29,7 @@ from model.layers.gemma_encoder import GemmaEncoder, GemmaEncoderArgs
 from model.load.dtypes import resolve_dtype
 from model.load.gemma_encoder import GGUF_ARCH, is_gemma_folder, read_gemma_folder, read_gemma_gguf
 from model.load.gguf import open_gguf
+from model.load.hf import read_safetensors
 from model.load.hf_config import read_json
 from model.load.tokenizer import Tokenizer
 from model.load.wordpiece import wordpiece_from_gguf
@@ -42,6 +42,7 @@ _ST_POOLING = {  # sentence-transformers' Pooling config flag -> ours
     "pooling_mode_cls_token": "cls",
     "pooling_mode_lasttoken": "last",
 }
+_ST_MODE = {"mean": "mean", "cls": "cls", "lasttoken": "last"}  # sentence-transformers 6's names
 
 
 @dataclass(slots=True)
@@ -136,17 +137,8 @@ def read_folder(folder: Path) -> tuple[EncoderArgs, dict[str, torch.Tensor]]:
         normalize=normalize,
         n_ctx=min(int(max_seq or n_positions), n_positions),
     )
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder}: no *.safetensors file.")
-    raw: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    raw[key.removeprefix("bert.")] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own SafetensorError on bad files
-            raise ModelLoadError(f"{file}: not a readable safetensors file ({e}).") from e
+    raw = read_safetensors(sorted(folder.glob("*.safetensors")), folder)
+    raw = {key.removeprefix("bert."): value for key, value in raw.items()}
     return args, _pick(raw, args, folder)
 
 
@@ -159,12 +151,15 @@ def _st_pooling(folder: Path) -> tuple[str, bool]:
     for module in modules:
         if module.get("type", "").endswith(".Pooling"):
             cfg = read_json(folder / module.get("path", "") / "config.json")
-            modes = [mode for flag, mode in _ST_POOLING.items() if cfg.get(flag)]
-            others = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
-            if len(modes) != 1 or len(others) != 1:
+            # sentence-transformers 6 writes one "pooling_mode" string, older ones a flag each
+            flags = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
+            one = cfg.get("pooling_mode")
+            modes = [m for f, m in _ST_POOLING.items() if f in flags or _ST_MODE.get(one) == m]
+            if len(modes) != 1 or len(flags) + (one is not None) != 1:
                 raise ModelLoadError(
-                    f"{folder}: pooling {others or 'none'} is not supported (one of "
-                    "pooling_mode_mean_tokens, pooling_mode_cls_token, pooling_mode_lasttoken)."
+                    f"{folder}: pooling {one or flags or 'none'} is not supported (one of mean, "
+                    "cls, lasttoken: pooling_mode, or pooling_mode_mean_tokens, "
+                    "pooling_mode_cls_token, pooling_mode_lasttoken)."
                 )
             pooling = modes[0]
     normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)

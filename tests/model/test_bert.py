@@ -52,6 +52,25 @@ def test_hf_folder_matches_transformers(tmp_path, pooling, normalize):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("mode", "pooling"), [("mean", "mean"), ("cls", "cls"), ("lasttoken", "last")]
+)
+def test_sentence_transformers_6_pooling_mode_string(tmp_path, mode, pooling):
+    # sentence-transformers 6 saves {"pooling_mode": "cls"} where older versions saved a flag each
+    folder = write_tiny_bert(tmp_path / "bert", pooling, True)
+    config = folder / "1_Pooling" / "config.json"
+    dim = json.loads(config.read_text())["word_embedding_dimension"]
+    config.write_text(json.dumps({"embedding_dimension": dim, "pooling_mode": mode}))
+    loaded = load_encoder(folder)
+    assert loaded.config.pooling == pooling
+    inputs = token_lists(loaded.tokenizer)
+    want = reference_vectors(folder, inputs, pooling, True)
+    np.testing.assert_allclose(loaded.encoder.embed(inputs), want, atol=2e-5, rtol=1e-4)
+    config.write_text(json.dumps({"embedding_dimension": dim, "pooling_mode": "max"}))
+    with pytest.raises(ModelLoadError, match="pooling max"):
+        load_encoder(folder)
+
+
 def test_gguf_matches_hf_folder_and_uses_llama_cpp_names(tmp_path):
     folder = write_tiny_bert(tmp_path / "bert", "cls", True)
     gguf_path = convert(folder, tmp_path / "bert.gguf", "f32")
