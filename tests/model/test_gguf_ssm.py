@@ -1,5 +1,6 @@
 """Mamba2 and Granite 4.0-H (granitehybrid) GGUFs: model/load/hf_to_gguf.py writes llama.cpp's
-layout, model/load/gguf.py reads it back into exactly the HF model's sizes and weights."""
+layout, model/load/gguf.py reads it back into exactly the HF model's sizes and weights (the tiny models:
+ssm_gguf.py; what cannot load: test_gguf_ssm_refusals.py)."""
 
 from __future__ import annotations
 
@@ -15,114 +16,24 @@ import pytest
 import torch
 
 from kvcache.rope import RopeConfig
-from model import ModelLoadError
 from model.arch import ModelArgs, SSMArgs
-from model.load.gguf import open_gguf, read_args, read_weights
+from model.load.gguf import open_gguf
 from model.load.gguf_file import GGUFFile
 from model.load.hf_to_gguf import NOPE_CONTEXT, convert
+from tests.model.ssm_gguf import (
+    GRANITE,
+    MAMBA2,
+    assert_same_weights,
+    f32,
+    hf_state,
+    load_gguf,
+    make_granite,
+    make_mamba2,
+    ssm_weights,
+)
 from tests.tiny_models import write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-MAMBA2 = dict(
-    vocab_size=2048,
-    hidden_size=64,
-    expand=2,
-    num_heads=8,
-    head_dim=16,
-    n_groups=2,
-    state_size=16,
-    conv_kernel=4,
-    num_hidden_layers=3,
-    chunk_size=8,
-)
-GRANITE = dict(
-    vocab_size=2048,
-    hidden_size=64,
-    intermediate_size=96,  # the experts' width: unused by a dense model
-    shared_intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=0,
-    mamba_n_heads=8,
-    mamba_d_head=16,
-    mamba_n_groups=2,
-    mamba_d_state=16,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_chunk_size=8,
-    embedding_multiplier=2.0,
-    residual_multiplier=0.5,
-    attention_multiplier=0.25,
-    logits_scaling=4.0,
-    rms_norm_eps=1e-6,
-)
-
-
-def f32(x: float) -> float:
-    """GGUF stores float32 scalars (as llama.cpp reads them)."""
-    return float(np.float32(x))
-
-
-def save_random(folder: Path, model: Any, seed: int = 0) -> Path:
-    """Every parameter redrawn (HF init sets A_log = log(1..H), D = norm = 1, which hide
-    layout bugs), saved with write_tiny_llama's tokenizer files."""
-    write_tiny_llama(folder)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    model.save_pretrained(folder)
-    return folder
-
-
-def make_mamba2(folder: Path, **overrides: Any) -> Path:
-    config = transformers.Mamba2Config(**(MAMBA2 | overrides))
-    return save_random(folder, transformers.Mamba2ForCausalLM(config))
-
-
-def make_granite(folder: Path, layer_types: list[str], rope: bool, **overrides: Any) -> Path:
-    config = transformers.GraniteMoeHybridConfig(
-        **(GRANITE | overrides),
-        layer_types=layer_types,
-        position_embedding_type="rope" if rope else "nope",
-    )
-    return save_random(folder, transformers.GraniteMoeHybridForCausalLM(config), seed=1)
-
-
-def hf_state(folder: Path) -> dict[str, torch.Tensor]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    reader = open_gguf(path)
-    args = read_args(reader, path)
-    return args, read_weights(reader, args, path, torch.float32)
-
-
-def ssm_weights(sd: dict[str, torch.Tensor], mixer: str) -> dict[str, torch.Tensor]:
-    """The contract's Mamba2 weights from an HF mixer's state dict."""
-    return {
-        "ssm_in": sd[mixer + "in_proj.weight"],
-        "ssm_conv": sd[mixer + "conv1d.weight"][:, 0, :],
-        "ssm_conv_b": sd[mixer + "conv1d.bias"],
-        "ssm_dt_b": sd[mixer + "dt_bias"],
-        "ssm_a": -torch.exp(sd[mixer + "A_log"]),
-        "ssm_d": sd[mixer + "D"],
-        "ssm_norm": sd[mixer + "norm.weight"],
-        "ssm_out": sd[mixer + "out_proj.weight"],
-    }
-
-
-def assert_same_weights(ours: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(ours) == sorted(want)
-    for name, w in want.items():
-        if name.endswith("ssm_a"):  # exp in numpy (converter) vs torch: within an ulp
-            torch.testing.assert_close(ours[name], w, rtol=2.5e-7, atol=0)
-        else:
-            assert torch.equal(ours[name], w), name
 
 
 # ---- Mamba2 ----
@@ -440,149 +351,6 @@ def test_conv_without_bias(tmp_path):
     args, weights = load_gguf(path)
     assert args.ssm is not None and not args.ssm.conv_bias
     assert "layers.0.ssm_conv_b" not in weights
-
-
-# ---- what cannot load, said clearly ----
-
-
-def rewrite(
-    src: Path,
-    dst: Path,
-    set_kv: dict[str, Any] | None = None,
-    drop: tuple[str, ...] = (),
-    add: dict[str, np.ndarray] | None = None,
-    qtype: str = "",
-) -> Path:
-    """A copy of a GGUF with keys replaced or added, tensors dropped or added, and with
-    `qtype` the 2-D weights but the conv quantized (as llama-quantize leaves it)."""
-    reader = gguf.GGUFReader(src)  # the writer wants each field's value types
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(dst), arch)
-    set_kv = dict(set_kv or {})
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = set_kv.pop(key, field.contents())
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, field.types[0], sub)
-    for key, value in set_kv.items():
-        writer.add_key_value(key, value, gguf.GGUFValueType.UINT32)
-    for t in reader.tensors:
-        w = np.array(t.data)
-        if t.name in drop:
-            continue
-        if qtype and w.ndim == 2 and t.name.endswith(".weight") and "conv1d" not in t.name:
-            kind = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(t.name, gguf.quants.quantize(w, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(t.name, w)
-    for name, w in (add or {}).items():
-        writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
-@pytest.fixture(scope="module")
-def granite_gguf(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("granite_err")
-    folder = make_granite(tmp / "hf", ["mamba", "attention", "mamba", "attention"], False)
-    return convert(folder, tmp / "g.gguf")
-
-
-def test_the_rewrite_helper_keeps_a_loadable_file(granite_gguf, tmp_path):
-    args, _ = load_gguf(granite_gguf)
-    assert load_gguf(rewrite(granite_gguf, tmp_path / "copy.gguf"))[0] == args
-
-
-def test_quantized_gguf_loads_dequantized(granite_gguf, tmp_path):
-    _, want = load_gguf(granite_gguf)
-    path = rewrite(granite_gguf, tmp_path / "q8.gguf", qtype="Q8_0")
-    types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
-    assert types["blk.0.ssm_in.weight"] == types["blk.1.attn_q.weight"] == "Q8_0"
-    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == "F32"
-    _, got = load_gguf(path)
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    for name in ("layers.0.ssm_in", "layers.0.ssm_norm", "layers.1.wv", "layers.3.w2"):
-        w = want[name].numpy()
-        if name.endswith("ssm_norm"):
-            w = w.reshape(2, -1)  # quantized in llama.cpp's [G, d_inner / G]
-        deq = gguf.quants.dequantize(gguf.quants.quantize(w, q8), q8).reshape(-1, w.shape[-1])
-        assert torch.equal(got[name], torch.from_numpy(deq).reshape(want[name].shape)), name
-    assert not torch.equal(got["layers.0.ssm_in"], want["layers.0.ssm_in"])
-    for name in ("layers.0.ssm_conv", "layers.0.ssm_a", "layers.2.ssm_d", "layers.1.attn_norm"):
-        assert torch.equal(got[name], want[name]), name
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (
-            dict(set_kv={"granitehybrid.expert_count": 4}),
-            r"mixture-of-experts granitehybrid model \(4 experts\)",
-        ),
-        (
-            dict(add={"blk.1.ffn_gate_exps.weight": np.zeros((4, 8, 64), np.float32)}),
-            "ffn_gate_exps.weight means a mixture-of-experts",
-        ),
-        (dict(drop=("blk.2.ssm_in.weight",)), "tensor blk.2.ssm_in.weight is missing"),
-        (
-            dict(add={"blk.1.attn_output.bias": np.zeros(64, np.float32)}),
-            "attention biases",
-        ),
-        (
-            dict(add={"blk.1.ssm_in.weight": np.zeros((328, 64), np.float32)}),
-            "does not use: blk.1.ssm_in.weight",
-        ),
-        (
-            dict(set_kv={"granitehybrid.attention.head_count_kv": [0, 2, 0]}),
-            "head_count_kv has 3 entries for 4 layers",
-        ),
-        (dict(set_kv={"granitehybrid.ssm.time_step_rank": 6}), "inconsistent Mamba2 sizes"),
-        (dict(set_kv={"granitehybrid.ssm.state_size": 8}), "blk.0.ssm_in.weight has shape"),
-        (dict(drop=("token_embd.weight",)), "tensor token_embd.weight is missing"),
-    ],
-)
-def test_bad_gguf_is_refused_by_name(granite_gguf, tmp_path, change, message):
-    bad = rewrite(granite_gguf, tmp_path / "bad.gguf", **change)
-    with pytest.raises(ModelLoadError, match=message):
-        load_gguf(bad)
-
-
-def test_truncated_gguf_is_refused(granite_gguf, tmp_path):
-    data = granite_gguf.read_bytes()
-    for keep in (len(data) // 2, len(data) - 100, 64):
-        cut = tmp_path / f"cut{keep}.gguf"
-        cut.write_bytes(data[:keep])
-        with pytest.raises(ModelLoadError, match="truncated or corrupt"):
-            load_gguf(cut)
-
-
-def test_converter_refuses_what_llama_cpp_cannot_hold(tmp_path):
-    moe = make_granite(
-        tmp_path / "moe",
-        ["mamba", "attention"],
-        False,
-        num_hidden_layers=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    with pytest.raises(ModelLoadError, match="mixture-of-experts Granite .4 experts"):
-        convert(moe, tmp_path / "moe.gguf")
-    biased = make_mamba2(tmp_path / "bias", use_bias=True, num_hidden_layers=1)
-    with pytest.raises(ModelLoadError, match="projection biases"):
-        convert(biased, tmp_path / "bias.gguf")
-    biased = make_granite(
-        tmp_path / "attn_bias", ["attention"], True, attention_bias=True, num_hidden_layers=1
-    )
-    with pytest.raises(ModelLoadError, match="attention or MLP biases are not supported"):
-        convert(biased, tmp_path / "attn_bias.gguf")
-    small = make_mamba2(tmp_path / "small", vocab_size=256, num_hidden_layers=1)
-    with pytest.raises(ModelLoadError, match="tokenizer has ids up to 319, the embedding 256"):
-        convert(small, tmp_path / "small.gguf")
-    assert not any(tmp_path.glob("*.gguf"))
 
 
 def test_converter_command_line(mamba2_dir, tmp_path, capsys):
