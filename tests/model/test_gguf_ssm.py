@@ -1,6 +1,6 @@
 """Mamba2 and Granite 4.0-H (granitehybrid) GGUFs: model/load/hf_to_gguf.py writes llama.cpp's
-layout, model/load/gguf.py reads it back into exactly the HF model's sizes and weights (the tiny models:
-ssm_gguf.py; what cannot load: test_gguf_ssm_refusals.py)."""
+layout, model/load/gguf.py reads it back into exactly the HF model's sizes and weights (the tiny
+models: ssm_gguf.py; what cannot load: test_gguf_ssm_refusals.py)."""
 
 from __future__ import annotations
 
