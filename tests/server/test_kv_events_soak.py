@@ -85,8 +85,16 @@ class Subscriber(threading.Thread):
         self.seqs: list[int] = []
         self.num_stored = self.num_removed = 0
         self.stop = threading.Event()
+        self.error: BaseException | None = None
 
     def run(self) -> None:
+        try:
+            self._read()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _read(self) -> None:
         while not self.stop.is_set() or self.sock.poll(200):
             if self.sock.poll(50):
                 _, seq, payload = self.sock.recv_multipart()
@@ -112,6 +120,20 @@ class Subscriber(threading.Thread):
 
 
 def client_loop(url: str, seed: int, until: float, tally: dict[str, int]) -> None:
+    """NOTE: a connection reset (seen once in a 10-minute run on a loaded 2-core machine,
+    cause not found) is counted and the client goes on: the subject here is the KV events."""
+    while time.monotonic() < until:
+        try:
+            _client_loop(url, seed, until, tally)
+        except httpx.TransportError:
+            tally["transport_error"] += 1
+        except BaseException as exc:
+            tally[f"error: {exc!r}"[:200]] = 1
+            raise
+        seed += 1000
+
+
+def _client_loop(url: str, seed: int, until: float, tally: dict[str, int]) -> None:
     """Shared system prompts, distinct prompts, multi-turn continuations and streams the
     client drops after the first chunk, in random order."""
     rng = random.Random(seed)
@@ -171,7 +193,7 @@ def test_every_step_ends_with_the_subscriber_seeing_the_cache(replica: tuple[Liv
     sub = Subscriber(pub)
     sub.start()
     time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the PUB socket
-    tally: dict[str, int] = {"system": 0, "distinct": 0, "turn": 0, "dropped": 0}
+    tally = {"system": 0, "distinct": 0, "turn": 0, "dropped": 0, "transport_error": 0}
     until = time.monotonic() + DURATION_S
     clients = [
         threading.Thread(target=client_loop, args=(server.url, k, until, tally), daemon=True)
@@ -191,6 +213,8 @@ def test_every_step_ends_with_the_subscriber_seeing_the_cache(replica: tuple[Liv
         f"most blocks held {max(len(s.blocks) for s in watch.steps)}, publisher dropped "
         f"{server.app.state.kv_events.num_dropped}"
     )
+    assert not [k for k in tally if k.startswith("error")], tally
+    assert sub.error is None, sub.error
     assert server.app.state.kv_events.num_dropped == 0
     assert sub.seqs == list(range(len(sub.seqs))), "a batch was lost on the wire"
     assert len(sub.views) == watch.num_published
@@ -201,4 +225,8 @@ def test_every_step_ends_with_the_subscriber_seeing_the_cache(replica: tuple[Liv
         for k, step in enumerate(watch.steps)
         if step.blocks != (sub.views[step.num_published - 1] if step.num_published else set())
     ]
-    assert not behind, f"{len(behind)} of {len(watch.steps)} step ends; first {behind[:3]}"
+    if behind:
+        step = watch.steps[behind[0]]
+        view = sub.views[step.num_published - 1] if step.num_published else frozenset()
+        detail = f"cache-only {len(step.blocks - view)}, view-only {len(view - step.blocks)}"
+        raise AssertionError(f"{len(behind)} of {len(watch.steps)} step ends; first: {detail}")
