@@ -6,7 +6,8 @@ array-encoded batches and records its view (stored minus removed) after each. Ev
 record must equal the subscriber's view after that many batches: each block cached by the end
 of a step went out in that step's batch, and no removal was missed or early.
 
-CELLSERVE_KV_SOAK_S sets the load's duration (default 60 s; the issue's soak is 600)."""
+CELLSERVE_KV_SOAK_S sets the load's duration (default 60 s; the issue's soak is 600, which
+needs `--timeout 1400` over the suite's 600 s pytest-timeout)."""
 
 from __future__ import annotations
 
