@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -54,8 +55,10 @@ def _counter(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in {url}/metrics")
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+@contextmanager
+def sglang_fleet(*router_flags: str) -> Iterator[Fleet]:
+    """Two replicas behind `sglang-router --policy cache_aware` (health checked every 1 s, one
+    failure marks a replica down), ready once it forwards a model-less request."""
     router_bin = require_tool("sglang-router")
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_llama(f"{tmp}/tiny"))
@@ -73,7 +76,7 @@ def fleet() -> Iterator[Fleet]:
             "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-            "--log-level", "warn",
+            "--log-level", "warn", *router_flags,
         ]
         # fmt: on
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -99,6 +102,12 @@ def fleet() -> Iterator[Fleet]:
             for r in replicas:
                 r.stop()
             print(tail)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    with sglang_fleet() as f:
+        yield f
 
 
 def test_requests_without_model_reach_the_replicas_model(fleet: Fleet) -> None:
