@@ -242,8 +242,9 @@ class Engine:
                 self._cond.notify_all()
 
     def enable_kv_events(self, block_size: int, publish: Callable[[list[KVEvent]], None]) -> None:
-        """Announce the prefix cache's virtual blocks (scheduler.kv_blocks): `publish` gets
-        each step's events on the engine thread and must not block."""
+        """Announce the virtual blocks (scheduler.kv_blocks) of the prefix cache and of the
+        running sequences: `publish` gets each step's events on the engine thread and must
+        not block."""
         with self._cond:
             ledger = BlockLedger(block_size)
             for sid in self.scheduler.prefix.seq_ids:
@@ -255,10 +256,9 @@ class Engine:
             self._publish_kv = publish
 
     def _publish_kv_events(self) -> None:
-        ledger = self.scheduler.prefix.ledger
-        if self._publish_kv is None or ledger is None:
+        if self._publish_kv is None:
             return
-        kv_events = ledger.take()
+        kv_events = self.scheduler.take_kv_events()
         if kv_events:
             try:
                 self._publish_kv(kv_events)

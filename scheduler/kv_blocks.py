@@ -8,6 +8,14 @@ hashes on every replica. Holders share blocks (a shared system prompt): a block 
 when its first holder appears and removed when its last holder goes, so at any time
 stored - removed = the blocks of the holders. Plain Python, called under the engine's lock.
 
+Running sequences are holders too (vLLM announces a block once it is computed, since another
+request can reuse it then; cellserve shares running sequences' computed cells,
+scheduler/sharing.py): each step the scheduler says what every running sequence holds now
+(`hold_running`), its blocks are added or cut, and a sequence that left releases its own. So a
+request's blocks are stored while it runs and pass to the holder its finish makes without a
+second BlockStored; they are removed only when neither a running sequence nor the cache keeps
+them.
+
 A holder computed under LoRA adapters (scheduler.plan.LoraKey) chains from a root hashed from
 them (vLLM puts the LoRA in its block hash's extra keys): its blocks never equal the base
 model's, and its BlockStored events carry `lora_id` (the adapter's id + 1 for one adapter,
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,10 +84,14 @@ def lora_int_id(lora: LoraKey) -> int | None:
 
 
 class BlockLedger:
+    """Holders by key: prefix-cache holders by seq id, prefix-index nodes by -uid, running
+    sequences by their scheduler.sequence.Sequence."""
+
     def __init__(self, block_size: int) -> None:
         assert block_size >= 1
         self.block_size = block_size
-        self._holder_blocks: dict[int, list[int]] = {}
+        self._holder_blocks: dict[Hashable, list[int]] = {}
+        self._running: set[Hashable] = set()
         self._refs: Counter[int] = Counter()  # block hash -> holders that hold it
         self._events: list[KVEvent] = []
 
@@ -87,45 +100,80 @@ class BlockLedger:
         return set(self._refs)
 
     def chain(
-        self, tokens: np.ndarray, lora: LoraKey = ()
-    ) -> list[tuple[int, int | None, np.ndarray]]:
-        """(hash, parent hash, tokens) of each full block of `tokens` computed under `lora`."""
-        out: list[tuple[int, int | None, np.ndarray]] = []
-        parent: int | None = None
+        self, tokens: Sequence[int] | np.ndarray, lora: LoraKey = (), parent: int | None = None
+    ) -> list[tuple[int, int | None, Sequence[int] | np.ndarray]]:
+        """(hash, parent hash, tokens) of each full block of `tokens` computed under `lora`;
+        `parent`: the hash of the block before tokens[0] (None: tokens[0] is position 0)."""
+        out: list[tuple[int, int | None, Sequence[int] | np.ndarray]] = []
         root = lora_root(lora)
         bs = self.block_size
-        for start in range(0, tokens.shape[0] - bs + 1, bs):
+        for start in range(0, len(tokens) - bs + 1, bs):
             chunk = tokens[start : start + bs]
-            h = block_hash(root if parent is None else parent, chunk)
+            h = block_hash(root if parent is None else parent, np.asarray(chunk))
             out.append((h, parent, chunk))
             parent = h
         return out
 
     def add(
-        self, seq_id: int, tokens: np.ndarray, lora: LoraKey = (), lora_name: str | None = None
+        self, key: Hashable, tokens: np.ndarray, lora: LoraKey = (), lora_name: str | None = None
     ) -> None:
-        """`seq_id` became a holder of `tokens` (under `lora`): its blocks that no holder had
+        """`key` became a holder of `tokens` (under `lora`): its blocks that no holder had
         are stored."""
-        assert seq_id not in self._holder_blocks
-        hashes: list[int] = []
+        assert key not in self._holder_blocks
+        self.hold(key, tokens, len(tokens), lora, lora_name)
+
+    def hold(
+        self,
+        key: Hashable,
+        tokens: Sequence[int] | np.ndarray,
+        n: int,
+        lora: LoraKey = (),
+        lora_name: str | None = None,
+    ) -> None:
+        """`key` holds tokens[:n] at positions 0..n-1 now: the blocks it gains that no holder
+        had are stored, the blocks past n it held that no other holder keeps are removed.
+        NOTE: for a key already held, tokens[:n] must start with the blocks it held up to
+        min(n, what it held): a running sequence's computed prefix only grows, or loses its
+        tail (context shift, preemption); only the new blocks are hashed."""
+        hashes = self._holder_blocks.setdefault(key, [])
+        bs = self.block_size
+        n_full = n // bs
+        if n_full < len(hashes):
+            self._release(hashes[n_full:])
+            del hashes[n_full:]
+        parent = hashes[-1] if hashes else None
         run: BlockStored | None = None
-        for h, parent, chunk in self.chain(tokens, lora):
+        for h, up, chunk in self.chain(tokens[len(hashes) * bs : n_full * bs], lora, parent):
             hashes.append(h)
             self._refs[h] += 1
             if self._refs[h] > 1:
                 run = None
                 continue
             if run is None:  # consecutive new blocks go out as one chain
-                run = BlockStored([], parent, [], lora_int_id(lora), lora_name)
+                run = BlockStored([], up, [], lora_int_id(lora), lora_name)
                 self._events.append(run)
             run.block_hashes.append(h)
             run.token_ids.extend(int(t) for t in chunk)
-        self._holder_blocks[seq_id] = hashes
 
-    def remove(self, seq_id: int) -> None:
-        """`seq_id` is no longer a holder: the blocks no other holder keeps are removed."""
+    def hold_running(
+        self, held: dict[Hashable, tuple[Sequence[int], int, LoraKey, str | None]]
+    ) -> None:
+        """The running sequences hold exactly these now, key -> (tokens, n, lora, lora_name)
+        as for `hold`; a running key not in `held` left and releases its blocks. Holds go
+        first: a block that passes between running keys is never removed and stored again."""
+        for key, (tokens, n, lora, lora_name) in held.items():
+            self.hold(key, tokens, n, lora, lora_name)
+        for key in self._running - held.keys():
+            self.remove(key)
+        self._running = set(held)
+
+    def remove(self, key: Hashable) -> None:
+        """`key` is no longer a holder: the blocks no other holder keeps are removed."""
+        self._release(self._holder_blocks.pop(key, []))
+
+    def _release(self, hashes: list[int]) -> None:
         gone = []
-        for h in self._holder_blocks.pop(seq_id, []):
+        for h in hashes:
             self._refs[h] -= 1
             if self._refs[h] == 0:
                 del self._refs[h]
@@ -134,9 +182,12 @@ class BlockLedger:
             self._events.append(BlockRemoved(gone))
 
     def cleared(self) -> None:
-        """Every holder was dropped (a cache reset): one AllBlocksCleared replaces the
-        removals it made."""
-        assert not self._holder_blocks
+        """Every cache holder was dropped (a cache reset): one AllBlocksCleared replaces the
+        removals it made, unless running sequences still hold blocks (then the removals say
+        exactly what went)."""
+        assert self._holder_blocks.keys() <= self._running
+        if self._refs:
+            return
         self._events = [e for e in self._events if not isinstance(e, BlockRemoved)]
         self._events.append(AllBlocksCleared())
 

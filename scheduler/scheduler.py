@@ -24,6 +24,7 @@ from scheduler.admission import Admission
 from scheduler.config import EngineConfig
 from scheduler.context_shift import clamp_n_keep
 from scheduler.intake import make_choices, prepare_prompt, shift_enabled
+from scheduler.kv_blocks import KVEvent
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput, group_batches
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
 from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
@@ -198,6 +199,14 @@ class Scheduler:
             self._finish_request(req_id, None, reason, error)
         events, self._events = self._events, []
         return events
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last take (none without a ledger), the running sequences'
+        blocks brought up to date first (Sharing.announce)."""
+        if self.prefix.ledger is None:
+            return []
+        self.sharing.announce(self.running)
+        return self.prefix.ledger.take()
 
     def clear_prefix_cache(self) -> None:
         self.seq_ids.clear_holders()

@@ -26,7 +26,7 @@ one step later the reader's window, or its tail state, is exactly the waiter's p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 
@@ -75,14 +75,34 @@ class Sharing:
                 best = PrefixMatch(-1, r.length, radix=r)
         return best
 
-    def computed(self, seq: Sequence) -> np.ndarray:
-        """The tokens a running sequence holds at positions 0..n-1 with their cold values:
-        all it computed, or only the kept head once it has shifted."""
+    def num_reusable(self, seq: Sequence) -> int:
+        """How many of a running sequence's tokens it holds at positions 0..n-1 with their
+        cold values: all it computed, or only the kept head once it has shifted."""
         n = seq.num_computed
         if seq.num_shifts:
             keep = clamp_n_keep(seq.request.n_keep, seq.num_prompt, self.config.n_ctx_seq)
             n = min(n, keep)
-        return np.asarray(seq.tokens[:n], dtype=np.int64)
+        return n
+
+    def computed(self, seq: Sequence) -> np.ndarray:
+        return np.asarray(seq.tokens[: self.num_reusable(seq)], dtype=np.int64)
+
+    def announce(self, running: Iterable[Sequence]) -> None:
+        """KV events (scheduler/kv_blocks.py): what each running sequence could share now
+        (`match` takes it) is held in the ledger, as vLLM announces a block once computed.
+        Only where it is shareable: with prefix caching, on a memory that keeps every prefix
+        of a growing sequence (a window or a recurrent state moves on)."""
+        ledger = self.prefix.ledger
+        if ledger is None:
+            return
+        held: dict[Hashable, tuple[list[int], int, LoraKey, str | None]] = {}
+        if self.config.prefix_cache and self.memory.keeps_prefixes:
+            for s in running:
+                # NOTE: an embedding request's cells leave with it in the step that read them
+                if s.state is SeqState.RUNNING and s.seq_id >= 0 and not s.request.embed:
+                    req = s.request
+                    held[s] = (s.tokens, self.num_reusable(s), req.lora, req.lora_name)
+        ledger.hold_running(held)
 
     def match(self, seq: Sequence, running: Iterable[Sequence]) -> PrefixMatch:
         """The longest usable computed prefix of `seq` among holders and running sequences;

@@ -110,3 +110,24 @@ def test_blocks_under_an_adapter_are_their_own_with_its_lora_id():
     assert not (hashes[0] & hashes[1]) and not (hashes[0] & hashes[2])
     assert not (hashes[1] & hashes[2])
     assert base.token_ids == pirate.token_ids == list(range(8))
+
+
+def test_a_running_holder_grows_is_cut_and_hands_its_blocks_to_a_cache_holder():
+    ledger = BlockLedger(block_size=2)
+    running = [1, 2, 3, 4, 5, 6, 7]
+    ledger.hold_running({"r": (running, 3, (), None)})
+    (first,) = ledger.take()
+    assert first.token_ids == [1, 2]  # one full block computed so far
+    ledger.hold_running({"r": (running, 6, (), None)})
+    (grown,) = ledger.take()
+    assert grown.parent_block_hash == first.block_hashes[-1] and grown.token_ids == [3, 4, 5, 6]
+    ledger.hold_running({"r": (running, 2, (), None)})  # a context shift keeps 2 tokens
+    (cut,) = ledger.take()
+    assert cut == BlockRemoved(grown.block_hashes)
+    ledger.hold_running({"r": (running, 6, (), None)})
+    ledger.add(0, toks(*running[:6]))  # the request finished: a cache holder has it all
+    ledger.hold_running({})
+    assert len(ledger.take()) == 1 and len(ledger.blocks) == 3  # stored again once, kept
+    ledger.remove(0)
+    (removed,) = ledger.take()
+    assert len(removed.block_hashes) == 3 and not ledger.blocks
