@@ -1,11 +1,15 @@
 """KV events from a real engine (tiny random Llama): a ZMQ subscriber decodes vLLM's
-array-encoded EventBatch and its view (stored - removed) equals the replica's prefix-cache
-blocks, through inserts, extensions and LRU evictions; a late subscriber replays."""
+array-encoded EventBatch and its view (stored - removed) equals the blocks the replica holds
+(prefix cache and running requests), through inserts, extensions and LRU evictions; a running
+request's blocks are announced while it runs and never twice; a late subscriber replays."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import msgpack
@@ -14,6 +18,7 @@ import zmq
 
 from tests.deploy.tooling import free_port
 from tests.live_server import start_server
+from tests.scheduler.test_kv_blocks_running import held_blocks
 from tests.tiny_models import write_tiny_llama
 
 BLOCK = 4
@@ -92,12 +97,106 @@ def complete(url: str, ids: list[int]) -> None:
 
 
 def holder_blocks(server) -> set[int]:
+    """The blocks of the prefix cache and of the running requests now."""
     engine = server.app.state.backend.engine
     with engine._cond:  # the engine thread changes holders under this lock
-        prefix, radix = engine.scheduler.prefix, engine.scheduler.seq_ids.radix
-        kept = [prefix.tokens(sid) for sid in prefix.seq_ids]
-        kept += [radix.path_tokens(n) for n in radix.nodes()] if radix is not None else []
-        return {h for tokens in kept for h, _, _ in prefix.ledger.chain(tokens)}
+        return held_blocks(engine.scheduler)
+
+
+def chain(server, ids: list[int]) -> list[int]:
+    return [h for h, _, _ in server.app.state.backend.engine.scheduler.prefix.ledger.chain(ids)]
+
+
+def num_running(server) -> int:
+    engine = server.app.state.backend.engine
+    with engine._cond:
+        return len(engine.scheduler.running)
+
+
+class SlowWorker:
+    """The real worker, `delay` seconds slower per step: a request stays running long enough
+    to be looked at."""
+
+    def __init__(self, worker, delay: float) -> None:
+        self._worker, self._delay = worker, delay
+
+    def execute(self, plan):
+        time.sleep(self._delay)
+        return self._worker.execute(plan)
+
+    def __getattr__(self, name: str):
+        return getattr(self._worker, name)
+
+
+@contextlib.contextmanager
+def slow_engine(server, delay: float = 0.05) -> Iterator[None]:
+    engine = server.app.state.backend.engine
+    with engine._cond:
+        engine.worker = SlowWorker(engine.worker, delay)
+    try:
+        yield
+    finally:
+        with engine._cond:
+            engine.worker = engine.worker._worker
+
+
+@contextlib.contextmanager
+def stream(url: str, ids: list[int], max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streamed completion whose first chunk has come; leaving the block early drops it."""
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["ignore_eos"] = True
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        next(lines)
+        yield lines
+
+
+def wait_running(server, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while num_running(server) != n:
+        assert time.monotonic() < deadline, f"{num_running(server)} running, not {n}"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def frozen(server) -> Iterator[None]:
+    """The engine parked at its next step's end, right after publishing (its lock released):
+    what the subscriber drains now is every batch up to the state the test then reads."""
+    engine = server.app.state.backend.engine
+    publish = engine._publish_kv_events
+    parked, go = threading.Event(), threading.Event()
+
+    def publish_then_park() -> None:
+        publish()
+        parked.set()
+        while not go.is_set():
+            engine._cond.wait(0.02)
+
+    engine._publish_kv_events = publish_then_park
+    try:
+        assert parked.wait(10), "the engine did not finish a step"
+        yield
+    finally:
+        del engine._publish_kv_events
+        go.set()
+
+
+def clear_cache(server) -> None:
+    server.app.state.backend.engine.call(lambda sched, _: sched.clear_prefix_cache())
+
+
+def fresh_subscriber(server, pub: int) -> Subscriber:
+    """A subscriber whose view starts from an empty cache (AllBlocksCleared)."""
+    sub = Subscriber(pub)
+    time.sleep(0.3)  # ZMQ's slow joiner
+    clear_cache(server)
+    sub.drain()
+    assert sub.live == set()
+    return sub
 
 
 def test_subscriber_view_matches_the_prefix_cache(replica):
@@ -136,3 +235,45 @@ def test_a_late_subscriber_replays_the_past_batches(replica):
             break
         late.apply(payload)
     assert late.live == holder_blocks(server)
+
+
+def test_a_running_request_is_announced_before_it_finishes_and_never_twice(replica):
+    server, pub, _ = replica
+    sub = fresh_subscriber(server, pub)
+    prompt = list(range(60, 80))  # 20 tokens: 5 blocks
+    with slow_engine(server), stream(server.url, prompt, max_tokens=40) as lines:
+        with frozen(server):
+            sub.drain()
+            assert num_running(server) == 1, "the request should still be running"
+            assert set(chain(server, prompt)) <= sub.live == holder_blocks(server)
+        num_removed = sub.num_removed
+        assert list(lines)[-1] == "data: [DONE]"
+    wait_running(server, 0)
+    sub.drain()  # Subscriber.apply fails on a block stored twice
+    assert set(chain(server, prompt)) <= sub.live == holder_blocks(server)
+    assert sub.num_removed == num_removed  # the cache took them over: nothing went
+
+
+def test_a_shared_prefix_is_removed_only_when_both_requests_are_gone(replica):
+    server, pub, _ = replica
+    sub = fresh_subscriber(server, pub)
+    shared = list(range(100, 116))  # 4 blocks
+    a, b = [*shared, *range(120, 128)], [*shared, *range(130, 138)]
+    with slow_engine(server), stream(server.url, a, max_tokens=60):
+        with stream(server.url, b, max_tokens=60), frozen(server):
+            counters = server.app.state.backend.engine.scheduler.counters
+            assert counters.prefix_running_hit_tokens >= len(shared)  # b took a's, running
+            sub.drain()
+            assert num_running(server) == 2
+            assert {*chain(server, a), *chain(server, b)} <= sub.live == holder_blocks(server)
+        wait_running(server, 1)  # b's client left: its context went to the cache
+        clear_cache(server)  # drops the cache's holders: a still runs
+        with frozen(server):
+            sub.drain()
+            assert num_running(server) == 1
+            assert set(chain(server, b)[4:]).isdisjoint(sub.live)  # b's own blocks went
+            assert set(chain(server, shared)) <= sub.live == holder_blocks(server)
+    wait_running(server, 0)
+    clear_cache(server)
+    sub.drain()
+    assert sub.live == holder_blocks(server) == set()

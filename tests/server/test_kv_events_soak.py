@@ -1,9 +1,9 @@
 """KV events under mixed concurrent load, prefix index over held cells on (tiny random Llama,
 a small cache: LRU evictions all the time). The engine is watched at the end of every step,
-under its lock: the blocks of what the prefix cache holds then (holders and index nodes) are
+under its lock: the blocks held then (holders, index nodes and running requests) are
 recorded with the number of batches published so far. A ZMQ subscriber decodes vLLM's
 array-encoded batches and records its view (stored minus removed) after each. Every step's
-record must equal the subscriber's view after that many batches: each block cached by the end
+record must equal the subscriber's view after that many batches: each block held by the end
 of a step went out in that step's batch, and no removal was missed or early.
 
 CELLSERVE_KV_SOAK_S sets the load's duration (default 60 s; the issue's soak is 600, which
@@ -25,6 +25,7 @@ import zmq
 
 from tests.deploy.tooling import free_port
 from tests.live_server import LiveServer, start_server
+from tests.scheduler.test_kv_blocks_running import held_blocks
 from tests.tiny_models import write_tiny_llama
 
 BLOCK = 8
@@ -45,11 +46,8 @@ class Watch:
 
 
 def cached_blocks(engine) -> frozenset[int]:
-    """The blocks of every prefix-cache holder and index node (engine lock held)."""
-    prefix, radix = engine.scheduler.prefix, engine.scheduler.seq_ids.radix
-    kept = [prefix.tokens(sid) for sid in prefix.seq_ids]
-    kept += [radix.path_tokens(n) for n in radix.nodes()]
-    return frozenset(h for tokens in kept for h, _, _ in prefix.ledger.chain(tokens))
+    """The blocks of every holder, index node and running request (engine lock held)."""
+    return frozenset(held_blocks(engine.scheduler))
 
 
 def watch_engine(engine) -> Watch:
