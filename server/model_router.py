@@ -9,7 +9,11 @@ memory is freed: mapped weights unmapped, the cache and owned weights collected)
 Statuses: unloaded -> loading -> loaded -> unloading -> unloaded. A load that fails leaves
 the model unloaded with its error: requests for it get a 503 that says why, and an explicit
 POST /models/load retries. A load checks the file first (server/model_check.py), then makes
-room: a missing or unsupported model does not unload an idle one. Loads take their room one
+room: a missing, truncated or unsupported model does not unload an idle one. What the check
+cannot see (a tensor missing or of the wrong shape, no memory left) fails after the room was
+made, since the room is the memory the load needs: then what it held is freed and the models
+unloaded for it load again (where the room is still free), so the server ends as it was but
+for the failed model's error. Loads take their room one
 at a time (the lock), so that two cannot each wait for the other's room; then they load side
 by side. When every loaded model is busy, the least recently used one takes no new requests
 until it is idle and unloaded (its new requests wait, then load it again): no model waits for
@@ -180,14 +184,25 @@ class ModelRouter:
         except Exception as exc:
             self._failed(entry, exc)
             return
+        victims: list[ModelEntry] = []  # unloaded to make room for it
         async with self._room_lock:
             try:
-                await self._make_room(entry)
+                await self._make_room(entry, victims)
             except TimeoutError:
                 log.warning("model %s: no room to load it (--models-max)", entry.name)
                 entry.status = "unloaded"
+            else:
+                entry.holds_room = True
+        if entry.holds_room:
+            await self._load_backend(entry)
+            if entry.error is None:
                 return
-            entry.holds_room = True
+        if victims:
+            await asyncio.to_thread(_collect)  # what the failed load held, before reloading
+            await self._restore(victims)
+
+    async def _load_backend(self, entry: ModelEntry) -> None:
+        """loading -> loaded, or unloaded with its error; `entry` holds room."""
         started = time.monotonic()
         log.info("loading the model %s from %s", entry.name, entry.source.path)
         try:
@@ -207,6 +222,21 @@ class ModelRouter:
         if self.closed:  # the server began to drain while the model loaded
             await self.unload(entry)
 
+    async def _restore(self, victims: list[ModelEntry]) -> None:
+        """Load again, in the background, the models unloaded to make room for a load that
+        then failed, while the room is free: none takes another model's place."""
+        async with self._room_lock:
+            for victim in victims:
+                room = sum(e.holds_room for e in self.entries.values()) < self.settings.models_max
+                if self.closed or not room:
+                    return
+                if victim.status != "unloaded" or victim.holds_room:
+                    continue  # a request for it is loading it already
+                log.info("model %s: loading it again (its room was for a failed load)", victim.name)
+                victim.status, victim.error, victim.holds_room = "loading", None, True
+                name = f"reload {victim.name}"
+                victim.task = asyncio.create_task(self._load_backend(victim), name=name)
+
     def model_settings(self, entry: ModelEntry) -> Settings:
         """What the model loads with: the server's settings, as if it served this model alone."""
         update = {"model": entry.source.path, "served_model_name": entry.name}
@@ -217,9 +247,9 @@ class ModelRouter:
         entry.num_load_failures += 1
         log.error("cannot load the model %s: %s", entry.name, entry.error)
 
-    async def _make_room(self, entry: ModelEntry) -> None:
-        """Unload least recently used idle models until `entry` fits under --models-max;
-        TimeoutError when the others stayed busy for the request timeout."""
+    async def _make_room(self, entry: ModelEntry, victims: list[ModelEntry]) -> None:
+        """Unload least recently used idle models (appended to `victims`) until `entry` fits
+        under --models-max; TimeoutError when the others stayed busy for the request timeout."""
         deadline = time.monotonic() + self.settings.request_timeout
         marked: ModelEntry | None = None
         try:
@@ -230,6 +260,7 @@ class ModelRouter:
                     victim = min(idle, key=lambda e: (not e.evicting, e.last_used))
                     log.info("unloading the model %s to make room for %s", victim.name, entry.name)
                     await self.unload(victim)
+                    victims.append(victim)
                     continue
                 # NOTE: only a model that serves requests: one whose waiters are about to be
                 # served would be unloaded under them

@@ -49,6 +49,7 @@ class FakeModels:
 
     def __init__(self, broken: tuple[str, ...] = (), slow: tuple[str, ...] = (), **engine):
         self.broken, self.slow, self.engine = broken, slow, engine
+        self.failure: type[Exception] = ValueError  # what a broken model's load raises
         self.loads: list[str] = []
         self.engines: list[weakref.ref[FakeEngine]] = []
         self.load_s = 1.5
@@ -57,7 +58,7 @@ class FakeModels:
         name = settings.served_model_name
         assert name is not None and settings.model is not None
         if name in self.broken:
-            raise ValueError(f"{settings.model}: not a GGUF file")
+            raise self.failure(f"{settings.model}: not a GGUF file")
         if name in self.slow:
             time.sleep(self.load_s)
         self.loads.append(name)
@@ -326,6 +327,9 @@ def test_a_model_that_fails_to_load_says_why_and_breaks_nothing(start) -> None:
     while model_metrics(server.url)[("cellserve_model_load_failures_total", "alpha")] < 2:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    # the retry made room first (--models-max 1): beta was idle, so it went; it comes back
-    assert statuses(server.url) == {"alpha": "unloaded", "beta": "unloaded"}
+    # the retry made room first (--models-max 1): beta was idle, so it went, and once the
+    # load failed beta loaded again by itself
+    wait_status(server.url, "beta", "loaded")
+    assert statuses(server.url) == {"alpha": "unloaded", "beta": "loaded"}
+    assert models.loads == ["beta", "beta"]
     assert chat(server.url, "beta").status_code == 200

@@ -1,6 +1,7 @@
 """Loads in a multi-model server (server/model_router.py): llama.cpp's per-request
-`?autoload=true|false`, and a load that fails on its file (server/model_check.py) costing no
-idle model its place under --models-max."""
+`?autoload=true|false`, a load that fails on its file (server/model_check.py) costing no
+idle model its place under --models-max, and one that fails after making room bringing the
+idle model back."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.server.test_models_dir import (
     wait_status,
     write_gguf_header,
 )
+from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
 
 @pytest.fixture
@@ -62,14 +64,22 @@ def test_a_bad_autoload_value_is_a_400(server_factory, folder) -> None:
     assert error["param"] == "autoload" and "'maybe'" in error["message"]
 
 
+def truncate_a_real_gguf(path) -> None:
+    """A tiny model's GGUF cut in its tensor data: the header and tensor infos parse."""
+    hf = write_tiny_llama(path.parent.parent / "hf", seed=3)
+    data = write_tiny_gguf(path, hf).read_bytes()
+    path.write_bytes(data[: len(data) * 3 // 4])
+
+
 @pytest.mark.parametrize(
     ("spoil", "why"),
     [
         (lambda path: path.unlink(), "no such file"),
+        (truncate_a_real_gguf, "truncated"),
         (lambda path: path.write_bytes(b"not a gguf at all"), "not a readable GGUF"),
         (lambda path: write_gguf_header(path, arch="gpt2"), "architecture 'gpt2'"),
     ],
-    ids=["missing", "not-gguf", "unsupported-arch"],
+    ids=["missing", "truncated", "not-gguf", "unsupported-arch"],
 )
 def test_a_load_that_fails_on_its_file_keeps_the_idle_model(
     server_factory, folder, spoil, why
@@ -100,6 +110,35 @@ def test_a_load_that_fails_on_its_file_keeps_the_idle_model(
     assert httpx.post(f"{server.url}/models/load", json={"model": "alpha"}).status_code == 200
     wait_status(server.url, "alpha", "loaded")
     assert statuses(server.url)["beta"] == "unloaded"
+
+
+def test_a_load_that_fails_after_making_room_brings_the_idle_model_back(
+    server_factory, folder
+) -> None:
+    """No memory for alpha once beta was unloaded for it: beta loads again by itself, also
+    without autoload (nothing else would load it), and alpha says why."""
+    models = FakeModels(broken=("alpha",))
+    models.failure = MemoryError
+    server = server_factory(models, models_dir=str(folder), models_max=1, models_autoload=False)
+    assert httpx.post(f"{server.url}/models/load", json={"model": "beta"}).status_code == 200
+    wait_status(server.url, "beta", "loaded")
+    resp = chat(server.url, "alpha", max_tokens=8)
+    assert resp.status_code == 400  # not loaded, and no autoload
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}]}
+    resp = httpx.post(url, params={"autoload": "true"}, json=body, timeout=30)
+    assert resp.status_code == 503
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_load_failed" and "MemoryError" in error["message"]
+    wait_status(server.url, "beta", "loaded")
+    assert chat(server.url, "beta").status_code == 200
+    metrics = model_metrics(server.url)
+    assert metrics[("cellserve_model_unloads_total", "beta")] == 1
+    assert metrics[("cellserve_model_loads_total", "beta")] == 2
+    assert metrics[("cellserve_model_load_failures_total", "alpha")] == 1
+    assert models.loads == ["beta", "beta"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize(
