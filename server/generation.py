@@ -197,7 +197,7 @@ class Generation:
                     yield delta
             if not self.finished:  # an engine stream ended without this choice's finish
                 raise GenerationAborted("the engine ended the request before it finished")
-            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+            self.metrics.e2e.observe(time.monotonic() - self.arrival, self.backend.model_name)
         finally:
             for pump in pumps:
                 pump.cancel()
@@ -243,9 +243,9 @@ class Generation:
         now = time.monotonic()
         if not self._first_token:
             self._first_token = True
-            self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.ttft.observe(now - self.arrival, self.backend.model_name)
         if choice.last_token_time:
-            self.metrics.itl.observe(now - choice.last_token_time)
+            self.metrics.itl.observe(now - choice.last_token_time, self.backend.model_name)
         choice.last_token_time = now
         choice.num_tokens += 1
         text = choice.stream.add(ev.token_id)
@@ -270,7 +270,7 @@ class Generation:
             usage.seen_finish = True
             usage.num_prompt = ev.num_prompt_tokens
             usage.num_cached = ev.num_cached_tokens
-            self.metrics.queue_time.observe(ev.queue_time)
+            self.metrics.queue_time.observe(ev.queue_time, self.backend.model_name)
         if choice.done:
             return None
         if ev.reason == "error" and ev.grammar_error:

@@ -169,6 +169,23 @@ class _MemoryCollector(Collector):
         yield g
 
 
+class Latency:
+    """One latency as two histograms: `cellserve_<name>` over every model (what the bundled
+    dashboards read), and vLLM's `vllm:<name>{model_name}` per model (what vLLM's dashboards
+    and routers read; several models in one server, server/model_router.py)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str) -> None:
+        buckets = _LATENCY_BUCKETS
+        self.all = Histogram(f"cellserve_{name}", doc, buckets=buckets, registry=registry)
+        self.per_model = Histogram(
+            f"vllm:{name}", doc, ["model_name"], buckets=buckets, registry=registry
+        )
+
+    def observe(self, seconds: float, model_name: str) -> None:
+        self.all.observe(seconds)
+        self.per_model.labels(model_name=model_name).observe(seconds)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -201,26 +218,24 @@ class Metrics:
         self.requests = Counter(
             "cellserve_requests", "Finished choices by reason", ["finish_reason"], registry=r
         )
-        self.ttft = self._histogram(
-            "time_to_first_token_seconds", "Seconds from arrival to the first token"
+        self.ttft = Latency(
+            r, "time_to_first_token_seconds", "Seconds from arrival to the first token"
         )
-        self.itl = self._histogram(
-            "inter_token_latency_seconds", "Seconds between consecutive tokens of a choice"
+        self.itl = Latency(
+            r, "inter_token_latency_seconds", "Seconds between consecutive tokens of a choice"
         )
-        self.e2e = self._histogram(
-            "e2e_request_latency_seconds", "Seconds from arrival to the last token"
+        self.e2e = Latency(
+            r, "e2e_request_latency_seconds", "Seconds from arrival to the last token"
         )
-        self.queue_time = self._histogram(
-            "request_queue_time_seconds", "Seconds from submit to admission"
+        self.queue_time = Latency(
+            r, "request_queue_time_seconds", "Seconds from submit to admission"
         )
-        self.tokens_per_step = self._histogram(
-            "tokens_per_step", "Tokens in each engine step", _STEP_BUCKETS
+        self.tokens_per_step = Histogram(
+            "cellserve_tokens_per_step",
+            "Tokens in each engine step",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
-
-    def _histogram(
-        self, name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
-    ) -> Histogram:
-        return Histogram(f"cellserve_{name}", doc, buckets=buckets, registry=self.registry)
 
     def bind_engine(self, source: StatsSource) -> None:
         self._stats_source = source

@@ -1,6 +1,7 @@
 """A multi-model server's /metrics (server/metrics_models.py): the one-model families
 (`vllm:*`, `cellserve_kv_*`, ...) once per loaded model, labelled `model_name` as vLLM labels
-them, so that a dashboard built for one model still reads a router."""
+them, so that a dashboard built for one model still reads a router; the latency histograms
+per model under vLLM's names (server.metrics.Latency), and over all models under ours."""
 
 from __future__ import annotations
 
@@ -66,3 +67,44 @@ def test_a_single_model_keeps_its_unlabelled_gauges(server_factory) -> None:
     by_model = samples(server.url)
     assert by_model[("cellserve_kv_cells_total", None)] == 512
     assert {model for _, model in by_model} == {None}
+
+
+LATENCIES = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+)
+
+
+def latency_counts(url: str) -> dict[tuple[str, str | None], float]:
+    """(histogram name, model_name label or None) -> its _count."""
+    names = {f"{prefix}{n}" for n in LATENCIES for prefix in ("vllm:", "cellserve_")}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name.removesuffix("_count")
+            if s.name.endswith("_count") and name in names:
+                out[(name, s.labels.get("model_name"))] = s.value
+    return out
+
+
+def test_latency_histograms_per_model_under_vllms_names(start) -> None:
+    server = start(FakeModels(), models_max=2)
+    replies = {"alpha": [chat(server.url, "alpha")], "beta": [chat(server.url, "beta")]}
+    replies["beta"].append(chat(server.url, "beta"))
+    assert all(r.status_code == 200 for rs in replies.values() for r in rs)
+    tokens = {
+        m: sum(r.json()["usage"]["completion_tokens"] for r in rs) for m, rs in replies.items()
+    }
+    counts = latency_counts(server.url)
+    for model, n in (("alpha", 1), ("beta", 2)):
+        assert counts[("vllm:time_to_first_token_seconds", model)] == n
+        assert counts[("vllm:e2e_request_latency_seconds", model)] == n
+        assert counts[("vllm:request_queue_time_seconds", model)] == n
+        # every token of a choice after its first one
+        assert counts[("vllm:inter_token_latency_seconds", model)] == tokens[model] - n
+    for name in LATENCIES:  # ours: every model together, unlabelled
+        total = counts[(f"vllm:{name}", "alpha")] + counts[(f"vllm:{name}", "beta")]
+        assert counts[(f"cellserve_{name}", None)] == total
