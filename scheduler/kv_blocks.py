@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,7 +156,7 @@ class BlockLedger:
             run.token_ids.extend(int(t) for t in chunk)
 
     def hold_running(
-        self, held: dict[Hashable, tuple[Sequence[int], int, LoraKey, str | None]]
+        self, held: Mapping[Hashable, tuple[Sequence[int], int, LoraKey, str | None]]
     ) -> None:
         """The running sequences hold exactly these now, key -> (tokens, n, lora, lora_name)
         as for `hold`; a running key not in `held` left and releases its blocks. Holds go
@@ -182,14 +182,12 @@ class BlockLedger:
             self._events.append(BlockRemoved(gone))
 
     def cleared(self) -> None:
-        """Every cache holder was dropped (a cache reset): one AllBlocksCleared replaces the
-        removals it made, unless running sequences still hold blocks (then the removals say
-        exactly what went)."""
+        """Every cache holder was dropped (a cache reset): where no running sequence holds a
+        block either, one AllBlocksCleared replaces the events not taken yet (nothing is held
+        after it); else the removals say exactly what went."""
         assert self._holder_blocks.keys() <= self._running
-        if self._refs:
-            return
-        self._events = [e for e in self._events if not isinstance(e, BlockRemoved)]
-        self._events.append(AllBlocksCleared())
+        if not self._refs:
+            self._events = [AllBlocksCleared()]
 
     def take(self) -> list[KVEvent]:
         """The events since the last take, in order."""

@@ -9,6 +9,7 @@ import random
 
 from scheduler.context_shift import clamp_n_keep
 from scheduler.kv_blocks import AllBlocksCleared, BlockLedger, BlockRemoved, BlockStored
+from scheduler.plan import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SeqState
 from tests.scheduler.fakes import FakeWorker, Outcome, make_request, make_scheduler, step
@@ -164,6 +165,8 @@ def test_random_load_with_preemptions_shifts_and_aborts_keeps_the_view_exact() -
     system = [rng.randrange(1, 90) for _ in range(12)]
     for i in range(40):
         req = make_request(f"r{i}", max_tokens=rng.randint(1, 60), n_keep=rng.choice([0, 8]))
+        if i % 5 == 0:  # n > 1: the choices fork the prompt's cells (seq_cp)
+            req.n, req.sampling = 2, SamplingParams(temperature=0.8, seed=i)
         req.prompt_ids = system + [rng.randrange(1, 90) for _ in range(rng.randint(1, 24))]
         sched.add_request(req)
         for _ in range(rng.randint(0, 4)):
