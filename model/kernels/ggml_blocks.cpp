@@ -34,7 +34,8 @@
 //   applied to every row of the tile.
 // The float kinds take rows_q's tiling with a float row.
 #include "ggml_formats.h"
-#include "ggml_q32tiles.h"  // q_task, kQ
+#include "ggml_q32gemv.h"  // q_gemv_rows (a few rows), kQGemvRows
+#include "ggml_q32tiles.h"  // q_task (the tiles), kQ
 
 #include <ATen/Parallel.h>
 
@@ -186,6 +187,17 @@ void run_task(const Linear& L, int64_t type, const uint8_t* w, int64_t row_bytes
   }
 }
 
+#if defined(CELLSERVE_GGML_TILE32)
+// A task's outputs of a 32-value part: a few rows to q_gemv (the same bits as the tiles, read
+// faster), more to the tiles
+template <int64_t T>
+void q_part(const Q8Rows& X, int64_t m, int64_t k, int64_t n, float* y, int64_t q_tile,
+            const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+  if (m <= kQGemvRows) return q_gemv_rows<T>(X, m, k, n, y, w, row_bytes, o0, o1, col0);
+  q_task<T>(X, m, k, n, y, q_tile, w, row_bytes, o0, o1, col0);
+}
+#endif
+
 void check_weight(const at::Tensor& w, int64_t type, int64_t k, const char* what) {
   const TypeInfo t = type_info(type);
   TORCH_CHECK_VALUE(k > 0 && k % t.elems == 0, what, ": k = ", k, " is not a multiple of ",
@@ -277,11 +289,11 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
         case Q5_K:
         case Q6_K: k_part(type, krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #if defined(CELLSERVE_GGML_TILE32)
-        case Q4_0: q_task<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q4_1: q_task<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q5_0: q_task<Q5_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q5_1: q_task<Q5_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q8_0: q_task<Q8_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q4_0: q_part<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q4_1: q_part<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_0: q_part<Q5_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_1: q_part<Q5_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q8_0: q_part<Q8_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #endif
         default: run_task(L, type, wp, w.size(1), task.o0, task.o1, c0);
       }

@@ -356,8 +356,8 @@ QUANT_TYPES = [nm for nm in TYPES if nm in K_SCALES or nm.startswith("Q")]
 @pytest.mark.parametrize("name", QUANT_TYPES)
 def test_a_row_alone_equals_it_in_a_batch(kern, name):
     """A decode step's few rows take their own kernel (k_gemv for Q4_K / Q6_K on AVX-512 VNNI
-    and AVX2, up to 5 rows, 4 at a time): the same sums in the same order as the tiles, so the
-    same y to the bit."""
+    and AVX2, q_gemv for the 32-value kinds on AVX2 and AVX-512; up to 5 rows, 4 at a time):
+    the same sums in the same order as the tiles, so the same y to the bit."""
     check_row_alone_equals_it_in_a_batch(kern, name)
 
 
