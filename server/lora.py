@@ -39,6 +39,9 @@ class LoraAdapters:
         # NOTE: ids only grow (runtime loads): K/V cached under an unloaded adapter's id is
         # never another adapter's (the prefix cache keys holders by LoraKey)
         self.next_id = len(adapters)
+        # ids below: the start-up adapters, part of the model fingerprint (slot files, the disk
+        # tier); a runtime adapter's id may be another adapter's after a restart
+        self.num_fixed = len(adapters)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

@@ -77,8 +77,11 @@ def load_draft_model(settings: Settings, target: Any, device: str, threads: int)
     return draft
 
 
-def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheTier | None:
-    """The prefix cache's second tier from --cache-ram / --cache-dir (None: neither)."""
+def make_cache_tier(
+    settings: Settings, memory: Any, fingerprint: str, num_fixed_loras: int | None = None
+) -> CacheTier | None:
+    """The prefix cache's second tier from --cache-ram / --cache-dir (None: neither);
+    `num_fixed_loras`: scheduler.cache_tier.CacheTier's."""
     from kvcache.tier_store import DiskStore, RamStore
 
     if not settings.cache_ram and not settings.cache_dir:
@@ -94,7 +97,9 @@ def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheT
         stores.append(RamStore(settings.cache_ram << 20, fingerprint))
     if settings.cache_dir:
         stores.append(DiskStore(settings.cache_dir, settings.cache_dir_max_mib << 20, fingerprint))
-    tier = CacheTier(stores, fingerprint, min_tokens=settings.cache_tier_min_tokens)
+    tier = CacheTier(
+        stores, fingerprint, settings.cache_tier_min_tokens, num_fixed_loras=num_fixed_loras
+    )
     for store, stats in zip(stores, tier.stats, strict=True):
         log.info(
             "prefix cache tier %s: %d MiB, %d entries found",
@@ -239,7 +244,7 @@ def load_backend(
     # slot files and the disk tier name adapters by index: the adapters are part of the identity
     adapter_paths = [a.path for a in loras.adapters] if loras is not None else []
     fingerprint = model_fingerprint(loaded.path, *adapter_paths)
-    tier = make_cache_tier(settings, memory, fingerprint)
+    tier = make_cache_tier(settings, memory, fingerprint, len(adapter_paths))
     engine = Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier)
     lora_runtime = None
     if settings.allow_runtime_lora and loras is not None:

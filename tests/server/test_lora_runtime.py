@@ -48,7 +48,10 @@ def startup(folders: dict[str, Path]) -> LiveServer:
 @pytest.fixture(scope="module")
 def runtime(folders: dict[str, Path]) -> LiveServer:
     """--allow-runtime-lora and no adapter at start-up."""
-    live = start_server(model=str(folders["base"]), allow_runtime_lora=True, **TINY)
+    slots = str(folders["base"].parent / "slots")
+    live = start_server(
+        model=str(folders["base"]), allow_runtime_lora=True, slot_save_path=slots, **TINY
+    )
     yield live
     live.stop()
 
@@ -184,6 +187,28 @@ def test_no_prefix_cache_reuse_across_a_reloaded_name(
         resp = complete(url, model="x")
         assert cached(resp) == 0
         assert resp.json()["choices"][0]["text"] == text(startup.url, model="poet")
+    finally:
+        unload(url, "x")
+
+
+def test_a_slot_under_a_runtime_adapter_is_not_saved(
+    runtime: LiveServer, folders: dict[str, Path]
+) -> None:
+    """A slot file names adapters by id: a runtime one's may be another's after a restart."""
+    url = runtime.url
+    assert load(url, "x", folders["pirate"]).status_code == 200
+    try:
+        for i, body in enumerate([{"model": "x"}, {}]):
+            assert complete(url, prompt=f"Slot {i}: {PROMPT}", **body).status_code == 200
+            cached = httpx.get(f"{url}/slots/cached").json()
+            sid = max((c for c in cached if c["source"] == "slot"), key=lambda c: c["last_used"])
+            resp = httpx.post(
+                f"{url}/slots/{sid['id_slot']}",
+                params={"action": "save"},
+                json={"filename": f"slot{i}.bin"},
+                timeout=60,
+            )
+            assert resp.status_code == (400 if body else 200), resp.text
     finally:
         unload(url, "x")
 
