@@ -89,7 +89,7 @@ class LoraRuntime:
             try:
                 lora = LoraSet(self.worker.model, keep | new)
             except BaseException:
-                self.worker.set_lora(LoraSet(self.worker.model, old.by_id))
+                old.attach()
                 raise
             self.worker.set_lora(lora)
 
@@ -97,3 +97,7 @@ class LoraRuntime:
             self.engine.call(swap)
         except (EngineDeadError, EngineDrainingError) as e:
             raise APIError(503, f"the engine is not running: {e}") from e
+        except Exception as e:  # noqa: BLE001 - device memory, most likely: say so, serve on
+            log.exception("attaching the LoRA adapters failed")
+            msg = f"attaching the LoRA adapters failed ({type(e).__name__}: {e}); nothing changed"
+            raise APIError(500, msg) from e

@@ -195,16 +195,20 @@ class LoraSet:
                     if pairs:
                         lin.add(slot, pairs)
                 lin.pack(like)
-                setattr(owner, attr, lin)
                 self.linears.append(lin)
                 self._owners.append((owner, attr))
+        self.attach()  # NOTE: only once every linear is packed: a failure leaves the model as is
+
+    def attach(self) -> None:
+        """Put the LoraLinears in the model; call between steps."""
+        for (owner, attr), lin in zip(self._owners, self.linears, strict=True):
+            setattr(owner, attr, lin)
 
     def detach(self) -> None:
         """Put the base linears back (before another LoraSet attaches to the model); call
         between steps."""
         for (owner, attr), lin in zip(self._owners, self.linears, strict=True):
             setattr(owner, attr, lin.base)
-        self.linears, self._owners = [], []
 
     def __len__(self) -> int:
         return len(self.adapters)

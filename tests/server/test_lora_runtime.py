@@ -126,6 +126,28 @@ def test_a_failed_load_changes_nothing(runtime: LiveServer, folders: dict[str, P
         unload(url, "pirate")
 
 
+def test_a_load_that_fails_while_attaching_keeps_the_adapters_served(
+    runtime: LiveServer, folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = runtime.url
+    assert load(url, "pirate", folders["pirate"]).status_code == 200
+    try:
+        pirate = text(url, model="pirate")
+        before = (adapters(url), attached_ids(runtime))
+
+        def no_memory(*_: object) -> None:
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr("model.layers.lora.LoraLinear.pack", no_memory)
+        resp = load(url, "poet", folders["poet"])
+        monkeypatch.undo()
+        assert resp.status_code == 500 and "out of memory" in resp.json()["error"]["message"]
+        assert (adapters(url), attached_ids(runtime)) == before
+        assert text(url, model="pirate") == pirate
+    finally:
+        unload(url, "pirate")
+
+
 def test_an_unloaded_adapter_is_gone(runtime: LiveServer, folders: dict[str, Path]) -> None:
     url = runtime.url
     assert load(url, "pirate", folders["pirate"]).status_code == 200
