@@ -229,6 +229,8 @@ def build_settings(args: argparse.Namespace) -> Settings:
         given["lora_scaled"] = [tuple(pair) for pair in args.lora_scaled]  # pydantic: floats
     if args.lora_init_without_apply:
         given["lora_init_without_apply"] = True
+    if args.allow_runtime_lora:
+        given["allow_runtime_lora"] = True
     return Settings(**given)
 
 
@@ -254,6 +256,13 @@ def _lora_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="load the adapters with global scale 0: only requests that ask for one use it",
+    )
+    p.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        default=None,
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; also "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
     )
 
 

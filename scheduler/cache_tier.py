@@ -99,10 +99,15 @@ class CacheTier:
         model: str,
         min_tokens: int = 64,
         min_gain: int = 32,
+        num_fixed_loras: int | None = None,
     ) -> None:
-        """`model`: the model file's fingerprint, part of every key."""
+        """`model`: the model file's fingerprint, part of every key. `num_fixed_loras`: the
+        LoRA ids below it are the start-up adapters, in the fingerprint; K/V computed under a
+        later id (loaded at runtime, server/lora_runtime.py) is not kept, since after a restart
+        that id may be another adapter's. None: every id is fixed."""
         self.stores = stores
         self.model = model
+        self.num_fixed_loras = num_fixed_loras
         self.min_tokens = max(1, min_tokens)
         self.min_gain = max(1, min_gain)
         self.index: list[dict[str, TierEntry]] = []
@@ -140,6 +145,9 @@ class CacheTier:
 
     def _save(self, sched: Scheduler, sid: int, tokens: np.ndarray, worker: Any) -> None:
         lora, lora_name = sched.prefix.lora(sid), sched.prefix.lora_name(sid)
+        fixed = self.num_fixed_loras
+        if fixed is not None and any(aid >= fixed for aid, _ in lora):
+            return
         key = self.key(tokens, lora)
         held: SlotCells | None = None
         windowed = any(p.window > 0 for p in sched.memory.pools)

@@ -121,7 +121,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
     metrics.bind_expert_load(backend.expert_load)
     metrics.bind_tier(getattr(backend.engine, "tier_stats", None))
     if backend.loras is not None:
-        metrics.set_lora_names([a.name for a in backend.loras.adapters])
+        metrics.set_lora_names(backend.loras.names())
     parts = MemoryParts(
         backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
     )

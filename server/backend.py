@@ -12,6 +12,7 @@ from server.engine_client import EngineClient
 if TYPE_CHECKING:
     from model.runner.grammar import GrammarCompiler
     from server.lora import LoraAdapters
+    from server.lora_runtime import LoraRuntime
 from server.settings import Settings
 
 
@@ -59,6 +60,7 @@ class Backend:
     # the model file's identity (model.load.fingerprint): slot files of another model are refused
     model_fingerprint: str = ""
     loras: LoraAdapters | None = None  # --lora adapters (server/lora.py); None: none
+    lora_runtime: LoraRuntime | None = None  # --allow-runtime-lora (server/lora_runtime.py)
 
 
 BackendFactory = Callable[[Settings, Callable[[StepStats], None]], Backend]

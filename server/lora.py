@@ -6,7 +6,8 @@ lists and `POST /lora-adapters` sets; a request without a `lora` field runs with
 scales, one with `lora: [{"id", "scale"}]` with exactly those (the others at 0). vLLM's habit:
 an adapter is also a model, named by its own name or "<base>:<name>", listed by /v1/models with
 `parent` = the base; a request for it runs that adapter alone at scale 1.
-A selection becomes the engine's scheduler.plan.LoraKey.
+A selection becomes the engine's scheduler.plan.LoraKey. Adapters loaded at runtime
+(server/lora_runtime.py) take the next id; an id is never reused after an unload.
 """
 
 from __future__ import annotations
@@ -35,10 +36,37 @@ class LoraAdapters:
     def __init__(self, base_name: str, adapters: list[ServedAdapter]) -> None:
         self.base_name = base_name
         self.adapters = adapters
+        # NOTE: ids only grow (runtime loads): K/V cached under an unloaded adapter's id is
+        # never another adapter's (the prefix cache keys holders by LoraKey)
+        self.next_id = len(adapters)
+        # ids below: the start-up adapters, part of the model fingerprint (slot files, the disk
+        # tier); a runtime adapter's id may be another adapter's after a restart
+        self.num_fixed = len(adapters)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.adapters)
+
+    def names(self) -> dict[int, str]:
+        return {a.id: a.name for a in self.adapters}
+
+    def by_id(self, aid: int) -> ServedAdapter | None:
+        return next((a for a in self.adapters if a.id == aid), None)
+
+    def add(self, name: str, path: str, scale: float, rank: int, alpha: float) -> ServedAdapter:
+        """Serve a new adapter under the next id."""
+        with self._lock:
+            adapter = ServedAdapter(self.next_id, name, path, scale, rank, alpha)
+            self.next_id += 1
+            self.adapters = [*self.adapters, adapter]
+        return adapter
+
+    def remove(self, name: str) -> ServedAdapter | None:
+        """Stop serving the adapter named `name` (its own name only); None if none is."""
+        with self._lock:
+            adapter = next((a for a in self.adapters if a.name == name), None)
+            self.adapters = [a for a in self.adapters if a is not adapter]
+        return adapter
 
     def find(self, model: str | None) -> ServedAdapter | None:
         """The adapter a model name picks: its own name or "<base>:<name>"."""
@@ -67,7 +95,7 @@ class LoraAdapters:
                 msg = f"{param}[{i}] must be an object with an integer id"
                 raise APIError(400, msg, param=param)
             aid, scale = e["id"], e.get("scale", 0.0)
-            if not 0 <= aid < len(self.adapters):
+            if self.by_id(aid) is None:
                 raise APIError(
                     400,
                     f"{param}[{i}]: no LoRA adapter with id {aid} "
@@ -108,9 +136,10 @@ class LoraAdapters:
         selection spelled out; None for the base model."""
         if not key:
             return None
+        names = self.names()
         if len(key) == 1 and key[0][1] == 1.0:
-            return self.adapters[key[0][0]].name
-        return "+".join(f"{self.adapters[a].name}*{s:g}" for a, s in key)
+            return names.get(key[0][0], str(key[0][0]))
+        return "+".join(f"{names.get(a, str(a))}*{s:g}" for a, s in key)
 
 
 def reply_model(backend: Any, model: str | None) -> str:

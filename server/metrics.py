@@ -98,7 +98,7 @@ class _LoraCollector(Collector):
 
     def __init__(self, source: StatsSource) -> None:
         self.source = source
-        self.names: list[str] = []  # adapter id -> name; [] = no adapters, no metric
+        self.names: dict[int, str] = {}  # adapter id -> name; {} = no adapters, no metric
 
     def collect(self) -> Iterator[Metric]:
         s = self.source()
@@ -109,8 +109,9 @@ class _LoraCollector(Collector):
             "Running stats on LoRA requests",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        waiting = ",".join(self.names[i] for i in s.waiting_lora_ids)
-        running = ",".join(self.names[i] for i in s.running_lora_ids)
+        # an unloaded adapter's requests may still run (server/lora_runtime.py): its id
+        waiting = ",".join(self.names.get(i, str(i)) for i in s.waiting_lora_ids)
+        running = ",".join(self.names.get(i, str(i)) for i in s.running_lora_ids)
         info.add_metric([str(len(self.names)), waiting, running], time.time())
         yield info
 
@@ -249,9 +250,9 @@ class Metrics:
     def bind_tier(self, source: Callable[[], list[tuple[str, TierStats]]] | None) -> None:
         self._tiers.source = source
 
-    def set_lora_names(self, names: list[str]) -> None:
+    def set_lora_names(self, names: dict[int, str]) -> None:
         """The served LoRA adapters' names by id (vllm:lora_requests_info)."""
-        self._loras.names = list(names)
+        self._loras.names = dict(names)
 
     def set_memory(self, parts: MemoryParts) -> None:
         self._memory.parts = parts

@@ -77,8 +77,11 @@ def load_draft_model(settings: Settings, target: Any, device: str, threads: int)
     return draft
 
 
-def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheTier | None:
-    """The prefix cache's second tier from --cache-ram / --cache-dir (None: neither)."""
+def make_cache_tier(
+    settings: Settings, memory: Any, fingerprint: str, num_fixed_loras: int | None = None
+) -> CacheTier | None:
+    """The prefix cache's second tier from --cache-ram / --cache-dir (None: neither);
+    `num_fixed_loras`: scheduler.cache_tier.CacheTier's."""
     from kvcache.tier_store import DiskStore, RamStore
 
     if not settings.cache_ram and not settings.cache_dir:
@@ -94,7 +97,9 @@ def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheT
         stores.append(RamStore(settings.cache_ram << 20, fingerprint))
     if settings.cache_dir:
         stores.append(DiskStore(settings.cache_dir, settings.cache_dir_max_mib << 20, fingerprint))
-    tier = CacheTier(stores, fingerprint, min_tokens=settings.cache_tier_min_tokens)
+    tier = CacheTier(
+        stores, fingerprint, settings.cache_tier_min_tokens, num_fixed_loras=num_fixed_loras
+    )
     for store, stats in zip(stores, tier.stats, strict=True):
         log.info(
             "prefix cache tier %s: %d MiB, %d entries found",
@@ -108,14 +113,15 @@ def make_cache_tier(settings: Settings, memory: Any, fingerprint: str) -> CacheT
 def load_loras(settings: Settings, loaded: Any, base_name: str) -> tuple[Any, Any]:
     """The --lora / --lora-scaled adapters attached to the loaded model: (model.layers.lora
     LoraSet for the worker, server.lora.LoraAdapters for the API), or (None, None) without
-    any. ModelLoadError for an adapter that does not fit the base or two with one name."""
+    any and without --allow-runtime-lora. ModelLoadError for an adapter that does not fit the
+    base or two with one name."""
     from model.errors import ModelLoadError
     from model.layers.lora import LoraSet
     from model.load.lora import load_lora
     from server.lora import LoraAdapters, ServedAdapter
 
     specs = settings.lora_specs
-    if not specs:
+    if not specs and not settings.allow_runtime_lora:
         return None, None
     model = loaded.transformer
     adapters = [load_lora(path, loaded.config, model.dtype, name) for name, path, _ in specs]
@@ -232,14 +238,21 @@ def load_backend(
     log.info("kernel paths: %s", worker.paths.describe())
     kv_bytes = worker.kv_bytes
     mapped, owned = weight_bytes(loaded.transformer)
+    real_worker = worker
     if wrap_worker is not None:
         worker = wrap_worker(worker)
     # slot files and the disk tier name adapters by index: the adapters are part of the identity
     adapter_paths = [a.path for a in loras.adapters] if loras is not None else []
     fingerprint = model_fingerprint(loaded.path, *adapter_paths)
-    tier = make_cache_tier(settings, memory, fingerprint)
+    tier = make_cache_tier(settings, memory, fingerprint, len(adapter_paths))
+    engine = Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier)
+    lora_runtime = None
+    if settings.allow_runtime_lora and loras is not None:
+        from server.lora_runtime import LoraRuntime
+
+        lora_runtime = LoraRuntime(loras, engine, real_worker, loaded.config)
     return Backend(
-        engine=Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier),
+        engine=engine,
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         model_name=model_name,
@@ -267,4 +280,5 @@ def load_backend(
         ),
         model_fingerprint=fingerprint,
         loras=loras,
+        lora_runtime=lora_runtime,
     )

@@ -80,6 +80,14 @@ def _save(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
 
     def read(sched: Any, worker: Any) -> CellFile:
         held = slot_cells(sched, id_slot)
+        fixed = backend.loras.num_fixed if backend.loras is not None else 0
+        if any(aid >= fixed for aid, _ in held.lora):
+            raise APIError(
+                400,
+                "this slot was computed under a LoRA adapter loaded at runtime: a slot file "
+                "names adapters by id, which only the start-up ones (--lora) keep",
+                param="id_slot",
+            )
         rows = worker.read_rows(held.cells)
         groups = [GroupRows(p, k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
         return CellFile(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.speculative import SPEC_TYPES
@@ -83,6 +83,14 @@ class Settings(BaseSettings):
     lora: list[str] = Field(default_factory=list)
     lora_scaled: list[tuple[str, float]] = Field(default_factory=list)
     lora_init_without_apply: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server/lora_runtime.py); also on
+    # with vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true
+    allow_runtime_lora: bool = Field(
+        False,
+        validation_alias=AliasChoices(
+            "allow_runtime_lora", "CELLSERVE_ALLOW_RUNTIME_LORA", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+        ),
+    )
     max_queue: int = Field(256, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     max_n: int = Field(8, ge=1)
@@ -105,6 +113,7 @@ class Settings(BaseSettings):
             for flag, given in (
                 ("--served-model-name", self.served_model_name),
                 ("--lora", self.lora or self.lora_scaled),
+                ("--allow-runtime-lora", self.allow_runtime_lora),
                 ("--kv-events-endpoint", self.kv_events_endpoint or self.kv_events_config),
             )
             if given

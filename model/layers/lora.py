@@ -22,7 +22,7 @@ sorted by id, zero scales left out; `()` is the base model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,7 +57,7 @@ class LoraBatch:
 
     rows: slice | torch.Tensor  # the rows with adapters: a slice when they are one run
     weights: torch.Tensor  # [m, n_used] float32: row i's scale of used adapter j
-    used: torch.Tensor | None  # [n_used] int64 adapter ids; None: every adapter, in order
+    used: torch.Tensor | None  # [n_used] int64 packed slots; None: every adapter, in order
 
 
 @dataclass(slots=True)
@@ -151,13 +151,20 @@ _TARGETS = (
 
 
 class LoraSet:
-    """The adapters a model serves (ids 0..n-1 in load order, llama.cpp's), attached to its
-    linears; `active(batch)` routes one step's rows."""
+    """The adapters a model serves, attached to its linears; `active(batch)` routes one step's
+    rows. Adapters keep the ids they are served under (llama.cpp's 0..n-1 at start-up, then
+    the runtime loads': server/lora_runtime.py); `slots` maps an id to its packed place."""
 
-    def __init__(self, model: Any, adapters: Sequence[LoraAdapter]) -> None:
-        self.adapters = list(adapters)
+    def __init__(
+        self, model: Any, adapters: Sequence[LoraAdapter] | Mapping[int, LoraAdapter]
+    ) -> None:
+        by_id = dict(adapters) if isinstance(adapters, Mapping) else dict(enumerate(adapters))
+        self.by_id = by_id
+        self.adapters = list(by_id.values())
+        self.slots = {aid: slot for slot, aid in enumerate(by_id)}
         self._step = _Step()
         self.linears: list[LoraLinear] = []
+        self._owners: list[tuple[Any, str]] = []  # where each LoraLinear sits (detach)
         # R: the largest rank any adapter has on a linear (its fused parts' ranks summed)
         rank = max(
             (
@@ -182,14 +189,26 @@ class LoraSet:
                 owner = getattr(block, owner_name)
                 sizes = [_part_size(model.args, p) for p in parts]
                 lin = LoraLinear(getattr(owner, attr), sizes, len(self.adapters), rank, self._step)
-                for aid, adapter in enumerate(self.adapters):
+                for slot, adapter in enumerate(self.adapters):
                     ws = [(j, adapter.weights.get(n)) for j, n in enumerate(names)]
                     pairs = [(j, w.a.to(dev), w.b.to(dev), w.scaling) for j, w in ws if w]
                     if pairs:
-                        lin.add(aid, pairs)
+                        lin.add(slot, pairs)
                 lin.pack(like)
-                setattr(owner, attr, lin)
                 self.linears.append(lin)
+                self._owners.append((owner, attr))
+        self.attach()  # NOTE: only once every linear is packed: a failure leaves the model as is
+
+    def attach(self) -> None:
+        """Put the LoraLinears in the model; call between steps."""
+        for (owner, attr), lin in zip(self._owners, self.linears, strict=True):
+            setattr(owner, attr, lin)
+
+    def detach(self) -> None:
+        """Put the base linears back (before another LoraSet attaches to the model); call
+        between steps."""
+        for (owner, attr), lin in zip(self._owners, self.linears, strict=True):
+            setattr(owner, attr, lin.base)
 
     def __len__(self) -> int:
         return len(self.adapters)
@@ -209,20 +228,24 @@ class LoraSet:
         if not spans:
             return None
         used_ids = sorted({aid for key in keys for aid, _ in key})
+        missing = [aid for aid in used_ids if aid not in self.slots]
+        if missing:  # NOTE: never run such rows as the base model (isolate() fails them alone)
+            raise LookupError(f"LoRA adapter id {missing[0]} is not loaded (unloaded?)")
+        used_slots = sorted(self.slots[aid] for aid in used_ids)
         gather = len(self.adapters) * self.rank > ALL_ADAPTERS_MAX_COLS
-        cols = {aid: j for j, aid in enumerate(used_ids if gather else range(len(self.adapters)))}
+        cols = {s: j for j, s in enumerate(used_slots if gather else range(len(self.adapters)))}
         m = sum(e - s for s, e in spans)
         weights = torch.zeros(m, len(cols), dtype=torch.float32)
         row = 0
         for (start, end), key in zip(spans, keys, strict=True):
             for aid, scale in key:
-                weights[row : row + end - start, cols[aid]] = scale
+                weights[row : row + end - start, cols[self.slots[aid]]] = scale
             row += end - start
         if len(spans) == 1:
             rows: slice | torch.Tensor = slice(*spans[0])
         else:
             rows = torch.cat([torch.arange(s, e) for s, e in spans]).to(device)
-        used = torch.tensor(used_ids, dtype=torch.int64, device=device) if gather else None
+        used = torch.tensor(used_slots, dtype=torch.int64, device=device) if gather else None
         return LoraBatch(rows, weights.to(device), used)
 
     @contextmanager

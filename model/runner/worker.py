@@ -77,7 +77,6 @@ class ModelWorker:
     ) -> None:
         """`lora`: the adapters attached to `model` (model/layers/lora.py), if any."""
         self.model = model
-        self.lora = lora
         self.num_lora_steps = 0  # steps with LoRA rows (the Python layers)
         self.threads = threads
         # one KVStorage for every layer, or one per layer group (MemorySpec.groups order): a
@@ -89,8 +88,7 @@ class ModelWorker:
                 if isinstance(m, QuantLinear):
                     m.small_rows = 0
         self.paths = decide_paths(model, storage, kernels)
-        if lora is not None:
-            self.paths.why[LORA_STEPS] = f"{len(lora)} adapters; the C++ step applies none"
+        self.set_lora(lora)
         args = model.args
         self._threads_set_in: int | None = None  # threading.get_ident() of the calling thread
         self.storage = storage
@@ -107,6 +105,13 @@ class ModelWorker:
         self._inv_freq_swa = None if self.rope_swa is None else self.rope_swa.inv_freq()
         self.windows = sorted({w for w in model.args.windows if w > 0})
         self.has_attention = any(m == "attn" for m in map(args.mixer, range(args.n_layers)))
+
+    def set_lora(self, lora: LoraSet | None) -> None:
+        """The adapters attached to the model now (runtime loads: server/lora_runtime.py);
+        call between steps."""
+        self.lora = lora
+        if lora is not None:
+            self.paths.why[LORA_STEPS] = f"{len(lora)} adapters; the C++ step applies none"
 
     @property
     def kv_bytes_per_cell(self) -> int:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from model.errors import ModelLoadError
-from model.layers.lora import LoraSet
+from model.layers.lora import LoraLinear, LoraSet
 from model.load.loader import LoadedModel, load_model
 from model.load.lora import load_lora
 from model.runner.worker import ModelWorker, make_worker
-from scheduler.plan import LoraKey, SamplingParams
+from scheduler.plan import LoraKey, SamplingParams, SeqBatch
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.model.factories import make_plan, prefill_chunk
@@ -339,3 +339,29 @@ def test_bfloat16_model_applies_the_adapter(setup: tuple) -> None:
         theirs = hf_peft(base, a_path)(torch.tensor([prompt])).logits[0] - hf_plain
     err = (ours - theirs).abs().max().item()
     assert err < 0.05 * theirs.abs().max().item()
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_adapters_reattached_under_their_served_ids(
+    setup: tuple, gather: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime load or unload (server/lora_runtime.py) re-attaches the adapters under the ids
+    they are served with, holes included: adapter b as id 7 gives what it gives as id 1, and an
+    id no longer attached is an error, never the base model."""
+    base, a_path, b_path, loaded, loras = setup
+    if gather:
+        monkeypatch.setattr("model.layers.lora.ALL_ADAPTERS_MAX_COLS", 0)
+    prompt = make_prompt(11, seed=9)
+    want, _, _ = serve(setup, [[request("r", prompt, ((1, 1.0),))]])
+    fresh = load_model(base)
+    args, dtype = fresh.config, fresh.transformer.dtype
+    first = LoraSet(fresh.transformer, [load_lora(a_path, args, dtype)])
+    first.detach()
+    sparse = {3: load_lora(a_path, args, dtype), 7: load_lora(b_path, args, dtype)}
+    lora = LoraSet(fresh.transformer, sparse)
+    got, _, _ = serve((base, a_path, b_path, fresh, lora), [[request("r", prompt, ((7, 1.0),))]])
+    assert got.tokens == want.tokens
+    with pytest.raises(LookupError, match="id 1 is not loaded"):
+        lora.batch([SeqBatch(0, 0, 4, ((1, 1.0),))], fresh.transformer.device)
+    lora.detach()
+    assert not any(isinstance(m, LoraLinear) for m in fresh.transformer.modules())

@@ -211,6 +211,17 @@ def test_entries_serve_only_requests_under_the_same_lora_adapters(tmp_path: Path
     tier.close()
 
 
+def test_kv_of_an_adapter_loaded_at_runtime_is_not_kept() -> None:
+    """Ids past the start-up adapters' (server/lora_runtime.py) may name another adapter after
+    a restart: nothing computed under them goes to a tier."""
+    sched, worker, _ = make("unified", [])
+    tier = CacheTier([RamStore(1 << 30, MODEL)], MODEL, min_tokens=32, num_fixed_loras=1)
+    fixed, runtime = conversation(0), conversation(1)
+    fixed.lora, runtime.lora = ((0, 1.0),), ((1, 1.0),)
+    run(sched, worker, tier, [fixed, runtime])
+    assert [e.lora for e in tier.index[0].values()] == [((0, 1.0),)]
+
+
 def test_a_conversation_evicted_from_the_prefix_index_comes_back_from_ram() -> None:
     # two seq ids: a holder is demoted into the prefix index when a later conversation needs its
     # seq id; 700 cells hold four conversations, so the fifth evicts the index's oldest leaf
