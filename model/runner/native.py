@@ -78,6 +78,8 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
+        if any(d.sinks or d.out_bias or d.moe_bias or d.activation == "swiglu_oai" for d in descs):
+            return None, "attention sinks, wo and expert biases, clamped SwiGLU (gpt-oss): Python"
         if any(d.rope is not None and d.rope.dim % 2 for d in descs):
             return None, "RoPE over an odd number of dims"
         linears = [m for b in blocks for m in _linears(b)]

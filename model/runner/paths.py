@@ -61,6 +61,8 @@ def decide_paths(
     why = paths.why
     reads = _reads_cells(model, storage, kernels)
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
+    if model.args.attn_sinks:  # NOTE: the kernels' softmax has no sink term
+        reads = "attention sinks (gpt-oss): the kernels take none"
     if reads is None:
         paths.decode_attention = kernels.decode_attention
         why["decode attention"] = f"{_cells(storage)} cells"
@@ -88,6 +90,8 @@ def _prompt_kernel(
     reads = _reads_cells(model, storage, kernels)
     if reads is not None:
         return None, reads
+    if args.attn_sinks:
+        return None, "attention sinks (gpt-oss): the kernel takes none"
     if model.dtype == torch.bfloat16 and not kernels.has_bf16_kernels():
         return None, "this CPU's build has no bfloat16 prompt kernel"
     if model.dtype == torch.float32 and not kernels.has_f32_kernels():
