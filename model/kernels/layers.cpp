@@ -284,11 +284,13 @@ std::string compiled_isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
-        py::arg("scale"), py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
-        py::arg("scale"), py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
+  m.def("has_attention_sinks", &has_attention_sinks,
+        "whether decode_attention and prompt_attention take sinks (gpt-oss)");
   m.def("reads_cache_types", &reads_cache_types,
         "whether the attention kernels and step_layers read and write every cache type");
   m.def("dequant_cells", &dequant_cells, "cells of a K/V cache layer, dequantized");

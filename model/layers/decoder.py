@@ -84,7 +84,7 @@ class Attention(nn.Module):
             [weights[prefix + "wo"]], weights[prefix + "bo"] if desc.out_bias else None
         )
         # gpt-oss: one logit per query head in each softmax's denominator, float32 [h]; as the
-        # soft cap, only _attend takes it (no SDPA, no C++ kernel: model/runner/paths.py)
+        # soft cap: _attend or the kernels (where the build takes sinks: model/runner/paths.py)
         self.sinks: torch.Tensor | None  # [h]
         sinks = weights[prefix + "sinks"].float() if desc.sinks else None
         self.register_buffer("sinks", sinks, persistent=False)
@@ -149,7 +149,7 @@ class Attention(nn.Module):
         if kernel is not None and g.lens is not None:  # the worker checked the cache types
             qs = q if g.rows is None else q.index_select(0, g.rows)
             k, v = storage.k[layer], storage.v[layer]
-            return kernel(qs, k, v, g.cells, g.lens, self.scale, self.softcap)
+            return kernel(qs, k, v, g.cells, g.lens, self.scale, self.softcap, *self._sinks)
         # GQA without repeat: the h / h_kv query heads of a kv head become its query rows,
         # batched over (kv head, sequence): [h_kv, n_seq, h / h_kv, hd].
         qd = q if g.rows is None else q.index_select(0, g.rows)
@@ -167,6 +167,12 @@ class Attention(nn.Module):
             sinks = None if self.sinks is None else self.sinks.view(h_kv, 1, -1, 1)
             o = self._attend(qd, k, v, g.bias, sinks)
         return o.transpose(0, 1).reshape(n_seq, self.n_heads, hd)
+
+    @property
+    def _sinks(self) -> tuple[torch.Tensor, ...]:
+        """The kernels' optional last argument: none for a model without sinks (a build from
+        before sinks takes none)."""
+        return () if self.sinks is None else (self.sinks,)
 
     def _attend(
         self,
@@ -203,7 +209,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if kernel is not None and p.lens is not None:  # the worker checked dtypes and shapes
             k, v = storage.k[layer], storage.v[layer]
-            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap)
+            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap, *self._sinks)
         k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
