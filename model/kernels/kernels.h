@@ -178,15 +178,19 @@ struct StepLayer {
   int64_t rope_dim = 0;         // the dims it rotates, from each head's start (0: the whole head)
   bool rope_interleaved = false;  // pairs (2i, 2i + 1) (GLM-4), not rotate-half's (i, i + dim/2)
   double softcap = 0.0;         // > 0: attention scores capped (Gemma 2)
+  std::optional<at::Tensor> sinks;  // [n_heads]: a sink logit per head (gpt-oss)
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;
   // a mixture-of-experts MLP (model/layers/moe.py MoEFeedForward) instead of w13 / w2: the
   // router [n_experts, dim] in x's dtype, each expert's gate|up and down linears, and the
   // module's expert_rows [n_experts] int64 (counted in place)
-  std::optional<at::Tensor> router, expert_rows;
+  std::optional<at::Tensor> router, router_bias, expert_rows;
   std::vector<StepLinear> experts_w13, experts_w2;
   int64_t n_used = 0;  // experts per row
   bool norm_topk = false;
+  // > 0: the experts' activation is gpt-oss's clamped SwiGLU (model/layers/blocks.py
+  // swiglu_oai) with this limit and swiglu_alpha; 0: SiLU(gate) * up
+  double swiglu_limit = 0.0, swiglu_alpha = 0.0;
 };
 // model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt

@@ -349,6 +349,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("rope_dim", &StepLayer::rope_dim)
       .def_readwrite("rope_interleaved", &StepLayer::rope_interleaved)
       .def_readwrite("softcap", &StepLayer::softcap)
+      .def_readwrite("sinks", &StepLayer::sinks)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult)
       .def_readwrite("router", &StepLayer::router)
@@ -356,7 +357,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("experts_w13", &StepLayer::experts_w13)
       .def_readwrite("experts_w2", &StepLayer::experts_w2)
       .def_readwrite("n_used", &StepLayer::n_used)
-      .def_readwrite("norm_topk", &StepLayer::norm_topk);
+      .def_readwrite("norm_topk", &StepLayer::norm_topk)
+      .def_readwrite("router_bias", &StepLayer::router_bias)
+      .def_readwrite("swiglu_limit", &StepLayer::swiglu_limit)
+      .def_readwrite("swiglu_alpha", &StepLayer::swiglu_alpha);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)

@@ -16,13 +16,16 @@ from model import load_model
 from model.errors import ModelLoadError
 from model.kernels import load_kernels
 from model.layers.blocks import swiglu_oai
+from model.layers.quant import quantize
 from model.load.gguf import dequantize
 from model.load.gguf_file import GGUFTensor
+from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
 from tests.model.factories import Driver, require_kernels
 from tests.model.test_dense_families import greedy, greedy_request, logits, prompt, reference
 from tests.model.test_moe import serve
+from tests.model.test_native import decode
 from tests.tiny_gptoss import WINDOW, YARN, write_tiny_gptoss, write_tiny_gptoss_mxfp4
 
 pytestmark = pytest.mark.model
@@ -114,15 +117,28 @@ def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
         assert len(alone.tokens[(f"r{i}", 0)]) == 10
 
 
-def test_the_one_call_step_leaves_it_to_the_python_layers(folder):
-    """step.cpp has no biases on wo or the experts, nor the clamped SwiGLU: decided once, with
-    the reason in the start-up line; the attention kernels take the sinks."""
-    if load_kernels() is None:
-        pytest.skip("no C++ kernels: every path is torch anyway")
-    for dtype in ("float32", "bfloat16"):
-        paths = make_worker(load_model(folder, dtype=dtype), n_cells=64).paths
-        assert paths.native is None and "gpt-oss" in paths.why["one-call step"]
-        assert paths.decode_attention is not None, paths.describe()
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quant, n_seq", [("int4", 1), ("int4", 10), ("int8", 3)])
+def test_the_one_call_step_runs_gptoss_as_the_python_layers(
+    folder, dtype, quant, n_seq, monkeypatch
+):
+    """step.cpp with the sinks, the wo / router / expert biases and the clamped SwiGLU: bit for
+    bit the Python layers' logits over decode steps past the window (windowed prompt chunks
+    take the Python layers: tests/model/test_dense_families.py)."""
+    require_kernels()
+    loaded = load_model(folder, dtype=dtype)
+    quantize(loaded.transformer, quant)
+    worker = make_worker(loaded, n_cells=512)
+    assert worker.paths.native is not None, worker.paths.describe()
+    assert worker.paths.decode_attention is not None
+    prompts = [prompt(9 + 5 * s, seed=s) for s in range(n_seq)]
+    calls = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    native = decode(worker, prompts, steps=6)
+    assert len(calls) == 6
+    worker.paths.native = None
+    assert torch.equal(native, decode(worker, prompts, steps=6))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
