@@ -222,6 +222,26 @@ def test_yarn_frequencies_equal_transformers(truncate):
     torch.testing.assert_close(rope.inv_freq()[-4:], plain[-4:] / 4.0)  # the slow: interpolated
 
 
+def test_yarn_on_another_family_matches_transformers(tmp_path):
+    """YaRN is read for any family where transformers applies it (a Qwen3 with rope_scaling
+    yarn, truncate left to its default)."""
+    import json
+
+    from tests.tiny_models import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "qwen3", model_type="qwen3", head_dim=32, seed=3)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {k: YARN[k] for k in ("rope_type", "factor")} | {
+        "original_max_position_embeddings": 16
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_model(folder)
+    assert loaded.config.rope.freq_factors == yarn(10000.0, 32, 4.0, 16).freq_factors
+    ids = prompt(40, seed=8)
+    want = reference(hf_reference(folder), ids)
+    assert float((logits(loaded, ids) - want).abs().max()) < 1e-4 * float(want.abs().max())
+
+
 def mxfp4_tensor(raw: bytes, n_blocks: int) -> GGUFTensor:
     from gguf import GGMLQuantizationType
 
