@@ -204,12 +204,13 @@ def _gptoss_experts(
     name += "_bias" if bias else ""
     if name not in raw:
         raise ModelLoadError(f"{folder}: tensor {name} is missing.")
-    w = raw[name] if bias else raw[name].transpose(1, 2)  # -> [E, out, in]
-    full = want if down else (want[0], 2 * want[1], *want[2:])
-    if tuple(w.shape) != full:
+    full = want if down else (want[0], 2 * want[1], *want[2:])  # [E, out, in] or [E, out]
+    stored = full if bias else (full[0], full[2], full[1])
+    if tuple(raw[name].shape) != stored:
         raise ModelLoadError(
-            f"{folder}: tensor {name} has shape {tuple(w.shape)}, expected {full}."
+            f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {stored}."
         )
+    w = raw[name] if bias else raw[name].transpose(1, 2)  # -> [E, out, in]
     if down:
         return w.contiguous()
     return w[:, 0::2].contiguous() if kind[1] == "1" else w[:, 1::2].contiguous()

@@ -312,3 +312,24 @@ def test_an_unsupported_rope_scaling_is_refused_at_load(tmp_path):
     )
     with pytest.raises(ModelLoadError, match="mscale"):
         load_model(folder)
+
+
+def test_a_quantized_folder_or_a_bad_expert_stack_is_refused_at_load(tmp_path):
+    """The shapes as the file stores them (GptOssExperts' x @ W), naming the tensor."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_gptoss(tmp_path / "hf", n_layers=2)
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.1.mlp.experts.down_proj"
+    tensors[name] = tensors[name][:, :16].contiguous()
+    save_file(tensors, str(file))
+    with pytest.raises(ModelLoadError, match=rf"{name} has shape \(4, 16, 64\), expected \(4, 32"):
+        load_model(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized gpt-oss folder"):
+        load_model(folder)
