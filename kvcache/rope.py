@@ -53,6 +53,41 @@ class RopeConfig:
         return angles.cos().float(), angles.sin().float()
 
 
+def yarn(
+    theta: float,
+    dim: int,
+    factor: float,
+    n_ctx_orig: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+    attn_factor: float | None = None,
+) -> RopeConfig:
+    """YaRN (arXiv:2309.00071) as per-pair divisors of the inverse frequencies: pair i rotates
+    at inv_i * (r_i / factor + 1 - r_i), r_i the ramp from the pairs that turn more than
+    beta_fast times over `n_ctx_orig` positions (r = 0: kept) to those under beta_slow
+    (r = 1: interpolated); q and k scaled by 0.1 ln(factor) + 1 unless `attn_factor` is
+    given. Matches transformers' _compute_yarn_parameters and llama.cpp's rope_yarn (its
+    corr_dims floor / ceil the bounds: `truncate`)."""
+    import math
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    span = high - low if high != low else 0.001
+    factors = []
+    for i in range(dim // 2):
+        ramp = min(1.0, max(0.0, (i - low) / span))
+        factors.append(1.0 / (ramp / factor + 1.0 - ramp))
+    if attn_factor is None:
+        attn_factor = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+    return RopeConfig(theta, dim, "neox", tuple(factors), attn_factor)
+
+
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RopeLayout
 ) -> torch.Tensor:

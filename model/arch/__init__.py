@@ -20,7 +20,8 @@ from kvcache.spec import Attention as AttentionSpec
 from kvcache.spec import MemorySpec
 from kvcache.spec import Recurrent as RecurrentSpec
 
-Activation = Literal["silu", "gelu_tanh"]
+# "swiglu_oai": gpt-oss's clamped SwiGLU over the experts (MoEArgs.swiglu_limit, swiglu_alpha)
+Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 Mixer = Literal["attn", "mamba2", "shortconv"]
 
 
@@ -60,6 +61,8 @@ EXAONE4 = BlockSpec(qk_norm=True, post_norms=True, pre_norms=False)
 # GLM-4 (0414): Llama's pre-norms and Gemma's post norms (plain w), q/k/v biases, RoPE on the
 # first half of each head in interleaved pairs, gate|up fused in the files
 GLM4 = BlockSpec(post_norms=True)
+# gpt-oss: Llama's block, the MLP a mixture of experts with biases and a clamped SwiGLU
+GPTOSS = BlockSpec(activation="swiglu_oai")
 ARCH_BLOCKS: dict[str, BlockSpec] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -77,12 +80,15 @@ ARCH_BLOCKS: dict[str, BlockSpec] = {
     "olmoe": OLMOE,
     "granitemoe": LLAMA,  # with Granite's multipliers (ModelArgs.embed_mult, ...)
     "lfm2": QWEN3,  # q/k norms per head; most layers a gated short conv (ModelArgs.short_conv)
+    # q/k/v/o biases, attention sinks, every other layer sliding (ModelArgs.attn_sinks, windows)
+    "gpt-oss": GPTOSS,
 }
 # Gemma 3's local (sliding-window) layers use RoPE base 10,000 whatever the global base
 # (transformers' rope_local_base_freq default, llama.cpp's rope_freq_base_train_swa).
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_SWA_PERIOD = 6  # every 6th layer is global: llama.cpp set_swa_pattern(6), HF layer_types
 GEMMA2_SWA_PERIOD = 2  # every 2nd layer is global (layers 0, 2, ... slide): set_swa_pattern(2)
+GPTOSS_SWA_PERIOD = 2  # as Gemma 2: llama.cpp's openai-moe set_swa_pattern(2), HF layer_types
 EXAONE4_SWA_PERIOD = 4  # LLLG: Exaone4Config's sliding_window_pattern, llama.cpp's 32B pattern
 
 
@@ -141,12 +147,20 @@ class MoEArgs:
     """A sparse mixture-of-experts MLP (model/layers/moe.py; transformers' Qwen3MoeSparseMoeBlock,
     llama.cpp's build_moe_ffn with softmax gating): p = softmax(router x) over n_experts; the
     n_used largest, divided by their sum when `norm_topk_prob`, weight the outputs of those
-    experts, each a gated MLP of width `expert_dim`."""
+    experts, each a gated MLP of width `expert_dim`.
+    gpt-oss (transformers' GptOssMLP, llama.cpp's SOFTMAX_WEIGHT gating): biases on the router
+    and every expert linear; softmax over the top-k logits, which equals the top-k of the full
+    softmax renormalized (norm_topk_prob); the "swiglu_oai" activation with `swiglu_limit`."""
 
     n_experts: int
     n_used: int  # experts per token (num_experts_per_tok, expert_used_count)
     expert_dim: int  # moe_intermediate_size, expert_feed_forward_length
     norm_topk_prob: bool
+    bias: bool = False  # router and experts with biases (gpt-oss)
+    # gpt-oss: gate = min(gate, limit), up = clamp(up, -limit, limit),
+    # act = (up + 1) * gate * sigmoid(alpha * gate); llama.cpp fixes alpha 1.702 and limit 7.0
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +185,10 @@ class LayerDesc:
     mixer "attn": qkv = wqkv x [+ bqkv]; [q_norm, k_norm per head]; RoPE (`rope`; None: NoPE);
     K/V into the cells of the layer's pool (window 0: the full pool, W: the window's); attention
     over the cells the row may see (p - W, p], softmax of the scores s = scale q.k, capped to
-    softcap * tanh(s / softcap) where softcap > 0 (Gemma 2); then wo. mixer "mamba2":
-    model/layers/mamba2.py over the sequence's state slot; "shortconv": LFM2's gated short
-    convolution (model/layers/shortconv.py) over it. m = residual_mult. Without
+    softcap * tanh(s / softcap) where softcap > 0 (Gemma 2), with `sinks` one more logit per
+    head in the softmax's denominator that attends to nothing (gpt-oss); then wo [+ bo].
+    mixer "mamba2": model/layers/mamba2.py over the sequence's state slot; "shortconv": LFM2's
+    gated short convolution (model/layers/shortconv.py) over it. m = residual_mult. Without
     `pre_norms` attn_norm and ffn_norm are the identity (OLMo 2, EXAONE 4.0)."""
 
     mixer: Mixer
@@ -183,12 +198,15 @@ class LayerDesc:
     scale: float  # softmax scale (0.0 on a mamba2 layer)
     softcap: float  # attention logit soft-capping (0.0: none)
     qkv_bias: bool
+    out_bias: bool  # a bias on wo (gpt-oss)
+    sinks: bool  # attention sinks: a learned logit per query head (gpt-oss)
     qk_norm: bool
     qk_norm_full: bool
     post_norms: bool
     pre_norms: bool
     ffn: bool
     moe: bool
+    moe_bias: bool  # router and expert biases (MoEArgs.bias)
     activation: Activation
     norm_shift: float
     residual_mult: float
@@ -199,6 +217,8 @@ class LayerDesc:
         ffn = ["ffn_norm", "w1", "w3", "w2"] if self.ffn else []
         if self.ffn and self.moe:
             ffn = ["ffn_norm", "moe_router", "w1_exps", "w3_exps", "w2_exps"]
+            if self.moe_bias:
+                ffn += ["moe_router_b", "b1_exps", "b3_exps", "b2_exps"]
         if not self.pre_norms:
             ffn = [k for k in ffn if k != "ffn_norm"]
         if self.mixer == "mamba2":
@@ -209,6 +229,10 @@ class LayerDesc:
         kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn][0 if self.pre_norms else 1 :]
         if self.qkv_bias:
             kinds += ["bq", "bk", "bv"]
+        if self.out_bias:
+            kinds.append("bo")
+        if self.sinks:
+            kinds.append("sinks")
         if self.qk_norm:
             kinds += ["q_norm", "k_norm"]
         if self.post_norms:
@@ -230,6 +254,8 @@ class ModelArgs:
     rope: RopeConfig  # of the full-attention layers (all layers without rope_swa)
     n_ctx_train: int
     qkv_bias: bool = False
+    out_bias: bool = False  # wo with a bias (gpt-oss's attention_bias)
+    attn_sinks: bool = False  # a learned sink logit per query head in every softmax (gpt-oss)
     block: BlockSpec = field(default_factory=BlockSpec)
     windows: tuple[int, ...] = ()  # per layer: 0 full attention, W > 0 sees (p - W, p]; () all 0
     rope_swa: RopeConfig | None = None  # RoPE of the sliding-window layers; None: `rope`
@@ -301,12 +327,15 @@ class ModelArgs:
             scale=self.scale if mixer == "attn" else 0.0,  # a Mamba2 model has no head_dim
             softcap=self.attn_softcap,
             qkv_bias=self.qkv_bias,
+            out_bias=self.out_bias,
+            sinks=self.attn_sinks and mixer == "attn",
             qk_norm=block.qk_norm,
             qk_norm_full=block.qk_norm_full,
             post_norms=block.post_norms,
             pre_norms=block.pre_norms,
             ffn=self.ffn,
             moe=self.is_moe(layer),
+            moe_bias=self.is_moe(layer) and self.moe is not None and self.moe.bias,
             activation=block.activation,
             norm_shift=block.norm_shift,
             residual_mult=self.residual_mult,

@@ -29,6 +29,8 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "bq": (q_dim,),
         "bk": (kv_dim,),
         "bv": (kv_dim,),
+        "bo": (d,),
+        "sinks": (args.n_heads,),
         "w1": (f, d),
         "w3": (f, d),
         "w2": (d, f),
@@ -51,6 +53,10 @@ def _moe_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "w1_exps": (e, f, d),
         "w3_exps": (e, f, d),
         "w2_exps": (e, d, f),
+        "moe_router_b": (e,),
+        "b1_exps": (e, f),
+        "b3_exps": (e, f),
+        "b2_exps": (e, d),
     }
 
 

@@ -43,7 +43,8 @@ void check_lens(const at::Tensor& lens, int64_t n_cells) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
-         const at::Tensor& lens, double scale, double softcap, at::Tensor& out) {
+         const at::Tensor& lens, double scale, double softcap, const float* sinks,
+         at::Tensor& out) {
   const int64_t n_seq = q.size(0), n_heads = q.size(1), hd = q.size(2);
   const int64_t n_kv = k.size(0), group = n_heads / n_kv, max_kv = cells.size(1);
   // cells of another type than q's (kvcache/cache_types.py): a task dequantizes its sequence's
@@ -71,6 +72,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / n_kv, kvh = task % n_kv, n = lp[s];
       const int64_t* sc = cp + s * max_kv;
+      const float* sk = sinks != nullptr ? sinks + kvh * group : nullptr;  // its query heads
       const T* kp = reinterpret_cast<const T*>(kraw + kvh * kb0);  // this head's rows
       const T* vp = reinterpret_cast<const T*>(vraw + kvh * vb0);
       int64_t ks1 = kb1 / static_cast<int64_t>(sizeof(T)), vs1 = vb1 / static_cast<int64_t>(sizeof(T));
@@ -111,7 +113,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
               prefetch_row(kp1 + sc1[r] * ks1, hd);
           }
           scores.resize(group * (n + 1));
-          attend_bf16(qrows, group, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, cap,
+          attend_bf16(qrows, group, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, cap, sk,
                       scores.data(), dst);
           continue;
         }
@@ -127,8 +129,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
           scores.resize(group * n);
-          attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, scores.data(),
-                     dst);
+          attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, sk,
+                     scores.data(), dst);
           continue;
         }
       }
@@ -150,7 +152,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       }
       for (int64_t g = 0; g < group; ++g) {
         softcap_inplace(scores.data() + g * n, n, cap);
-        softmax_inplace(scores.data() + g * n, n);
+        softmax_inplace(scores.data() + g * n, n, sk != nullptr ? sk + g : nullptr);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
@@ -170,11 +172,24 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
+// sinks -> float32 [n_heads], contiguous (an undefined tensor for none)
+at::Tensor sink_logits(const c10::optional<at::Tensor>& sinks, int64_t n_heads) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == n_heads, "sinks must be [n_heads]");
+  return sinks->to(at::kFloat).contiguous();
+}
+
+const float* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
+
 }  // namespace
+
+bool has_attention_sinks() { return true; }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
-                            double softcap) {
+                            double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
@@ -191,10 +206,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto l = lens.contiguous();
   check_lens(l, c.size(1));
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  const at::Tensor sk = sink_logits(sinks, q.size(1));
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k, v, c, l, scale, softcap, out);
+    run<float>(q, k, v, c, l, scale, softcap, data_or_null(sk), out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, k, v, c, l, scale, softcap, out);
+    run<at::BFloat16>(q, k, v, c, l, scale, softcap, data_or_null(sk), out);
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
   }
@@ -212,7 +228,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
-                            double softcap) {
+                            double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
@@ -223,7 +239,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
     auto kd = dequant_cells(k.contiguous(), c, q.size(2), q.scalar_type());
     auto vd = dequant_cells(v.contiguous(), c, q.size(2), q.scalar_type());
     auto order = at::arange(c.size(0), c.options());
-    return prompt_attention(q, kd, vd, order, lens, scale, softcap);
+    return prompt_attention(q, kd, vd, order, lens, scale, softcap, sinks);
   }
   const bool f32 = q.scalar_type() == at::kFloat;
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
@@ -256,6 +272,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const at::Tensor sk = sink_logits(sinks, n_heads);
+  const float* skp = data_or_null(sk);
   // A task is one kv head and a block of rows: its query heads x rows (<= kMaxQueries) share
   // every K/V row read. Scheduled dynamically, the longest rows first.
 #ifdef CELLSERVE_F32_AVX2
@@ -272,6 +290,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
         const int64_t kvh = task % n_kv, r0 = (task / n_kv) * rows;
         const int64_t r1 = std::min(L, r0 + rows);
         float* dst[kMaxQueries];
+        float qsinks[kMaxQueries];
         int64_t qlens[kMaxQueries];
         int64_t nq = 0, n = 0;
         for (int64_t r = r0; r < r1; ++r)
@@ -279,12 +298,13 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
             const float* src = qp + r * qs0 + (kvh * group + g) * qs1;
             for (int64_t d = 0; d < hd; ++d) qf[nq * hd + d] = src[d] * fscale;
             dst[nq] = op + r * os0 + (kvh * group + g) * os1;
+            qsinks[nq] = skp != nullptr ? skp[kvh * group + g] : 0.0f;
             qlens[nq] = lp[r];
             n = std::max(n, qlens[nq]);
           }
         scores.resize(nq * n);
         attend_f32(qf.data(), nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n,
-                   cap, scores.data(), dst);
+                   cap, skp != nullptr ? qsinks : nullptr, scores.data(), dst);
       }
     }
     return out;
@@ -304,18 +324,20 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t r1 = std::min(L, r0 + rows);
       const at::BFloat16* qrows[kMaxQueries];
       at::BFloat16* dst[kMaxQueries];
+      float qsinks[kMaxQueries];
       int64_t qlens[kMaxQueries];
       int64_t nq = 0, n = 0;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t g = 0; g < group; ++g, ++nq) {
           qrows[nq] = qp + r * qs0 + (kvh * group + g) * qs1;
           dst[nq] = op + r * os0 + (kvh * group + g) * os1;
+          qsinks[nq] = skp != nullptr ? skp[kvh * group + g] : 0.0f;
           qlens[nq] = lp[r];
           n = std::max(n, qlens[nq]);
         }
       scores.resize(nq * (n + 1));
       attend_bf16(qrows, nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n, fscale,
-                  cap, scores.data(), dst);
+                  cap, skp != nullptr ? qsinks : nullptr, scores.data(), dst);
     }
   }
 #endif

@@ -37,7 +37,7 @@ constexpr int64_t kPairsAhead = 16;  // V rows prefetched ahead
 void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
                  const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
                  int64_t vstride, const int64_t* sc, int64_t n, float scale, float softcap,
-                 float* scores, at::BFloat16* const* dst) {
+                 const float* sinks, float* scores, at::BFloat16* const* dst) {
   const int64_t chunks = hd / 32, ns = n + (n & 1);  // ns: scores row stride (pairs)
   __m512bh q[kMaxQueries][kMaxChunks];
   for (int64_t g = 0; g < nq; ++g)
@@ -73,7 +73,7 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
     float* sg = scores + g * ns;
     const int64_t m = qlens == nullptr ? n : qlens[g];
     softcap_inplace(sg, m, softcap);
-    softmax_inplace(sg, m);
+    softmax_inplace(sg, m, sinks != nullptr ? sinks + g : nullptr);
     for (int64_t i = m; i < ns; ++i) sg[i] = 0.0f;
   }
   // P V by vdpbf16ps over row pairs: p rounds to bfloat16 as in the torch path (probs.to(v));

@@ -28,10 +28,11 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-// softmax over s[0, m) in place, 8 lanes at a time
-inline void softmax_f32(float* s, int64_t m) {
+// softmax over s[0, m) in place, 8 lanes at a time; `sink` as softmax_inplace's
+inline void softmax_f32(float* s, int64_t m, const float* sink) {
   float mx = s[0];
   for (int64_t i = 1; i < m; ++i) mx = std::max(mx, s[i]);
+  if (sink != nullptr) mx = std::max(mx, *sink);
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
   int64_t i = 0;
@@ -40,7 +41,7 @@ inline void softmax_f32(float* s, int64_t m) {
     _mm256_storeu_ps(s + i, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  float sum = hsum8(vsum);
+  float sum = hsum8(vsum) + (sink != nullptr ? std::exp(*sink - mx) : 0.0f);
   for (; i < m; ++i) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
@@ -61,8 +62,8 @@ inline void softmax_f32(float* s, int64_t m) {
 // per kv head), 32 sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
 void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
                 const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
-                const int64_t* cells, int64_t n, float softcap, float* scores,
-                float* const* out) {
+                const int64_t* cells, int64_t n, float softcap, const float* sinks,
+                float* scores, float* const* out) {
   // a partial last block repeats its last row (the same operations for every score, so a
   // query's values do not depend on n)
   for (int64_t j = 0; j < n; j += 4) {
@@ -89,7 +90,7 @@ void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
   }
   for (int64_t g = 0; g < group; ++g) {
     softcap_inplace(scores + g * n, qlens ? qlens[g] : n, softcap);
-    softmax_f32(scores + g * n, qlens ? qlens[g] : n);
+    softmax_f32(scores + g * n, qlens ? qlens[g] : n, sinks != nullptr ? sinks + g : nullptr);
   }
   constexpr int64_t kMaxVec = 32;  // hd <= 256
   for (int64_t g = 0; g < group; ++g) {

@@ -43,11 +43,13 @@ constexpr int kMaxQueries = 16;  // query vectors per task: a kv head's query he
 constexpr int kMaxChunks = 8;    // head_dim / 32 (head_dim <= 256)
 constexpr int64_t kAhead = 8;    // rows prefetched ahead: cells are scattered, not streamed
 
-// s[0, m) -> softmax(s) in place, float32 (m >= 1)
-inline void softmax_inplace(float* s, int64_t m) {
+// s[0, m) -> softmax(s) in place, float32 (m >= 1); `sink` (null: none): one more logit in the
+// denominator that weighs no row (gpt-oss's attention sinks)
+inline void softmax_inplace(float* s, int64_t m, const float* sink = nullptr) {
   float mx = s[0];
   for (int64_t i = 1; i < m; ++i) mx = std::max(mx, s[i]);
-  float sum = 0.0f;
+  if (sink != nullptr) mx = std::max(mx, *sink);
+  float sum = sink != nullptr ? std::exp(*sink - mx) : 0.0f;
   for (int64_t i = 0; i < m; ++i) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
@@ -68,11 +70,12 @@ inline void softcap_inplace(float* s, int64_t m, float cap) {
 // One task in float32, head_dim % 8 == 0, head_dim <= 256 (attention_f32.cpp): `group` scaled
 // query vectors q [group, hd] over the first n K/V rows read in place at cells (query g over
 // its first qlens[g] <= n, where qlens is given); out[g] <- its output; scores: group * n floats;
-// softcap > 0: the scores capped (softcap_inplace) before the softmax.
+// softcap > 0: the scores capped (softcap_inplace) before the softmax; sinks (null: none):
+// query g's sink logit sinks[g] in its softmax's denominator.
 void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
                 const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
-                const int64_t* cells, int64_t n, float softcap, float* scores,
-                float* const* out);
+                const int64_t* cells, int64_t n, float softcap, const float* sinks,
+                float* scores, float* const* out);
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -83,11 +86,12 @@ inline void prefetch_row(const at::BFloat16* row, int64_t hd) {  // every 64-byt
 
 // One task in bfloat16, head_dim % 32 == 0 (attention_bf16.cpp): nq query vectors sharing one kv
 // head over the K/V rows of cells sc[0, n) (query g over the first qlens[g]; null: all n);
-// scores: room for nq * (n + 1) floats; softcap > 0: the scaled scores capped before the softmax.
+// scores: room for nq * (n + 1) floats; softcap > 0: the scaled scores capped before the softmax;
+// sinks (null: none): query g's sink logit sinks[g] in its softmax's denominator.
 void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
                  const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
                  int64_t vstride, const int64_t* sc, int64_t n, float scale, float softcap,
-                 float* scores, at::BFloat16* const* dst);
+                 const float* sinks, float* scores, at::BFloat16* const* dst);
 #endif
 
 // bfloat16 -> float32 (exact: the top 16 bits of the float)
@@ -125,14 +129,18 @@ at::Tensor dequant_cells(const at::Tensor& rows, const at::Tensor& cells, int64_
                          at::ScalarType dtype);
 bool reads_cache_types();
 
-// softcap > 0: scores tanh(s / softcap) * softcap before the softmax (Gemma 2); 0: none
+// softcap > 0: scores tanh(s / softcap) * softcap before the softmax (Gemma 2); 0: none.
+// sinks: none, or [n_heads] logits, one more term in each head's softmax denominator (gpt-oss)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
-                            double softcap);
+                            double softcap,
+                            const c10::optional<at::Tensor>& sinks = c10::nullopt);
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
-                            double softcap);
+                            double softcap,
+                            const c10::optional<at::Tensor>& sinks = c10::nullopt);
 bool has_bf16_kernels();
+bool has_attention_sinks();
 // layers.cpp: the fused ops both paths call (into `out`: x's shape, contiguous)
 void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
@@ -170,15 +178,19 @@ struct StepLayer {
   int64_t rope_dim = 0;         // the dims it rotates, from each head's start (0: the whole head)
   bool rope_interleaved = false;  // pairs (2i, 2i + 1) (GLM-4), not rotate-half's (i, i + dim/2)
   double softcap = 0.0;         // > 0: attention scores capped (Gemma 2)
+  std::optional<at::Tensor> sinks;  // [n_heads]: a sink logit per head (gpt-oss)
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;
   // a mixture-of-experts MLP (model/layers/moe.py MoEFeedForward) instead of w13 / w2: the
   // router [n_experts, dim] in x's dtype, each expert's gate|up and down linears, and the
   // module's expert_rows [n_experts] int64 (counted in place)
-  std::optional<at::Tensor> router, expert_rows;
+  std::optional<at::Tensor> router, router_bias, expert_rows;
   std::vector<StepLinear> experts_w13, experts_w2;
   int64_t n_used = 0;  // experts per row
   bool norm_topk = false;
+  // > 0: the experts' activation is gpt-oss's clamped SwiGLU (model/layers/blocks.py
+  // swiglu_oai) with this limit and swiglu_alpha; 0: SiLU(gate) * up
+  double swiglu_limit = 0.0, swiglu_alpha = 0.0;
 };
 // model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt

@@ -284,11 +284,13 @@ std::string compiled_isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over cells, in place",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
-        py::arg("scale"), py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
-        py::arg("scale"), py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
+  m.def("has_attention_sinks", &has_attention_sinks,
+        "whether decode_attention and prompt_attention take sinks (gpt-oss)");
   m.def("reads_cache_types", &reads_cache_types,
         "whether the attention kernels and step_layers read and write every cache type");
   m.def("dequant_cells", &dequant_cells, "cells of a K/V cache layer, dequantized");
@@ -347,6 +349,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("rope_dim", &StepLayer::rope_dim)
       .def_readwrite("rope_interleaved", &StepLayer::rope_interleaved)
       .def_readwrite("softcap", &StepLayer::softcap)
+      .def_readwrite("sinks", &StepLayer::sinks)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult)
       .def_readwrite("router", &StepLayer::router)
@@ -354,7 +357,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("experts_w13", &StepLayer::experts_w13)
       .def_readwrite("experts_w2", &StepLayer::experts_w2)
       .def_readwrite("n_used", &StepLayer::n_used)
-      .def_readwrite("norm_topk", &StepLayer::norm_topk);
+      .def_readwrite("norm_topk", &StepLayer::norm_topk)
+      .def_readwrite("router_bias", &StepLayer::router_bias)
+      .def_readwrite("swiglu_limit", &StepLayer::swiglu_limit)
+      .def_readwrite("swiglu_alpha", &StepLayer::swiglu_alpha);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)

@@ -145,13 +145,14 @@ void rope_partial_(at::Tensor& qk, const at::Tensor& c, const at::Tensor& s, int
 
 // One layer's attention output [n, heads, hd] over its window's groups, assembled as
 // model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
-// each chunk; rows in no group are zero); softcap > 0 caps the scores (Gemma 2).
+// each chunk; rows in no group are zero); softcap > 0 caps the scores (Gemma 2); sinks: gpt-oss's.
 at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, double scale, double softcap) {
+                  const at::Tensor& v, double scale, double softcap,
+                  const c10::optional<at::Tensor>& sinks) {
   const int64_t n = q.size(0), n_dec = static_cast<int64_t>(g.decode_rows.size());
   const int64_t n_prompt = static_cast<int64_t>(g.prompt_cells.size());
   if (n_dec == 1 && n_prompt == 0 && g.decode_rows[0].numel() == 0)
-    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale, softcap);
+    return decode_attention(q, k, v, g.decode_cells[0], g.decode_lens[0], scale, softcap, sinks);
   auto out = at::zeros({n, q.size(1), q.size(2)}, q.options());
   for (int64_t i = 0; i < n_dec; ++i) {
     const at::Tensor& rows = g.decode_rows[i];
@@ -159,13 +160,13 @@ at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
     out.index_copy_(
         0, rows,
         decode_attention(q.index_select(0, rows), k, v, g.decode_cells[i], g.decode_lens[i],
-                         scale, softcap));
+                         scale, softcap, sinks));
   }
   for (int64_t i = 0; i < n_prompt; ++i) {
     const int64_t start = g.prompt_bounds[2 * i], end = g.prompt_bounds[2 * i + 1];
     out.slice(0, start, end)
         .copy_(prompt_attention(q.slice(0, start, end), k, v, g.prompt_cells[i],
-                                g.prompt_lens[i], scale, softcap));
+                                g.prompt_lens[i], scale, softcap, sinks));
   }
   return out;
 }
@@ -246,7 +247,9 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
 at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_size) {
   const int64_t n = h.size(0), k = layer.n_used;
   const int64_t n_experts = static_cast<int64_t>(layer.experts_w13.size());
-  auto logits = at::linear(h, *layer.router);  // [n, n_experts]
+  c10::optional<at::Tensor> router_bias;
+  if (layer.router_bias) router_bias = *layer.router_bias;
+  auto logits = at::linear(h, *layer.router, router_bias);  // [n, n_experts]
   auto probs = at::softmax(logits, -1, at::kFloat);
   auto [top, idx] = at::topk(probs, k, -1);
   if (layer.norm_topk) top = top / top.sum(-1, true);
@@ -270,8 +273,18 @@ at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_si
     auto gate_up = quant_linear(xs.slice(0, start[e], start[e + 1]), layer.experts_w13[e],
                                 group_size)
                        .contiguous();
-    auto gated = at::empty({counts[e], gate_up.size(1) / 2}, h.options());
-    silu_mul_into(gate_up, gated);
+    at::Tensor gated;
+    if (layer.swiglu_limit > 0.0) {  // the ATen ops of blocks.py swiglu_oai, in its order
+      const int64_t f = gate_up.size(1) / 2;
+      const double limit = layer.swiglu_limit;
+      auto gate = at::clamp_max(gate_up.slice(1, 0, f), limit);
+      auto up = at::clamp(gate_up.slice(1, f), -limit, limit);
+      auto glu = at::mul(gate, at::sigmoid(at::mul(gate, layer.swiglu_alpha)));
+      gated = at::mul(at::add(up, 1), glu);
+    } else {
+      gated = at::empty({counts[e], gate_up.size(1) / 2}, h.options());
+      silu_mul_into(gate_up, gated);
+    }
     ys.slice(0, start[e], start[e + 1]).copy_(quant_linear(gated, layer.experts_w2[e], group_size));
   }
   ys.mul_(top.reshape(-1).index_select(0, order).unsqueeze(1));
@@ -332,7 +345,9 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     write_kv(layer.k_cache, wc, base + n_heads * hd * elem, n, n_kv, hd, width, x.scalar_type());
     write_kv(layer.v_cache, wc, base + qk_width * elem, n, n_kv, hd, width, x.scalar_type());
     auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
-    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap);
+    c10::optional<at::Tensor> sinks;
+    if (layer.sinks) sinks = *layer.sinks;
+    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap, sinks);
     auto a = mm(attn.view({n, n_heads * hd}), layer.wo);
     if (layer.post_attn_norm) {
       rms_norm_into(a, *layer.post_attn_norm, eps, normed);

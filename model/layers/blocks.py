@@ -41,15 +41,25 @@ class Linear(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """w2(act(w1 x) * w3 x): SwiGLU (act SiLU) or GeGLU (act tanh-GELU)."""
+    """w2(act(w1 x [+ b1]) * w3 x [+ b3]) [+ b2]: SwiGLU (act SiLU), GeGLU (act tanh-GELU), or
+    gpt-oss's clamped SwiGLU ("swiglu_oai": swiglu_oai below; the biases are its experts')."""
 
     def __init__(
-        self, weights: dict[str, torch.Tensor], prefix: str, activation: Activation = "silu"
+        self,
+        weights: dict[str, torch.Tensor],
+        prefix: str,
+        activation: Activation = "silu",
+        swiglu: tuple[float, float] = (1.702, 7.0),  # "swiglu_oai"'s (alpha, limit)
     ) -> None:
         super().__init__()
-        self.w13 = make_linear([weights[prefix + "w1"], weights[prefix + "w3"]])  # gate, up
-        self.w2 = make_linear([weights[prefix + "w2"]])
+        b13 = b2 = None
+        if prefix + "b1" in weights:
+            b13 = torch.cat([weights[prefix + "b1"], weights[prefix + "b3"]])
+            b2 = weights[prefix + "b2"]
+        self.w13 = make_linear([weights[prefix + "w1"], weights[prefix + "w3"]], b13)  # gate, up
+        self.w2 = make_linear([weights[prefix + "w2"]], b2)
         self.activation = activation
+        self.swiglu = swiglu
 
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
         if self.activation == "silu":
@@ -58,4 +68,14 @@ class FeedForward(nn.Module):
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
         gate, up = self.w13(x).chunk(2, dim=-1)
+        if self.activation == "swiglu_oai":
+            return self.w2(swiglu_oai(gate, up, *self.swiglu))
         return self.w2(F.gelu(gate, approximate="tanh") * up)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation (transformers' GptOssExperts._apply_gate, llama.cpp's swiglu_oai):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -80,7 +80,14 @@ class Attention(nn.Module):
         if desc.qkv_bias:
             bqkv = torch.cat([weights[prefix + n] for n in ("bq", "bk", "bv")])
         self.wqkv = make_linear([weights[prefix + n] for n in ("wq", "wk", "wv")], bqkv)
-        self.wo = make_linear([weights[prefix + "wo"]])
+        self.wo = make_linear(
+            [weights[prefix + "wo"]], weights[prefix + "bo"] if desc.out_bias else None
+        )
+        # gpt-oss: one logit per query head in each softmax's denominator, float32 [h]; as the
+        # soft cap: _attend or the kernels (where the build takes sinks: model/runner/paths.py)
+        self.sinks: torch.Tensor | None  # [h]
+        sinks = weights[prefix + "sinks"].float() if desc.sinks else None
+        self.register_buffer("sinks", sinks, persistent=False)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage, layer: int
@@ -142,7 +149,7 @@ class Attention(nn.Module):
         if kernel is not None and g.lens is not None:  # the worker checked the cache types
             qs = q if g.rows is None else q.index_select(0, g.rows)
             k, v = storage.k[layer], storage.v[layer]
-            return kernel(qs, k, v, g.cells, g.lens, self.scale, self.softcap)
+            return kernel(qs, k, v, g.cells, g.lens, self.scale, self.softcap, *self._sinks)
         # GQA without repeat: the h / h_kv query heads of a kv head become its query rows,
         # batched over (kv head, sequence): [h_kv, n_seq, h / h_kv, hd].
         qd = q if g.rows is None else q.index_select(0, g.rows)
@@ -152,25 +159,44 @@ class Attention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)
         k = k.unflatten(1, (n_seq, g.max_kv))  # a view, also of a slice of the cache
         v = v.unflatten(1, (n_seq, g.max_kv))
-        if n_seq < SDPA_MAX_SEQS and not self.softcap:
+        if n_seq < SDPA_MAX_SEQS and not self.softcap and self.sinks is None:
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.bias, scale=self.sdpa_scale)
         else:
             # NOTE: two batched matmuls, not SDPA: the CPU flash kernel with 1-3 query rows
             # per head ran 2.6x slower at 32 sequences x 330 cells (bfloat16).
-            o = self._attend(qd, k, v, g.bias)
+            sinks = None if self.sinks is None else self.sinks.view(h_kv, 1, -1, 1)
+            o = self._attend(qd, k, v, g.bias, sinks)
         return o.transpose(0, 1).reshape(n_seq, self.n_heads, hd)
 
+    @property
+    def _sinks(self) -> tuple[torch.Tensor, ...]:
+        """The kernels' optional last argument: none for a model without sinks (a build from
+        before sinks takes none)."""
+        return () if self.sinks is None else (self.sinks,)
+
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """softmax(cap(scale q k^T) + bias) v over q [.., g, hd], k and v [.., n_kv, hd]; cap is
-        softcap * tanh(s / softcap) (transformers' Gemma 2 eager attention) where softcap > 0."""
+        softcap * tanh(s / softcap) (transformers' Gemma 2 eager attention) where softcap > 0.
+        `sinks` [.., g, 1] (float32, broadcast over the scores): a last column in the softmax,
+        dropped before v (transformers' GptOss eager attention, llama.cpp's soft_max sinks)."""
         scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [.., g, n_kv]
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if bias is not None:
             scores = scores + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if sinks is not None:
+            col = sinks.expand(*scores.shape[:-1], 1)
+            scores = torch.cat((scores.float(), col), dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         return torch.matmul(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
 
     def _prompt(
@@ -183,15 +209,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if kernel is not None and p.lens is not None:  # the worker checked dtypes and shapes
             k, v = storage.k[layer], storage.v[layer]
-            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap)
+            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap, *self._sinks)
         k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.softcap:  # the query heads of a kv head as its rows: [h_kv, group * L, hd]
+        if self.softcap or self.sinks is not None:
+            # the query heads of a kv head as its rows: [h_kv, group * L, hd]
             h_kv, n_q = self.n_kv_heads, q.shape[0]
             qg = q.view(n_q, h_kv, self.n_heads // h_kv, -1).permute(1, 2, 0, 3).flatten(1, 2)
             bias = torch.zeros(p.mask.shape, device=q.device).masked_fill_(~p.mask, -torch.inf)
-            o = self._attend(qg, k, v, bias.repeat(self.n_heads // h_kv, 1).to(q.dtype))
+            sinks = None
+            if self.sinks is not None:  # per row of qg: its head's sink
+                sinks = self.sinks.view(h_kv, -1, 1).repeat_interleave(n_q, dim=1)
+            bias = bias.repeat(self.n_heads // h_kv, 1).to(q.dtype)
+            o = self._attend(qg, k, v, bias, sinks)
             return o.unflatten(1, (self.n_heads // h_kv, n_q)).permute(2, 0, 1, 3).flatten(1, 2)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, h, L, hd]

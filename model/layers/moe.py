@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP (model.arch.MoEArgs): Qwen3-MoE, OLMoE.
+"""The sparse mixture-of-experts MLP (model.arch.MoEArgs): Qwen3-MoE, OLMoE, Granite MoE, gpt-oss.
 
 Routing as transformers' Qwen3MoeTopKRouter and llama.cpp's build_moe_ffn (softmax gating):
 logits = router x in the model dtype, p = softmax(logits) in float32, the top n_used of p
@@ -42,9 +42,15 @@ class MoEFeedForward(nn.Module):
         self.n_experts, self.n_used = moe.n_experts, moe.n_used
         self.norm_topk_prob = moe.norm_topk_prob
         self.router = nn.Parameter(weights[prefix + "moe_router"], requires_grad=False)  # [E, d]
-        w1, w3, w2 = (weights[prefix + k] for k in ("w1_exps", "w3_exps", "w2_exps"))
+        self.router_bias = None  # [E] (gpt-oss)
+        kinds = ["w1", "w3", "w2"] + (["b1", "b3", "b2"] if moe.bias else [])
+        stacks = {k: weights[f"{prefix}{k}_exps"] for k in kinds}  # each indexable by expert
+        if moe.bias:
+            bias = weights[prefix + "moe_router_b"]
+            self.router_bias = nn.Parameter(bias, requires_grad=False)
+        swiglu = (moe.swiglu_alpha, moe.swiglu_limit)
         self.experts = nn.ModuleList(
-            FeedForward({"w1": w1[e], "w3": w3[e], "w2": w2[e]}, "", activation)
+            FeedForward({k: w[e] for k, w in stacks.items()}, "", activation, swiglu)
             for e in range(self.n_experts)
         )
         self.register_buffer(
@@ -53,7 +59,8 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, d] -> (weights [n, k] in x's dtype, experts [n, k] int64)."""
-        logits = F.linear(x, self.router.to(x.dtype))  # [n, E]
+        bias = None if self.router_bias is None else self.router_bias.to(x.dtype)
+        logits = F.linear(x, self.router.to(x.dtype), bias)  # [n, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, experts = torch.topk(probs, self.n_used, dim=-1)
         if self.norm_topk_prob:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from model.arch import ModelArgs
 from model.arch.weights import layer_weights, weight_shapes
@@ -62,8 +63,17 @@ _LAYER_TENSORS = {
     "w1_exps": "ffn_gate_exps.weight",  # [n_expert, n_ff_exp, n_embd] (ggml: reversed)
     "w3_exps": "ffn_up_exps.weight",
     "w2_exps": "ffn_down_exps.weight",  # [n_expert, n_embd, n_ff_exp]
+    "bo": "attn_output.bias",
+    "sinks": "attn_sinks.weight",
+    "moe_router_b": "ffn_gate_inp.bias",
+    "b1_exps": "ffn_gate_exps.bias",  # [n_expert, n_ff_exp]
+    "b3_exps": "ffn_up_exps.bias",
+    "b2_exps": "ffn_down_exps.bias",
     **SSM_TENSORS,
 }
+# where an architecture names a kind otherwise: gpt-oss's pre-MLP norm is llama.cpp's
+# attn_post_norm (HF's post_attention_layernorm, Llama's meaning)
+_ARCH_TENSORS = {"gpt-oss": {"ffn_norm": "post_attention_norm.weight"}}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -81,6 +91,9 @@ BLOCK_KINDS = frozenset(
     + ("shortconv_in", "shortconv_out")
 )
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
+# block types without a kernel that the experts may come in, dequantized to the serving dtype
+# at load instead (NOTE: MXFP4, gpt-oss's experts: 4.25 bits a weight become 16 in bfloat16)
+DEQUANTIZED_AT_LOAD = frozenset((int(GGMLQuantizationType.MXFP4),))
 
 
 def read_weights(
@@ -95,9 +108,10 @@ def read_weights(
     if "output.weight" in present:
         names["output"] = "output.weight"
     fused = _FUSED_KINDS.get(args.arch, frozenset())
+    table = _LAYER_TENSORS | _ARCH_TENSORS.get(args.arch, {})
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
-            theirs = _FUSED[ours][0] if ours in fused else _LAYER_TENSORS[ours]
+            theirs = _FUSED[ours][0] if ours in fused else table[ours]
             names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
     if args.arch in SSM_ARCHS:
         unused = present - set(names.values()) - {"rope_freqs.weight"}
@@ -116,7 +130,7 @@ def read_weights(
         if kind in fused:
             weights[ours] = _fused_part(info, args, kind, expected, path, dtype, blocks, cache)
             continue
-        if blocks and kind in EXPERT_KINDS:
+        if blocks and kind in EXPERT_KINDS and info.type_id not in DEQUANTIZED_AT_LOAD:
             weights[ours] = _expert_blocks(info, expected[kind], path)
             continue
         if blocks and kind in BLOCK_KINDS:

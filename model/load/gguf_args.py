@@ -10,12 +10,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvcache.rope import RopeConfig
+from kvcache.rope import RopeConfig, yarn
 from model.arch import (
     ARCH_BLOCKS,
     EXAONE4_SWA_PERIOD,
     GEMMA2_SWA_PERIOD,
     GEMMA3_LOCAL_ROPE_BASE,
+    GPTOSS_SWA_PERIOD,
     LongRope,
     ModelArgs,
     MoEArgs,
@@ -28,9 +29,9 @@ from model.load.gguf_ssm import SSM_ARCHS
 from model.load.gguf_ssm import read_args as read_ssm_args
 
 # mixture-of-experts architectures (model/layers/moe.py); llama.cpp's qwen3moe normalizes the
-# top-k weights (build_moe_ffn norm_w), its olmoe does not
-MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe")
-_NORM_TOPK = {"qwen3moe": True, "olmoe": False, "granitemoe": True}
+# top-k weights (build_moe_ffn norm_w), its olmoe does not; gpt-oss softmaxes the top-k logits
+MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe", "gpt-oss")
+_NORM_TOPK = {"qwen3moe": True, "olmoe": False, "granitemoe": True, "gpt-oss": True}
 DENSE_ARCHS = (
     "llama",
     "qwen2",
@@ -112,6 +113,8 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         qkv_bias=arch == "qwen2" or (arch == "glm4" and "blk.0.attn_q.bias" in reader),
         block=ARCH_BLOCKS[arch],
     )
+    if get("rope.scaling.type", "none") == "yarn":
+        args.rope = replace(_yarn(args.rope, get, path), layout=args.rope.layout)
     if arch == "gemma3":
         _gemma3_layers(args, get, path)
     if arch == "gemma2":
@@ -137,12 +140,49 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
             expert_dim=int(get("expert_feed_forward_length", args.hidden_dim)),
             norm_topk_prob=bool(get("expert_weights_norm", _NORM_TOPK[arch])),
         )
+    if arch == "gpt-oss":
+        _gptoss_layers(args, get)
     if arch in ("granite", "granitemoe"):  # llama.cpp: 0 (absent) means not scaled
         args.attn_scale = float(get("attention.scale", 0.0)) or None
         args.embed_mult = float(get("embedding_scale", 0.0)) or 1.0
         args.residual_mult = float(get("residual_scale", 0.0)) or 1.0
         args.logits_scaling = float(get("logit_scale", 0.0)) or 1.0
     return args
+
+
+def _gptoss_layers(args: ModelArgs, get: Any) -> None:
+    """llama.cpp's openai-moe: layers 0, 2, ... slide (set_swa_pattern(2)); biases on q/k/v/o,
+    the router and the experts, attention sinks; the SwiGLU's alpha and limit are its
+    constants (MoEArgs' defaults), not in the file."""
+    args.windows = gemma3_windows(
+        args.n_layers, int(get("attention.sliding_window")), GPTOSS_SWA_PERIOD
+    )
+    args.qkv_bias = args.out_bias = args.attn_sinks = True
+    assert args.moe is not None
+    args.moe = replace(args.moe, bias=True)
+
+
+def _yarn(rope: RopeConfig, get: Any, path: Path) -> RopeConfig:
+    """YaRN as llama.cpp's rope_yarn reads the file: rope.scaling.factor over
+    original_context_length, beta_fast / beta_slow (32 / 1 when absent), q and k scaled by
+    yarn_attn_factor * (0.1 ln(factor) + 1); its corr_dims floor / ceil the ramp's ends."""
+    ext = float(get("rope.scaling.yarn_ext_factor", 1.0))
+    log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0))
+    if ext not in (1.0, -1.0) or log_mul:  # -1: llama.cpp's "from the scaling type", 1 here
+        raise ModelLoadError(
+            f"{path}: yarn with ext_factor {ext} / log_multiplier {log_mul} is not supported."
+        )
+    factor = float(get("rope.scaling.factor"))
+    scaled = yarn(
+        rope.theta,
+        rope.dim,
+        factor,
+        int(get("rope.scaling.original_context_length")),
+        float(get("rope.scaling.yarn_beta_fast", 32.0)),
+        float(get("rope.scaling.yarn_beta_slow", 1.0)),
+    )
+    attn = float(get("rope.scaling.yarn_attn_factor", 1.0))
+    return replace(scaled, attn_factor=attn * scaled.attn_factor)
 
 
 def _gemma2_layers(args: ModelArgs, get: Any) -> None:

@@ -29,6 +29,7 @@ _BIAS_TENSORS = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
+    "bo": "self_attn.o_proj.bias",
 }
 # NOTE: in Gemma (and OLMo 2), post_attention_layernorm normalizes the attention OUTPUT (Llama's
 # name for the pre-MLP norm); Gemma's pre-MLP norm is pre_feedforward_layernorm.
@@ -55,6 +56,13 @@ _FUSED_OF = {"phi3": tuple(_FUSED), "glm4": ("mlp.gate_up_proj",)}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
 _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
+# gpt-oss: a router with a bias, sinks, and the experts stacked (_gptoss_experts)
+_GPTOSS_TENSORS = {
+    "moe_router": "mlp.router.weight",
+    "moe_router_b": "mlp.router.bias",
+    "sinks": "self_attn.sinks",
+}
+_GPTOSS_EXPERTS = ("w1_exps", "w3_exps", "w2_exps", "b1_exps", "b3_exps", "b2_exps")
 
 
 def read_safetensors(files: list[Path], where: Path) -> dict[str, torch.Tensor]:
@@ -90,10 +98,16 @@ def read_weights(
     table |= _QK_NORM_TENSORS | _MOE_TENSORS
     if args.arch == "granitemoe":
         table["moe_router"] = "block_sparse_moe.router.layer.weight"
+    if args.arch == "gpt_oss":
+        table |= _GPTOSS_TENSORS
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
+            if ours in _GPTOSS_EXPERTS and args.arch == "gpt_oss":
+                w = _gptoss_experts(raw, i, ours, expected[ours], folder)
+                weights[f"layers.{i}.{ours}"] = w.to(dtype)
+                continue
             if ours in _EXPERT_PROJ and args.arch == "granitemoe":
                 w = _granite_experts(raw, i, ours, expected[ours], folder)
                 weights[f"layers.{i}.{ours}"] = w.to(dtype)
@@ -176,3 +190,27 @@ def _granite_experts(
     if kind == "w2_exps":
         return w
     return w[:, : want[1]] if kind == "w1_exps" else w[:, want[1] :]
+
+
+def _gptoss_experts(
+    raw: dict[str, torch.Tensor], layer: int, kind: str, want: tuple[int, ...], folder: Path
+) -> torch.Tensor:
+    """GptOssExperts' tensors are x @ W ([E, in, out], not [E, out, in]); gate_up_proj
+    [E, d, 2 f] and its bias [E, 2 f] interleave the gate (even columns) and the up (odd)
+    ones (GptOssExperts._apply_gate); down_proj [E, f, d], down_proj_bias [E, d]."""
+    bias = kind.startswith("b")
+    down = kind.startswith(("w2", "b2"))
+    name = f"model.layers.{layer}.mlp.experts.{'down_proj' if down else 'gate_up_proj'}"
+    name += "_bias" if bias else ""
+    if name not in raw:
+        raise ModelLoadError(f"{folder}: tensor {name} is missing.")
+    full = want if down else (want[0], 2 * want[1], *want[2:])  # [E, out, in] or [E, out]
+    stored = full if bias else (full[0], full[2], full[1])
+    if tuple(raw[name].shape) != stored:
+        raise ModelLoadError(
+            f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {stored}."
+        )
+    w = raw[name] if bias else raw[name].transpose(1, 2)  # -> [E, out, in]
+    if down:
+        return w.contiguous()
+    return w[:, 0::2].contiguous() if kind[1] == "1" else w[:, 1::2].contiguous()

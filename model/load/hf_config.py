@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvcache.rope import RopeConfig, RopeLayout
+from kvcache.rope import RopeConfig, RopeLayout, yarn
 from model.arch import (
     ARCH_BLOCKS,
     EXAONE4_SWA_PERIOD,
     GEMMA2_SWA_PERIOD,
+    GPTOSS_SWA_PERIOD,
     SMOLLM3_NOPE_PERIOD,
     LongRope,
     ModelArgs,
@@ -36,10 +38,11 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "olmoe",
     "granitemoe",
+    "gpt_oss",
     *SSM_MODEL_TYPES,
 )
 # model_type -> its model.arch.ARCH_BLOCKS key (llama.cpp's architecture name), where they differ
-_BLOCK_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+_BLOCK_OF = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 _ROPE_LAYOUT: dict[str, RopeLayout] = {"glm4": "interleaved"}
 
 
@@ -86,7 +89,7 @@ def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = 
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", model_type == "mistral")
     if (
-        model_type not in ("gemma2", "gemma3_text", "phi3", "exaone4")
+        model_type not in ("gemma2", "gemma3_text", "phi3", "exaone4", "gpt_oss")
         and uses_window
         and window is not None
         and window < config.get("max_position_embeddings", 0)
@@ -102,7 +105,8 @@ def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = 
         rope_dim = int(head_dim * (partial or 1.0))
         scaling = config.get("rope_scaling") or rope_params
         longrope = _rope_kind(scaling) in ("longrope", "su")  # "su": early Phi-3 128k configs
-        factors = None if longrope else _freq_factors(scaling, theta, rope_dim)
+        is_yarn = _rope_kind(scaling) == "yarn"
+        factors = None if longrope or is_yarn else _freq_factors(scaling, theta, rope_dim)
         args = ModelArgs(
             arch=str(model_type),
             vocab_size=int(config["vocab_size"]),
@@ -119,6 +123,10 @@ def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = 
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             block=ARCH_BLOCKS[_BLOCK_OF.get(str(model_type), str(model_type))],
         )
+        if is_yarn:
+            args.rope = replace(_yarn(scaling, theta, rope_dim), layout=args.rope.layout)
+        if model_type == "gpt_oss":
+            _gptoss_layers(args, config)
         if model_type in ("qwen3_moe", "olmoe", "granitemoe"):
             _moe_layers(args, config)
         if model_type in ("granite", "granitemoe"):
@@ -171,6 +179,52 @@ def _moe_layers(args: ModelArgs, config: dict[str, Any]) -> None:
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1))
     args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
+
+
+def _gptoss_layers(args: ModelArgs, config: dict[str, Any]) -> None:
+    """gpt-oss (GptOssConfig): layer_types slide by sliding_window (default: the even layers),
+    attention sinks, biases on q/k/v/o (attention_bias), the router and the experts."""
+    if config.get("quantization_config"):
+        kind = config["quantization_config"].get("quant_method", "?")
+        raise ValueError(
+            f"quantization_config {kind!r}: a quantized gpt-oss folder is not read (its GGUF is)"
+        )
+    window = int(config["sliding_window"])
+    types = config.get("layer_types") or [
+        "full" if (i + 1) % GPTOSS_SWA_PERIOD == 0 else "sliding" for i in range(args.n_layers)
+    ]
+    if len(types) != args.n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries")
+    args.windows = tuple(window if str(t).startswith("sliding") else 0 for t in types)
+    args.attn_sinks = True
+    args.out_bias = args.qkv_bias
+    args.moe = MoEArgs(
+        n_experts=int(config["num_local_experts"]),
+        n_used=int(config["num_experts_per_tok"]),
+        expert_dim=int(config["intermediate_size"]),
+        norm_topk_prob=True,  # softmax over the top-k logits
+        bias=True,
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+    )
+
+
+def _yarn(scaling: dict[str, Any], theta: float, dim: int) -> RopeConfig:
+    """YaRN from rope_scaling / rope_parameters, as transformers' _compute_yarn_parameters
+    (mscale / mscale_all_dim: DeepSeek's attention factor, refused)."""
+    if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+        raise ValueError("yarn with mscale / mscale_all_dim is not supported")
+    attn = scaling.get("attention_factor")
+    return yarn(
+        theta,
+        dim,
+        float(scaling["factor"]),
+        int(scaling["original_max_position_embeddings"]),
+        float(scaling.get("beta_fast") or 32.0),
+        float(scaling.get("beta_slow") or 1.0),
+        bool(scaling.get("truncate", True)),
+        None if attn is None else float(attn),
+    )
 
 
 def _granite_scalars(args: ModelArgs, config: dict[str, Any]) -> None:

@@ -78,6 +78,8 @@ class NativeDecoder:
         descs = [b.desc for b in blocks]
         if any(d.mixer != "attn" or not d.ffn for d in descs):
             return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
+        if any(d.activation == "swiglu_oai" and not d.moe for d in descs):
+            return None, "a dense MLP with the clamped SwiGLU (step.cpp: the experts' only)"
         if any(d.rope is not None and d.rope.dim % 2 for d in descs):
             return None, "RoPE over an odd number of dims"
         linears = [m for b in blocks for m in _linears(b)]
@@ -106,6 +108,10 @@ class NativeDecoder:
                 layer.experts_w13 = [_step_linear(kernels, e.w13, model.dtype) for e in ffn.experts]
                 layer.experts_w2 = [_step_linear(kernels, e.w2, model.dtype) for e in ffn.experts]
                 layer.n_used, layer.norm_topk = ffn.n_used, ffn.norm_topk_prob
+                if ffn.router_bias is not None:
+                    layer.router_bias = ffn.router_bias.detach().to(model.dtype)
+                if desc.activation == "swiglu_oai":
+                    layer.swiglu_alpha, layer.swiglu_limit = ffn.experts[0].swiglu
             else:
                 for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
                     setattr(layer, name, _step_linear(kernels, lin, model.dtype))
@@ -117,6 +123,7 @@ class NativeDecoder:
                 layer.rope_dim = desc.rope.dim
                 layer.rope_interleaved = desc.rope.layout == "interleaved"
             layer.softcap = desc.softcap
+            layer.sinks = attn.sinks
             layer.gelu = desc.activation == "gelu_tanh"
             layer.residual_mult = desc.residual_mult
             layers.append(layer)

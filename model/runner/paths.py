@@ -4,7 +4,8 @@ Three choices, each with the reason a start-up log line gives:
 - the one-call step (model/runner/native.py): every block of a step in one C++ call;
 - the attention kernels (model/kernels attention*.cpp): decode rows always when the cache has
   the model's dtype, prompt chunks where this CPU's build has the kernel for that dtype and the
-  head shape fits it (soft-capped scores too: Gemma 2's cap is the kernels' `softcap`);
+  head shape fits it (soft-capped scores too: Gemma 2's cap is the kernels' `softcap`; gpt-oss's
+  attention sinks their `sinks`);
 - the fused RMSNorm / SiLU-mul / RoPE: bfloat16 models, and float32 ones that the one-call step
   runs (the Python layers must then compute the same as the C++ step).
 Everything not chosen here runs torch. Per step, the worker only asks whether the step's rows
@@ -61,6 +62,8 @@ def decide_paths(
     why = paths.why
     reads = _reads_cells(model, storage, kernels)
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
+    if model.args.attn_sinks and not _takes_sinks(kernels):
+        reads = "attention sinks (gpt-oss): a build without them"
     if reads is None:
         paths.decode_attention = kernels.decode_attention
         why["decode attention"] = f"{_cells(storage)} cells"
@@ -88,6 +91,8 @@ def _prompt_kernel(
     reads = _reads_cells(model, storage, kernels)
     if reads is not None:
         return None, reads
+    if args.attn_sinks and not _takes_sinks(kernels):
+        return None, "attention sinks (gpt-oss): a build without them"
     if model.dtype == torch.bfloat16 and not kernels.has_bf16_kernels():
         return None, "this CPU's build has no bfloat16 prompt kernel"
     if model.dtype == torch.float32 and not kernels.has_f32_kernels():
@@ -101,6 +106,10 @@ def _prompt_kernel(
     if args.n_heads // args.n_kv_heads > PROMPT_KERNEL_MAX_GQA:
         return None, f"{args.n_heads // args.n_kv_heads} query heads per K/V head (max 16)"
     return kernels.prompt_attention, f"{model.dtype}, head_dim {args.head_dim}"
+
+
+def _takes_sinks(kernels: Any) -> bool:
+    return bool(getattr(kernels, "has_attention_sinks", lambda: False)())
 
 
 def _cells(storage: KVStorage | GroupedKVStorage) -> str:
