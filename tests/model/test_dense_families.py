@@ -343,6 +343,11 @@ def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
     two pools); each request's greedy tokens are the ones it gets alone."""
     loaded = load_model(folder)
     loaded.config.use_context(256)  # serve(): 256 tokens a sequence (Phi-3: the long factors)
+    check_together_equals_alone(loaded)
+
+
+def check_together_equals_alone(loaded: LoadedModel) -> None:
+    """Four prompts (3 to 90 tokens) served together and each alone: the same 10 tokens."""
     prompts = [prompt(n, seed=i) for i, n in enumerate([3, 30, 90, 12])]
     together = serve(loaded, [greedy_request(i, p) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):

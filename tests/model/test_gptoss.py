@@ -23,8 +23,13 @@ from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
 from tests.model.factories import Driver, require_kernels
-from tests.model.test_dense_families import greedy, greedy_request, logits, prompt, reference
-from tests.model.test_moe import serve
+from tests.model.test_dense_families import (
+    check_together_equals_alone,
+    greedy,
+    logits,
+    prompt,
+    reference,
+)
 from tests.model.test_native import decode
 from tests.tiny_gptoss import WINDOW, YARN, write_tiny_gptoss, write_tiny_gptoss_mxfp4
 
@@ -108,13 +113,7 @@ def test_greedy_decoding_matches_transformers_generate(request, fmt, n):
 def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
     """The real scheduler over the iSWA memory's two pools, prompt chunks and decodes mixed:
     each request's greedy tokens are the ones it gets alone."""
-    loaded = load_model(folder)
-    prompts = [prompt(n, seed=i) for i, n in enumerate([3, 30, 90, 12])]
-    together = serve(loaded, [greedy_request(i, p) for i, p in enumerate(prompts)])
-    for i, p in enumerate(prompts):
-        alone = serve(loaded, [greedy_request(i, p)])
-        assert together.tokens[(f"r{i}", 0)] == alone.tokens[(f"r{i}", 0)], i
-        assert len(alone.tokens[(f"r{i}", 0)]) == 10
+    check_together_equals_alone(load_model(folder))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
