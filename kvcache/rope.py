@@ -7,7 +7,7 @@ by `p + delta`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -51,6 +51,15 @@ class RopeConfig:
         inv = self.inv_freq(positions.device) if inv_freq is None else inv_freq
         angles = positions.to(torch.float64)[:, None] * inv.to(torch.float64)[None, :]
         return angles.cos().float(), angles.sin().float()
+
+
+def linear_rope(rope: RopeConfig, factor: float) -> RopeConfig:
+    """Linear RoPE scaling: positions / factor, i.e. every inverse frequency / factor (on top of
+    any divisors `rope` has); transformers' "linear" rope_type, llama.cpp's freq_scale."""
+    if factor == 1.0:
+        return rope
+    base = rope.freq_factors or (1.0,) * (rope.dim // 2)
+    return replace(rope, freq_factors=tuple(f * factor for f in base))
 
 
 def yarn(

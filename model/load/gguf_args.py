@@ -10,7 +10,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvcache.rope import RopeConfig, yarn
+from kvcache.rope import RopeConfig, linear_rope, yarn
 from model.arch import (
     ARCH_BLOCKS,
     EXAONE4_SWA_PERIOD,
@@ -113,8 +113,13 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         qkv_bias=arch == "qwen2" or (arch == "glm4" and "blk.0.attn_q.bias" in reader),
         block=ARCH_BLOCKS[arch],
     )
-    if get("rope.scaling.type", "none") == "yarn":
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "yarn":
         args.rope = replace(_yarn(args.rope, get, path), layout=args.rope.layout)
+    elif scaling == "linear":  # every family (llama.cpp's freq_scale = 1 / factor)
+        args.rope = linear_rope(args.rope, float(get("rope.scaling.factor", 1.0)))
+    elif scaling not in ("none", "longrope", None):  # longrope: Phi-3's factors below
+        raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported.")
     if arch == "gemma3":
         _gemma3_layers(args, get, path)
     if arch == "gemma2":
@@ -219,12 +224,8 @@ def _longrope(reader: GGUFFile, args: ModelArgs, get: Any, path: Path) -> None:
 def _gemma3_layers(args: ModelArgs, get: Any, path: Path) -> None:
     """Sliding windows, local RoPE and attention scale the way llama.cpp's gemma3 reads them
     (the GGUF stores only the window; transformers' Gemma3TextConfig defaults agree)."""
-    scaling = get("rope.scaling.type", "none")
-    if scaling == "linear":  # the 4B and larger: the global layers' positions / factor
-        factor = float(get("rope.scaling.factor"))
-        args.rope = replace(args.rope, freq_factors=(factor,) * (args.rope.dim // 2))
-    elif scaling not in ("none", None):
-        raise ModelLoadError(f"{path}: gemma3 RoPE scaling {scaling!r} is not supported.")
+    # NOTE: the 4B and larger scale the global layers' RoPE linearly (read_args: args.rope);
+    # the local layers' RoPE below never is
     args.windows = gemma3_windows(args.n_layers, int(get("attention.sliding_window")))
     args.rope_swa = RopeConfig(GEMMA3_LOCAL_ROPE_BASE, args.rope.dim, "neox")
     # NOTE: query_pre_attn_scalar is not in the file: head_dim, except for the 27B model

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvcache.rope import RopeConfig, RopeLayout, yarn
+from kvcache.rope import RopeConfig, RopeLayout, linear_rope, yarn
 from model.arch import (
     ARCH_BLOCKS,
     EXAONE4_SWA_PERIOD,
@@ -125,6 +125,8 @@ def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = 
         )
         if is_yarn:
             args.rope = replace(_yarn(scaling, theta, rope_dim), layout=args.rope.layout)
+        if _rope_kind(scaling) == "linear":
+            args.rope = linear_rope(args.rope, float(scaling["factor"]))
         if model_type == "gpt_oss":
             _gptoss_layers(args, config)
         if model_type in ("qwen3_moe", "olmoe", "granitemoe"):
@@ -346,7 +348,7 @@ def _linear_factor(scaling: dict[str, Any]) -> float:
 def _freq_factors(scaling: dict[str, Any], theta: float, dim: int) -> tuple[float, ...] | None:
     """llama3 rope scaling as llama.cpp's rope_freqs divisors (HF _compute_llama3_parameters)."""
     kind = _rope_kind(scaling)
-    if kind == "default":
+    if kind in ("default", "linear"):  # linear: kvcache.rope.linear_rope, once args exist
         return None
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported")
