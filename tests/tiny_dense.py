@@ -50,7 +50,8 @@ def write_tiny_dense(
     each head, gate_up fused), Exaone4ForCausalLM (post-norms only, q/k norms per head; no
     window, as the 1.2B, unless `sliding_window` is given: then LLLG with NoPE on the global
     layers, as the 32B)
-    or GraniteForCausalLM (GRANITE_MULTIPLIERS) saved by transformers (Phi-3:
+    or GraniteForCausalLM (GRANITE_MULTIPLIERS) or a plain LlamaForCausalLM, saved by
+    transformers (Phi-3:
     `partial_rotary_factor` rotates that part of each head, as Phi-4-mini's 0.75), with
     write_tiny_llama's tokenizer and ChatML template. Weights ~ N(0, 0.15), norms 1 + N(0, 0.1)
     (Gemma's stored w of 1 + w: N(0, 0.1)). `config_kw` overrides config fields."""
@@ -103,6 +104,7 @@ def write_tiny_dense(
     elif model_type == "exaone4" and config_kw.get("sliding_window") is None:
         extra = dict(sliding_window=None, layer_types=["full_attention"] * n_layers)
     classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),

@@ -149,8 +149,8 @@ def read_weights(
             raise ModelLoadError(
                 f"{path}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."
             )
-        if args.arch in _PERMUTED_QK and kind in ("wq", "wk"):
-            w = _unpermute(w, args.n_heads if kind == "wq" else args.n_kv_heads)
+        if args.arch in _PERMUTED_QK and kind in ("wq", "wk", "bq", "bk"):  # biases too
+            w = _unpermute(w, args.n_heads if kind in ("wq", "bq") else args.n_kv_heads)
         if kind.endswith("norm") and args.block.norm_shift:
             w = w - args.block.norm_shift  # llama.cpp's converter stores Gemma's 1 + w
         weights[ours] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)

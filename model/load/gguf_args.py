@@ -110,7 +110,11 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
             freq_factors=freq_factors,
         ),
         n_ctx_train=int(get("context_length", 2048)),
-        qkv_bias=arch == "qwen2" or (arch == "glm4" and "blk.0.attn_q.bias" in reader),
+        # the file says: llama.cpp loads q/k/v and output biases where there are some
+        # (transformers' attention_bias: Llama, Granite, Qwen3, OLMo 2, ... all four; Qwen2
+        # and GLM-4 q/k/v only)
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in reader,
+        out_bias="blk.0.attn_output.bias" in reader,
         block=ARCH_BLOCKS[arch],
     )
     scaling = get("rope.scaling.type", "none")

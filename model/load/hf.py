@@ -86,6 +86,9 @@ def read_weights(
     raw = read_safetensors(sorted(folder.glob("*.safetensors")), folder)
     if args.arch in SSM_MODEL_TYPES:
         return read_ssm_weights(raw, args, config, dtype, folder)
+    # the file says whether o_proj has a bias: transformers' attention_bias gives Llama,
+    # Granite, Qwen3, OLMo 2, ... one on all four projections, Qwen2 and GLM-4 on q/k/v only
+    args.out_bias = args.out_bias or "model.layers.0.self_attn.o_proj.bias" in raw
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))
     if "lm_head.weight" in raw or not tied:
