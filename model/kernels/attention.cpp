@@ -47,8 +47,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
          at::Tensor& out) {
   const int64_t n_seq = q.size(0), n_heads = q.size(1), hd = q.size(2);
   const int64_t n_kv = k.size(0), group = n_heads / n_kv, max_kv = cells.size(1);
-  // cells of another type than q's (kvcache/cache_types.py): a task dequantizes its sequence's
-  // rows into its own buffers first (each row once per layer, L2-sized), then runs as below
+  // cells of another type than q's (kvcache/cache_types.py): attend_bf16_coded and
+  // attend_f32_coded decode each row as they read it; the generic loop dequantizes a task's
+  // rows into its own buffers first
   constexpr CacheKind own = std::is_same_v<T, float> ? CacheKind::F32 : CacheKind::BF16;
   const CacheKind kk = cache_kind(k, hd), vk = cache_kind(v, hd);
   const bool convert = kk != own || vk != own;
@@ -76,26 +77,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       const T* kp = reinterpret_cast<const T*>(kraw + kvh * kb0);  // this head's rows
       const T* vp = reinterpret_cast<const T*>(vraw + kvh * vb0);
       int64_t ks1 = kb1 / static_cast<int64_t>(sizeof(T)), vs1 = vb1 / static_cast<int64_t>(sizeof(T));
-      if (convert) {
-        kbuf.resize(n * hd);
-        vbuf.resize(n * hd);
-        if (static_cast<int64_t>(iota.size()) < n) {
-          iota.resize(n);
-          for (int64_t i = 0; i < n; ++i) iota[i] = i;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          if (j + kAhead < n) {
-            __builtin_prefetch(kraw + kvh * kb0 + sc[j + kAhead] * kb1);
-            __builtin_prefetch(vraw + kvh * vb0 + sc[j + kAhead] * vb1);
-          }
-          dequant_row(kk, kraw + kvh * kb0 + sc[j] * kb1, kbuf.data() + j * hd, hd);
-          dequant_row(vk, vraw + kvh * vb0 + sc[j] * vb1, vbuf.data() + j * hd, hd);
-        }
-        kp = kbuf.data();
-        vp = vbuf.data();
-        ks1 = vs1 = hd;
-        sc = iota.data();
-      }
 #ifdef CELLSERVE_AVX512_BF16
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (hd % 32 == 0 && hd <= 32 * kMaxChunks && group <= kMaxQueries) {
@@ -105,7 +86,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             qrows[g] = qp + s * qs0 + (kvh * group + g) * qs1;
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
-          if (!convert && task + 1 < end) {  // the next task's first K rows, during this one
+          if (convert) {  // rows decoded as they are read
+            scores.resize(group * (n + 1));
+            attend_bf16_coded(qrows, group, nullptr, hd, kk, kraw + kvh * kb0, kb1, vk,
+                              vraw + kvh * vb0, vb1, sc, n, fscale, cap, sk, scores.data(), dst);
+            continue;
+          }
+          if (task + 1 < end) {  // the next task's first K rows, during this one
             const int64_t s1 = (task + 1) / n_kv, kvh1 = (task + 1) % n_kv;
             const int64_t* sc1 = cp + s1 * max_kv;
             const auto* kp1 = reinterpret_cast<const T*>(kraw + kvh1 * kb0);
@@ -129,12 +116,36 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             dst[g] = op + s * os0 + (kvh * group + g) * os1;
           }
           scores.resize(group * n);
-          attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, sk,
-                     scores.data(), dst);
+          if (convert)  // rows decoded as they are read
+            attend_f32_coded(qf.data(), group, nullptr, hd, kk, kraw + kvh * kb0, kb1, vk,
+                             vraw + kvh * vb0, vb1, sc, n, cap, sk, scores.data(), dst);
+          else
+            attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, sk,
+                       scores.data(), dst);
           continue;
         }
       }
 #endif
+      if (convert) {
+        kbuf.resize(n * hd);
+        vbuf.resize(n * hd);
+        if (static_cast<int64_t>(iota.size()) < n) {
+          iota.resize(n);
+          for (int64_t i = 0; i < n; ++i) iota[i] = i;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          if (j + kAhead < n) {
+            __builtin_prefetch(kraw + kvh * kb0 + sc[j + kAhead] * kb1);
+            __builtin_prefetch(vraw + kvh * vb0 + sc[j + kAhead] * vb1);
+          }
+          dequant_row(kk, kraw + kvh * kb0 + sc[j] * kb1, kbuf.data() + j * hd, hd);
+          dequant_row(vk, vraw + kvh * vb0 + sc[j] * vb1, vbuf.data() + j * hd, hd);
+        }
+        kp = kbuf.data();
+        vp = vbuf.data();
+        ks1 = vs1 = hd;
+        sc = iota.data();
+      }
       scores.assign(group * n, 0.0f);
       for (int64_t g = 0; g < group; ++g) {
         load_row(qp + s * qs0 + (kvh * group + g) * qs1, qf.data() + g * hd, hd);

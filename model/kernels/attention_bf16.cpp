@@ -26,6 +26,38 @@ inline __m512 sum16(const __m512* a) {
 
 constexpr int64_t kPairsAhead = 16;  // V rows prefetched ahead
 
+// Where a task's K or V rows come from. InPlace: bfloat16 rows read where they are in the cache.
+// Coded: rows of another cache type (kv_rows.cpp: f16, q8_0, q4_0, ...) decoded one at a time
+// into a scratch row of the caller's (16 K rows or 2 V rows live at once: L1, where a whole
+// sequence's rows decoded first would not fit in L2 at a long context).
+struct InPlace {
+  const at::BFloat16* base;
+  int64_t stride, hd;
+  const at::BFloat16* row(int64_t cell, at::BFloat16*) const { return base + cell * stride; }
+  void prefetch(int64_t cell) const { prefetch_row(base + cell * stride, hd); }
+};
+
+struct Coded {
+  const uint8_t* base;
+  int64_t stride, hd;  // stride: bytes between cells
+  CacheKind kind;
+  const at::BFloat16* row(int64_t cell, at::BFloat16* scratch) const {
+    dequant_row(kind, base + cell * stride, scratch, hd);
+    return scratch;
+  }
+  void prefetch(int64_t cell) const {
+    const uint8_t* p = base + cell * stride;
+    const int64_t bytes = cache_row_bytes(kind, hd);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    __builtin_prefetch(p + bytes - 1);
+  }
+};
+
+template <typename Rows>
+void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+            const Rows& krows, const Rows& vrows, const int64_t* sc, int64_t n, float scale,
+            float softcap, const float* sinks, float* scores, at::BFloat16* const* dst);
+
 }  // namespace
 
 // One task: nq bfloat16 query vectors that share one kv head, over the K/V rows of cells
@@ -38,6 +70,28 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
                  const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
                  int64_t vstride, const int64_t* sc, int64_t n, float scale, float softcap,
                  const float* sinks, float* scores, at::BFloat16* const* dst) {
+  attend(qrows, nq, qlens, hd, InPlace{kbase, kstride, hd}, InPlace{vbase, vstride, hd}, sc, n,
+         scale, softcap, sinks, scores, dst);
+}
+
+// The same over rows of other cache types (kbytes / vbytes: bytes between cells): each row
+// decoded to bfloat16 as dequant_row does, so the output equals attend_bf16 over those rows.
+void attend_bf16_coded(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
+                       int64_t hd, CacheKind kkind, const uint8_t* kbase, int64_t kbytes,
+                       CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
+                       int64_t n, float scale, float softcap, const float* sinks, float* scores,
+                       at::BFloat16* const* dst) {
+  attend(qrows, nq, qlens, hd, Coded{kbase, kbytes, hd, kkind}, Coded{vbase, vbytes, hd, vkind},
+         sc, n, scale, softcap, sinks, scores, dst);
+}
+
+namespace {
+
+template <typename Rows>
+void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+            const Rows& krows, const Rows& vrows, const int64_t* sc, int64_t n, float scale,
+            float softcap, const float* sinks, float* scores, at::BFloat16* const* dst) {
+  alignas(64) at::BFloat16 scratch[16 * 32 * kMaxChunks];  // Coded's rows (InPlace: unused)
   const int64_t chunks = hd / 32, ns = n + (n & 1);  // ns: scores row stride (pairs)
   __m512bh q[kMaxQueries][kMaxChunks];
   for (int64_t g = 0; g < nq; ++g)
@@ -51,8 +105,8 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
     const int64_t valid = std::min<int64_t>(16, n - j);
     const at::BFloat16* rows[16];
     for (int r = 0; r < 16; ++r) {
-      rows[r] = kbase + sc[j + std::min<int64_t>(r, valid - 1)] * kstride;
-      if (j + 16 + r < n) prefetch_row(kbase + sc[j + 16 + r] * kstride, hd);
+      rows[r] = r < valid ? krows.row(sc[j + r], scratch + r * hd) : rows[valid - 1];
+      if (j + 16 + r < n) krows.prefetch(sc[j + 16 + r]);
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
     for (int64_t g = 0; g < nq; ++g) {
@@ -67,7 +121,7 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
     }
   }
   for (int64_t i = 0; i < std::min(n, kPairsAhead); ++i)  // V's first rows, during the softmax
-    prefetch_row(vbase + sc[i] * vstride, hd);
+    vrows.prefetch(sc[i]);
   for (int64_t g = 0; g < nq; ++g) {
     // rows past qlens[g] and the last pair's pad row get weight 0 (no infinities: -ffast-math)
     float* sg = scores + g * ns;
@@ -83,10 +137,10 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
   for (int64_t g = 0; g < nq; ++g)
     for (int64_t c = 0; c < chunks; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 2) {
-    if (i + kPairsAhead < n) prefetch_row(vbase + sc[i + kPairsAhead] * vstride, hd);
-    if (i + kPairsAhead + 1 < n) prefetch_row(vbase + sc[i + kPairsAhead + 1] * vstride, hd);
-    const at::BFloat16* r0 = vbase + sc[i] * vstride;
-    const at::BFloat16* r1 = i + 1 < n ? vbase + sc[i + 1] * vstride : r0;
+    if (i + kPairsAhead < n) vrows.prefetch(sc[i + kPairsAhead]);
+    if (i + kPairsAhead + 1 < n) vrows.prefetch(sc[i + kPairsAhead + 1]);
+    const at::BFloat16* r0 = vrows.row(sc[i], scratch);
+    const at::BFloat16* r1 = i + 1 < n ? vrows.row(sc[i + 1], scratch + hd) : r0;
     __m512bh p[kMaxQueries];
     for (int64_t g = 0; g < nq; ++g) {  // two probabilities -> one bf16 pair in every lane
       const float* sg = scores + g * ns;
@@ -116,6 +170,8 @@ void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* ql
                           (__m256i)_mm512_cvtneps_pbh(x1));
     }
 }
+
+}  // namespace
 #endif
 
 bool has_bf16_kernels() {

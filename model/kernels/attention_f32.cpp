@@ -51,27 +51,53 @@ inline void softmax_f32(float* s, int64_t m, const float* sink) {
   for (; i < m; ++i) s[i] *= 1.0f / sum;
 }
 
-}  // namespace
+// Where a task's K or V rows come from: float32 rows read where they are in the cache, or rows
+// of another cache type (kv_rows.cpp: f16, q8_0, ...) decoded one at a time into a scratch row
+// of the caller's, as dequant_row decodes them.
+struct InPlace {
+  const float* base;
+  int64_t stride;
+  const float* row(int64_t cell, float*) const { return base + cell * stride; }
+  void prefetch(int64_t cell) const { __builtin_prefetch(base + cell * stride); }
+};
 
-// One task in float32, head_dim % 8 == 0: `group` query vectors (q, scaled, [group, hd]: a kv
-// head's query heads, of one decode row or of a block of prompt rows) over the first n K/V rows
-// read in place at cells (query g over its first qlens[g] <= n, where qlens is given);
-// out[g] <- attention output of query g.
+struct Coded {
+  const uint8_t* base;
+  int64_t stride, hd;  // stride: bytes between cells
+  CacheKind kind;
+  const float* row(int64_t cell, float* scratch) const {
+    dequant_row(kind, base + cell * stride, scratch, hd);
+    return scratch;
+  }
+  void prefetch(int64_t cell) const {
+    const uint8_t* p = base + cell * stride;
+    const int64_t bytes = cache_row_bytes(kind, hd);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    __builtin_prefetch(p + bytes - 1);
+  }
+};
+
+constexpr int64_t kMaxVec = 32;  // hd / 8 accumulators, hd <= 256
+constexpr int64_t kBlock = 16;   // V rows read (or decoded) together for every query
+
 // Scores 4 rows at a time per head (the 4 dot products reduced together), softmax with a vector
-// exp, then the V rows weighted into hd / 8 accumulators per head. SmolLM2 (hd 64, 3 query heads
-// per kv head), 32 sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
-void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
-                const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
-                const int64_t* cells, int64_t n, float softcap, const float* sinks,
-                float* scores, float* const* out) {
+// exp, then the V rows weighted into hd / 8 accumulators per head, kBlock rows at a time: a
+// block's rows are read (decoded) once for all `group` queries, whose sums wait in accs between
+// blocks (the same additions in the same order as one pass over the rows).
+template <typename Rows>
+void attend(const float* q, int64_t group, const int64_t* qlens, int64_t hd, const Rows& krows,
+            const Rows& vrows, const int64_t* cells, int64_t n, float softcap, const float* sinks,
+            float* scores, float* const* out) {
+  alignas(32) float scratch[kBlock * 8 * kMaxVec];  // Coded's rows (InPlace: unused)
+  alignas(32) float accs[kMaxQueries * 8 * kMaxVec];
   // a partial last block repeats its last row (the same operations for every score, so a
   // query's values do not depend on n)
   for (int64_t j = 0; j < n; j += 4) {
-    const float* kr[4];
-    for (int i = 0; i < 4; ++i) kr[i] = kbase + cells[std::min(j + i, n - 1)] * ks1;
-    if (j + 4 + kAhead <= n)
-      for (int i = 0; i < 4; ++i) __builtin_prefetch(kbase + cells[j + kAhead + i] * ks1);
     const int64_t valid = std::min<int64_t>(4, n - j);
+    const float* kr[4];
+    for (int i = 0; i < 4; ++i) kr[i] = i < valid ? krows.row(cells[j + i], scratch + i * hd) : kr[valid - 1];
+    if (j + 4 + kAhead <= n)
+      for (int i = 0; i < 4; ++i) krows.prefetch(cells[j + kAhead + i]);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * hd;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -88,24 +114,63 @@ void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
       for (int64_t i = 0; i < valid; ++i) scores[g * n + j + i] = four[i];
     }
   }
+  int64_t most = 0;  // rows any query sees
   for (int64_t g = 0; g < group; ++g) {
-    softcap_inplace(scores + g * n, qlens ? qlens[g] : n, softcap);
-    softmax_f32(scores + g * n, qlens ? qlens[g] : n, sinks != nullptr ? sinks + g : nullptr);
+    const int64_t m = qlens ? qlens[g] : n;
+    softcap_inplace(scores + g * n, m, softcap);
+    softmax_f32(scores + g * n, m, sinks != nullptr ? sinks + g : nullptr);
+    most = std::max(most, m);
   }
-  constexpr int64_t kMaxVec = 32;  // hd <= 256
-  for (int64_t g = 0; g < group; ++g) {
-    const float* p = scores + g * n;
-    __m256 acc[kMaxVec];
-    const int64_t nv = hd / 8, m = qlens ? qlens[g] : n;
-    for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_setzero_ps();
-    for (int64_t r = 0; r < m; ++r) {
-      const float* vr = vbase + cells[r] * vs1;
-      if (g == 0 && r + kAhead < m) __builtin_prefetch(vbase + cells[r + kAhead] * vs1);
-      const __m256 pr = _mm256_set1_ps(p[r]);
-      for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+  const int64_t nv = hd / 8;
+  std::fill(accs, accs + group * hd, 0.0f);
+  for (int64_t r0 = 0; r0 < most; r0 += kBlock) {
+    const int64_t r1 = std::min(most, r0 + kBlock);
+    const float* vr[kBlock];
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r + kAhead < most) vrows.prefetch(cells[r + kAhead]);
+      vr[r - r0] = vrows.row(cells[r], scratch + (r - r0) * hd);
     }
-    for (int64_t d = 0; d < nv; ++d) _mm256_storeu_ps(out[g] + 8 * d, acc[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t end = std::min(r1, qlens ? qlens[g] : n);
+      if (end <= r0) continue;
+      const float* p = scores + g * n;
+      float* ag = accs + g * hd;
+      __m256 acc[kMaxVec];
+      for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_load_ps(ag + 8 * d);
+      for (int64_t r = r0; r < end; ++r) {
+        const __m256 pr = _mm256_set1_ps(p[r]);
+        for (int64_t d = 0; d < nv; ++d)
+          acc[d] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr[r - r0] + 8 * d), acc[d]);
+      }
+      for (int64_t d = 0; d < nv; ++d) _mm256_store_ps(ag + 8 * d, acc[d]);
+    }
   }
+  for (int64_t g = 0; g < group; ++g) std::memcpy(out[g], accs + g * hd, hd * sizeof(float));
+}
+
+}  // namespace
+
+// One task in float32, head_dim % 8 == 0: `group` query vectors (q, scaled, [group, hd]: a kv
+// head's query heads, of one decode row or of a block of prompt rows) over the first n K/V rows
+// read in place at cells (query g over its first qlens[g] <= n, where qlens is given);
+// out[g] <- attention output of query g. SmolLM2 (hd 64, 3 query heads per kv head), 32
+// sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
+void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
+                const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
+                const int64_t* cells, int64_t n, float softcap, const float* sinks,
+                float* scores, float* const* out) {
+  attend(q, group, qlens, hd, InPlace{kbase, ks1}, InPlace{vbase, vs1}, cells, n, softcap, sinks,
+         scores, out);
+}
+
+// The same over rows of other cache types (kbytes / vbytes: bytes between cells), each row
+// decoded to float32 when it is read, as dequant_row decodes it.
+void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
+                      CacheKind kkind, const uint8_t* kbase, int64_t kbytes, CacheKind vkind,
+                      const uint8_t* vbase, int64_t vbytes, const int64_t* cells, int64_t n,
+                      float softcap, const float* sinks, float* scores, float* const* out) {
+  attend(q, group, qlens, hd, Coded{kbase, kbytes, hd, kkind}, Coded{vbase, vbytes, hd, vkind},
+         cells, n, softcap, sinks, scores, out);
 }
 #endif
 

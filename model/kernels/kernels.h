@@ -129,6 +129,24 @@ at::Tensor dequant_cells(const at::Tensor& rows, const at::Tensor& cells, int64_
                          at::ScalarType dtype);
 bool reads_cache_types();
 
+#ifdef CELLSERVE_F32_AVX2
+// attend_f32 over K and V rows of other cache types (kbytes / vbytes: bytes between cells), each
+// row decoded to float32 when it is read, as dequant_row decodes it (attention_f32.cpp)
+void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
+                      CacheKind kkind, const uint8_t* kbase, int64_t kbytes, CacheKind vkind,
+                      const uint8_t* vbase, int64_t vbytes, const int64_t* cells, int64_t n,
+                      float softcap, const float* sinks, float* scores, float* const* out);
+#endif
+#ifdef CELLSERVE_AVX512_BF16
+// attend_bf16 over K and V rows of other cache types (kbytes / vbytes: bytes between cells), each
+// row decoded to bfloat16 when it is read, as dequant_row decodes it (attention_bf16.cpp)
+void attend_bf16_coded(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
+                       int64_t hd, CacheKind kkind, const uint8_t* kbase, int64_t kbytes,
+                       CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
+                       int64_t n, float scale, float softcap, const float* sinks, float* scores,
+                       at::BFloat16* const* dst);
+#endif
+
 // softcap > 0: scores tanh(s / softcap) * softcap before the softmax (Gemma 2); 0: none.
 // sinks: none, or [n_heads] logits, one more term in each head's softmax denominator (gpt-oss)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -149,6 +149,41 @@ void dequant_row(CacheKind kind, const uint8_t* src, at::BFloat16* dst, int64_t 
     std::memcpy(dst, src, hd * 2);
     return;
   }
+#ifdef CELLSERVE_AVX512_BF16
+  // straight to bfloat16, 32 values a block: the same float32 values as dequant_row's (an exact
+  // int8 -> float conversion times the block's scale, or fp16 -> float32), rounded to nearest
+  // even as to_bf16 rounds them, with no float32 row in between (the attention kernels decode
+  // each row as they read it: attend_bf16_coded)
+  if (kind == CacheKind::Q8_0 || kind == CacheKind::Q4_0 || (kind == CacheKind::F16 && hd % kQK == 0)) {
+    auto* out = reinterpret_cast<__m512i*>(dst);
+    for (int64_t b = 0; b < hd / kQK; ++b) {
+      __m512 lo, hi;
+      if (kind == CacheKind::F16) {
+        lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32)));
+        src += 2 * kQK;
+      } else {
+        const __m512 d = _mm512_set1_ps(half_to_float(src));
+        __m512i qlo, qhi;
+        if (kind == CacheKind::Q8_0) {
+          qlo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2)));
+          qhi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 18)));
+          src += 2 + kQK;
+        } else {
+          const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2)));
+          const __m512i eight = _mm512_set1_epi32(8);
+          qlo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
+          qhi = _mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight);
+          src += 2 + kQK / 2;
+        }
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(qlo), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(qhi), d);
+      }
+      _mm512_storeu_si512(out + b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    return;
+  }
+#endif
   float row[32 * kMaxChunks];
   TORCH_CHECK(hd <= 32 * kMaxChunks, "head_dim ", hd, " past ", 32 * kMaxChunks);
   dequant_row(kind, src, row, hd);

@@ -112,3 +112,31 @@ def test_dequant_cells_matches_the_python_decoder(kernels):
         raw, values = stored(name, k)
         got = kernels.dequant_cells(raw.contiguous(), cells, 64, torch.float32)
         assert torch.equal(got, values[:, cells]), name
+
+
+@pytest.mark.parametrize("name", ["f16", "q8_0", "q4_0", "bf16"])
+@pytest.mark.parametrize("hd,n_heads", [(64, 14), (128, 12)])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_coded_rows_give_the_bits_of_the_same_rows_in_the_models_dtype(
+    kernels, name, hd, n_heads, model_dtype
+):
+    """Decode attention over coded cells (each row decoded as the kernel reads it) equals, bit for
+    bit, the same kernel over those rows decoded to the model's dtype first; dequant_cells too."""
+    if model_dtype == torch.bfloat16 and not kernels.has_bf16_kernels():
+        pytest.skip(f"no AVX-512 BF16 at ISA level {isa.active_level()}")
+    if model_dtype == torch.float32 and not kernels.has_f32_kernels():
+        pytest.skip(f"no AVX2 at ISA level {isa.active_level()}")
+    if name == "bf16" and model_dtype == torch.bfloat16:
+        pytest.skip("bf16 cells are a bfloat16 model's own")
+    gen, k, v = case(4, hd=hd, n_cells=300)
+    kq, kd = stored(name, k)
+    vq, vd = stored("q4_0" if name == "q8_0" else name, v)
+    lens = torch.tensor([1, 2, 15, 16, 17, 255, 300])
+    cells = torch.stack([torch.randperm(300, generator=gen) for _ in lens])
+    q = torch.randn(len(lens), n_heads, hd, generator=gen).to(model_dtype)
+    got = kernels.decode_attention(q, kq, vq, cells, lens, 0.1)
+    want = kernels.decode_attention(q, kd.to(model_dtype), vd.to(model_dtype), cells, lens, 0.1)
+    assert torch.equal(got, want)
+    some = cells[0, :77]
+    decoded = kernels.dequant_cells(kq, some, hd, model_dtype)
+    assert torch.equal(decoded, kd[:, some].to(model_dtype))
