@@ -4,7 +4,8 @@ and /v1/unload_lora_adapter, on with --allow-runtime-lora or VLLM_ALLOW_RUNTIME_
 - A load reads and checks the adapter as a start-up one is (model/load/lora.py) on the calling
   thread, then re-attaches the model's LoraSet between two steps (Engine.call); it takes the next
   id (ids are never reused: the prefix cache keys K/V by id), global scale 0 (requests reach it
-  by name or by id; the base model's replies do not change), and a failure changes nothing.
+  by name or by id; the base model's replies do not change), and a failure changes nothing. A
+  lora_path that does not exist is a 404, as vLLM answers it; any other bad adapter a 400.
 - An unload takes the adapter off the API at once (a new request for it: 404 by name, 400 by
   id), as vLLM's does; requests already running or waiting finish with it: its weights stay
   attached until a later load or unload finds no request using it any more.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from scheduler.errors import EngineDeadError, EngineDrainingError
@@ -48,6 +50,9 @@ class LoraRuntime:
             if self.adapters.find(name) is not None:
                 msg = f"the LoRA adapter {name!r} has already been loaded"
                 raise APIError(400, msg, param="lora_name")
+            if not Path(path).exists():  # vLLM's answer: 404 NotFoundError ("No adapter found")
+                msg = f"cannot load LoRA adapter {name!r}: {path}: no such file or folder"
+                raise APIError(404, msg, param="lora_path", code="lora_not_found")
             try:
                 adapter = load_lora(path, self.args, self.worker.model.dtype, name)
             except Exception as e:  # noqa: BLE001 - any file that cannot be read is a bad lora_path

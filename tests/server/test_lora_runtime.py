@@ -110,7 +110,6 @@ def test_a_failed_load_changes_nothing(runtime: LiveServer, folders: dict[str, P
     try:
         before = (adapters(url), models(url), attached_ids(runtime))
         cases = [
-            ("gone", folders["base"] / "no-such-adapter", "no such file or folder"),
             ("wide", folders["wide"], "do not fit the base weight"),
             ("pirate", folders["poet"], "already been loaded"),
             ("tiny", folders["poet"], "the base model's name"),
@@ -121,6 +120,13 @@ def test_a_failed_load_changes_nothing(runtime: LiveServer, folders: dict[str, P
             assert resp.status_code == 400, (name, resp.text)
             err = resp.json()["error"]
             assert why in err["message"] and err["type"] == "invalid_request_error"
+        # a path that is not there: vLLM's 404 NotFoundError, in the API's error shape
+        resp = load(url, "gone", folders["base"] / "no-such-adapter")
+        assert resp.status_code == 404, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "not_found_error" and err["code"] == "lora_not_found"
+        assert err["param"] == "lora_path" and "no such file or folder" in err["message"]
         assert (adapters(url), models(url), attached_ids(runtime)) == before
     finally:
         unload(url, "pirate")
