@@ -8,7 +8,8 @@ and /v1/unload_lora_adapter, on with --allow-runtime-lora or VLLM_ALLOW_RUNTIME_
   lora_path that does not exist is a 404, as vLLM answers it; any other bad adapter a 400.
 - An unload takes the adapter off the API at once (a new request for it: 404 by name, 400 by
   id), as vLLM's does; requests already running or waiting finish with it: its weights stay
-  attached until a later load or unload finds no request using it any more.
+  attached until a later load or unload finds no request using it any more. What the prefix
+  cache keeps under it is freed at once: no request can hit it again.
 """
 
 from __future__ import annotations
@@ -88,15 +89,18 @@ class LoraRuntime:
             old = self.worker.lora
             live = {aid for s in [*sched.running, *sched.waiting] for aid, _ in s.request.lora}
             keep = {aid: a for aid, a in old.by_id.items() if aid in served | live}
-            if set(keep) == set(old.by_id) and not new:
-                return
-            old.detach()
-            try:
-                lora = LoraSet(self.worker.model, keep | new)
-            except BaseException:
-                old.attach()
-                raise
-            self.worker.set_lora(lora)
+            if set(keep) != set(old.by_id) or new:
+                old.detach()
+                try:
+                    lora = LoraSet(self.worker.model, keep | new)
+                except BaseException:
+                    old.attach()
+                    raise
+                self.worker.set_lora(lora)
+            # NOTE: no new request selects an id that is not served: what the prefix cache keeps
+            # under it is freed now (what its running requests leave, when its weights go)
+            for aid in set(old.by_id) - served:
+                sched.drop_adapter_cache(aid)
 
         try:
             self.engine.call(swap)

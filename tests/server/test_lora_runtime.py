@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from cli.main import build_settings, make_parser
+from scheduler.prefix_cache import uses_adapter
+from scheduler.scheduler import Scheduler
 from server.settings import Settings
 from tests.live_server import LiveServer, start_server
 from tests.server.test_lora_server import ALL_PROJ, PROMPT, complete, text
@@ -217,6 +219,33 @@ def test_no_prefix_cache_reuse_across_a_reloaded_name(
         assert resp.json()["choices"][0]["text"] == text(startup.url, model="poet")
     finally:
         unload(url, "x")
+
+
+def cached_under(server: LiveServer, aid: int) -> int:
+    """Prefix-cache holders and prefix-index nodes computed under adapter `aid`."""
+
+    def count(sched: Scheduler, _: object) -> int:
+        holders = [s for s in sched.prefix.seq_ids if uses_adapter(sched.prefix.lora(s), aid)]
+        radix = sched.seq_ids.radix
+        nodes = [] if radix is None else [n for n in radix.nodes() if uses_adapter(n.lora, aid)]
+        return len(holders) + len(nodes)
+
+    return server.app.state.backend.engine.call(count)
+
+
+def test_an_unloaded_adapters_prefix_cache_is_freed_at_once(
+    runtime: LiveServer, folders: dict[str, Path]
+) -> None:
+    url = runtime.url
+    assert load(url, "x", folders["pirate"]).status_code == 200
+    aid = adapters(url)["x"]["id"]
+    assert complete(url, model="x").status_code == 200
+    assert complete(url).status_code == 200  # the base model's entry stays
+    assert cached_under(runtime, aid) > 0
+    assert unload(url, "x").status_code == 200
+    assert cached_under(runtime, aid) == 0
+    resp = complete(url)
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_a_slot_under_a_runtime_adapter_is_not_saved(
