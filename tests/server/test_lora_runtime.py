@@ -58,8 +58,8 @@ def runtime(folders: dict[str, Path]) -> LiveServer:
     live.stop()
 
 
-def load(url: str, name: str, path: Path | str) -> httpx.Response:
-    body = {"lora_name": name, "lora_path": str(path)}
+def load(url: str, name: str, path: Path | str, **extra: object) -> httpx.Response:
+    body = {"lora_name": name, "lora_path": str(path)} | extra
     return httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=120)
 
 
@@ -246,6 +246,38 @@ def test_an_unloaded_adapters_prefix_cache_is_freed_at_once(
     assert cached_under(runtime, aid) == 0
     resp = complete(url)
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_load_inplace_serves_new_weights_under_the_name(
+    runtime: LiveServer, startup: LiveServer, folders: dict[str, Path]
+) -> None:
+    """vLLM's load_inplace: the name moves to the new weights under a new id (the prefix
+    cache never serves the old K/V), and the old id goes as an unload's would."""
+    url = runtime.url
+    assert load(url, "x", folders["pirate"]).status_code == 200
+    try:
+        first = adapters(url)["x"]["id"]
+        assert text(url, model="x") == text(startup.url, model="pirate")
+        resp = load(url, "x", folders["poet"])
+        assert resp.status_code == 400 and "load_inplace" in resp.json()["error"]["message"]
+        # a failed reload leaves the adapter serving its weights
+        for path in (folders["wide"], folders["base"] / "no-such-adapter"):
+            assert load(url, "x", path, load_inplace=True).status_code in (400, 404)
+            assert adapters(url)["x"]["id"] == first and attached_ids(runtime) == {first}
+        resp = load(url, "x", folders["poet"], load_inplace=True)
+        assert resp.status_code == 200, resp.text
+        second = adapters(url)["x"]["id"]
+        assert second > first and attached_ids(runtime) == {second}
+        assert cached_under(runtime, first) == 0
+        assert [m for m in models(url) if m == "x"] == ["x"]
+        resp = complete(url, model="x")
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert resp.json()["choices"][0]["text"] == text(startup.url, model="poet")
+        # load_inplace for a name not served is a plain load
+        assert load(url, "y", folders["pirate"], load_inplace=True).status_code == 200
+        assert unload(url, "y").status_code == 200
+    finally:
+        unload(url, "x")
 
 
 def test_a_slot_under_a_runtime_adapter_is_not_saved(
