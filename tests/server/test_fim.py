@@ -218,6 +218,25 @@ def test_infill_streams_like_completion(fake):
     assert chunks[-1]["stop_type"] == "limit" and chunks[-1]["content"] == ""
 
 
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded"], ids=str
+)
+def test_infill_reads_a_json_body_whatever_its_content_type(fake, content_type):
+    """llama.cpp parses /infill's body as JSON whatever the header says (`curl -d` sends
+    form-urlencoded); a body that is not JSON is a 400 in the API's error shape."""
+    url = fake[0]
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"input_prefix": "def mul(a, b):\n", "n_indent": 4})
+    resp = httpx.post(f"{url}/infill", content=body, headers=headers)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["content"] == "    return a * b\n    # done\n"
+    for bad, code in (("input_prefix=x", "invalid_json"), ("[1, 2]", "invalid_value")):
+        resp = httpx.post(f"{url}/infill", content=bad, headers=headers)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+
+
 def test_completions_suffix_is_the_same_fim_prompt(fake):
     url, _, engine = fake
     body = {"prompt": "def mul(a, b):\n", "suffix": "\nprint(1)\n", "max_tokens": 200}
