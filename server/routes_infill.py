@@ -123,14 +123,17 @@ async def infill(
 
 
 async def limited(gen: Generation, limits: LineLimits) -> AsyncIterator[ChoiceDelta]:
-    """gen.deltas() cut by n_indent / t_max_predict_ms (finish_reason "limit")."""
+    """gen.deltas() cut by n_indent / t_max_predict_ms: llama.cpp's stop_type "limit", a
+    normal end of the middle (counted as a stop, not an abort); the engine drops the rest, and
+    the deltas run on to its finish event, as after a stop string."""
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
             if limits.active and d.text:
                 d.text, stop = limits.feed(d.text)
                 if stop:
+                    gen.stop(d.index)  # NOTE: the choice yields nothing after this
                     yield ChoiceDelta(d.index, d.text, d.logprobs, "limit")
-                    return  # NOTE: closing gen.deltas() aborts the rest of the generation
+                    continue
             yield d
 
 
@@ -153,7 +156,7 @@ def _last(
         content=content,
         stop=True,
         model=backend.model_name,
-        tokens_predicted=num_output or gen.choices[0].num_tokens,  # cut short: no finish event
+        tokens_predicted=num_output,
         tokens_evaluated=num_prompt,
         tokens_cached=num_cached,
         stop_type=_stop_type(finish),

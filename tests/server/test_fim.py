@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from model.load.loader import load_model
 from model.load.tokenizer import Tokenizer
@@ -204,6 +205,29 @@ def test_infill_n_indent_and_stop_words(fake):
     assert word["stopping_word"] == "#"
     short = httpx.post(f"{url}/infill", json={"input_prefix": "x", "n_predict": 3}).json()
     assert short["content"] == "   " and short["stop_type"] == "limit"
+
+
+def finish_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        s.labels["finish_reason"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "cellserve_requests_total"
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_n_indent_stop_is_counted_as_a_stop_not_an_abort(fake, stream):
+    """llama.cpp ends the middle there on purpose (stop_type "limit"): a normal end."""
+    url = fake[0]
+    before = finish_counts(url)
+    body = {"input_prefix": "def mul(a, b):\n", "n_indent": 4, "stream": stream}
+    resp = httpx.post(f"{url}/infill", json=body)
+    assert resp.status_code == 200 and "stop_type" in resp.text
+    after = finish_counts(url)
+    assert after.get("stop", 0) == before.get("stop", 0) + 1
+    assert after.get("abort", 0) == before.get("abort", 0)
 
 
 def test_infill_streams_like_completion(fake):
