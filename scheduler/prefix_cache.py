@@ -42,6 +42,10 @@ class PrefixMatch:
     radix: RadixMatch | None = None  # cells held by the prefix index (seq_id -1): cells_cp
 
 
+def uses_adapter(lora: LoraKey, adapter_id: int) -> bool:
+    return any(aid == adapter_id for aid, _ in lora)
+
+
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     m = min(a.shape[0], b.shape[0])
     if m == 0:
@@ -133,6 +137,10 @@ class PrefixCache:
 
     def lora_name(self, seq_id: int) -> str | None:
         return self._holders[seq_id].lora_name
+
+    def computed_under(self, adapter_id: int) -> list[int]:
+        """The holders computed under adapter `adapter_id`, alone or in a mix."""
+        return [h.seq_id for h in self._holders.values() if uses_adapter(h.lora, adapter_id)]
 
     def touch(self, seq_id: int) -> None:
         self._clock += 1

@@ -27,7 +27,7 @@ import numpy as np
 from kvcache.memory import Memory
 from scheduler.kv_blocks import BlockLedger
 from scheduler.plan import LoraKey
-from scheduler.prefix_cache import common_prefix_len
+from scheduler.prefix_cache import common_prefix_len, uses_adapter
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -160,16 +160,14 @@ class RadixCache:
         """Release every held cell."""
         while self._roots:
             _, root = self._roots.popitem()
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
-                self.memory.cells_release(node.cells)
-                node.alive = False
-                if self.ledger is not None:
-                    self.ledger.remove(-node.uid)
+            self._drop_tree(root)
         self._heap = []
-        self.num_nodes = self.num_cells = 0
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        """Release the trees computed under adapter `adapter_id`, alone or in a mix (their
+        leaves' heap entries go stale). Nothing in them may be locked: call between steps."""
+        for key in [k for k in self._roots if uses_adapter(k, adapter_id)]:
+            self._drop_tree(self._roots.pop(key))
 
     def nodes(self) -> list[Node]:
         """Every node but the roots, parents before children."""
@@ -221,6 +219,19 @@ class RadixCache:
         upper.children[int(child.tokens[0])] = child
         self._announce(upper, tokens)
         return upper
+
+    def _drop_tree(self, root: Node) -> None:
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            assert not node.lock, "a locked node is being admitted"
+            stack.extend(node.children.values())
+            self.memory.cells_release(node.cells)
+            node.alive = False
+            self.num_nodes -= 1
+            self.num_cells -= int(node.tokens.shape[0])
+            if self.ledger is not None:
+                self.ledger.remove(-node.uid)
 
     def _remove(self, leaf: Node) -> None:
         parent = leaf.parent

@@ -213,6 +213,11 @@ class Scheduler:
         if self.prefix.ledger is not None:
             self.prefix.ledger.cleared()
 
+    def drop_adapter_cache(self, adapter_id: int) -> None:
+        """Free the prefix cache's K/V computed under `adapter_id`: an unloaded LoRA adapter,
+        whose id no new request selects (ids are never reused). Between steps only."""
+        self.seq_ids.drop_adapter(adapter_id)
+
     # ---- placement ------------------------------------------------------------------------
 
     def _place(self, step: Step) -> BatchPlan:

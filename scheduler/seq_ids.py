@@ -119,6 +119,13 @@ class SeqIds:
         if self.radix is not None:
             self.radix.touch(node)
 
+    def drop_adapter(self, adapter_id: int) -> None:
+        """Free what the holders and the prefix index keep computed under `adapter_id`."""
+        for sid in self.prefix.computed_under(adapter_id):
+            self.drop_holder(sid)
+        if self.radix is not None:
+            self.radix.drop_adapter(adapter_id)
+
     def clear_holders(self) -> None:
         for sid in self.prefix.seq_ids:
             self.drop_holder(sid)

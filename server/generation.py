@@ -157,6 +157,18 @@ class Generation:
                 choice.done = True
                 self.metrics.requests.labels(finish_reason="abort").inc()
 
+    def stop(self, index: int) -> None:
+        """Choice `index` ends here, a normal stop (a stop string, or a route's own limit:
+        llama.cpp's n_indent); the engine drops the rest of it."""
+        choice = self.choices[index]
+        if choice.done:
+            return
+        choice.done = True
+        in_job = index - self._index(choice.job, 0)
+        self.backend.engine.abort(self.requests[choice.job].req_id, in_job)
+        self.usage_by_job[choice.job].num_output[in_job] = choice.num_tokens
+        self.metrics.requests.labels(finish_reason="stop").inc()
+
     @property
     def finished(self) -> bool:
         return all(c.done for c in self.choices)
@@ -250,10 +262,7 @@ class Generation:
         choice.num_tokens += 1
         text = choice.stream.add(ev.token_id)
         if choice.stream.stopped:
-            choice.done = True
-            self.backend.engine.abort(self.requests[job].req_id, ev.index)
-            self.usage_by_job[job].num_output[ev.index] = choice.num_tokens
-            self.metrics.requests.labels(finish_reason="stop").inc()
+            self.stop(index)
             return ChoiceDelta(index, text, [], "stop", choice.stream.stop_string)
         logprobs = []
         if self.want_logprobs and ev.logprob is not None:

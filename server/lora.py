@@ -61,6 +61,14 @@ class LoraAdapters:
             self.adapters = [*self.adapters, adapter]
         return adapter
 
+    def replace(self, old: ServedAdapter, path: str, rank: int, alpha: float) -> ServedAdapter:
+        """Serve new weights under `old`'s name, place and global scale, with the next id."""
+        with self._lock:
+            adapter = ServedAdapter(self.next_id, old.name, path, old.scale, rank, alpha)
+            self.next_id += 1
+            self.adapters = [adapter if a is old else a for a in self.adapters]
+        return adapter
+
     def remove(self, name: str) -> ServedAdapter | None:
         """Stop serving the adapter named `name` (its own name only); None if none is."""
         with self._lock:

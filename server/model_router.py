@@ -136,6 +136,15 @@ class ModelRouter:
                 entry.last_used = time.monotonic()
                 return entry.backend
             if entry.status == "unloaded":
+                # NOTE: the failure first: without autoload too, the client learns why (a retry
+                # is an explicit POST /models/load either way)
+                if entry.error is not None:
+                    raise APIError(
+                        503,
+                        f"the model {entry.name!r} failed to load: {entry.error} "
+                        "(POST /models/load tries again)",
+                        code="model_load_failed",
+                    )
                 if not autoload:
                     raise APIError(
                         400,
@@ -143,13 +152,6 @@ class ModelRouter:
                         "(or ask with ?autoload=true)",
                         param="model",
                         code="model_not_loaded",
-                    )
-                if entry.error is not None:
-                    raise APIError(
-                        503,
-                        f"the model {entry.name!r} failed to load: {entry.error} "
-                        "(POST /models/load tries again)",
-                        code="model_load_failed",
                     )
                 self.start_load(entry)
             left = deadline - time.monotonic()

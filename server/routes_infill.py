@@ -1,15 +1,17 @@
 """POST /infill: llama.cpp's fill-in-the-middle (input_prefix, input_suffix, input_extra,
 prompt), answered in llama.cpp's /completion shapes, JSON or a stream of `data:` chunks
-(without OpenAI's [DONE]). The prompt is server/fim.py's; sampling is the completions'."""
+(without OpenAI's [DONE]). The prompt is server/fim.py's; sampling is the completions'. As
+llama.cpp, the body is JSON whatever its content-type."""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from server.auth import check_api_key
@@ -33,7 +35,25 @@ from server.schemas_infill import InfillChunk, InfillRequest, StopType
 from server.structured import body_grammar_spec, compile_grammar
 from server.unsupported import COMPLETION_RULES, reject_unsupported
 
-router = APIRouter(dependencies=[Depends(check_api_key)], tags=["llama.cpp"])
+
+class JSONBodyRoute(APIRoute):
+    """Reads the body as JSON whatever its content-type says, as llama.cpp's server does
+    (`curl -d` sends application/x-www-form-urlencoded; some editor plugins send none)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def as_json(request: Request) -> Response:
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
+            return await handler(Request(request.scope, request.receive))
+
+        return as_json
+
+
+router = APIRouter(
+    dependencies=[Depends(check_api_key)], tags=["llama.cpp"], route_class=JSONBodyRoute
+)
 
 
 @router.post("/infill")
@@ -103,14 +123,17 @@ async def infill(
 
 
 async def limited(gen: Generation, limits: LineLimits) -> AsyncIterator[ChoiceDelta]:
-    """gen.deltas() cut by n_indent / t_max_predict_ms (finish_reason "limit")."""
+    """gen.deltas() cut by n_indent / t_max_predict_ms: llama.cpp's stop_type "limit", a
+    normal end of the middle (counted as a stop, not an abort); the engine drops the rest, and
+    the deltas run on to its finish event, as after a stop string."""
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
             if limits.active and d.text:
                 d.text, stop = limits.feed(d.text)
                 if stop:
+                    gen.stop(d.index)  # NOTE: the choice yields nothing after this
                     yield ChoiceDelta(d.index, d.text, d.logprobs, "limit")
-                    return  # NOTE: closing gen.deltas() aborts the rest of the generation
+                    continue
             yield d
 
 
@@ -133,7 +156,7 @@ def _last(
         content=content,
         stop=True,
         model=backend.model_name,
-        tokens_predicted=num_output or gen.choices[0].num_tokens,  # cut short: no finish event
+        tokens_predicted=num_output,
         tokens_evaluated=num_prompt,
         tokens_cached=num_cached,
         stop_type=_stop_type(finish),

@@ -41,6 +41,7 @@ class LoadLoraAdapter(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: str = ""
     lora_path: str = ""
+    load_inplace: bool = False  # vLLM's: a served name gets the new weights
 
 
 class UnloadLoraAdapter(BaseModel):
@@ -69,7 +70,7 @@ async def load_lora_adapter(
     body: LoadLoraAdapter, backend: BackendDep, request: Request
 ) -> PlainTextResponse:
     runtime = _runtime(backend)
-    await asyncio.to_thread(runtime.load, body.lora_name, body.lora_path)
+    await asyncio.to_thread(runtime.load, body.lora_name, body.lora_path, body.load_inplace)
     _names_changed(request, backend)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

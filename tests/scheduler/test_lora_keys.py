@@ -4,8 +4,11 @@ stats list the adapters of running and waiting requests."""
 
 from __future__ import annotations
 
-from scheduler.kv_blocks import BlockLedger, BlockStored
+import numpy as np
+
+from scheduler.kv_blocks import BlockLedger, BlockRemoved, BlockStored
 from scheduler.plan import LoraKey
+from scheduler.prefix_cache import uses_adapter
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.snapshot import engine_stats
@@ -22,8 +25,11 @@ def lora_request(req_id: str, prompt: list[int], lora: LoraKey, name: str | None
     return req
 
 
-def run(sched: Scheduler, batches: list[list[Request]]) -> Outcome:
-    worker, outcome = FakeWorker(sched.config.n_cells), Outcome()
+def run(
+    sched: Scheduler, batches: list[list[Request]], worker: FakeWorker | None = None
+) -> Outcome:
+    """`worker`: the one that holds the cache's K/V when `sched` ran before."""
+    worker, outcome = worker or FakeWorker(sched.config.n_cells), Outcome()
     for batch in batches:
         for r in batch:
             sched.add_request(r)
@@ -75,3 +81,50 @@ def test_a_waiter_never_waits_for_another_adapters_prompt() -> None:
         step(sched, worker, outcome)
     assert outcome.finish[("same", 0)].num_cached_tokens == 200
     assert outcome.finish[("base", 0)].num_cached_tokens == 0
+
+
+def test_dropping_an_adapters_cache_frees_its_holders_and_index_and_nothing_else() -> None:
+    """An unloaded adapter's id is never selected again: what the prefix cache keeps under it
+    (holders and prefix-index trees, alone or in a mix) is freed at once; the base model's
+    and other adapters' entries stay and still hit."""
+    sched = Scheduler(make_config(n_cells=2048, n_seq_max=3, n_batch=64))
+    ledger = BlockLedger(block_size=8)
+    sched.prefix.ledger = ledger
+    radix = sched.seq_ids.radix
+    assert radix is not None
+    radix.announce(ledger)
+    system = make_prompt(32, seed=3)
+    keys: list[tuple[str, LoraKey]] = [("p", PIRATE), ("b", ()), ("x", MIX), ("q", ((1, 1.0),))]
+    # more conversations than seq ids: the older ones are demoted into the prefix index
+    worker = FakeWorker(sched.config.n_cells)
+    batches = [[lora_request(f"{n}{i}", system + [i], k)] for i in range(3) for n, k in keys]
+    run(sched, batches, worker)
+    assert any(uses_adapter(sched.prefix.lora(s), 0) for s in sched.prefix.seq_ids)
+    assert any(uses_adapter(n.lora, 0) for n in radix.nodes())
+    kept = {
+        (n.lora, tuple(radix.path_tokens(n))) for n in radix.nodes() if not uses_adapter(n.lora, 0)
+    }
+    ledger.take()
+
+    sched.drop_adapter_cache(0)
+
+    sched.memory.check()
+    assert not any(uses_adapter(sched.prefix.lora(s), 0) for s in sched.prefix.seq_ids)
+    assert {(n.lora, tuple(radix.path_tokens(n))) for n in radix.nodes()} == kept
+    kv = sched.memory.pools[0].cells  # type: ignore[attr-defined]
+    assert (np.sort(radix.held()) == np.flatnonzero(kv.held)).all()
+    assert radix.num_cells == radix.held().size
+    owned = [kv.seq_cells(s)[0] for s in sched.prefix.seq_ids] + [radix.held()]
+    assert sched.memory.num_used == np.unique(np.concatenate(owned)).size  # nothing else
+    assert any(isinstance(e, BlockRemoved) for e in ledger.take())
+    out = run(
+        sched,
+        [
+            [lora_request("p9", system + [9], PIRATE)],
+            [lora_request("b9", system + [9], ())],
+            [lora_request("q9", system + [9], ((1, 1.0),))],
+        ],
+        worker,
+    )
+    cached = {r: out.finish[(r, 0)].num_cached_tokens for r in ("p9", "b9", "q9")}
+    assert cached == {"p9": 0, "b9": 32, "q9": 32}

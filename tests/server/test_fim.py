@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from model.load.loader import load_model
 from model.load.tokenizer import Tokenizer
@@ -206,6 +207,29 @@ def test_infill_n_indent_and_stop_words(fake):
     assert short["content"] == "   " and short["stop_type"] == "limit"
 
 
+def finish_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        s.labels["finish_reason"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "cellserve_requests_total"
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_n_indent_stop_is_counted_as_a_stop_not_an_abort(fake, stream):
+    """llama.cpp ends the middle there on purpose (stop_type "limit"): a normal end."""
+    url = fake[0]
+    before = finish_counts(url)
+    body = {"input_prefix": "def mul(a, b):\n", "n_indent": 4, "stream": stream}
+    resp = httpx.post(f"{url}/infill", json=body)
+    assert resp.status_code == 200 and "stop_type" in resp.text
+    after = finish_counts(url)
+    assert after.get("stop", 0) == before.get("stop", 0) + 1
+    assert after.get("abort", 0) == before.get("abort", 0)
+
+
 def test_infill_streams_like_completion(fake):
     url = fake[0]
     body = {"input_prefix": "def mul(a, b):\n", "n_indent": 4, "stream": True}
@@ -216,6 +240,25 @@ def test_infill_streams_like_completion(fake):
     assert all(c["stop"] is False for c in chunks[:-1]) and chunks[-1]["stop"] is True
     assert "".join(c["content"] for c in chunks) == "    return a * b\n    # done\n"
     assert chunks[-1]["stop_type"] == "limit" and chunks[-1]["content"] == ""
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded"], ids=str
+)
+def test_infill_reads_a_json_body_whatever_its_content_type(fake, content_type):
+    """llama.cpp parses /infill's body as JSON whatever the header says (`curl -d` sends
+    form-urlencoded); a body that is not JSON is a 400 in the API's error shape."""
+    url = fake[0]
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"input_prefix": "def mul(a, b):\n", "n_indent": 4})
+    resp = httpx.post(f"{url}/infill", content=body, headers=headers)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["content"] == "    return a * b\n    # done\n"
+    for bad, code in (("input_prefix=x", "invalid_json"), ("[1, 2]", "invalid_value")):
+        resp = httpx.post(f"{url}/infill", content=bad, headers=headers)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
 
 
 def test_completions_suffix_is_the_same_fim_prompt(fake):

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from cli.main import build_settings, make_parser
+from scheduler.prefix_cache import uses_adapter
+from scheduler.scheduler import Scheduler
 from server.settings import Settings
 from tests.live_server import LiveServer, start_server
 from tests.server.test_lora_server import ALL_PROJ, PROMPT, complete, text
@@ -56,8 +58,8 @@ def runtime(folders: dict[str, Path]) -> LiveServer:
     live.stop()
 
 
-def load(url: str, name: str, path: Path | str) -> httpx.Response:
-    body = {"lora_name": name, "lora_path": str(path)}
+def load(url: str, name: str, path: Path | str, **extra: object) -> httpx.Response:
+    body = {"lora_name": name, "lora_path": str(path)} | extra
     return httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=120)
 
 
@@ -110,7 +112,6 @@ def test_a_failed_load_changes_nothing(runtime: LiveServer, folders: dict[str, P
     try:
         before = (adapters(url), models(url), attached_ids(runtime))
         cases = [
-            ("gone", folders["base"] / "no-such-adapter", "no such file or folder"),
             ("wide", folders["wide"], "do not fit the base weight"),
             ("pirate", folders["poet"], "already been loaded"),
             ("tiny", folders["poet"], "the base model's name"),
@@ -121,6 +122,13 @@ def test_a_failed_load_changes_nothing(runtime: LiveServer, folders: dict[str, P
             assert resp.status_code == 400, (name, resp.text)
             err = resp.json()["error"]
             assert why in err["message"] and err["type"] == "invalid_request_error"
+        # a path that is not there: vLLM's 404 NotFoundError, in the API's error shape
+        resp = load(url, "gone", folders["base"] / "no-such-adapter")
+        assert resp.status_code == 404, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "not_found_error" and err["code"] == "lora_not_found"
+        assert err["param"] == "lora_path" and "no such file or folder" in err["message"]
         assert (adapters(url), models(url), attached_ids(runtime)) == before
     finally:
         unload(url, "pirate")
@@ -209,6 +217,65 @@ def test_no_prefix_cache_reuse_across_a_reloaded_name(
         resp = complete(url, model="x")
         assert cached(resp) == 0
         assert resp.json()["choices"][0]["text"] == text(startup.url, model="poet")
+    finally:
+        unload(url, "x")
+
+
+def cached_under(server: LiveServer, aid: int) -> int:
+    """Prefix-cache holders and prefix-index nodes computed under adapter `aid`."""
+
+    def count(sched: Scheduler, _: object) -> int:
+        holders = [s for s in sched.prefix.seq_ids if uses_adapter(sched.prefix.lora(s), aid)]
+        radix = sched.seq_ids.radix
+        nodes = [] if radix is None else [n for n in radix.nodes() if uses_adapter(n.lora, aid)]
+        return len(holders) + len(nodes)
+
+    return server.app.state.backend.engine.call(count)
+
+
+def test_an_unloaded_adapters_prefix_cache_is_freed_at_once(
+    runtime: LiveServer, folders: dict[str, Path]
+) -> None:
+    url = runtime.url
+    assert load(url, "x", folders["pirate"]).status_code == 200
+    aid = adapters(url)["x"]["id"]
+    assert complete(url, model="x").status_code == 200
+    assert complete(url).status_code == 200  # the base model's entry stays
+    assert cached_under(runtime, aid) > 0
+    assert unload(url, "x").status_code == 200
+    assert cached_under(runtime, aid) == 0
+    resp = complete(url)
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_load_inplace_serves_new_weights_under_the_name(
+    runtime: LiveServer, startup: LiveServer, folders: dict[str, Path]
+) -> None:
+    """vLLM's load_inplace: the name moves to the new weights under a new id (the prefix
+    cache never serves the old K/V), and the old id goes as an unload's would."""
+    url = runtime.url
+    assert load(url, "x", folders["pirate"]).status_code == 200
+    try:
+        first = adapters(url)["x"]["id"]
+        assert text(url, model="x") == text(startup.url, model="pirate")
+        resp = load(url, "x", folders["poet"])
+        assert resp.status_code == 400 and "load_inplace" in resp.json()["error"]["message"]
+        # a failed reload leaves the adapter serving its weights
+        for path in (folders["wide"], folders["base"] / "no-such-adapter"):
+            assert load(url, "x", path, load_inplace=True).status_code in (400, 404)
+            assert adapters(url)["x"]["id"] == first and attached_ids(runtime) == {first}
+        resp = load(url, "x", folders["poet"], load_inplace=True)
+        assert resp.status_code == 200, resp.text
+        second = adapters(url)["x"]["id"]
+        assert second > first and attached_ids(runtime) == {second}
+        assert cached_under(runtime, first) == 0
+        assert [m for m in models(url) if m == "x"] == ["x"]
+        resp = complete(url, model="x")
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert resp.json()["choices"][0]["text"] == text(startup.url, model="poet")
+        # load_inplace for a name not served is a plain load
+        assert load(url, "y", folders["pirate"], load_inplace=True).status_code == 200
+        assert unload(url, "y").status_code == 200
     finally:
         unload(url, "x")
 

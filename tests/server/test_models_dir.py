@@ -307,6 +307,25 @@ def test_without_autoload_only_an_explicit_load_loads(start) -> None:
     assert chat(server.url, "alpha").status_code == 200
 
 
+def test_without_autoload_a_failed_model_says_why_not_just_not_loaded(start) -> None:
+    models = FakeModels(broken=("alpha",))
+    server = start(models, models_autoload=False)
+    assert httpx.post(f"{server.url}/models/load", json={"model": "alpha"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while model_metrics(server.url)[("cellserve_model_load_failures_total", "alpha")] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for params in ({}, {"autoload": "false"}):
+        body = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}]}
+        resp = httpx.post(f"{server.url}/v1/chat/completions", params=params, json=body)
+        assert resp.status_code == 503, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "model_load_failed" and "not a GGUF file" in error["message"]
+    # a model that never failed is still only "not loaded"
+    resp = chat(server.url, "beta")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_loaded"
+
+
 def test_a_model_that_fails_to_load_says_why_and_breaks_nothing(start) -> None:
     models = FakeModels(broken=("alpha",))
     server = start(models, models_max=1)
