@@ -157,9 +157,9 @@ class Generation:
                 choice.done = True
                 self.metrics.requests.labels(finish_reason="abort").inc()
 
-    def stop(self, index: int) -> None:
-        """Choice `index` ends here, a normal stop (a stop string, or a route's own limit:
-        llama.cpp's n_indent); the engine drops the rest of it."""
+    def stop(self, index: int, reason: str = "stop") -> None:
+        """Choice `index` ends here, a normal end counted under `reason` ("stop": a stop string;
+        "length": a route's own limit, llama.cpp's n_indent); the engine drops the rest of it."""
         choice = self.choices[index]
         if choice.done:
             return
@@ -167,7 +167,7 @@ class Generation:
         in_job = index - self._index(choice.job, 0)
         self.backend.engine.abort(self.requests[choice.job].req_id, in_job)
         self.usage_by_job[choice.job].num_output[in_job] = choice.num_tokens
-        self.metrics.requests.labels(finish_reason="stop").inc()
+        self.metrics.requests.labels(finish_reason=reason).inc()
 
     @property
     def finished(self) -> bool:

@@ -124,14 +124,15 @@ async def infill(
 
 async def limited(gen: Generation, limits: LineLimits) -> AsyncIterator[ChoiceDelta]:
     """gen.deltas() cut by n_indent / t_max_predict_ms: llama.cpp's stop_type "limit", a
-    normal end of the middle (counted as a stop, not an abort); the engine drops the rest, and
-    the deltas run on to its finish event, as after a stop string."""
+    normal end of the middle, counted as finish_reason "length" (llama.cpp's OpenAI answers map
+    a limit to "length"), not as an abort; the engine drops the rest, and the deltas run on to
+    its finish event, as after a stop string."""
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
             if limits.active and d.text:
                 d.text, stop = limits.feed(d.text)
                 if stop:
-                    gen.stop(d.index)  # NOTE: the choice yields nothing after this
+                    gen.stop(d.index, "length")  # NOTE: the choice yields nothing after this
                     yield ChoiceDelta(d.index, d.text, d.logprobs, "limit")
                     continue
             yield d
