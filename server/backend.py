@@ -10,6 +10,7 @@ from scheduler.stats import StepStats
 from server.engine_client import EngineClient
 
 if TYPE_CHECKING:
+    from model.load.matryoshka import Matryoshka
     from model.runner.grammar import GrammarCompiler
     from server.lora import LoraAdapters
     from server.lora_runtime import LoraRuntime
@@ -49,6 +50,8 @@ class Backend:
     # endpoints answer 400); "generate": a generative model (its /v1/embeddings pools too)
     task: str = "generate"
     embedding_normalize: bool = True  # L2-normalise /v1/embeddings vectors
+    # the shortened vectors the model was trained for (/v1/embeddings `dimensions`); None: none
+    embedding_matryoshka: Matryoshka | None = None
     grammars: GrammarCompiler | None = None  # structured outputs; None: refused with a 400
     # what the model runs with (ISA path, kernels, dtype, quant): /metrics cellserve_runtime_info
     runtime: dict[str, str] = field(default_factory=dict)

@@ -5,7 +5,8 @@ Pooling, for a generative (causal) model: the last prompt token's final-norm hid
 only one that has attended to the whole input (vLLM's default pooling for decoder models); the
 vector is L2-normalised, as OpenAI's are. An encoder embedding model (model/layers/encoder.py)
 pools as its sentence-transformers config says and normalises only where that config does
-(Backend.embedding_normalize).
+(Backend.embedding_normalize). A request's `dimensions` cuts the vector of a model that declares
+shortened (Matryoshka) ones (Backend.embedding_matryoshka) before that normalisation.
 """
 
 from __future__ import annotations
@@ -104,11 +105,14 @@ class EmbeddingJob:
 
 
 def finish_vector(
-    vector: np.ndarray, encoding_format: str, normalize: bool = True
+    vector: np.ndarray, encoding_format: str, normalize: bool = True, dimensions: int | None = None
 ) -> list[float] | str:
-    """L2-normalise (`normalize`); float -> list of floats, base64 -> little-endian float32
-    bytes, base64."""
-    v = np.asarray(vector, dtype=np.float64)
+    """Cut to the first `dimensions` values (a Matryoshka model's shortened vector), then
+    L2-normalise (`normalize`); float -> list of floats, base64 -> little-endian float32 bytes,
+    base64."""
+    # NOTE: cut before normalising, as vLLM's pooler does and EmbeddingGemma's card asks: a
+    # normalised model's shortened vector is a unit vector again
+    v = np.asarray(vector[:dimensions], dtype=np.float64)
     norm = float(np.linalg.norm(v)) if normalize else 0.0
     unit = (v / norm if norm > 0 else v).astype("<f4")
     if encoding_format == "base64":

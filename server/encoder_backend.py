@@ -70,10 +70,11 @@ def load_encoder_backend(
     config.validate()
     memory = config.make_memory()
     log.info(
-        "encoder %s: %d layers, %d dims, %s pooling%s, inputs up to %d tokens, %s on %s",
+        "encoder %s: %d layers, %d dims%s, %s pooling%s, inputs up to %d tokens, %s on %s",
         args.arch,
         args.n_layers,
         args.dim,
+        f" (Matryoshka: {loaded.matryoshka.describe(args.dim)})" if loaded.matryoshka else "",
         args.pooling,
         ", L2-normalised" if args.normalize else "",
         n_ctx,
@@ -105,4 +106,5 @@ def load_encoder_backend(
         weights_owned_bytes=owned,
         task="embed",
         embedding_normalize=args.normalize,
+        embedding_matryoshka=loaded.matryoshka,
     )

@@ -51,21 +51,40 @@ def _inputs(backend: Backend, body: EmbeddingRequest) -> list[tuple[list[int], s
     return out
 
 
+def _dimensions(backend: Backend, dimensions: int | None) -> int | None:
+    """-> the length to cut each vector to; None: the whole vector. A 400 for a size the model
+    was not trained for (vLLM refuses `dimensions` the same way, not to serve poor vectors)."""
+    full = backend.embedding_dim
+    if dimensions is None or dimensions == full:
+        return None
+    matryoshka = backend.embedding_matryoshka
+    if matryoshka is None:
+        raise APIError(
+            400,
+            f"dimensions: this model's embeddings have {full} dimensions and it declares no "
+            "shortened (Matryoshka) ones (config.json's matryoshka_dimensions or is_matryoshka; "
+            f"a GGUF carries neither); omit dimensions or give {full}",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
+    if not matryoshka.allows(dimensions, full):
+        raise APIError(
+            400,
+            f"dimensions: {dimensions} is not a size this model's (Matryoshka) embeddings were "
+            f"trained for: {matryoshka.describe(full)}",
+            param="dimensions",
+            code="invalid_value",
+        )
+    return dimensions
+
+
 @router.post("/v1/embeddings")
 async def embeddings(
     body: EmbeddingRequest, request: Request, backend: BackendDep, settings: SettingsDep
 ) -> EmbeddingList:
     check_model(body.model, backend)
     reject_unsupported(body, EMBEDDING_RULES)
-    if body.dimensions is not None and body.dimensions != backend.embedding_dim:
-        raise APIError(
-            400,
-            f"dimensions: this model's embeddings have {backend.embedding_dim} dimensions and "
-            "cellserve serves no shortened (Matryoshka) ones; omit dimensions or give "
-            f"{backend.embedding_dim}",
-            param="dimensions",
-            code="unsupported_parameter",
-        )
+    dimensions = _dimensions(backend, body.dimensions)
     inputs = await run_in_threadpool(_inputs, backend, body)  # NOTE: off the event loop
     base_id = f"embd-{uuid.uuid4().hex}"
     requests = [
@@ -84,7 +103,9 @@ async def embeddings(
     data = [
         Embedding(
             index=i,
-            embedding=finish_vector(v, body.encoding_format, backend.embedding_normalize),
+            embedding=finish_vector(
+                v, body.encoding_format, backend.embedding_normalize, dimensions
+            ),
         )
         for i, v in enumerate(vectors)
     ]

@@ -20,8 +20,11 @@ WINDOW = 8  # config.json's sliding_window: |q - k| <= 4 in the sliding layers
 DIM = 32
 
 
-def write_tiny_embgemma(folder: Path, seed: int = 0, max_seq_length: int = 96) -> Path:
-    """The sentence-transformers folder of a random EmbeddingGemma-shaped model; returns it."""
+def write_tiny_embgemma(
+    folder: Path, seed: int = 0, max_seq_length: int = 96, matryoshka: list[int] | None = None
+) -> Path:
+    """The sentence-transformers folder of a random EmbeddingGemma-shaped model; returns it.
+    `matryoshka`: config.json's matryoshka_dimensions (vLLM's key; google's folder has none)."""
     import pytest
     from sentence_transformers import SentenceTransformer
     from transformers import Gemma3TextConfig, Gemma3TextModel, PreTrainedTokenizerFast
@@ -65,6 +68,7 @@ def write_tiny_embgemma(folder: Path, seed: int = 0, max_seq_length: int = 96) -
         pad_token_id=tok.token_to_id("<pad>"),
         bos_token_id=bos,
         eos_token_id=eos,
+        **({"matryoshka_dimensions": matryoshka} if matryoshka else {}),
     )
     torch.manual_seed(seed)
     model = Gemma3TextModel(config)
@@ -85,13 +89,18 @@ def write_tiny_embgemma(folder: Path, seed: int = 0, max_seq_length: int = 96) -
     return folder
 
 
-def reference_vectors(folder: Path, texts: list[str]) -> np.ndarray:
-    """sentence-transformers' own vectors of `texts`, each encoded alone, float32."""
+def reference_vectors(
+    folder: Path, texts: list[str], truncate_dim: int | None = None
+) -> np.ndarray:
+    """sentence-transformers' own vectors of `texts`, each encoded alone, float32; cut by its
+    `truncate_dim` (after the Normalize module: not unit vectors again)."""
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(folder), device="cpu")
     st.float()
-    return np.concatenate([st.encode([t], convert_to_numpy=True) for t in texts])
+    return np.concatenate(
+        [st.encode([t], convert_to_numpy=True, truncate_dim=truncate_dim) for t in texts]
+    )
 
 
 def module_types(folder: Path) -> list[str]:

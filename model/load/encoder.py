@@ -9,6 +9,8 @@ vectors are).
 GGUF: llama.cpp's tensor names (gguf-py's BERT map), `bert.*` hyper-parameters, `bert.pooling_type`
 (llama.cpp's enum: 1 mean, 2 CLS, 3 last) and a WordPiece vocabulary (model/load/wordpiece.py);
 normalised, as llama.cpp's server does for /v1/embeddings.
+Shortened (Matryoshka) vectors: as a folder's config.json declares them (model/load/matryoshka.py);
+a GGUF declares none.
 EmbeddingGemma (a bidirectional gemma3_text folder, a `gemma-embedding` GGUF): read by
 model/load/gemma_encoder.py into model/layers/gemma_encoder.py's GemmaEncoder.
 """
@@ -31,6 +33,7 @@ from model.load.gemma_encoder import GGUF_ARCH, is_gemma_folder, read_gemma_fold
 from model.load.gguf import open_gguf
 from model.load.hf import read_safetensors
 from model.load.hf_config import read_json
+from model.load.matryoshka import Matryoshka, read_matryoshka
 from model.load.tokenizer import Tokenizer
 from model.load.wordpiece import wordpiece_from_gguf
 
@@ -52,6 +55,7 @@ class LoadedEncoder:
     config: EncoderArgs | GemmaEncoderArgs
     encoder: Encoder | GemmaEncoder
     tokenizer: Tokenizer
+    matryoshka: Matryoshka | None = None  # the shortened vectors it serves; None: none
 
 
 def is_encoder(path: str | Path) -> bool:
@@ -105,7 +109,12 @@ def load_encoder(
         ).to(device)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{path}: {e}.") from e
-    return LoadedEncoder(path, path.stem if path.is_file() else path.name, args, encoder, tokenizer)
+    matryoshka = None
+    if path.is_dir():
+        config = path / "config.json"
+        matryoshka = read_matryoshka(read_json(config), args.dim, config)
+    name = path.stem if path.is_file() else path.name
+    return LoadedEncoder(path, name, args, encoder, tokenizer, matryoshka)
 
 
 def read_folder(folder: Path) -> tuple[EncoderArgs, dict[str, torch.Tensor]]:

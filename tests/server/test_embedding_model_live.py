@@ -132,6 +132,18 @@ def test_input_past_the_context_is_a_400(server):
     assert embed(server.url, [ids]).shape == (1, 384)  # type: ignore[list-item]
 
 
+def test_dimensions_are_refused_as_the_model_declares_no_matryoshka(server):
+    """all-MiniLM-L6-v2 is not trained for shortened vectors (its config.json says nothing)."""
+    body = {"model": MODEL, "input": "Hello world", "dimensions": 128}
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "dimensions" and error["code"] == "unsupported_parameter"
+    assert "declares no shortened (Matryoshka)" in error["message"]
+    r = httpx.post(f"{server.url}/v1/embeddings", json={**body, "dimensions": 384})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+
+
 def test_a_bert_gguf_serves_the_same_vectors(tmp_path):
     """The GGUF path end to end: llama.cpp's `bert` layout, the WordPiece vocabulary rebuilt
     from it, CLS pooling, base64 vectors. A GGUF has no Normalize flag: its vectors are
@@ -184,7 +196,31 @@ def test_a_folder_without_normalize_serves_raw_vectors(tmp_path):
         live.stop()
 
 
-def embed_any(url: str, inputs: list[str]) -> np.ndarray:
-    r = httpx.post(f"{url}/v1/embeddings", json={"input": inputs})
+def test_is_matryoshka_without_normalize_cuts_the_raw_vector(tmp_path):
+    """config.json's is_matryoshka: any size; no Normalize module: the first values as they are
+    (sentence-transformers' truncate_dim, vLLM without normalize), not normalised again."""
+    import json
+
+    from model.load.encoder import load_encoder
+    from tests.live_server import start_server
+    from tests.tiny_bert import write_tiny_bert
+
+    folder = write_tiny_bert(tmp_path / "mrl", "mean", normalize=False)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    want = load_encoder(folder)
+    live = start_server(model=str(folder), n_cells=256, n_batch=64, ctx_per_seq=64, threads=1)
+    try:
+        got = embed_any(live.url, SENTENCES[:3], dimensions=5)
+        past = httpx.post(f"{live.url}/v1/embeddings", json={"input": "a", "dimensions": 33})
+    finally:
+        live.stop()
+    ref = want.encoder.embed([want.tokenizer.encode(s) for s in SENTENCES[:3]])
+    np.testing.assert_allclose(got, ref[:, :5], atol=1e-5)
+    assert past.status_code == 400 and "any size from 1 to 32" in past.json()["error"]["message"]
+
+
+def embed_any(url: str, inputs: list[str], **body) -> np.ndarray:
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": inputs, **body})
     assert r.status_code == 200, r.text
     return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float64)
