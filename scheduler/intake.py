@@ -1,4 +1,9 @@
-"""A submitted Request -> the prompt the model reads, and the sequences of its choices."""
+"""A submitted Request -> the prompt the model reads, and the sequences of its choices.
+
+`check_request` is the one admission check: the scheduler applies it to every request, whoever
+submits it; the server maps what it raises to HTTP (server/errors.engine_error) rather than
+re-implementing its rules.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ def shift_enabled(request: Request, config: EngineConfig) -> bool:
     return config.context_shift if request.context_shift is None else request.context_shift
 
 
-def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
-    """The prompt the model will read; raises ValueError for a request it cannot serve."""
+def check_request(request: Request, config: EngineConfig) -> None:
+    """Raises PromptError (the prompt) or ValueError (another field) for a request the engine
+    cannot serve; never mutates."""
     if not request.prompt_ids:
         raise PromptError("empty prompt: the prompt has no tokens")
     if request.n < 1 or request.n > config.n_seq_max:
@@ -25,16 +31,37 @@ def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
         raise ValueError(f"an embedding request has one choice, got n={request.n}")
     if request.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
-    # NOTE: an embedding generates nothing: its prompt may fill the whole context
-    limit = config.n_ctx_seq + 1 if request.embed else config.n_ctx_seq
-    if len(request.prompt_ids) < limit:
-        return list(request.prompt_ids)
-    if not shift_enabled(request, config):
+    num_prompt = len(request.prompt_ids)
+    if num_prompt >= _context_limit(request, config) and not shift_enabled(request, config):
         raise PromptError(
-            f"the prompt has {len(request.prompt_ids)} tokens; the context is "
+            f"the prompt has {num_prompt} tokens; the context is "
             f"{config.n_ctx_seq} tokens and context shift is off",
             code="context_length_exceeded",
         )
+    check_fits_cache(num_prompt, config.n_cells, config.n_ctx_seq)
+
+
+def check_fits_cache(num_prompt: int, n_cells: int, n_ctx_seq: int) -> None:
+    """A prompt past the context is shifted (its middle dropped, llama.cpp style) when context
+    shift is on; one longer than the whole KV cache is refused rather than lose most of it."""
+    if num_prompt > n_cells:
+        raise PromptError(
+            f"the prompt has {num_prompt} tokens, more than the whole KV cache "
+            f"({n_cells} cells); the context is {n_ctx_seq} tokens",
+            code="context_length_exceeded",
+        )
+
+
+def _context_limit(request: Request, config: EngineConfig) -> int:
+    """Prompts of at least this many tokens are past the context."""
+    # NOTE: an embedding generates nothing: its prompt may fill the whole context
+    return config.n_ctx_seq + 1 if request.embed else config.n_ctx_seq
+
+
+def prepare_prompt(request: Request, config: EngineConfig) -> list[int]:
+    """The prompt the model will read, of a request that passed check_request."""
+    if len(request.prompt_ids) < _context_limit(request, config):
+        return list(request.prompt_ids)
     n_keep = clamp_n_keep(request.n_keep, len(request.prompt_ids), config.n_ctx_seq)
     return truncate_prompt(list(request.prompt_ids), n_keep, config.n_ctx_seq)
 

@@ -23,7 +23,7 @@ from scheduler import choices
 from scheduler.admission import Admission
 from scheduler.config import EngineConfig
 from scheduler.context_shift import clamp_n_keep
-from scheduler.intake import make_choices, prepare_prompt, shift_enabled
+from scheduler.intake import check_request, make_choices, prepare_prompt, shift_enabled
 from scheduler.kv_blocks import KVEvent
 from scheduler.plan import BatchPlan, SampleRow, SeqBatch, StepOutput, group_batches
 from scheduler.prefix_cache import PrefixCache, PrefixMatch
@@ -71,6 +71,7 @@ class Scheduler:
         """Queues the request's choices; raises ValueError for one it cannot serve."""
         if request.req_id in self._requests:
             raise ValueError(f"duplicate request id {request.req_id!r}")
+        check_request(request, self.config)
         prompt = prepare_prompt(request, self.config)
         seed = request.sampling.seed
         if seed is None:

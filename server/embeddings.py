@@ -19,8 +19,7 @@ from fastapi import Request as HTTPRequest
 
 from scheduler.request import EmbeddingEvent, FinishEvent, Request
 from server.engine_client import EngineClient
-from server.errors import APIError
-from server.generation import submit_error
+from server.errors import APIError, engine_error
 
 WINDOW = 32  # at most this many inputs of one HTTP request in the engine at once
 
@@ -77,7 +76,7 @@ class EmbeddingJob:
             try:
                 stream = self.engine.submit(req)
             except Exception as exc:
-                raise submit_error(exc, self.params[i]) from exc
+                raise engine_error(exc, self.params[i]) from exc
             self._live.add(req.req_id)
             vector = None
             async for event in stream:

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.errors import EngineDeadError, EngineDrainingError, PromptError, QueueFullError
+
 log = logging.getLogger("cellserve.server")
 
 _TYPES = {
@@ -64,6 +66,20 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+def engine_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
+    """What the engine refuses (scheduler/errors.py, scheduler/intake.check_request) as the
+    client sees it; `prompt_param` names the prompt in the body."""
+    if isinstance(exc, PromptError):
+        return APIError(400, str(exc), param=prompt_param, code=exc.code)
+    if isinstance(exc, QueueFullError):
+        return APIError(429, "the server is busy: queue full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDrainingError):
+        return APIError(503, "the server is shutting down", code="draining")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine is not running", code="engine_dead")
+    return APIError(400, str(exc))
 
 
 class BodyTooLargeError(StarletteHTTPException):

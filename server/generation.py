@@ -11,10 +11,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from scheduler.errors import EngineDeadError, EngineDrainingError, PromptError, QueueFullError
 from scheduler.request import FinishEvent, Request, TokenEvent
 from server.backend import Backend
-from server.errors import APIError
+from server.errors import engine_error
 from server.metrics import Metrics
 from server.streaming import TextStream
 
@@ -91,18 +90,6 @@ class _JobUsage:
     seen_finish: bool = False
 
 
-def submit_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
-    if isinstance(exc, PromptError):
-        return APIError(400, str(exc), param=prompt_param, code=exc.code)
-    if isinstance(exc, QueueFullError):
-        return APIError(429, "the server is busy: queue full", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineDrainingError):
-        return APIError(503, "the server is shutting down", code="draining")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, "the engine is not running", code="engine_dead")
-    return APIError(400, str(exc))
-
-
 class Generation:
     def __init__(
         self,
@@ -141,7 +128,7 @@ class Generation:
                 self._streams.append(self.backend.engine.submit(req))
             except Exception as exc:
                 self.abort()
-                raise submit_error(exc, self.prompt_param) from exc
+                raise engine_error(exc, self.prompt_param) from exc
 
     def abort(self) -> None:
         for req in self.requests[: len(self._streams)]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.constraint import Grammar
+from scheduler.errors import PromptError
+from scheduler.intake import check_fits_cache
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from server.backend import Backend, Tokenizer
-from server.errors import APIError
+from server.errors import APIError, engine_error
 from server.lora import select_lora
 from server.schemas import ChatMessage, SamplingBody, dump_messages
 from server.settings import Settings
@@ -128,19 +130,13 @@ def make_request(
     limit = settings.max_tokens_limit
     if max_tokens is not None and max_tokens > limit:
         raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens")
-    num_prompt = len(prompt_ids)
-    # NOTE: the engine refuses an empty prompt, or one past the context with context shift
-    # off (scheduler.errors.PromptError, see Generation.submit). A prompt past the context
-    # with shift on is shifted (its middle dropped, llama.cpp style); this server policy
-    # refuses one longer than the whole KV cache rather than lose most of it.
-    if num_prompt > backend.n_cells:
-        raise APIError(
-            400,
-            f"the prompt has {num_prompt} tokens, more than the whole KV cache "
-            f"({backend.n_cells} cells); the context is {backend.n_ctx_seq} tokens",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+    # NOTE: scheduler/intake.check_request is the admission check; its rules answer at submit
+    # (engine_error), after the engine's 503 / 429. This one is asked here too, before the body's
+    # other checks and for /render, where the server has always refused it.
+    try:
+        check_fits_cache(len(prompt_ids), backend.n_cells, backend.n_ctx_seq)
+    except PromptError as exc:
+        raise engine_error(exc, prompt_param) from exc
     if body.min_tokens > (max_tokens or default_max_tokens):
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}

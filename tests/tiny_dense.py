@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 DENSE_TYPES = ["gemma2", "phi3", "olmo2", "exaone4", "glm4", "granite"]
 # Granite's scalars, away from 1 so that a missed one shows (tests/tiny_moe.py's)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 # HF expert projection -> llama.cpp's stacked tensor
 WEIGHT_SCALE, ROUTER_SCALE = 0.1, 1.0

@@ -17,7 +17,8 @@ import pytest
 
 from tests.deploy.tooling import REPO, free_port
 from tests.live_server import start_server_process
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 
 def serve(model: Path, timeout: float = 90) -> tuple[int, str, float]:

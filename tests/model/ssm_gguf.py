@@ -12,6 +12,7 @@ import torch
 
 from model.arch import ModelArgs
 from model.load.gguf import open_gguf, read_args, read_weights
+from model.load.gguf_file import GGUFFile
 from tests.tiny_models import write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -50,6 +51,13 @@ GRANITE = dict(
     logits_scaling=4.0,
     rms_norm_eps=1e-6,
 )
+
+
+# the tests' Granite layouts: (layer_types, rope)
+GRANITE_CASES = {
+    "nope-mamba-first": (["mamba", "attention", "mamba", "attention"], False),
+    "rope-attention-first": (["attention", "mamba", "mamba", "attention"], True),
+}
 
 
 def f32(x: float) -> float:
@@ -115,3 +123,7 @@ def assert_same_weights(ours: dict[str, torch.Tensor], want: dict[str, torch.Ten
             torch.testing.assert_close(ours[name], w, rtol=2.5e-7, atol=0)
         else:
             assert torch.equal(ours[name], w), name
+
+
+def ggml_shapes(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
+    return {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}

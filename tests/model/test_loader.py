@@ -15,7 +15,8 @@ from model.kernels import load_kernels
 from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
 from tests.model.factories import make_plan, prefill_chunk
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 PROMPT = "Hello world! How are you today?"
 

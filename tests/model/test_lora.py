@@ -20,13 +20,9 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.model.factories import make_plan, prefill_chunk
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
-from tests.tiny_models import (
-    write_peft_adapter,
-    write_tiny_gemma3,
-    write_tiny_gguf,
-    write_tiny_gguf_lora,
-    write_tiny_llama,
-)
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_lora import write_peft_adapter, write_tiny_gguf_lora
+from tests.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -128,7 +128,8 @@ def test_the_server_default_is_the_fast_setup_for_this_cpu(smollm_path, tmp_path
     bfloat16 only where the CPU computes it natively; flags win; a GPU keeps bfloat16."""
     from model.kernels import isa
     from model.load.loader import choose_runtime
-    from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+    from tests.tiny_gguf import write_tiny_gguf
+    from tests.tiny_models import write_tiny_llama
 
     native = "bfloat16" if isa.native_bfloat16() else "float32"
     auto = choose_runtime(smollm_path, "cpu")  # SmolLM2's Q4_1

@@ -129,6 +129,7 @@ def test_abort_one_choice_while_the_prompt_is_read() -> None:
         (dict(n=9), "n must be"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(prompt_len=128, context_shift=False), "context shift is off"),
+        (dict(prompt_len=257), "more than the whole KV cache"),  # n_cells 256, shift on
     ],
 )
 def test_invalid_requests_are_rejected(kw: dict[str, object], match: str) -> None:

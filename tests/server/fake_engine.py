@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvcache.cells import FREE
-from scheduler.errors import EngineDrainingError, PromptError, QueueFullError
+from scheduler.config import EngineConfig
+from scheduler.errors import EngineDrainingError, QueueFullError
+from scheduler.intake import check_request
 from scheduler.request import EmbeddingEvent, Event, FinishEvent, Request, TokenEvent
 from scheduler.stats import CellMapSnapshot, EngineStats, SlotInfo
 from server.backend import Backend
@@ -77,6 +79,11 @@ class FakeEngine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     submitted: list[Request] = field(default_factory=list)
 
+    @property
+    def config(self) -> EngineConfig:
+        """What the admission check (scheduler/intake.py) reads: a 4000-token context."""
+        return EngineConfig(self.n_cells, 64, 512, n_ctx_seq=min(4000, self.n_cells))
+
     def start(self) -> None:
         pass
 
@@ -84,14 +91,11 @@ class FakeEngine:
         asyncio.get_running_loop()
         if self.draining:
             raise EngineDrainingError("draining")
-        if not request.prompt_ids:
-            raise PromptError("empty prompt: the prompt has no tokens")
-        if len(request.prompt_ids) > 4000:
-            raise PromptError("prompt too long", code="context_length_exceeded")
         with self.lock:
             running = {k[0] for k in self.live}
             if len(running) >= self.max_running:
                 raise QueueFullError("queue full")
+            check_request(request, self.config)  # after the 503 / 429, as Engine.submit
             for i in range(request.n):
                 self.live[(request.req_id, i)] = _Live(request, i, len(request.prompt_ids))
             self.num_prompt_tokens += len(request.prompt_ids)

@@ -20,7 +20,8 @@ from server.fim import ExtraChunk, FimTokens, FimWindow, fim_tokens, infill_ids
 from server.line_limits import LineLimits
 from tests.live_server import start_server
 from tests.server.fake_engine import BOS, FakeEngine, FakeTemplate, FakeTokenizer
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 WIDE = FimWindow(n_batch=2048, n_ctx=4096, n_predict=16)
 EXTRA = [ExtraChunk("util.py", "def add(a, b):\n    return a + b\n")]

@@ -17,7 +17,8 @@ from scheduler.scheduler import Scheduler
 from server.settings import Settings
 from tests.live_server import LiveServer, start_server
 from tests.server.test_lora_server import ALL_PROJ, PROMPT, complete, text
-from tests.tiny_models import write_peft_adapter, write_tiny_llama
+from tests.tiny_lora import write_peft_adapter
+from tests.tiny_models import write_tiny_llama
 
 pytest.importorskip("peft")
 

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli.main import build_settings, make_parser
 from tests.live_server import LiveServer, start_server
-from tests.tiny_models import write_peft_adapter, write_tiny_llama
+from tests.tiny_lora import write_peft_adapter
+from tests.tiny_models import write_tiny_llama
 
 pytest.importorskip("peft")
 

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.model_check import check_model_path
 from tests.live_server import LiveServer
 from tests.server.test_models_dir import wait_status
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 SETTINGS = {"n_cells": 256, "n_seq_max": 4, "ctx_per_seq": 128, "dtype": "float32", "quant": "none"}
 

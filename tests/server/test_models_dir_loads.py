@@ -19,7 +19,8 @@ from tests.server.test_models_dir import (
     wait_status,
     write_gguf_header,
 )
-from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import write_tiny_llama
 
 
 @pytest.fixture
