@@ -135,10 +135,12 @@ def infill_ids(
     prompt: str,
     window: FimWindow,
 ) -> list[int]:
-    """The prompt ids, token for token as llama.cpp's format_prompt_infill (not spm_infill)."""
+    """The prompt ids, token for token as llama.cpp's format_prompt_infill (not spm_infill):
+    the code (prefix, suffix, extra files and their names) is text, special tokens' spellings in
+    it included (a file may well hold "<|fim_prefix|>"); `prompt` reads them as tokens."""
 
     def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special=False)
+        return tok.encode(text, add_special=False, parse_special=False)
 
     extra_ids: list[int] = []
     if fim.rep is not None:
@@ -152,7 +154,8 @@ def infill_ids(
     if fim.sep is not None:
         extra_ids += [fim.sep, *encode(CURRENT_FILE + "\n")]
 
-    prefix_ids, suffix_ids, prompt_ids = encode(prefix), encode(suffix), encode(prompt)
+    prefix_ids, suffix_ids = encode(prefix), encode(suffix)
+    prompt_ids = tok.encode(prompt, add_special=False)
     n_batch = window.n_batch
     n_prefix_take = min(len(prefix_ids), 3 * (n_batch // 4))
     n_suffix_take = min(len(suffix_ids), max(0, n_batch // 4 - (2 + len(prompt_ids))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -79,9 +80,19 @@ class Tokenizer:
         """The `tokenizers` object (llguidance builds its token trie from its JSON)."""
         return self._tok
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """Special tokens written in `text` become their ids; BOS is added if the model wants."""
-        return self._tok.encode(text, add_special_tokens=add_special).ids
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """BOS is added if the model wants (add_special); special (control) tokens written in
+        `text` become their ids, or with parse_special=False stay text, as llama.cpp's
+        tokenizer reads them then (user-defined added tokens match either way, in both)."""
+        tok = self._tok if parse_special else self._plain
+        return tok.encode(text, add_special_tokens=add_special).ids
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """A copy that reads special tokens' spellings as text (built on first use)."""
+        plain = HFTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)

@@ -109,3 +109,26 @@ def test_the_real_coder_fills_in_the_middle_and_chats(qwen_path):
         assert "5" in chat.json()["choices"][0]["message"]["content"]
     finally:
         live.stop()
+
+
+def test_code_that_spells_special_tokens_stays_text_in_a_middle(qwen_path):
+    """As llama.cpp's format_prompt_infill: the prefix, suffix and extra files are text, so a
+    file holding "<|fim_prefix|>" or "<|endoftext|>" cannot inject those tokens; `prompt`
+    still reads special tokens."""
+    from model.load import gguf as gguf_loader
+    from model.load.tokenizer import Tokenizer
+    from server.fim import ExtraChunk, fim_tokens, fim_window, infill_ids
+
+    reader = gguf_loader.open_gguf(qwen_path)
+    fields = {k: v for k, v in reader.fields.items() if k.startswith("tok")}
+    tok = Tokenizer.from_gguf(fields, qwen_path, "qwen2")
+    fim = fim_tokens(tok, "qwen", "input_prefix")
+    eot = tok.encode("<|endoftext|>", add_special=False)
+    assert len(eot) == 1 and eot[0] in tok.special_ids  # it is a special token
+    code = 'TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|endoftext|>"]\n'
+    plain = tok.encode(code, add_special=False, parse_special=False)
+    assert tok.decode(plain) == code and not set(plain) & (tok.special_ids | {fim.pre, fim.suf})
+    extra = [ExtraChunk("tokens.py", code)]
+    ids = infill_ids(tok, fim, code, code, extra, "<|endoftext|>", fim_window(1024, 16))
+    assert ids.count(fim.pre) == 1 and ids.count(fim.suf) == 1 and ids.count(fim.mid) == 1
+    assert ids.count(eot[0]) == 1  # the prompt's (it follows the prefix)

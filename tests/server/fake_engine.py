@@ -35,8 +35,8 @@ class FakeTokenizer:
     eos_ids = (EOS,)
     vocab_size = 258
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        return ([BOS] if add_special else []) + list(text.encode())
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return ([BOS] if add_special else []) + list(text.encode())  # no special spellings
 
     def token_bytes(self, token_id: int) -> bytes:
         return {BOS: b"<s>", EOS: b"</s>"}.get(token_id, bytes([token_id % 256]))

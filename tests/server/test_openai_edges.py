@@ -176,11 +176,11 @@ class BlockingTokenizer(FakeTokenizer):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if "SLOW" in text:
             self.entered.set()
             self.release.wait(30)
-        return super().encode(text, add_special)
+        return super().encode(text, add_special, parse_special)
 
 
 @pytest.mark.parametrize(
