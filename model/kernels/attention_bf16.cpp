@@ -26,10 +26,10 @@ inline __m512 sum16(const __m512* a) {
 
 constexpr int64_t kPairsAhead = 16;  // V rows prefetched ahead
 
-// Where a task's K or V rows come from. InPlace: bfloat16 rows read where they are in the cache.
-// Coded: rows of another cache type (kv_rows.cpp: f16, q8_0, q4_0, ...) decoded one at a time
-// into a scratch row of the caller's (16 K rows or 2 V rows live at once: L1, where a whole
-// sequence's rows decoded first would not fit in L2 at a long context).
+// Where a task's K or V rows come from: InPlace, bfloat16 rows read where they are in the cache,
+// or CodedRows (kernels.h), rows of another cache type (f16, q8_0, q4_0) decoded one at a time
+// into a scratch row (16 K rows or 2 V rows live at once: L1, where a whole sequence's rows
+// decoded first would not fit in L2 at a long context).
 struct InPlace {
   const at::BFloat16* base;
   int64_t stride, hd;
@@ -37,21 +37,6 @@ struct InPlace {
   void prefetch(int64_t cell) const { prefetch_row(base + cell * stride, hd); }
 };
 
-struct Coded {
-  const uint8_t* base;
-  int64_t stride, hd;  // stride: bytes between cells
-  CacheKind kind;
-  const at::BFloat16* row(int64_t cell, at::BFloat16* scratch) const {
-    dequant_row(kind, base + cell * stride, scratch, hd);
-    return scratch;
-  }
-  void prefetch(int64_t cell) const {
-    const uint8_t* p = base + cell * stride;
-    const int64_t bytes = cache_row_bytes(kind, hd);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-    __builtin_prefetch(p + bytes - 1);
-  }
-};
 
 template <typename Rows>
 void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
@@ -81,6 +66,7 @@ void attend_bf16_coded(const at::BFloat16* const* qrows, int64_t nq, const int64
                        CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
                        int64_t n, float scale, float softcap, const float* sinks, float* scores,
                        at::BFloat16* const* dst) {
+  using Coded = CodedRows<at::BFloat16>;
   attend(qrows, nq, qlens, hd, Coded{kbase, kbytes, hd, kkind}, Coded{vbase, vbytes, hd, vkind},
          sc, n, scale, softcap, sinks, scores, dst);
 }

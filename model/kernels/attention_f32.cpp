@@ -51,9 +51,8 @@ inline void softmax_f32(float* s, int64_t m, const float* sink) {
   for (; i < m; ++i) s[i] *= 1.0f / sum;
 }
 
-// Where a task's K or V rows come from: float32 rows read where they are in the cache, or rows
-// of another cache type (kv_rows.cpp: f16, q8_0, ...) decoded one at a time into a scratch row
-// of the caller's, as dequant_row decodes them.
+// Where a task's K or V rows come from: InPlace, float32 rows read where they are in the cache,
+// or CodedRows (kernels.h), rows of another cache type decoded one at a time into a scratch row.
 struct InPlace {
   const float* base;
   int64_t stride;
@@ -61,21 +60,6 @@ struct InPlace {
   void prefetch(int64_t cell) const { __builtin_prefetch(base + cell * stride); }
 };
 
-struct Coded {
-  const uint8_t* base;
-  int64_t stride, hd;  // stride: bytes between cells
-  CacheKind kind;
-  const float* row(int64_t cell, float* scratch) const {
-    dequant_row(kind, base + cell * stride, scratch, hd);
-    return scratch;
-  }
-  void prefetch(int64_t cell) const {
-    const uint8_t* p = base + cell * stride;
-    const int64_t bytes = cache_row_bytes(kind, hd);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-    __builtin_prefetch(p + bytes - 1);
-  }
-};
 
 constexpr int64_t kMaxVec = 32;  // hd / 8 accumulators, hd <= 256
 constexpr int64_t kBlock = 16;   // V rows read (or decoded) together for every query
@@ -169,6 +153,7 @@ void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens, int64
                       CacheKind kkind, const uint8_t* kbase, int64_t kbytes, CacheKind vkind,
                       const uint8_t* vbase, int64_t vbytes, const int64_t* cells, int64_t n,
                       float softcap, const float* sinks, float* scores, float* const* out) {
+  using Coded = CodedRows<float>;
   attend(q, group, qlens, hd, Coded{kbase, kbytes, hd, kkind}, Coded{vbase, vbytes, hd, vkind},
          cells, n, softcap, sinks, scores, out);
 }

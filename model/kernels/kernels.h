@@ -129,6 +129,26 @@ at::Tensor dequant_cells(const at::Tensor& rows, const at::Tensor& cells, int64_
                          at::ScalarType dtype);
 bool reads_cache_types();
 
+// The rows of one kv head in a cache of another type than the kernel's T (float or bfloat16),
+// as the attention kernels read them: each decoded, as dequant_row decodes it, into a scratch
+// row of the caller's when it is read (stride: bytes between cells).
+template <typename T>
+struct CodedRows {
+  const uint8_t* base;
+  int64_t stride, hd;
+  CacheKind kind;
+  const T* row(int64_t cell, T* scratch) const {
+    dequant_row(kind, base + cell * stride, scratch, hd);
+    return scratch;
+  }
+  void prefetch(int64_t cell) const {  // every 64-byte line the row touches
+    const uint8_t* p = base + cell * stride;
+    const int64_t bytes = cache_row_bytes(kind, hd);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    __builtin_prefetch(p + bytes - 1);
+  }
+};
+
 #ifdef CELLSERVE_F32_AVX2
 // attend_f32 over K and V rows of other cache types (kbytes / vbytes: bytes between cells), each
 // row decoded to float32 when it is read, as dequant_row decodes it (attention_f32.cpp)
