@@ -56,15 +56,17 @@ def _counter(url: str, name: str) -> float:
 
 
 @contextmanager
-def sglang_fleet(*router_flags: str) -> Iterator[Fleet]:
-    """Two replicas behind `sglang-router --policy cache_aware` (health checked every 1 s, one
+def sglang_fleet(
+    *router_flags: str, policy: str = "cache_aware", replica_flags: list[str] = REPLICA_FLAGS
+) -> Iterator[Fleet]:
+    """Two replicas behind `sglang-router --policy <policy>` (health checked every 1 s, one
     failure marks a replica down), ready once it forwards a model-less request."""
     router_bin = require_tool("sglang-router")
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_llama(f"{tmp}/tiny"))
         with ThreadPoolExecutor(2) as pool:  # the two replicas load side by side
             futures = [
-                pool.submit(start_server_process, "--model", model, *REPLICA_FLAGS)
+                pool.submit(start_server_process, "--model", model, *replica_flags)
                 for _ in range(2)
             ]
             replicas = [f.result() for f in futures]
@@ -73,7 +75,7 @@ def sglang_fleet(*router_flags: str) -> Iterator[Fleet]:
         # fmt: off
         cmd = [
             router_bin, "launch", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
+            "--worker-urls", *[r.url for r in replicas], "--policy", policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
             "--log-level", "warn", *router_flags,
@@ -123,10 +125,10 @@ def test_requests_without_model_reach_the_replicas_model(fleet: Fleet) -> None:
     assert direct.status_code == 200 and direct.json()["token_ids"]
 
 
-def _ideal_hit_tokens(prompts: list[list[int]]) -> int:
+def ideal_hits(prompts: list[list[int]]) -> list[int]:
     """Hit tokens of one cache that holds every earlier prompt: each prompt's longest common
     prefix with an earlier one (its last token is always computed, as the scheduler does)."""
-    total = 0
+    hits = []
     for i, ids in enumerate(prompts):
         best = 0
         for earlier in prompts[:i]:
@@ -134,8 +136,12 @@ def _ideal_hit_tokens(prompts: list[list[int]]) -> int:
             while n < min(len(ids) - 1, len(earlier)) and ids[n] == earlier[n]:
                 n += 1
             best = max(best, n)
-        total += best
-    return total
+        hits.append(best)
+    return hits
+
+
+def _ideal_hit_tokens(prompts: list[list[int]]) -> int:
+    return sum(ideal_hits(prompts))
 
 
 def test_shared_prefixes_stick_to_a_replica(fleet: Fleet) -> None:

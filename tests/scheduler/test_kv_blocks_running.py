@@ -42,12 +42,17 @@ def running_blocks(sched: Scheduler) -> set[int]:
     return out
 
 
-def held_blocks(sched: Scheduler) -> set[int]:
+def cache_blocks(sched: Scheduler) -> set[int]:
+    """What the prefix cache holds: holders and index nodes, not running sequences."""
     ledger, prefix, radix = sched.prefix.ledger, sched.prefix, sched.seq_ids.radix
     assert ledger is not None
     kept = [prefix.tokens(sid) for sid in prefix.seq_ids]
     kept += [radix.path_tokens(n) for n in radix.nodes()] if radix is not None else []
-    return {h for t in kept for h, _, _ in ledger.chain(t)} | running_blocks(sched)
+    return {h for t in kept for h, _, _ in ledger.chain(t)}
+
+
+def held_blocks(sched: Scheduler) -> set[int]:
+    return cache_blocks(sched) | running_blocks(sched)
 
 
 class Checked:

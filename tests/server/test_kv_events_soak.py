@@ -25,7 +25,7 @@ import zmq
 
 from tests.deploy.tooling import free_port
 from tests.live_server import LiveServer, start_server
-from tests.scheduler.test_kv_blocks_running import held_blocks
+from tests.scheduler.test_kv_blocks_running import cache_blocks, running_blocks
 from tests.tiny_models import write_tiny_llama
 
 BLOCK = 8
@@ -36,7 +36,8 @@ SYSTEMS = [f"System {k}: you answer questions about topic {k} in one line. " * 3
 @dataclass
 class StepRecord:
     num_published: int  # batches published when the step ended
-    blocks: frozenset[int]  # the prefix cache's blocks then
+    blocks: frozenset[int]  # the blocks of holders, index nodes and running requests then
+    num_running_only: int  # of those, held by running requests and by no holder or node
 
 
 @dataclass
@@ -45,9 +46,10 @@ class Watch:
     num_published: int = 0
 
 
-def cached_blocks(engine) -> frozenset[int]:
+def step_record(engine, num_published: int) -> StepRecord:
     """The blocks of every holder, index node and running request (engine lock held)."""
-    return frozenset(held_blocks(engine.scheduler))
+    cached, running = cache_blocks(engine.scheduler), running_blocks(engine.scheduler)
+    return StepRecord(num_published, frozenset(cached | running), len(running - cached))
 
 
 def watch_engine(engine) -> Watch:
@@ -61,9 +63,9 @@ def watch_engine(engine) -> Watch:
 
     def step_end() -> None:
         publish_step()
-        blocks = cached_blocks(engine)
-        if not watch.steps or watch.steps[-1] != StepRecord(watch.num_published, blocks):
-            watch.steps.append(StepRecord(watch.num_published, blocks))
+        record = step_record(engine, watch.num_published)
+        if not watch.steps or watch.steps[-1] != record:
+            watch.steps.append(record)
 
     engine._publish_kv = counted
     engine._publish_kv_events = step_end
@@ -206,11 +208,13 @@ def test_every_step_ends_with_the_subscriber_seeing_the_cache(replica: tuple[Liv
     time.sleep(1.0)  # dropped streams finish on the engine
     sub.stop.set()
     sub.join(timeout=30)
+    with_running = [s.num_running_only for s in watch.steps if s.num_running_only]
     print(
         f"{DURATION_S:.0f} s: requests {tally}, {len(watch.steps)} distinct step ends, "
         f"{len(sub.views)} batches, blocks stored {sub.num_stored} removed {sub.num_removed}, "
-        f"most blocks held {max(len(s.blocks) for s in watch.steps)}, publisher dropped "
-        f"{server.app.state.kv_events.num_dropped}"
+        f"most blocks held {max(len(s.blocks) for s in watch.steps)}, step ends with blocks "
+        f"only running requests held {len(with_running)} (most {max(with_running, default=0)}), "
+        f"publisher dropped {server.app.state.kv_events.num_dropped}"
     )
     assert not [k for k in tally if k.startswith("error")], tally
     assert sub.error is None, sub.error
@@ -219,6 +223,7 @@ def test_every_step_ends_with_the_subscriber_seeing_the_cache(replica: tuple[Liv
     assert len(sub.views) == watch.num_published
     assert sub.num_removed > 0 and max(len(s.blocks) for s in watch.steps) > 0
     assert tally["dropped"] > 0 and tally["turn"] > 0 and tally["system"] > 0
+    assert with_running, "no step ended with a running request's own blocks: not checked"
     behind = [
         k
         for k, step in enumerate(watch.steps)
