@@ -20,7 +20,7 @@ from kvcache.memory import Memory
 from scheduler.cache_tier import CacheTier, TierStats
 from scheduler.config import EngineConfig
 from scheduler.errors import EngineDeadError, EngineDrainingError, QueueFullError
-from scheduler.isolate import describe, isolate, pending_only, without_pending
+from scheduler.isolate import describe, isolate
 from scheduler.kv_blocks import BlockLedger, KVEvent
 from scheduler.plan import BatchPlan, StepOutput, Worker
 from scheduler.request import Event, FinishEvent, Request
@@ -325,8 +325,8 @@ class Engine:
         failing batch is bisected so that only the culprits' requests fail (scheduler/isolate.py).
         An exception from the pending cache work itself propagates: the whole batch fails."""
         if plan.has_pending:
-            self.worker.execute(pending_only(plan))
-        forward = without_pending(plan)
+            self.worker.execute(plan.pending_only())
+        forward = plan.without_pending()
         try:
             return self.worker.execute(forward), {}
         except Exception as exc:  # noqa: BLE001 - find the culprit, the others go on

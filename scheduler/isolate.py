@@ -6,10 +6,11 @@ culprit). The other sequences keep the outputs of the re-runs, which equal those
 batch: every row depends only on its own sequence's cells.
 
 NOTE: a batch's pending cache work (copies, K-shifts) is applied by a call of its own before
-the forward (`pending_only`), and the forward and its re-runs carry none: a K-shift applied
-twice would rotate K by twice the delta. A recurrent group's state is read and written in
-place, so a worker whose forward raises must leave every state slot as it was (write the
-new states only once the forward succeeded); a re-run then reads the same states.
+the forward (`BatchPlan.pending_only`), and the forward and its re-runs carry none
+(`BatchPlan.without_pending`): a K-shift applied twice would rotate K by twice the delta. A
+recurrent group's state is read and written in place, so a worker whose forward raises must
+leave every state slot as it was (write the new states only once the forward succeeded); a
+re-run then reads the same states.
 """
 
 from __future__ import annotations
@@ -24,18 +25,6 @@ from scheduler.plan import BatchPlan, GroupBatch, SeqBatch, StepOutput, Worker
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def pending_only(plan: BatchPlan) -> BatchPlan:
-    """A plan with no tokens that applies each group's pending work."""
-    empty = np.zeros(0, dtype=np.int64)
-    groups = [dataclasses.replace(g, cells=empty, seqs=[], captures=[]) for g in plan.groups]
-    return BatchPlan(empty, empty, empty, [], groups, [])
-
-
-def without_pending(plan: BatchPlan) -> BatchPlan:
-    groups = [dataclasses.replace(g, pending=PendingOps.empty()) for g in plan.groups]
-    return dataclasses.replace(plan, groups=groups)
 
 
 def sub_plan(plan: BatchPlan, seq_indices: list[int]) -> tuple[BatchPlan, list[int]]:

@@ -5,7 +5,7 @@ Plain dataclasses and numpy arrays only: no tensors cross this boundary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -130,6 +130,17 @@ class BatchPlan:
     def has_pending(self) -> bool:
         return any(not g.pending.is_empty for g in self.groups)
 
+    def pending_only(self) -> BatchPlan:
+        """A plan with no tokens that applies each group's pending work."""
+        empty = np.zeros(0, dtype=np.int64)
+        groups = [replace(g, cells=empty, seqs=[], captures=[]) for g in self.groups]
+        return BatchPlan(empty, empty, empty, [], groups, [])
+
+    def without_pending(self) -> BatchPlan:
+        """This plan's forward, its pending work left out (applied already)."""
+        groups = [replace(g, pending=PendingOps.empty()) for g in self.groups]
+        return replace(self, groups=groups)
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -142,7 +153,11 @@ class StepOutput:
 
 
 class Worker(Protocol):
-    """What the engine drives (model/runner/worker.py; fakes in tests)."""
+    """What the engine drives (model/runner/worker.py; fakes in tests).
+
+    `execute` applies the plan's pending cache work (each group's `pending`) once, before its
+    rows read the cache; the engine hands it over in a plan of its own (`pending_only`: no
+    tokens, no samples) and runs the forward `without_pending` (scheduler/isolate.py)."""
 
     def execute(self, plan: BatchPlan) -> StepOutput: ...
 

@@ -1,8 +1,7 @@
-"""ModelWorker: BatchPlan -> (K-shifts, forward over the cell cache, sampling) -> StepOutput."""
+"""ModelWorker: BatchPlan -> (pending cache work, forward over the cells, sampling) -> output."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from contextlib import AbstractContextManager, nullcontext
@@ -12,7 +11,6 @@ import numpy as np
 import torch
 
 from kvcache.cell_file import rows_geometry
-from kvcache.cell_types import PendingOps
 from kvcache.rope import RopeConfig, rope_tables
 from kvcache.state_storage import RecurrentStorage
 from kvcache.storage import GroupedKVStorage, KVStorage
@@ -162,7 +160,8 @@ class ModelWorker:
         if self.threads is not None and self._threads_set_in != threading.get_ident():
             set_torch_threads(self.threads)
             self._threads_set_in = threading.get_ident()
-        plan, saved = self._save_states(plan)
+        plan = self._apply_pending(plan)
+        saved = self._save_states(plan)
         try:
             masks = self.masks.start(plan.samples)  # structured outputs, beside the forward
             if any(row.embed for row in plan.samples):
@@ -174,22 +173,15 @@ class ModelWorker:
                 self.state.restore(*saved)
             raise
 
-    def _save_states(self, plan: BatchPlan) -> tuple[BatchPlan, SavedStates | None]:
-        """A copy of the states the step's sequences start from (after the recurrent group's
-        pending copies, applied here: the plan returned has none left), so that a step that
-        raises leaves every slot as it was. The layers update states as they go, and the
-        engine re-runs the sequences of a failing batch (scheduler/isolate.py)."""
+    def _save_states(self, plan: BatchPlan) -> SavedStates | None:
+        """A copy of the states the step's sequences start from (their pending copies applied),
+        so that a step that raises leaves every slot as it was. The layers update states as
+        they go, and the engine re-runs the sequences of a failing batch (scheduler/isolate.py)."""
         if self.state is None or plan.num_tokens == 0:
-            return plan, None
+            return None
         g = next(i for i, s in enumerate(self.kv) if isinstance(s, RecurrentStorage))
-        group = plan.groups[g]
-        if not group.pending.is_empty:
-            self.state.apply(group.pending)
-            groups = list(plan.groups)
-            groups[g] = dataclasses.replace(group, pending=PendingOps.empty())
-            plan = dataclasses.replace(plan, groups=groups)
-        slots = torch.from_numpy(np.unique(group.cells)).to(self.device)
-        return plan, (slots, self.state.save(slots))
+        slots = torch.from_numpy(np.unique(plan.groups[g].cells)).to(self.device)
+        return slots, self.state.save(slots)
 
     def _execute_with_embeddings(self, plan: BatchPlan, masks: Any) -> StepOutput:
         """Embed rows return their final-norm hidden state; the others are sampled as usual.
@@ -224,7 +216,7 @@ class ModelWorker:
         """Apply each group's pending work, run the batch -> final-norm hidden states
         [n_out, dim] of the plan's sample rows (n_out >= len(plan.samples) with
         batch_invariant's padding)."""
-        self._apply_pending(plan)
+        plan = self._apply_pending(plan)
         batch = self.make_batch(plan)
         with self._lora(batch):
             native = self.paths.native
@@ -236,7 +228,7 @@ class ModelWorker:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """Apply each group's pending work, run the batch -> logits [len(plan.samples), vocab]
         float32."""
-        self._apply_pending(plan)
+        plan = self._apply_pending(plan)
         if plan.num_tokens == 0:
             return torch.zeros(0, self.model.args.vocab_size)
         batch = self.make_batch(plan)
@@ -256,11 +248,18 @@ class ModelWorker:
             log.debug("step %d with LoRA rows: the Python layers", self.num_lora_steps)
         return self.lora.active(batch.lora)
 
-    def _apply_pending(self, plan: BatchPlan) -> None:
+    def _apply_pending(self, plan: BatchPlan) -> BatchPlan:
+        """Each group's pending work (cell copies and K-shifts, recurrent state copies) applied
+        to its storage, in group order -> the plan without it (BatchPlan.without_pending).
+        NOTE: the one place the worker applies pending work: once per plan, before any row
+        reads the cache."""
         assert len(plan.groups) == len(self.kv), "one storage per layer group of the plan"
+        if not plan.has_pending:
+            return plan
         for storage, group in zip(self.kv, plan.groups, strict=True):
             if not group.pending.is_empty:
                 storage.apply(group.pending)
+        return plan.without_pending()
 
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:
         dev = self.device

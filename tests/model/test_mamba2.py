@@ -226,3 +226,24 @@ def test_a_step_that_raises_leaves_every_state_as_it_was(tiny, monkeypatch):
     ref = driver(tiny)
     ref.logits([Chunk(0, ids[:20]), Chunk(1, ids[:7])])
     assert_close(retried, ref.logits([Chunk(0, ids[20:]), Chunk(1, [9])]))
+
+
+def test_a_step_that_raises_keeps_the_state_copies_it_carried(tiny, monkeypatch):
+    """A plan's pending state copies are applied before the step's states are saved: a step
+    that raises puts back the forked state, not what the slot held before the copy."""
+    ids = prompt(20, seed=7)
+    d = driver(tiny)
+    d.step([Chunk(0, ids)])
+    forked = [t.clone() for t in state_of(d, 0)]
+    d.fork(0, 1)
+    assert not any(bool(t.any()) for t in state_of(d, 1)), "the copy is still pending"
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected fault in the last layer")
+
+    monkeypatch.setattr(d.worker.model.layers[-1], "forward", boom)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        d.step([Chunk(0, [5]), Chunk(1, [6])])
+    for s in (0, 1):
+        for a, b in zip(state_of(d, s), forked, strict=True):
+            assert torch.equal(a, b)
