@@ -281,11 +281,18 @@ std::string compiled_isa() {
   return out;
 }
 
+// The compute kernels run without the GIL (they touch no Python object; arguments are
+// converted before and the result after): the engine thread's C++ step then overlaps the HTTP
+// thread's work (streaming the previous step's tokens, reading new requests), and a second
+// model's engine in router mode computes beside it instead of waiting for the interpreter.
+// Their scratch buffers are thread_local, so concurrent callers never share one.
+constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over cells, in place",
+  m.def("decode_attention", &decode_attention, kNoGil, "decode attention over cells, in place",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
         py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
-  m.def("prompt_attention", &prompt_attention, "a prompt chunk's attention over cells",
+  m.def("prompt_attention", &prompt_attention, kNoGil, "a prompt chunk's attention over cells",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
         py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
@@ -293,28 +300,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention and prompt_attention take sinks (gpt-oss)");
   m.def("reads_cache_types", &reads_cache_types,
         "whether the attention kernels and step_layers read and write every cache type");
-  m.def("dequant_cells", &dequant_cells, "cells of a K/V cache layer, dequantized");
+  m.def("dequant_cells", &dequant_cells, kNoGil, "cells of a K/V cache layer, dequantized");
   m.def("has_f32_kernels", &has_f32_kernels, "whether prompt_attention takes float32 (AVX2)");
   m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled for");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bfloat16 rows, rounded as torch rounds");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of bfloat16 rows");
-  m.def("rms_norm_f32", &rms_norm_f32, "RMSNorm of float32 rows in one pass");
-  m.def("silu_mul_f32", &silu_mul_f32, "silu(gate) * up of float32 rows");
-  m.def("rms_norm", &rms_norm_of, "RMSNorm of bfloat16 or float32 rows, in one pass");
-  m.def("silu_mul", &silu_mul_of, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
-  m.def("rope_neox_", &rope_neox_, "rotate-half RoPE of [n, heads, head_dim] in place");
-  m.def("int4_mm", &int4_mm, "float32 rows times cellserve-layout int4 weights, in int8");
-  m.def("int4_gemm", &int4_gemm, "float32 batches times int4 weights (pack_int4_gemm), in int8");
-  m.def("int8_mm", &int8_mm, "float32 rows times int8 weights with a scale per 32, in int8");
-  m.def("ggml_linear", &ggml_linear, py::arg("x"), py::arg("parts"), py::arg("types"),
+  m.def("rms_norm_bf16", &rms_norm_bf16, kNoGil, "RMSNorm of bfloat16 rows, rounded as torch rounds");
+  m.def("silu_mul_bf16", &silu_mul_bf16, kNoGil, "silu(gate) * up of bfloat16 rows");
+  m.def("rms_norm_f32", &rms_norm_f32, kNoGil, "RMSNorm of float32 rows in one pass");
+  m.def("silu_mul_f32", &silu_mul_f32, kNoGil, "silu(gate) * up of float32 rows");
+  m.def("rms_norm", &rms_norm_of, kNoGil, "RMSNorm of bfloat16 or float32 rows, in one pass");
+  m.def("silu_mul", &silu_mul_of, kNoGil, "silu(gate) * up of bfloat16 or float32 rows, in one pass");
+  m.def("rope_neox_", &rope_neox_, kNoGil, "rotate-half RoPE of [n, heads, head_dim] in place");
+  m.def("int4_mm", &int4_mm, kNoGil, "float32 rows times cellserve-layout int4 weights, in int8");
+  m.def("int4_gemm", &int4_gemm, kNoGil, "float32 batches times int4 weights (pack_int4_gemm), in int8");
+  m.def("int8_mm", &int8_mm, kNoGil, "float32 rows times int8 weights with a scale per 32, in int8");
+  m.def("ggml_linear", &ggml_linear, kNoGil, py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("k"), "rows times a GGUF's own quantized blocks (parts along the outputs)");
-  m.def("ggml_get_rows", &ggml_get_rows, py::arg("w"), py::arg("type"), py::arg("ids"),
+  m.def("ggml_get_rows", &ggml_get_rows, kNoGil, py::arg("w"), py::arg("type"), py::arg("ids"),
         py::arg("k"), "the rows ids of GGUF blocks, dequantized to float32");
-  m.def("ggml_dequantize", &ggml_dequantize, py::arg("w"), py::arg("type"), py::arg("k"),
+  m.def("ggml_dequantize", &ggml_dequantize, kNoGil, py::arg("w"), py::arg("type"), py::arg("k"),
         "GGUF blocks [n, row_bytes] dequantized to float32 [n, k]");
   m.def("ggml_row_bytes", &ggml_row_bytes, py::arg("type"), py::arg("k"),
         "bytes of a row of k values of a GGML type");
-  m.def("step_layers", &step_layers, "every layer of a quantized step, bf16 or f32");
+  m.def("step_layers", &step_layers, kNoGil, "every layer of a quantized step, bf16 or f32");
   // step_layers' arguments (kernels.h), built field by field from Python (model/native.py);
   // module_local: every level's build is its own module, and a process may load several
   py::class_<StepLinear>(m, "StepLinear", py::module_local())

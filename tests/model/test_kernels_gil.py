@@ -1,0 +1,115 @@
+"""model/kernels: the compute kernels run without the GIL, so the HTTP thread streams and reads
+requests while the engine thread is inside a C++ step, and calls from two threads at once (two
+models' engines in router mode) each get what a call alone gets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.model.factories import require_kernels
+from tests.model.test_ggml_blocks import TYPES, make_weights
+
+
+@pytest.fixture(scope="module")
+def kern():
+    return require_kernels()
+
+
+def attention_call(kern, n_seq: int):
+    """decode_attention over n_seq sequences of 60k bfloat16 cells each (one 8 MB K/V read per
+    sequence)."""
+    gen = torch.Generator().manual_seed(0)
+    n_cells, n_kv, n_heads, hd = 60_000, 2, 8, 64
+    k = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    v = torch.randn(n_kv, n_cells, hd, generator=gen).bfloat16()
+    cells = torch.arange(n_cells).repeat(n_seq, 1)
+    lens = torch.full((n_seq,), n_cells)
+    q = torch.randn(n_seq, n_heads, hd, generator=gen).bfloat16()
+    return lambda: kern.decode_attention(q, k, v, cells, lens, 0.125)
+
+
+def linear_call(kern, n_rows: int):
+    """ggml_linear of n_rows rows by a 4096 x 4096 Q4_K matrix."""
+    rng = np.random.default_rng(1)
+    k = 4096
+    w = torch.from_numpy(make_weights("Q4_K", 4096, k, rng))
+    x = torch.from_numpy(rng.standard_normal((n_rows, k)).astype(np.float32))
+    return lambda: kern.ggml_linear(x, [w], [int(TYPES["Q4_K"][0])], k)
+
+
+def calibrated(make, kern, at_least_s: float):
+    """make(kern, size) with size doubled until one call takes at_least_s (this machine's speed
+    and load decide the size, not a fixed clock)."""
+    size = 1
+    while True:
+        call = make(kern, size)
+        t0 = time.perf_counter()
+        call()
+        if time.perf_counter() - t0 >= at_least_s or size >= 4096:
+            return call
+        size *= 2
+
+
+@pytest.mark.parametrize(
+    "make", [attention_call, linear_call], ids=["decode_attention", "ggml_linear"]
+)
+def test_python_runs_while_a_kernel_computes(kern, make):
+    """This thread counts while another is inside one kernel call. With the GIL held through the
+    call it could not run at all until the call returned: one gap as long as the call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel on one core, this loop on the other
+    try:
+        call = calibrated(make, kern, 0.3)
+        span: dict[str, float] = {}
+        done = threading.Event()
+
+        def worker() -> None:
+            span["t0"] = time.perf_counter()
+            call()
+            span["t1"] = time.perf_counter()
+            done.set()
+
+        ticks: list[float] = []
+        thread = threading.Thread(target=worker)
+        thread.start()
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    t0, t1 = span["t0"], span["t1"]
+    inside = [t0] + [t for t in ticks if t0 < t < t1] + [t1]
+    longest = max(b - a for a, b in zip(inside[:-1], inside[1:], strict=True))
+    call_s = t1 - t0
+    assert longest < 0.5 * call_s, f"this thread stood still {longest:.3f} s of {call_s:.3f} s"
+
+
+def test_calls_from_two_threads_at_once_equal_calls_alone(kern):
+    """Each thread's scratch buffers are its own: the K-quant activations (quantize_rows_k) and
+    the tiles' columns of one call never mix with another's running beside it."""
+    rng = np.random.default_rng(2)
+    k = 1024
+    names = ["Q4_K", "Q6_K", "Q8_0", "Q4_0"]
+    parts = [torch.from_numpy(make_weights(nm, 64, k, rng)) for nm in names]
+    types = [int(TYPES[nm][0]) for nm in names]
+    xs = [torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) for m in (1, 3, 40, 200)]
+    alone = [kern.ggml_linear(x, parts, types, k) for x in xs]
+    got: dict[int, list[torch.Tensor]] = {}
+    start = threading.Barrier(len(xs))
+
+    def run(i: int) -> None:
+        start.wait()
+        got[i] = [kern.ggml_linear(xs[i], parts, types, k) for _ in range(20)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, want in enumerate(alone):
+        assert all(torch.equal(y, want) for y in got[i]), f"rows {len(xs[i])}"
