@@ -1,6 +1,7 @@
 """model/kernels: the compute kernels run without the GIL, so the HTTP thread streams and reads
 requests while the engine thread is inside a C++ step, and calls from two threads at once (two
-models' engines in router mode) each get what a call alone gets."""
+models' engines in router mode) each get what a call alone gets. The one-call step keeps the
+GIL for decode-sized steps (at most 64 rows, layers.cpp says why) and lets go of it above."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.factories import require_kernels
+from model import load_model
+from model.layers.quant import quantize
+from model.runner.worker import make_worker
+from tests.model.factories import Driver, require_kernels
 from tests.model.test_ggml_blocks import TYPES, make_weights
 
 
@@ -55,38 +59,90 @@ def calibrated(make, kern, at_least_s: float):
         size *= 2
 
 
+def longest_stall(call, span: dict[str, float] | None = None) -> tuple[float, float]:
+    """(the longest time this thread stood still while another was inside call(), the time
+    inside). `span` (t0, t1): the part of the call to watch, when the call records it itself;
+    the whole call otherwise. Had the GIL been held through it, this thread could not run at all
+    until it returned: one stall as long as the span."""
+    span = {} if span is None else span
+    done = threading.Event()
+
+    def worker() -> None:
+        t0 = time.perf_counter()
+        call()
+        span.setdefault("t0", t0)
+        span.setdefault("t1", time.perf_counter())
+        done.set()
+
+    ticks: list[float] = []
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+    thread.join()
+    t0, t1 = span["t0"], span["t1"]
+    inside = [t0] + [t for t in ticks if t0 < t < t1] + [t1]
+    return max(b - a for a, b in zip(inside[:-1], inside[1:], strict=True)), t1 - t0
+
+
 @pytest.mark.parametrize(
     "make", [attention_call, linear_call], ids=["decode_attention", "ggml_linear"]
 )
 def test_python_runs_while_a_kernel_computes(kern, make):
-    """This thread counts while another is inside one kernel call. With the GIL held through the
-    call it could not run at all until the call returned: one gap as long as the call."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernel on one core, this loop on the other
     try:
-        call = calibrated(make, kern, 0.3)
-        span: dict[str, float] = {}
-        done = threading.Event()
-
-        def worker() -> None:
-            span["t0"] = time.perf_counter()
-            call()
-            span["t1"] = time.perf_counter()
-            done.set()
-
-        ticks: list[float] = []
-        thread = threading.Thread(target=worker)
-        thread.start()
-        while not done.is_set():
-            ticks.append(time.perf_counter())
-        thread.join()
+        longest, call_s = longest_stall(calibrated(make, kern, 0.3))
     finally:
         torch.set_num_threads(before)
-    t0, t1 = span["t0"], span["t1"]
-    inside = [t0] + [t for t in ticks if t0 < t < t1] + [t1]
-    longest = max(b - a for a, b in zip(inside[:-1], inside[1:], strict=True))
-    call_s = t1 - t0
     assert longest < 0.5 * call_s, f"this thread stood still {longest:.3f} s of {call_s:.3f} s"
+
+
+@pytest.fixture(scope="module")
+def smollm_worker(smollm_path):
+    require_kernels()
+    loaded = load_model(smollm_path, dtype="bfloat16")
+    quantize(loaded.transformer, "int4")
+    worker = make_worker(loaded, n_cells=4096)
+    assert worker.paths.native is not None
+    return worker
+
+
+@pytest.mark.parametrize("rows, runs_beside", [(2048, True), (64, False)])
+def test_the_one_call_step_lets_python_run_past_a_decode_steps_rows(
+    smollm_worker, monkeypatch, rows, runs_beside
+):
+    """step_layers over a prompt chunk of 2048 rows: the event loop's thread runs beside it; over
+    64 rows (a decode step of 64 streams) it waits, as layers.cpp decides. Watched over the C++
+    call alone (the Python around it lets go of the GIL in torch's ops either way)."""
+    native = smollm_worker.paths.native
+    span: dict[str, float] = {}
+    step_rows: list[int] = []
+
+    class Timed:  # the kernels module, its step_layers timed
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def step_layers(self, x, *args):
+            step_rows.append(x.shape[0])
+            span["t0"] = time.perf_counter()
+            out = kernels.step_layers(x, *args)
+            span["t1"] = time.perf_counter()
+            return out
+
+    kernels = native.kernels
+    monkeypatch.setattr(native, "kernels", Timed())
+    driver = Driver(smollm_worker, 4096)
+    tokens = [int(t) for t in torch.randint(100, 40000, (rows,))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        longest, call_s = longest_stall(lambda: driver.logits([driver.chunk(0, tokens)]), span)
+    finally:
+        torch.set_num_threads(before)
+    assert step_rows == [rows]  # one C++ step took the whole chunk
+    stood = f"this thread stood still {longest:.3f} s of {call_s:.3f} s"
+    assert (longest < 0.5 * call_s) == runs_beside, stood
 
 
 def test_calls_from_two_threads_at_once_equal_calls_alone(kern):
