@@ -108,11 +108,11 @@ def smollm_worker(smollm_path):
     return worker
 
 
-@pytest.mark.parametrize("rows, runs_beside", [(2048, True), (64, False)])
+@pytest.mark.parametrize("rows, runs_beside", [(512, True), (64, False)])
 def test_the_one_call_step_lets_python_run_past_a_decode_steps_rows(
     smollm_worker, monkeypatch, rows, runs_beside
 ):
-    """step_layers over a prompt chunk of 2048 rows: the event loop's thread runs beside it; over
+    """step_layers over a prompt chunk of 512 rows: the event loop's thread runs beside it; over
     64 rows (a decode step of 64 streams) it waits, as layers.cpp decides. Watched over the C++
     call alone (the Python around it lets go of the GIL in torch's ops either way)."""
     native = smollm_worker.paths.native
