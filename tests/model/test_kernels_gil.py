@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,9 +15,9 @@ import torch
 
 from model import load_model
 from model.layers.quant import quantize
-from model.runner.worker import make_worker
 from tests.model.factories import Driver, require_kernels
 from tests.model.test_ggml_blocks import TYPES, make_weights
+from tests.model.test_native import native_worker
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,17 @@ def calibrated(make, kern, at_least_s: float):
         size *= 2
 
 
+@contextmanager
+def one_thread():
+    """The kernel on one core, the watching loop on the other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def longest_stall(call, span: dict[str, float] | None = None) -> tuple[float, float]:
     """(the longest time this thread stood still while another was inside call(), the time
     inside). `span` (t0, t1): the part of the call to watch, when the call records it itself;
@@ -89,12 +101,8 @@ def longest_stall(call, span: dict[str, float] | None = None) -> tuple[float, fl
     "make", [attention_call, linear_call], ids=["decode_attention", "ggml_linear"]
 )
 def test_python_runs_while_a_kernel_computes(kern, make):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel on one core, this loop on the other
-    try:
+    with one_thread():
         longest, call_s = longest_stall(calibrated(make, kern, 0.3))
-    finally:
-        torch.set_num_threads(before)
     assert longest < 0.5 * call_s, f"this thread stood still {longest:.3f} s of {call_s:.3f} s"
 
 
@@ -103,9 +111,7 @@ def smollm_worker(smollm_path):
     require_kernels()
     loaded = load_model(smollm_path, dtype="bfloat16")
     quantize(loaded.transformer, "int4")
-    worker = make_worker(loaded, n_cells=4096)
-    assert worker.paths.native is not None
-    return worker
+    return native_worker(loaded, n_cells=4096)
 
 
 @pytest.mark.parametrize("rows, runs_beside", [(512, True), (64, False)])
@@ -134,12 +140,8 @@ def test_the_one_call_step_lets_python_run_past_a_decode_steps_rows(
     monkeypatch.setattr(native, "kernels", Timed())
     driver = Driver(smollm_worker, 4096)
     tokens = [int(t) for t in torch.randint(100, 40000, (rows,))]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         longest, call_s = longest_stall(lambda: driver.logits([driver.chunk(0, tokens)]), span)
-    finally:
-        torch.set_num_threads(before)
     assert step_rows == [rows]  # one C++ step took the whole chunk
     stood = f"this thread stood still {longest:.3f} s of {call_s:.3f} s"
     assert (longest < 0.5 * call_s) == runs_beside, stood
