@@ -1,4 +1,4 @@
-"""EmbeddingGemma for /v1/embeddings: Gemma 3's blocks (model/arch's GEMMA3 description: (1 + w)
+"""EmbeddingGemma for /v1/embeddings: Gemma 3's blocks (model/arch/gemma3.py's BLOCK: (1 + w)
 RMSNorms before and after attention and MLP, q/k norms, GeGLU, per-layer RoPE bases) read with
 bidirectional attention, then sentence-transformers' mean Pooling, its Dense layers and
 Normalize.

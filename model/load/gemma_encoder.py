@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvcache.rope import RopeConfig
-from model.arch import ARCH_BLOCKS, GEMMA3_LOCAL_ROPE_BASE, ModelArgs, gemma3_windows
+from model.arch import ModelArgs, gemma3
 from model.errors import ModelLoadError
 from model.layers.gemma_encoder import LAYER_KEYS, NORM_KEYS, GemmaEncoderArgs
 from model.load.hf import read_safetensors
@@ -179,11 +179,11 @@ def read_gemma_gguf(
         norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
         rope=RopeConfig(float(field("rope.freq_base", 1e6)), head_dim, "neox"),
         n_ctx_train=int(field("context_length")),
-        block=ARCH_BLOCKS["gemma3"],
+        block=gemma3.BLOCK,
         # NOTE: as llama.cpp's gemma-embedding: every 6th layer global and query_pre_attn_scalar
         # head_dim (neither is in the file); the local RoPE base 10,000 unless the file says
-        windows=gemma3_windows(n_layers, int(field("attention.sliding_window"))),
-        rope_swa=RopeConfig(float(field("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)), head_dim),
+        windows=gemma3.windows(n_layers, int(field("attention.sliding_window"))),
+        rope_swa=RopeConfig(float(field("rope.freq_base_swa", gemma3.LOCAL_ROPE_BASE)), head_dim),
         attn_scale=head_dim**-0.5,
     )
     names = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight"}

@@ -15,13 +15,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from model.arch import ModelArgs
+from model.arch import FAMILIES, ModelArgs, family_of_gguf
 from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
 from model.layers.ggml import GGML_TYPES, BlockWeight
 from model.load.gguf_args import (  # the metadata half, re-exported: the loaders' one import
-    DENSE_ARCHS,
-    MOE_ARCHS,
     SUPPORTED_ARCHS,
     dequantize,
     field_value,
@@ -30,17 +28,14 @@ from model.load.gguf_args import (  # the metadata half, re-exported: the loader
     tensor_info,
 )
 from model.load.gguf_file import GGUFFile, GGUFTensor
-from model.load.gguf_ssm import SSM_ARCHS, SSM_TENSORS, to_hf_layout
+from model.load.gguf_ssm import SSM_TENSORS, to_hf_layout
 
 __all__ = ["SUPPORTED_ARCHS", "field_value", "open_gguf", "read_args", "read_weights"]
 
-# the archs whose GGUF Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute)
-_PERMUTED_QK = ("llama", "smollm3", "granite", "granitehybrid", "granitemoe")
 # fused tensors (llama.cpp's phi3: attn_qkv, and ffn_up holding gate then up; glm4: ffn_up),
-# split into our kinds by rows: kind -> (tensor, index of the part)
+# split into our kinds by rows: kind -> (tensor, index of the part); Family.gguf_fused says which
 _FUSED = {"wq": ("attn_qkv.weight", 0), "wk": ("attn_qkv.weight", 1), "wv": ("attn_qkv.weight", 2)}
 _FUSED |= {"w1": ("ffn_up.weight", 0), "w3": ("ffn_up.weight", 1)}
-_FUSED_KINDS = {"phi3": frozenset(_FUSED), "glm4": frozenset(("w1", "w3"))}
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -71,9 +66,6 @@ _LAYER_TENSORS = {
     "b2_exps": "ffn_down_exps.bias",
     **SSM_TENSORS,
 }
-# where an architecture names a kind otherwise: gpt-oss's pre-MLP norm is llama.cpp's
-# attn_post_norm (HF's post_attention_layernorm, Llama's meaning)
-_ARCH_TENSORS = {"gpt-oss": {"ffn_norm": "post_attention_norm.weight"}}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -84,7 +76,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # the architectures whose attention/FFN blocks take BlockLinears (the Mamba2 mixers read
 # dense weights; LFM2's short convs are two linears around a conv, which stays dense)
-BLOCK_ARCHS = (*DENSE_ARCHS, *MOE_ARCHS, "lfm2")
+BLOCK_ARCHS = tuple(f.arch for f in FAMILIES if f.file_blocks)
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
 BLOCK_KINDS = frozenset(
     ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings")
@@ -107,13 +99,15 @@ def read_weights(
         names["norm"] = "token_embd_norm.weight"  # llama.cpp's lfm2: the final norm's name
     if "output.weight" in present:
         names["output"] = "output.weight"
-    fused = _FUSED_KINDS.get(args.arch, frozenset())
-    table = _LAYER_TENSORS | _ARCH_TENSORS.get(args.arch, {})
+    family = family_of_gguf(args.arch)
+    assert family is not None, args.arch  # read_args refused the others
+    fused = family.gguf_fused
+    table = _LAYER_TENSORS | family.gguf_names
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
             theirs = _FUSED[ours][0] if ours in fused else table[ours]
             names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
-    if args.arch in SSM_ARCHS:
+    if family.recurrent:
         unused = present - set(names.values()) - {"rope_freqs.weight"}
         if unused:
             raise ModelLoadError(
@@ -134,7 +128,9 @@ def read_weights(
             weights[ours] = _expert_blocks(info, expected[kind], path)
             continue
         if blocks and kind in BLOCK_KINDS:
-            weights[ours] = _block_weight(info, args, kind, expected[kind], path)
+            weights[ours] = _block_weight(
+                info, args, kind, expected[kind], path, family.gguf_permuted_qk
+            )
             continue
         try:
             w = dequantize(info).reshape(tuple(reversed(info.shape)))
@@ -149,7 +145,7 @@ def read_weights(
             raise ModelLoadError(
                 f"{path}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."
             )
-        if args.arch in _PERMUTED_QK and kind in ("wq", "wk", "bq", "bk"):  # biases too
+        if family.gguf_permuted_qk and kind in ("wq", "wk", "bq", "bk"):  # biases too
             w = _unpermute(w, args.n_heads if kind in ("wq", "bq") else args.n_kv_heads)
         if kind.endswith("norm") and args.block.norm_shift:
             w = w - args.block.norm_shift  # llama.cpp's converter stores Gemma's 1 + w
@@ -197,8 +193,9 @@ def _fused_part(
 
 
 def _block_weight(
-    info: GGUFTensor, args: ModelArgs, kind: str, want: tuple[int, ...], path: Path
+    info: GGUFTensor, args: ModelArgs, kind: str, want: tuple[int, ...], path: Path, permuted: bool
 ) -> BlockWeight:
+    """`permuted`: q/k rows as llama.cpp's converter permuted them (Family.gguf_permuted_qk)."""
     shape = tuple(reversed(info.shape))  # ggml order -> [n, k]
     if shape != want:
         raise ModelLoadError(f"{path}: tensor {info.name} has shape {shape}, expected {want}.")
@@ -208,7 +205,7 @@ def _block_weight(
             f"{', '.join(GGML_TYPES)} (--quant int4 / int8 / none re-quantize it)."
         )
     rows, mapped = info.rows(), True
-    if args.arch in _PERMUTED_QK and kind in ("wq", "wk"):
+    if permuted and kind in ("wq", "wk"):
         mapped = False
         heads = args.n_heads if kind == "wq" else args.n_kv_heads
         rows = np.ascontiguousarray(_unpermute(rows, heads))

@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 
 from kvcache.rope import RopeConfig
-from model.arch import ARCH_BLOCKS, Mixer, ModelArgs, SSMArgs
+from model.arch import Mixer, ModelArgs, SSMArgs, recurrent
 from model.errors import ModelLoadError
 from model.load.gguf_file import GGUFFile
-
-SSM_ARCHS = ("mamba2", "granitehybrid", "lfm2")
 
 SSM_TENSORS = {
     "ssm_in": "ssm_in.weight",
@@ -168,7 +166,7 @@ def _lfm2_args(get: Any, vocab_size: int, path: Path) -> ModelArgs:
             layout="neox",  # llama.cpp's LLM_ARCH_LFM2 is LLAMA_ROPE_TYPE_NEOX: not permuted
         ),
         n_ctx_train=int(get("context_length", 2048)),
-        block=ARCH_BLOCKS["lfm2"],
+        block=recurrent.LFM2.block,
         mixers=tuple(mixers),
         short_conv=int(get("shortconv.l_cache")),
     )

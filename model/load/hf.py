@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from model.arch import ModelArgs
+from model.arch import ModelArgs, family_of_hf
 from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
-from model.load.hf_ssm import SSM_MODEL_TYPES, read_ssm_weights
+from model.load.hf_ssm import read_ssm_weights
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -31,37 +31,14 @@ _BIAS_TENSORS = {
     "bv": "self_attn.v_proj.bias",
     "bo": "self_attn.o_proj.bias",
 }
-# NOTE: in Gemma (and OLMo 2), post_attention_layernorm normalizes the attention OUTPUT (Llama's
-# name for the pre-MLP norm); Gemma's pre-MLP norm is pre_feedforward_layernorm.
-_GEMMA_TENSORS = _LAYER_TENSORS | {
-    "ffn_norm": "pre_feedforward_layernorm.weight",
-    "post_attn_norm": "post_attention_layernorm.weight",
-    "post_ffn_norm": "post_feedforward_layernorm.weight",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-}
-
-
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
-# the families whose files name their norms as Gemma's do (post_attention_layernorm: an output)
-_GEMMA_NAMED = ("gemma2", "gemma3_text", "olmo2", "exaone4")
-# GLM-4: post_attention_layernorm is the pre-MLP norm (Llama's meaning), then two post norms
-_GLM4_TENSORS = _LAYER_TENSORS | {
-    "post_attn_norm": "post_self_attn_layernorm.weight",
-    "post_ffn_norm": "post_mlp_layernorm.weight",
-}
-# fused projections (Phi-3: both, GLM-4: gate|up): the parts, in order, by our name
+# fused projections (Phi-3: both, GLM-4: gate|up; Family.hf_fused): the parts, in order, by our
+# name
 _FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
-_FUSED_OF = {"phi3": tuple(_FUSED), "glm4": ("mlp.gate_up_proj",)}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
 _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
-# gpt-oss: a router with a bias, sinks, and the experts stacked (_gptoss_experts)
-_GPTOSS_TENSORS = {
-    "moe_router": "mlp.router.weight",
-    "moe_router_b": "mlp.router.bias",
-    "sinks": "self_attn.sinks",
-}
+# gpt-oss: the experts stacked (_gptoss_experts)
 _GPTOSS_EXPERTS = ("w1_exps", "w3_exps", "w2_exps", "b1_exps", "b3_exps", "b2_exps")
 
 
@@ -84,25 +61,20 @@ def read_weights(
     folder: Path, args: ModelArgs, config: dict[str, Any], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     raw = read_safetensors(sorted(folder.glob("*.safetensors")), folder)
-    if args.arch in SSM_MODEL_TYPES:
+    family = family_of_hf(args.arch)
+    assert family is not None, args.arch  # hf_config.read_args refused the others
+    if family.recurrent:
         return read_ssm_weights(raw, args, config, dtype, folder)
     # the file says whether o_proj has a bias: transformers' attention_bias gives Llama,
     # Granite, Qwen3, OLMo 2, ... one on all four projections, Qwen2 and GLM-4 on q/k/v only
     args.out_bias = args.out_bias or "model.layers.0.self_attn.o_proj.bias" in raw
     names = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    tied = config.get("tie_word_embeddings", args.arch in ("gemma2", "gemma3_text"))
+    tied = config.get("tie_word_embeddings", family.hf_tied)
     if "lm_head.weight" in raw or not tied:
         names["output"] = "lm_head.weight"
-    if args.arch in _FUSED_OF:
-        _split_fused(raw, args, _FUSED_OF[args.arch], folder)
-    table = (_GEMMA_TENSORS if args.arch in _GEMMA_NAMED else _LAYER_TENSORS) | _BIAS_TENSORS
-    if args.arch == "glm4":
-        table = _GLM4_TENSORS | _BIAS_TENSORS
-    table |= _QK_NORM_TENSORS | _MOE_TENSORS
-    if args.arch == "granitemoe":
-        table["moe_router"] = "block_sparse_moe.router.layer.weight"
-    if args.arch == "gpt_oss":
-        table |= _GPTOSS_TENSORS
+    if family.hf_fused:
+        _split_fused(raw, args, family.hf_fused, folder)
+    table = _LAYER_TENSORS | _BIAS_TENSORS | _QK_NORM_TENSORS | _MOE_TENSORS | family.hf_names
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for i in range(args.n_layers):

@@ -12,11 +12,9 @@ from typing import Any
 import torch
 
 from kvcache.rope import RopeConfig
-from model.arch import ARCH_BLOCKS, LLAMA, Mixer, ModelArgs, SSMArgs
+from model.arch import LLAMA, Mixer, ModelArgs, SSMArgs, recurrent
 from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
-
-SSM_MODEL_TYPES = ("mamba2", "granitemoehybrid", "bamba", "lfm2")
 
 # transformers 5 writes linear_attention / full_attention; released configs say mamba / attention
 _LAYER_KINDS: dict[str, Mixer] = {
@@ -188,7 +186,7 @@ def _lfm2_args(config: dict[str, Any], dim: int) -> ModelArgs:
         norm_eps=float(config.get("norm_eps", 1e-5)),
         rope=RopeConfig(theta, dim // n_heads, "neox"),
         n_ctx_train=int(config.get("max_position_embeddings", 0)),
-        block=ARCH_BLOCKS["lfm2"],
+        block=recurrent.LFM2.block,
         mixers=tuple(_LFM2_LAYER_KINDS[t] for t in types),
         short_conv=int(config.get("conv_L_cache", 3)),
     )

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from model.arch import ModelArgs
+from model.arch import ModelArgs, family_of_gguf
 from model.arch.weights import weight_shapes
 from model.errors import ModelLoadError
 from model.load import gguf as gguf_load
@@ -167,12 +167,14 @@ def _read_gguf(path: Path, args: ModelArgs, dtype: torch.dtype) -> LoraAdapter:
         w = gguf_load.dequantize(t).reshape(tuple(reversed(t.shape)))
         pairs.setdefault(f"layers.{m.group(1)}.{kind}", {})[m.group(3)] = w
     weights, ranks = {}, set()
+    family = family_of_gguf(str(args.arch))
+    permuted = family is not None and family.gguf_permuted_qk
     for ours, pair in pairs.items():
         if set(pair) != {"a", "b"}:
             raise ModelLoadError(f"LoRA adapter {path}: {ours} has lora_a or lora_b only")
         a, b = pair["a"], pair["b"]
         kind = ours.rsplit(".", 1)[-1]
-        if args.arch in gguf_load._PERMUTED_QK and kind in ("wq", "wk"):
+        if permuted and kind in ("wq", "wk"):
             b = gguf_load._unpermute(b, args.n_heads if kind == "wq" else args.n_kv_heads)
         rank = a.shape[0]
         ranks.add(rank)

@@ -16,7 +16,7 @@ moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
 the attention kernels), OLMo 2 and EXAONE 4.0 (no pre-norms: StepLayer's attn_norm / ffn_norm
 None), GLM-4 and partial Phi-3 (RoPE on part of each head, GLM's pairs interleaved:
 step.cpp rope_partial_, the Python layers' ATen ops). An architecture described in
-model/arch.py runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
+model/arch/ runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
 bfloat16 with AVX-512 BF16; a window's prompt chunks take the masked torch path) and covers its

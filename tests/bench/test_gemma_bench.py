@@ -5,10 +5,10 @@ from __future__ import annotations
 from bench import run as bench_run
 from bench.gemma_bench import full_spec, kv_bytes_per_seq
 from kvcache.spec import Attention, MemorySpec
-from model.arch import gemma3_windows
+from model.arch import gemma3
 from model.load.packaged import gemma3_installed
 
-GEMMA3_270M = MemorySpec.of([Attention(1, 256, w) for w in gemma3_windows(18, 512)])
+GEMMA3_270M = MemorySpec.of([Attention(1, 256, w) for w in gemma3.windows(18, 512)])
 
 
 def test_full_cache_keeps_every_token_of_every_layer():

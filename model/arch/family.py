@@ -1,0 +1,123 @@
+"""What a family file in model/arch/ declares: its blocks, how its GGUF metadata and HF config
+map onto ModelArgs, and the few ways its files name or lay out tensors.
+
+The loaders (model/load/gguf_args.py, hf_config.py, gguf.py, hf.py) read what every family shares
+(sizes, RoPE and its scaling, biases the file has) and then call the family's hook for the rest:
+`from_gguf(args, meta)` with llama.cpp's `<arch>.*` keys, `from_hf(args, config)` with
+config.json. Adding a family is one file here and one line in model/arch/__init__.py (the
+recurrent families, whose ModelArgs differ from the start, still read in
+model/load/gguf_ssm.py and hf_ssm.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcache.rope import RopeLayout
+from model.arch.args import LLAMA, BlockSpec, ModelArgs, MoEArgs
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFMeta:
+    """A GGUF file's metadata as a family hook reads it: `get(key, default)` of `<arch>.<key>`
+    (a missing key without a default raises ModelLoadError), `floats(tensor)` the values of a
+    small float tensor (RoPE factors), `has(tensor)` whether the file holds one."""
+
+    get: Callable[..., Any]
+    floats: Callable[[str], tuple[float, ...]]
+    has: Callable[[str], bool]
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    arch: str  # llama.cpp's architecture name (GGUF general.architecture)
+    model_types: tuple[str, ...]  # transformers' model_type values read as this family
+    block: BlockSpec = LLAMA
+    rope_layout: RopeLayout = "neox"  # "interleaved": RoPE pairs (2i, 2i + 1), GLM's own
+    qkv_bias: bool = False  # q/k/v biases whatever the config or file says (Qwen2)
+    sliding: bool = False  # its HF config's sliding_window is read (by from_hf), not refused
+    longrope: bool = False  # its HF config's LongRoPE scaling is read (by from_hf), not refused
+    recurrent: bool = False  # ModelArgs read by model/load/gguf_ssm.py and hf_ssm.py, no hooks
+    # its linears can run on a GGUF's own blocks (model/layers/ggml.py); False: dequantized at
+    # load (the Mamba2 mixers read dense weights)
+    file_blocks: bool = True
+    moe_norm_topk: bool | None = None  # a mixture of experts: GGUF expert_weights_norm default
+    # GGUF: q/k rows permuted by llama.cpp's converter (LlamaModel.undo_permute undoes it)
+    gguf_permuted_qk: bool = False
+    gguf_fused: frozenset[str] = frozenset()  # kinds stored fused (model/load/gguf.py _FUSED)
+    gguf_names: Mapping[str, str] = field(default_factory=dict)  # kind -> tensor, where it differs
+    hf_names: Mapping[str, str] = field(default_factory=dict)  # kind -> HF tensor, where it differs
+    hf_fused: tuple[str, ...] = ()  # HF fused projections (model/load/hf.py _FUSED)
+    hf_tied: bool = False  # tie_word_embeddings when config.json does not say
+    from_gguf: Callable[[ModelArgs, GGUFMeta], None] | None = None
+    from_hf: Callable[[ModelArgs, dict[str, Any]], None] | None = None
+
+
+# Gemma's names (and OLMo 2's, EXAONE 4.0's): post_attention_layernorm normalizes the attention
+# OUTPUT (Llama's name for the pre-MLP norm); the pre-MLP norm is pre_feedforward_layernorm
+GEMMA_HF_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+}
+
+
+def hf_layer_windows(
+    config: dict[str, Any], n_layers: int, window: int, period: int
+) -> tuple[int, ...]:
+    """Per layer: `window` where config.json's layer_types says "sliding*", else 0; without
+    layer_types every `period`-th layer is global."""
+    types = config.get("layer_types") or [
+        "full" if (i + 1) % period == 0 else "sliding" for i in range(n_layers)
+    ]
+    if len(types) != n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries")
+    return tuple(window if str(t).startswith("sliding") else 0 for t in types)
+
+
+def hf_rope_kind(p: dict[str, Any]) -> str:
+    return str(p.get("rope_type", p.get("type", "default")))
+
+
+def hf_linear_factor(scaling: dict[str, Any]) -> float:
+    """Linear RoPE scaling (positions / factor: every inverse frequency / factor, llama.cpp's
+    freq_scale = 1 / factor) -> factor; 1.0 for none; other kinds are refused."""
+    kind = hf_rope_kind(scaling)
+    if kind == "default":
+        return 1.0
+    if kind != "linear":
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return float(scaling["factor"])
+
+
+def check_hf_gelu(config: dict[str, Any]) -> None:
+    """Gemma's MLP: tanh-approximated GELU only."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {config['hidden_activation']!r} is not supported")
+
+
+def hf_moe(args: ModelArgs, config: dict[str, Any]) -> None:
+    """The experts' sizes and routing from config.json (Qwen3-MoE, OLMoE, Granite-MoE);
+    Qwen3-MoE's dense layers (mlp_only_layers, and with decoder_sparse_step s only every s-th
+    layer sparse) keep intermediate_size."""
+    if config.get("clip_qkv") is not None:
+        raise ValueError("clip_qkv is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
+    model_type = config["model_type"]
+    qwen = model_type == "qwen3_moe"
+    args.moe = MoEArgs(
+        # transformers 5 writes num_local_experts (its attribute map for num_experts)
+        n_experts=int(config.get("num_experts") or config["num_local_experts"]),
+        n_used=int(config["num_experts_per_tok"]),
+        expert_dim=int(config["moe_intermediate_size" if qwen else "intermediate_size"]),
+        # Granite: softmax over the top-k logits, the same as renormalizing the top-k of all
+        norm_topk_prob=model_type == "granitemoe" or bool(config.get("norm_topk_prob", False)),
+    )
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step", 1))
+    args.moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(args.n_layers))
