@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import LoadedModel, default_model_path, load_model
+from tests.model.ssm_gguf import GRANITE_CASES, make_granite, make_mamba2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,3 +47,16 @@ def hf_tokenizer(smollm_path: Path):
     return transformers.AutoTokenizer.from_pretrained(
         smollm_path.parent, gguf_file=smollm_path.name
     )
+
+
+# the tiny Mamba2 and Granite 4.0-H folders of test_gguf_ssm.py and test_gguf_ssm_layout.py
+@pytest.fixture(scope="module")
+def mamba2_dir(tmp_path_factory) -> Path:
+    return make_mamba2(tmp_path_factory.mktemp("mamba2") / "hf")
+
+
+@pytest.fixture(scope="module", params=sorted(GRANITE_CASES))
+def granite_case(request, tmp_path_factory) -> tuple[Path, list[str], bool]:
+    layer_types, rope = GRANITE_CASES[request.param]
+    folder = make_granite(tmp_path_factory.mktemp(request.param) / "hf", layer_types, rope)
+    return folder, layer_types, rope

@@ -16,7 +16,6 @@ from model.load.gguf import open_gguf
 from model.load.hf_to_gguf import NOPE_CONTEXT, convert
 from tests.model.ssm_gguf import (
     GRANITE,
-    GRANITE_CASES,
     MAMBA2,
     assert_same_weights,
     f32,
@@ -33,11 +32,6 @@ transformers = pytest.importorskip("transformers")
 
 
 # ---- Mamba2 ----
-
-
-@pytest.fixture(scope="module")
-def mamba2_dir(tmp_path_factory) -> Path:
-    return make_mamba2(tmp_path_factory.mktemp("mamba2") / "hf")
 
 
 def test_mamba2_gguf_round_trips_every_size_and_weight(mamba2_dir, tmp_path):
@@ -84,13 +78,6 @@ def test_mamba2_gguf_round_trips_every_size_and_weight(mamba2_dir, tmp_path):
 
 
 # ---- Granite 4.0-H ----
-
-
-@pytest.fixture(scope="module", params=sorted(GRANITE_CASES))
-def granite_case(request, tmp_path_factory) -> tuple[Path, list[str], bool]:
-    layer_types, rope = GRANITE_CASES[request.param]
-    folder = make_granite(tmp_path_factory.mktemp(request.param) / "hf", layer_types, rope)
-    return folder, layer_types, rope
 
 
 def test_granite_gguf_round_trips_every_size_and_weight(granite_case, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -19,12 +18,9 @@ from model.load.gguf import open_gguf
 from model.load.gguf_file import GGUFFile
 from model.load.hf_to_gguf import NOPE_CONTEXT, convert
 from tests.model.ssm_gguf import (
-    GRANITE_CASES,
     ggml_shapes,
     hf_state,
     load_gguf,
-    make_granite,
-    make_mamba2,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -86,11 +82,6 @@ def kv(reader: GGUFFile) -> dict[str, Any]:
 # ---- Mamba2 ----
 
 
-@pytest.fixture(scope="module")
-def mamba2_dir(tmp_path_factory) -> Path:
-    return make_mamba2(tmp_path_factory.mktemp("mamba2") / "hf")
-
-
 def test_mamba2_gguf_has_llama_cpp_keys_and_tensors(mamba2_dir, tmp_path):
     reader = open_gguf(convert(mamba2_dir, tmp_path / "m.gguf"))
     assert {base_name(n) for n in ggml_shapes(reader)} <= gguf_tensor_kinds(gguf.MODEL_ARCH.MAMBA2)
@@ -135,13 +126,6 @@ def test_f16_gguf_keeps_small_tensors_in_f32(mamba2_dir, tmp_path):
 
 
 # ---- Granite 4.0-H ----
-
-
-@pytest.fixture(scope="module", params=sorted(GRANITE_CASES))
-def granite_case(request, tmp_path_factory) -> tuple[Path, list[str], bool]:
-    layer_types, rope = GRANITE_CASES[request.param]
-    folder = make_granite(tmp_path_factory.mktemp(request.param) / "hf", layer_types, rope)
-    return folder, layer_types, rope
 
 
 def test_granite_gguf_has_llama_cpp_keys_and_tensors(granite_case, tmp_path):
