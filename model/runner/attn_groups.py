@@ -16,22 +16,32 @@ from scheduler.plan import BatchPlan, GroupBatch
 ReadIndex = Callable[[np.ndarray], torch.Tensor | slice]  # KVStorage.read_index
 
 
-class SeqBatch(NamedTuple):
-    """A sequence's rows [start, end) and, in one layer group's pool, the cells its rows can
-    see (sorted by position, from the first row's window on)."""
+class SeqRows(NamedTuple):
+    """A sequence's rows [start, end) and, in one layer group's pool, the cells they can see:
+    the memory's SeqCells from the first row's window on (sorted by position); the sequence's
+    row r sees kv_cells[lo[r]:hi[r]]. The memory computed which (kvcache.memory.seq_cells_view);
+    nothing here decides visibility again."""
 
     seq_id: int
     start: int
     end: int
     kv_cells: np.ndarray  # [n_kv] int64
     kv_pos: np.ndarray  # [n_kv] int64
+    lo: np.ndarray  # [end - start] int64
+    hi: np.ndarray  # [end - start] int64
+
+    def visible(self) -> np.ndarray:
+        """[end - start, n_kv] bool: row r sees kv[lo[r]:hi[r]]."""
+        j = np.arange(len(self.kv_cells))
+        return (j[None, :] >= self.lo[:, None]) & (j[None, :] < self.hi[:, None])
 
 
-def group_seqs(plan: BatchPlan, group: GroupBatch) -> list[SeqBatch]:
+def group_seqs(plan: BatchPlan, group: GroupBatch) -> list[SeqRows]:
     out = []
     for s, view in zip(plan.seqs, group.seqs, strict=True):
         lo = int(view.lo[0])  # rows' windows only move forward
-        out.append(SeqBatch(s.seq_id, s.start, s.end, view.kv_cells[lo:], view.kv_pos[lo:]))
+        cells, pos = view.kv_cells[lo:], view.kv_pos[lo:]
+        out.append(SeqRows(s.seq_id, s.start, s.end, cells, pos, view.lo - lo, view.hi - lo))
     return out
 
 
@@ -84,10 +94,10 @@ def int64_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
 
-def by_kv_length(seqs: list[SeqBatch], max_waste: float = 0.5) -> list[list[SeqBatch]]:
+def by_kv_length(seqs: list[SeqRows], max_waste: float = 0.5) -> list[list[SeqRows]]:
     """Split decode rows into groups whose padded kv wastes at most `max_waste` of the group
     (one sequence with a long context must not pad 31 short ones to its length)."""
-    groups: list[list[SeqBatch]] = []
+    groups: list[list[SeqRows]] = []
     real = 0
     for s in sorted(seqs, key=lambda s: len(s.kv_cells)):
         n = len(s.kv_cells)
@@ -101,22 +111,12 @@ def by_kv_length(seqs: list[SeqBatch], max_waste: float = 0.5) -> list[list[SeqB
     return groups
 
 
-def _visible(kv_pos: np.ndarray, q_pos: np.ndarray, window: int) -> np.ndarray:
-    """[len(q_pos), len(kv_pos)] bool: kvcache.spec.Attention.visible, vectorised."""
-    mask = kv_pos[None, :] <= q_pos[:, None]
-    if window:
-        mask &= kv_pos[None, :] > q_pos[:, None] - window
-    return mask
-
-
 def decode_group(
-    seqs: list[SeqBatch],
-    positions: np.ndarray,
+    seqs: list[SeqRows],
     n_rows: int,
     dtype: torch.dtype,
     read_index: ReadIndex,
     dev: torch.device,
-    window: int = 0,
 ) -> DecodeGroup:
     n_seq = len(seqs)
     max_kv = max(len(s.kv_cells) for s in seqs)
@@ -125,7 +125,7 @@ def decode_group(
     for i, s in enumerate(seqs):
         n = len(s.kv_cells)
         kv_cells[i, :n] = s.kv_cells
-        mask[i, :n] = _visible(np.asarray(s.kv_pos), positions[s.start : s.start + 1], window)[0]
+        mask[i, :n] = s.visible()[0]
     starts = [s.start for s in seqs]
     every_row = n_seq == n_rows and starts == list(range(n_rows))
     lens = np.array([len(s.kv_cells) for s in seqs], dtype=np.int64)
@@ -146,23 +146,17 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torc
 
 
 def prompt_group(
-    s: SeqBatch,
-    q_pos: np.ndarray,
-    read_index: ReadIndex,
-    dev: torch.device,
-    order: bool = False,
-    window: int = 0,
+    s: SeqRows, read_index: ReadIndex, dev: torch.device, order: bool = False
 ) -> PromptGroup:
-    """`order`: also the cells in position order and each row's visible count (prompt kernel;
-    full attention only)."""
-    kv_pos, q_pos = np.asarray(s.kv_pos), np.asarray(q_pos)
-    mask = _visible(kv_pos, q_pos, window)  # [L, n_kv]
+    """`order`: also the cells (in position order) and each row's visible count, for the
+    prompt kernel: full attention only, where every row sees a prefix of them (lo = 0)."""
+    mask = s.visible()  # [L, n_kv]
     kv_index = read_index(np.asarray(s.kv_cells))
     group = PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
     if order:
-        by_pos = np.argsort(kv_pos, kind="stable")
-        group.cells = int64_tensor(np.asarray(s.kv_cells)[by_pos], dev)
-        group.lens = int64_tensor(np.searchsorted(kv_pos[by_pos], q_pos, side="right"), dev)
+        assert not s.lo.any(), "a windowed prompt chunk takes the masked path"
+        group.cells = int64_tensor(s.kv_cells, dev)
+        group.lens = int64_tensor(s.hi, dev)
     return group
 
 
@@ -193,14 +187,12 @@ def plan_attn_groups(
     decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
     order = ordered_prompts and window == 0
     prompts = [
-        prompt_group(s, plan.positions[s.start : s.end], read_index, device, order, window)
-        for s in seqs
-        if one_each or s.end - s.start != 1
+        prompt_group(s, read_index, device, order) for s in seqs if one_each or s.end - s.start != 1
     ]
     n_rows = len(plan.token_ids)
 
-    def decode_rows(part: list[SeqBatch]) -> DecodeGroup:
-        return decode_group(part, plan.positions, n_rows, dtype, read_index, device, window)
+    def decode_rows(part: list[SeqRows]) -> DecodeGroup:
+        return decode_group(part, n_rows, dtype, read_index, device)
 
     decodes: list[DecodeGroup] = []
     if decode:

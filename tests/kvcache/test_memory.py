@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcache.iswa import ISWAMemory
 from kvcache.make import make_memory
@@ -76,6 +78,24 @@ def test_seq_cells_view_ranges() -> None:
     kv_pos = np.array([0, 1, 2, 5, 6])
     view = seq_cells_view(np.arange(5), kv_pos, np.array([2, 6]), window=3)
     assert view.lo.tolist() == [0, 3] and view.hi.tolist() == [3, 5]
+
+
+@given(
+    st.lists(st.integers(0, 40), max_size=24),
+    st.lists(st.integers(0, 48), min_size=1, max_size=6),
+    st.sampled_from([0, 1, 3, 8]),
+)
+def test_seq_cells_view_is_the_spec_visibility_rule(
+    positions: list[int], q_pos: list[int], window: int
+) -> None:
+    """Row r sees kv[lo[r]:hi[r]] exactly where kvcache.spec.Attention.visible says so (the
+    kernels and the masks read these ranges; positions may repeat after seq_div)."""
+    kv_pos = np.sort(np.array(positions, np.int64))
+    view = seq_cells_view(np.arange(len(kv_pos)), kv_pos, np.array(q_pos), window)
+    rule = Attention(1, 1, window)
+    for r, q in enumerate(q_pos):
+        seen = [j for j, p in enumerate(kv_pos.tolist()) if rule.visible(p, q)]
+        assert seen == list(range(view.lo[r], view.hi[r]))
 
 
 def test_make_memory_picks_the_variant_from_the_spec() -> None:
