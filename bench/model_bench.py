@@ -156,7 +156,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
     stages = [("full step", median_ms())]
     patched: list[torch.nn.Module] = []
     for block in model.layers:
-        a, f = block.attention, block.feed_forward
+        a, f = block.mixer, block.feed_forward
         for lin, n_out in (
             (a.wqkv, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim),
             (a.wo, model.args.dim),
@@ -170,7 +170,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
     patched.append(model.output)
     stages.append(("and without the output head", median_ms()))
     for block in model.layers:
-        a = block.attention
+        a = block.mixer
         h, hd = a.n_heads, a.head_dim
         a._decode = lambda q, *_, h=h, hd=hd: q.new_zeros(q.shape[0], h, hd)
         a._prompt = lambda q, *_, h=h, hd=hd: q.new_zeros(q.shape[0], h, hd)
@@ -178,7 +178,7 @@ def step_breakdown(worker: ModelWorker, vocab: int, conc: int, ctx: int) -> dict
     for m in patched:
         del m.forward
     for block in model.layers:
-        del block.attention._decode, block.attention._prompt
+        del block.mixer._decode, block.mixer._prompt
     worker.paths.native = native
     parts = {
         "matmuls (30 layers)": stages[0][1] - stages[1][1],

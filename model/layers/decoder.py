@@ -253,13 +253,13 @@ class Block(nn.Module):
         self.attention_norm = None  # no pre-norms (OLMo 2): the sublayers read x and h as they are
         if desc.pre_norms:
             self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, desc.norm_shift)
-        self.attention: Attention | Mamba2Mixer | ShortConvMixer
+        self.mixer: Attention | Mamba2Mixer | ShortConvMixer
         if desc.mixer == "mamba2":
-            self.attention = Mamba2Mixer(args, weights, prefix)
+            self.mixer = Mamba2Mixer(args, weights, prefix)
         elif desc.mixer == "shortconv":
-            self.attention = ShortConvMixer(args, weights, prefix)
+            self.mixer = ShortConvMixer(args, weights, prefix)
         else:
-            self.attention = Attention(args, weights, prefix, layer)
+            self.mixer = Attention(args, weights, prefix, layer)
         self.ffn_norm = None
         self.feed_forward: FeedForward | MoEFeedForward | None = None
         if desc.ffn and desc.pre_norms:
@@ -280,7 +280,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
         fused, m = batch.fused, self.residual_mult
         a = x if self.attention_norm is None else self.attention_norm(x, fused)
-        a = self.attention(a, batch, storage, self.layer)
+        a = self.mixer(a, batch, storage, self.layer)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a, fused)
         h = x + a if m == 1.0 else x + a * m

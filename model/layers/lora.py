@@ -143,8 +143,8 @@ class LoraLinear(nn.Module):
 
 # (module attribute path from a Block, the parts it fuses)
 _TARGETS = (
-    (("attention", "wqkv"), ("wq", "wk", "wv")),
-    (("attention", "wo"), ("wo",)),
+    (("mixer", "wqkv"), ("wq", "wk", "wv")),
+    (("mixer", "wo"), ("wo",)),
     (("feed_forward", "w13"), ("w1", "w3")),
     (("feed_forward", "w2"), ("w2",)),
 )

@@ -89,7 +89,7 @@ class NativeDecoder:
         layers = []
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
-            attn, ffn = block.attention, block.feed_forward
+            attn, ffn = block.mixer, block.feed_forward
             assert isinstance(attn, Attention) and ffn is not None
             for name, norm in (  # the optional ones: None where the description has none
                 ("attn_norm", block.attention_norm),
@@ -201,7 +201,7 @@ _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # step_layers: a decode group of
 def _linears(block: Block) -> tuple[Any, ...]:
     """The block's linears: attention's, then the MLP's (a MoE layer's: every expert's); a
     LoRA-adapted one's base (steps with LoRA rows take the Python layers: NativeDecoder.runs)."""
-    a, f = block.attention, block.feed_forward
+    a, f = block.mixer, block.feed_forward
     assert f is not None
     if isinstance(f, MoEFeedForward):
         return (unwrap(a.wqkv), unwrap(a.wo), *(lin for e in f.experts for lin in (e.w13, e.w2)))

@@ -146,7 +146,7 @@ def test_gemma2_caps_bend_the_scores_and_the_logits(tmp_path):
     assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
     assert float(got.abs().max()) <= GEMMA2_CAPS["final_logit_softcapping"]
     for layer in loaded.transformer.layers:
-        layer.attention.softcap = 0.0
+        layer.mixer.softcap = 0.0
     assert float((logits(loaded, ids) - want).abs().max()) > 1e-2
 
 
@@ -253,7 +253,7 @@ def test_q8_0_gguf_on_its_own_blocks_matches_transformers(folder, hf_model):
     ids = prompt(30, seed=7)
     want = reference(hf_model, ids)
     blocks = load_model(path, blocks=True)
-    wqkv = blocks.transformer.layers[0].attention.wqkv
+    wqkv = blocks.transformer.layers[0].mixer.wqkv
     assert isinstance(wqkv, BlockLinear)
     if arch == "phi3":  # three views of one attn_qkv mapping, in order
         ptrs = [p.data_ptr() for p in wqkv.parts]

@@ -204,7 +204,7 @@ def test_quantized_bfloat16_and_padded_steps_stay_close(folder, mode):
     tiny = load_model(folder, dtype="bfloat16" if mode == "bfloat16" else "float32")
     if mode.startswith("int"):
         quantize(tiny.transformer, mode)
-        assert type(tiny.transformer.layers[0].attention.in_proj).__name__ == "QuantLinear"
+        assert type(tiny.transformer.layers[0].mixer.in_proj).__name__ == "QuantLinear"
     d = driver(tiny)
     if mode == "batch-invariant":
         d = StateDriver(make_worker(tiny, 128, group_cells=[128, 4], batch_invariant=True), 128, 4)
@@ -234,7 +234,7 @@ def test_llama_cpp_gives_the_same_next_token_logprobs(gguf_path, tmp_path, qtype
                        capture_output=True)  # fmt: skip
     tiny, compared, worst = load_model(path, blocks=qtype != "F32"), 0, 0.0
     if qtype != "F32":
-        assert type(tiny.transformer.layers[0].attention.in_proj).__name__ == "BlockLinear"
+        assert type(tiny.transformer.layers[0].mixer.in_proj).__name__ == "BlockLinear"
     tolerance = LLAMA_CPP_TOLERANCE[qtype]
     with llama_server(binary, path, tmp_path / "llama.log", n_threads=1) as served:
         for text in TEXTS:

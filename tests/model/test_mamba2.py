@@ -177,7 +177,7 @@ def test_quantized_weights_keep_working(folder, tiny, mode, max_kl):
     near float32: measured KL 0.0004 (int8) and 0.054 (int4, a random model's small margins)."""
     q = load_model(folder)
     quantize(q.transformer, mode)
-    assert type(q.transformer.layers[0].attention.in_proj).__name__ == "QuantLinear"
+    assert type(q.transformer.layers[0].mixer.in_proj).__name__ == "QuantLinear"
     ids = prompt(40, seed=6)
     ref = driver(tiny).logits([Chunk(0, ids, all_rows=True)]).log_softmax(-1)
     stepped = driver(q)
