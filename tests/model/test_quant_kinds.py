@@ -6,6 +6,7 @@ were. The step's outputs equal the Python layers' bit for bit: tests/model/test_
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,21 +17,25 @@ from tests.model.factories import require_kernels
 
 pytestmark = pytest.mark.model
 
-# name -> (kind, takes the kernels module): "int4_f32" is int4 on cellserve's integer kernels
+# name -> (kind, takes the kernels module, integer_rows): "int4_f32" is int4 on cellserve's
+# integer kernels (a float32 model's), "int4_bf16" and "int8_kernels" a bfloat16 model's linears
 SETUPS = {
-    "int4": ("int4", False),
-    "int8": ("int8", False),
-    "fbgemm8": ("fbgemm8", False),
-    "int4_f32": ("int4", True),
-    "q8": ("q8", True),
+    "int4": ("int4", False, True),
+    "int8": ("int8", False, True),
+    "fbgemm8": ("fbgemm8", False, True),
+    "int4_f32": ("int4", True, True),
+    "q8": ("q8", True, True),
+    "int4_bf16": ("int4", True, False),
+    "int8_kernels": ("int8", True, False),
 }
 
 
 def make_linear(setup: str, bias: bool, dense: torch.dtype) -> QuantLinear:
-    kind, with_kernels = SETUPS[setup]
+    kind, with_kernels, integer_rows = SETUPS[setup]
     torch.manual_seed(7)
     w, b = torch.randn(80, 96) * 0.1, torch.randn(80) if bias else None
-    return QuantLinear(w, b, kind, dense, require_kernels() if with_kernels else None)
+    kernels = require_kernels() if with_kernels else None
+    return QuantLinear(w, b, kind, dense, kernels, integer_rows)
 
 
 def plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -117,6 +122,13 @@ STEP_KINDS = {  # (setup, the model's dtype) -> the kind step_layers runs the li
     ("int4_f32", torch.float32): "int4_f32",
     ("q8", torch.float32): "q8",
     ("q8", torch.bfloat16): None,
+    ("int4_bf16", torch.bfloat16): "int4",
+    ("int4_bf16", torch.float32): None,
+    ("int8_kernels", torch.bfloat16): "int8",
+    ("int8_kernels", torch.float32): "int8",
+    # NOTE: was "int4", a StepLinear without the dense copy past small_rows (no model has it:
+    # quantize() gives int4_f32 linears to float32 models only); forward's torch kernel instead
+    ("int4_f32", torch.bfloat16): None,
 }
 
 
@@ -124,3 +136,63 @@ STEP_KINDS = {  # (setup, the model's dtype) -> the kind step_layers runs the li
 def test_the_one_call_step_takes_the_same_kinds(setup, dtype):
     lin = make_linear(setup, True, torch.bfloat16)
     assert native._step_kind(lin, dtype) == STEP_KINDS[setup, dtype]
+
+
+class CountingKernels:
+    """The kernels module, counting quant_linear's calls."""
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels, self.calls = kernels, 0
+
+    def quant_linear(self, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        y: torch.Tensor = self.kernels.quant_linear(*args)
+        return y
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernels, name)
+
+
+@pytest.mark.parametrize("setup", [s for s, (_, with_kernels, _) in SETUPS.items() if with_kernels])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_forward_runs_the_step_kernel_wherever_the_kind_has_one(setup, x_dtype):
+    """One table: forward calls the kernels' quant_linear, the one-call step's, for every
+    (kind, dtype) step_kind names, with the StepLinear the step takes; the kernel's own call
+    gives the same bits."""
+    lin = make_linear(setup, True, torch.bfloat16)
+    kernels = require_kernels()
+    counting = lin.kernels = CountingKernels(kernels)
+    torch.manual_seed(10)
+    x = torch.randn(lin.small_rows + 3, 96).to(x_dtype)
+    kind = lin.step_kind(x_dtype)
+    for rows in (1, lin.small_rows, lin.small_rows + 3):
+        before = counting.calls
+        y = lin(x[:rows])
+        assert torch.equal(y, reference(lin, x[:rows]))
+        took = counting.calls - before
+        if kind is not None:
+            assert took == 1
+            w = lin.step_linear(kernels, x_dtype)
+            assert w.kind == kind and w.small_rows == lin.small_rows
+            assert torch.equal(kernels.quant_linear(x[:rows], w, INT4_GROUP), y)
+        else:  # forward's Python: the dense copy, or the rows cast to a dtype the kind has
+            through = lin.step_kind(torch.float32 if lin.kind == "q8" else torch.bfloat16)
+            assert took == (rows <= lin.small_rows and through is not None)
+
+
+def test_quantize_gives_a_bfloat16_model_the_kernels_and_no_integer_rows(smollm_path):
+    from model import load_model
+    from model.layers.quant import quantize
+
+    kernels = require_kernels()
+    for dtype in ("bfloat16", "float32"):
+        loaded = load_model(smollm_path, dtype=dtype)
+        quantize(loaded.transformer, "int4")
+        linears = [m for m in loaded.transformer.modules() if isinstance(m, QuantLinear)]
+        assert all(m.kernels is kernels for m in linears)
+        head = loaded.transformer.output
+        assert isinstance(head, QuantLinear)
+        if dtype == "bfloat16":
+            assert head.kind == "fbgemm8" and not any(m.int4_f32 for m in linears)
+        else:
+            assert head.kind == "q8" and all(m.int4_f32 for m in linears if m is not head)
