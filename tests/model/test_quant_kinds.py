@@ -44,7 +44,8 @@ def plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 def reference(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The kernel call each case made, spelled out (x [rows, k])."""
-    rows, k = x.shape[0], require_kernels() if lin.kind == "q8" or lin.dense is None else None
+    rows = x.shape[0]
+    k: Any = require_kernels() if lin.kind == "q8" or lin.dense is None else None
     if lin.kind == "int4" and lin.dense is None:  # int4_mm / int4_gemm's own copies
         if x.dtype != torch.float32:  # bfloat16 rows: torch's kernel at every row count
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, INT4_GROUP, lin.scales)
@@ -173,7 +174,7 @@ def test_forward_runs_the_step_kernel_wherever_the_kind_has_one(setup, x_dtype):
         if kind is not None:
             assert took == 1
             w = lin.step_linear(kernels, x_dtype)
-            assert w.kind == kind and w.small_rows == lin.small_rows
+            assert w is not None and w.kind == kind and w.small_rows == lin.small_rows
             assert torch.equal(kernels.quant_linear(x[:rows], w, INT4_GROUP), y)
         else:  # forward's Python: the dense copy, or the rows cast to a dtype the kind has
             through = lin.step_kind(torch.float32 if lin.kind == "q8" else torch.bfloat16)
