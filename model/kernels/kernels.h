@@ -184,10 +184,12 @@ void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
 // step.cpp: every layer of a step in one call (model/native.py), each layer as its
-// model.arch.LayerDesc describes it. A linear as model/quant.py QuantLinear holds it, by kind:
+// model.arch.LayerDesc describes it. A linear as model/layers/quant.py QuantLinear.step_linear
+// (or ggml.py BlockLinear.step_linear) builds it, by kind:
 // "int4_f32" (float32 rows, model/kernels): q4, q4_scale_min, q4_gemm; "q8" (float32 rows):
 // q8 [n, k], q8_scale [n, k / 32], dense; "int4" (torch's, bfloat16 rows): int4pack,
-// scales_zeros, dense; "int8" (torch's, bfloat16 rows): int8 [n, k], scales [n], dense. Up to
+// scales_zeros, dense; "int8" (torch's on bfloat16 rows, float32 ones rounded to bfloat16 and
+// back): int8 [n, k], scales [n], dense. Up to
 // small_rows rows the quantized kernel (+ bias), past them the dense copy (oneDNN-packed where
 // `packed`, with dense_bias inside) or, for int4_f32, int4_gemm (+ bias).
 // "ggml" (float32 or bfloat16 rows): parts (the GGUF's rows, [n_i, row_bytes_i] uint8) of
@@ -202,6 +204,9 @@ struct StepLinear {
   std::vector<at::Tensor> parts;
   std::vector<int64_t> types;
 };
+// A linear of any kind on rows a [m, k] (bfloat16 or float32; see StepLinear for the kinds each
+// takes): y [m, n] in a's dtype. group_size: int4's group along k (model/layers/quant.py).
+at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size);
 // One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
 struct StepLayer {

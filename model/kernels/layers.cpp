@@ -335,6 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 batches times int4 weights (pack_int4_gemm), in int8");
   m.def("int8_mm", &int8_mm, kNoGil,
         "float32 rows times int8 weights with a scale per 32, in int8");
+  m.def("quant_linear", &quant_linear, kNoGil, py::arg("x"), py::arg("w"), py::arg("group_size"),
+        "rows times a quantized linear (a StepLinear), by its kind and the row count");
   m.def("ggml_linear", &ggml_linear, kNoGil, py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("k"), "rows times a GGUF's own quantized blocks (parts along the outputs)");
   m.def("ggml_get_rows", &ggml_get_rows, kNoGil, py::arg("w"), py::arg("type"), py::arg("ids"),
@@ -344,7 +346,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_row_bytes", &ggml_row_bytes, py::arg("type"), py::arg("k"),
         "bytes of a row of k values of a GGML type");
   m.def("step_layers", &step_layers_py, "every layer of a quantized step, bf16 or f32");
-  // step_layers' arguments (kernels.h), built field by field from Python (model/native.py);
+  // quant_linear's and step_layers' arguments (kernels.h), built field by field from Python
+  // (StepLinear: model/layers/quant.py and ggml.py step_linear; the rest model/runner/native.py);
   // module_local: every level's build is its own module, and a process may load several
   py::class_<StepLinear>(m, "StepLinear", py::module_local())
       .def(py::init<>())

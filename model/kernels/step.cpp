@@ -50,38 +50,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
   return stack[0].toTensor();
 }
 
-// model/quant.py QuantLinear.forward, by the linear's kind (kernels.h StepLinear).
-at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size) {
-  auto with_bias = [&w](at::Tensor y) { return w.bias ? at::add(y, *w.bias) : y; };
-  if (w.kind == "ggml") {  // the bias added in place: y keeps the rows' dtype whatever the bias's
-    auto y = ggml_linear(a, w.parts, w.types, a.size(1));
-    return w.bias ? y.add_(*w.bias) : y;
-  }
-  const bool small = a.size(0) <= w.small_rows;
-  if (w.kind == "int4_f32") {
-    TORCH_CHECK(a.scalar_type() == at::kFloat, "step_layers: int4_f32 takes float32 rows");
-    return with_bias(small ? int4_mm(a, w.w0, w.w1) : int4_gemm(a, w.w2, w.w0.size(0)));
-  }
-  if (small) {
-    if (w.kind == "q8") {
-      TORCH_CHECK(a.scalar_type() == at::kFloat, "step_layers: q8 takes float32 rows");
-      return with_bias(int8_mm(a, w.w0, w.w1));
-    }
-    if (w.kind == "int8") {
-      if (a.scalar_type() == at::kBFloat16) return with_bias(at::_weight_int8pack_mm(a, w.w0, w.w1));
-      auto y = with_bias(at::_weight_int8pack_mm(a.to(at::kBFloat16), w.w0, w.w1));
-      return y.to(a.scalar_type());
-    }
-    TORCH_CHECK(w.kind == "int4" && a.scalar_type() == at::kBFloat16,
-                "step_layers: a linear of kind '", w.kind, "' on ", a.scalar_type(), " rows");
-    return with_bias(at::_weight_int4pack_mm_for_cpu(a, w.w0, group_size, w.w1));
-  }
-  const auto dense = w.w2.scalar_type();
-  const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
-  auto y = w.packed ? packed_linear(in, w.w2, w.dense_bias) : at::linear(in, w.w2, w.dense_bias);
-  return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
-}
-
 // write_kv: the step's K or V rows [n, n_kv, hd] in x's dtype (row stride src_s0, head stride
 // hd) into cells[r] of one layer's cache [n_kv, n_cells, row] (contiguous): raw row copies
 // where the cache has x's dtype (what KVStorage.write's index_copy_ stores), else each row
@@ -292,6 +260,40 @@ at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_si
 }
 
 }  // namespace
+
+// The kernel a quantized linear runs, by its kind, row count and the rows' dtype (kernels.h
+// StepLinear): model/layers/quant.py QuantLinear.forward calls it for every linear that has a
+// kind for its rows' dtype (QuantLinear.step_kind), step_layers for each of a step's.
+at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size) {
+  auto with_bias = [&w](at::Tensor y) { return w.bias ? at::add(y, *w.bias) : y; };
+  if (w.kind == "ggml") {  // the bias added in place: y keeps the rows' dtype whatever the bias's
+    auto y = ggml_linear(a, w.parts, w.types, a.size(1));
+    return w.bias ? y.add_(*w.bias) : y;
+  }
+  const bool small = a.size(0) <= w.small_rows;
+  if (w.kind == "int4_f32") {
+    TORCH_CHECK(a.scalar_type() == at::kFloat, "quant_linear: int4_f32 takes float32 rows");
+    return with_bias(small ? int4_mm(a, w.w0, w.w1) : int4_gemm(a, w.w2, w.w0.size(0)));
+  }
+  if (small) {
+    if (w.kind == "q8") {
+      TORCH_CHECK(a.scalar_type() == at::kFloat, "quant_linear: q8 takes float32 rows");
+      return with_bias(int8_mm(a, w.w0, w.w1));
+    }
+    if (w.kind == "int8") {
+      if (a.scalar_type() == at::kBFloat16) return with_bias(at::_weight_int8pack_mm(a, w.w0, w.w1));
+      auto y = with_bias(at::_weight_int8pack_mm(a.to(at::kBFloat16), w.w0, w.w1));
+      return y.to(a.scalar_type());
+    }
+    TORCH_CHECK(w.kind == "int4" && a.scalar_type() == at::kBFloat16,
+                "quant_linear: a linear of kind '", w.kind, "' on ", a.scalar_type(), " rows");
+    return with_bias(at::_weight_int4pack_mm_for_cpu(a, w.w0, group_size, w.w1));
+  }
+  const auto dense = w.w2.scalar_type();
+  const at::Tensor in = a.scalar_type() == dense ? a : a.to(dense);
+  auto y = w.packed ? packed_linear(in, w.w2, w.dense_bias) : at::linear(in, w.w2, w.dense_bias);
+  return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
+}
 
 // step_layers: every layer of a step in one call (decode rows, prompt chunks or both), bfloat16
 // or float32 activations, weights of model/quant.py QuantLinear (int4, int8, q8): the same ops,

@@ -87,6 +87,18 @@ class BlockLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.parts)
 
+    def step_kind(self, dtype: torch.dtype) -> str:
+        """The kind model/kernels' quant_linear and step_layers run it as (kernels.h StepLinear)."""
+        return "ggml"
+
+    def step_linear(self, kernels: Any, dtype: torch.dtype) -> Any:
+        """Its parts and their ggml types as `kernels`' StepLinear for `dtype` rows."""
+        w = kernels.StepLinear()
+        w.kind = self.step_kind(dtype)
+        w.parts, w.types = self.parts, self.types
+        w.bias = None if self.bias is None else self.bias.to(dtype)
+        return w
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.ggml_linear(x.contiguous(), self.parts, self.types, self.in_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -25,6 +25,11 @@ Both change the logits a little (the server says so; docs/performance.md). Batch
 rows: int4_gemm), prepacked for oneDNN (`pack_dense`): past ~4 rows the quantized CPU kernels
 lose to the bfloat16 GEMM on AVX-512, past ~32 int8_mm to the float32 one. That copy is
 bfloat16 where the CPU computes bfloat16 natively, float32 elsewhere (`dense_dtype`).
+Which kernel runs a QuantLinear, by its kind, row count and activation dtype, is written once:
+model/kernels/step.cpp `quant_linear`, which forward calls for every kind it has for the rows'
+dtype (`step_kind`) and the one-call step for each of its linears (model/runner/native.py);
+forward keeps in Python fbgemm8, the kinds that go through another dtype first, and models
+quantized without the kernels.
 fbgemm's dynamic int8 over whole batches was tried for every layer and dropped: one activation
 scale per batch cost SmolLM2-135M half of its top-1 agreement with float32; one per row (what
 torch._int_mm would take; simulated on the whole-text logits, forced AVX2 path) a top-1 of 0.93
@@ -181,15 +186,21 @@ class QuantLinear(nn.Module):
         kind: str,
         dense_dtype: torch.dtype = torch.bfloat16,
         kernels: Any | None = None,
+        integer_rows: bool = True,
     ) -> None:
-        """`kernels`: the model.kernels module, for int4 with float32 activations (int4_mm)."""
+        """`kernels`: the model.kernels module: its quant_linear runs every (kind, rows' dtype)
+        it has (step_kind). `integer_rows`: float32 rows take its integer kernels (int4:
+        int4_mm / int4_gemm on their own copies; quantize() sets it for float32 models)."""
         super().__init__()
         w = weight.detach().float()
         self.kind = kind
-        self.kernels: Any | None = None  # set with q4 / q4_scale_min (q8 / q8_scale): float32 rows
+        self.kernels: Any | None = kernels if has_linear_kernels(kernels) else None
+        # int4 with float32 rows on int4_mm / int4_gemm (q4, q4_scale_min, q4_gemm), no dense copy
+        self.int4_f32 = False
         self.dense_dtype = dense_dtype
         self.bias = None if bias is None else bias.detach().bfloat16()
         self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
+        self._steps: dict[torch.dtype, tuple[Any, Any]] = {}  # step_linear's, per rows' dtype
         if kind == "fbgemm8":
             self.reduce_range = not isa.int8_vnni()
             int8, scales = quantize_int8(w)
@@ -206,18 +217,17 @@ class QuantLinear(nn.Module):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.scales = scales_zeros.bfloat16()
             dequantized = dequantize_int4(q, self.scales.float())
-            if kernels is not None and hasattr(kernels, "int4_gemm"):
+            if integer_rows and self.kernels is not None and hasattr(kernels, "int4_gemm"):
                 # the bfloat16-rounded scales: the weights torch's kernel multiplies by
                 self.q4, self.q4_scale_min = pack_int4(q, self.scales)
                 self.q4_gemm = pack_int4_gemm(q, self.scales)
                 self.kernel_bias = None if bias is None else bias.detach().float()
-                self.kernels = kernels
+                self.int4_f32 = True
         elif kind == "q8":
-            if kernels is None or not hasattr(kernels, "int8_mm"):
+            if self.kernels is None or not hasattr(kernels, "int8_mm"):
                 raise ValueError("q8 takes the C++ kernels' int8_mm")
             self.q8, self.q8_scale = quantize_q8(w)
             self.kernel_bias = None if bias is None else bias.detach().float()
-            self.kernels = kernels
             k = w.shape[1]
             dequantized = (
                 self.q8.float().view(-1, k // INT4_GROUP, INT4_GROUP) * self.q8_scale[..., None]
@@ -230,8 +240,10 @@ class QuantLinear(nn.Module):
             raise ValueError(f"kind must be int4, int8, q8 or fbgemm8, got {kind!r}")
         # float32 rows on the integer kernels: more of them before the next kernel wins
         self.small_rows = SMALL_ROWS
-        if self.kernels is not None:
-            self.small_rows = SMALL_ROWS_INT4 if kind == "int4" else SMALL_ROWS_F32
+        if self.int4_f32:
+            self.small_rows = SMALL_ROWS_INT4
+        elif kind == "q8":
+            self.small_rows = SMALL_ROWS_F32
         # NOTE: the dense copy holds the quantized weights, not the original ones: both paths
         # then multiply by the same weights, and a sequence's greedy text does not change with
         # the row count of its step (a prompt re-read from the prefix cache computes its last
@@ -239,10 +251,69 @@ class QuantLinear(nn.Module):
         # int4 with float32 rows has none: int4_gemm takes the batches.
         self.dense: torch.Tensor | None = None
         self.dense_packed = False
-        if not (kind == "int4" and self.kernels is not None):
+        if not self.int4_f32:
             self.dense, self.dense_packed = pack_dense(dequantized.to(dense_dtype))
 
+    @property
+    def small_rows(self) -> int:
+        """Up to this many rows the quantized kernel, past them the dense copy (int4_f32:
+        int4_gemm); 0 (a batch_invariant worker): one kernel at every row count."""
+        return self._small_rows
+
+    @small_rows.setter
+    def small_rows(self, n: int) -> None:
+        self._small_rows = n
+        self._steps.clear()  # NOTE: each StepLinear holds the threshold
+
+    def step_kind(self, dtype: torch.dtype) -> str | None:
+        """The kind model/kernels' quant_linear (step.cpp, kernels.h StepLinear) runs this
+        linear as for `dtype` rows, in forward and in the one-call step; None: forward's Python
+        only (fbgemm8; q8 and int4_f32 on rows other than float32, torch's int4 on float32 rows:
+        each through another dtype)."""
+        if dtype == torch.float32 and self.int4_f32:
+            return "int4_f32"
+        if self.kind == "q8":
+            return "q8" if dtype == torch.float32 else None
+        if self.kind == "int4" and dtype == torch.bfloat16 and not self.int4_f32:
+            return "int4"
+        if self.kind == "int8" and dtype in (torch.bfloat16, torch.float32):
+            return "int8"
+        return None
+
+    def step_linear(self, kernels: Any, dtype: torch.dtype) -> Any | None:
+        """This linear as `kernels`' StepLinear for `dtype` rows (None: no step_kind), built
+        once per dtype: its weights, biases and row threshold as quant_linear reads them."""
+        kind = self.step_kind(dtype)
+        if kind is None:
+            return None
+        built = self._steps.get(dtype)
+        if built is not None and built[0] is kernels:
+            return built[1]
+        w = kernels.StepLinear()
+        w.kind = kind
+        if kind == "int4_f32":
+            w.w0, w.w1, w.w2 = self.q4, self.q4_scale_min, self.q4_gemm
+            w.bias = self.kernel_bias
+        elif kind == "q8":
+            w.w0, w.w1, w.w2 = self.q8, self.q8_scale, self.dense
+            w.bias = self.kernel_bias
+        else:
+            w.w0, w.w1, w.w2 = self.packed, self.scales, self.dense
+            w.bias = self.bias
+        w.dense_bias = self.dense_bias
+        w.small_rows = self.small_rows
+        w.packed = self.dense_packed
+        self._steps[dtype] = (kernels, w)
+        return w
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in_features]
+        if self.kernels is not None:
+            step = self.step_linear(self.kernels, x.dtype)
+            if step is not None:
+                y: torch.Tensor = self.kernels.quant_linear(x, step, INT4_GROUP)
+                return y
+        # the kinds quant_linear does not run (step_kind), or a build without it
         if x.shape[0] > self.small_rows and self.dense is not None:
             y = dense_linear(x.to(self.dense_dtype), self.dense, self.dense_bias, self.dense_packed)
             return y.to(x.dtype)
@@ -255,15 +326,7 @@ class QuantLinear(nn.Module):
                 for r in x.float().split(1)
             ]
             return torch.cat(rows).to(x.dtype)
-        if self.kernels is not None and x.dtype == torch.float32:
-            if self.kind == "q8":
-                y = self.kernels.int8_mm(x, self.q8, self.q8_scale)
-            elif x.shape[0] > self.small_rows:
-                y = self.kernels.int4_gemm(x, self.q4_gemm, self.q4.shape[0])
-            else:
-                y = self.kernels.int4_mm(x, self.q4, self.q4_scale_min)
-            return y if self.kernel_bias is None else y + self.kernel_bias
-        if self.kind == "q8":
+        if self.kind == "q8":  # int8_mm takes float32 rows
             return self.forward(x.float()).to(x.dtype)
         if x.dtype != torch.bfloat16:  # torch's int4 / int8 kernels take bfloat16 activations
             return self.forward(x.bfloat16()).to(x.dtype)
@@ -274,10 +337,14 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def has_linear_kernels(kernels: Any | None) -> bool:
+    return kernels is not None and hasattr(kernels, "quant_linear")
+
+
 def quantize(model: Transformer, mode: str, kernels: bool = True) -> Transformer:
     """Replace every Linear (attention, feed-forward, output head) in place; "none" is a no-op.
     `kernels` False: torch's kinds only, without model/kernels (what ran before them; benches
-    compare the two)."""
+    compare the two). Float32 models take the kernels' integer ones (int4_f32, the q8 head)."""
     if mode in ("none", "gguf"):  # gguf: the loader kept the file's blocks (model/layers/ggml.py)
         return model
     if mode not in QUANT_MODES:
@@ -285,8 +352,9 @@ def quantize(model: Transformer, mode: str, kernels: bool = True) -> Transformer
     if model.device.type != "cpu":
         raise ValueError(f"quant {mode!r} is CPU-only (the model is on {model.device})")
     dense = dense_dtype(model.dtype)
-    module = load_kernels() if kernels and model.dtype == torch.float32 else None
-    q8 = module is not None and hasattr(module, "int8_mm")
+    module = load_kernels() if kernels else None
+    integer_rows = model.dtype == torch.float32
+    q8 = integer_rows and module is not None and hasattr(module, "int8_mm")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
@@ -296,7 +364,7 @@ def quantize(model: Transformer, mode: str, kernels: bool = True) -> Transformer
                     kind = "q8" if q8 else "fbgemm8"
                 elif mode == "int8" and q8 and child.weight.shape[1] % INT4_GROUP == 0:
                     kind = "q8"
-                linear = QuantLinear(child.weight, child.bias, kind, dense, module)
+                linear = QuantLinear(child.weight, child.bias, kind, dense, module, integer_rows)
                 setattr(parent, name, linear)
     return model
 

@@ -21,10 +21,12 @@ takes decode steps, prompt chunks and steps that mix both, wherever every attent
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
 bfloat16 with AVX-512 BF16; a window's prompt chunks take the masked torch path) and covers its
 rows.
-Each linear picks its kernel by its kind and row count as QuantLinear does (int4: torch's for
-bfloat16 activations, model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past
-them; q8, int8 with float32 activations: int8.cpp; int8 with bfloat16 ones: torch's; past
-small_rows the dense copy, oneDNN-packed where it can).
+Each linear runs through the kernels' quant_linear (step.cpp), which QuantLinear.forward calls
+too, as the kind QuantLinear.step_kind (BlockLinear.step_kind: "ggml") names for the model's
+dtype, with the StepLinear its step_linear builds (int4: torch's for bfloat16 activations,
+model/kernels/int4.cpp up to small_rows float32 rows and gemm.cpp past them; q8 with float32
+activations: int8.cpp; int8: torch's; past small_rows the dense copy, oneDNN-packed where it
+can). A linear without a kind for the model's dtype keeps the model in Python.
 Decode steps, int4 + bfloat16, 300 cached tokens, native vs Python (before the packed weights
 and the fused kernels): 8.1 vs 11.8 ms at 1 sequence, 12.5 vs 16.0 at 2, 18.2 vs 23.3 at 4,
 30.6 vs 33.7 at 8. Taking the per-layer ATen calls out (in-place RoPE, raw K/V copies,
@@ -209,37 +211,11 @@ def _linears(block: Block) -> tuple[Any, ...]:
 
 
 def _step_kind(lin: Any, dtype: torch.dtype) -> str | None:
-    """The kind step_layers runs `lin` as (kernels.h StepLinear), None where it cannot."""
-    if isinstance(lin, BlockLinear):  # the GGUF's own blocks (model/layers/ggml.py)
-        return "ggml"
-    if not isinstance(lin, QuantLinear):
-        return None
-    if lin.kind == "int4" and dtype == torch.float32:
-        return "int4_f32" if lin.kernels is not None else None  # else rows go bfloat16
-    if lin.kind == "q8":
-        return "q8" if dtype == torch.float32 else None
-    return lin.kind if lin.kind in ("int4", "int8") else None
+    """The kind step_layers runs `lin` as, None where it cannot (float weights)."""
+    if isinstance(lin, (QuantLinear, BlockLinear)):
+        return lin.step_kind(dtype)
+    return None
 
 
 def _step_linear(kernels: Any, lin: QuantLinear | BlockLinear, dtype: torch.dtype) -> Any:
-    """QuantLinear's weights, biases and row threshold as step_layers' quant_linear reads
-    them; a BlockLinear's parts and their ggml types."""
-    w = kernels.StepLinear()
-    w.kind = _step_kind(lin, dtype)
-    if isinstance(lin, BlockLinear):
-        w.parts, w.types = lin.parts, lin.types
-        w.bias = None if lin.bias is None else lin.bias.to(dtype)
-        return w
-    if w.kind == "int4_f32":
-        w.w0, w.w1, w.w2 = lin.q4, lin.q4_scale_min, lin.q4_gemm
-        w.bias = lin.kernel_bias
-    elif w.kind == "q8":
-        w.w0, w.w1, w.w2 = lin.q8, lin.q8_scale, lin.dense
-        w.bias = lin.kernel_bias
-    else:
-        w.w0, w.w1, w.w2 = lin.packed, lin.scales, lin.dense
-        w.bias = lin.bias
-    w.dense_bias = lin.dense_bias
-    w.small_rows = lin.small_rows
-    w.packed = lin.dense_packed
-    return w
+    return lin.step_linear(kernels, dtype)
