@@ -289,20 +289,19 @@ std::string compiled_isa() {
 // Their scratch buffers are thread_local, so concurrent callers never share one.
 constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 
-// The one-call step is the exception: a step of at most kStepRowsWithGil rows (the decode
-// step of up to 64 streams, 30-250 ms on a 1.5B on 2 cores) keeps the GIL. Where every core
-// computes, the event loop's work for the previous step (a chunk per stream) costs less between
-// two steps than beside one, where it preempts a thread the step waits for: 16 streams on the
-// 1.5B, 2-core Zen 4, gave 1-5% fewer tokens/s with it beside (4 alternating pairs). A prompt
-// chunk or a bigger batch (seconds) lets the loop run: /health and the streams never wait on it.
-constexpr int64_t kStepRowsWithGil = 64;
-
+// The one-call step is the exception: a step of at most gil_rows rows keeps the GIL (the caller
+// sizes it by the model's work per row: model/runner/native.py step_gil_rows; the decode step of
+// up to 64 streams on a 1.5B, 30-250 ms on 2 cores). Where every core computes, the event
+// loop's work for the previous step (a chunk per stream) costs less between two steps than
+// beside one, where it preempts a thread the step waits for: 16 streams on the 1.5B, 2-core
+// Zen 4, gave 1-5% fewer tokens/s with it beside (4 alternating pairs). A prompt chunk or a
+// bigger batch (seconds) lets the loop run: /health and the streams never wait on it.
 at::Tensor step_layers_py(at::Tensor x, const std::vector<StepLayer>& layers,
                           const std::vector<StepGroups>& groups,
                           const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
-                          double scale, int64_t group_size) {
+                          double scale, int64_t group_size, int64_t gil_rows) {
   std::optional<py::gil_scoped_release> nogil;
-  if (x.dim() > 0 && x.size(0) > kStepRowsWithGil) nogil.emplace();
+  if (x.dim() > 0 && x.size(0) > gil_rows) nogil.emplace();
   return step_layers(std::move(x), layers, groups, rope_tables, n_heads, eps, scale, group_size);
 }
 

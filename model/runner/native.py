@@ -43,12 +43,37 @@ from typing import Any
 import torch
 
 from kvcache.storage import GroupedKVStorage, KVStorage
+from model.arch import ModelArgs
 from model.layers.batch import DecodeGroup, PromptGroup
 from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
 from model.layers.ggml import BlockLinear
 from model.layers.lora import unwrap
 from model.layers.moe import MoEFeedForward
 from model.layers.quant import INT4_GROUP, QuantLinear
+
+# The work a step may do with the GIL held: the 1.5B's 64-row decode step (Qwen2.5-1.5B, 1.31G
+# multiply-adds a row in its layers), the one measured (model/kernels/layers.cpp). A model 5x
+# the size keeps it for 12 rows, so that no step holds the interpreter for seconds
+# (an 8B's 64-stream step would); smaller ones stop at STEP_GIL_ROWS.
+STEP_GIL_MACS = 85_000_000_000  # 64 rows of the 1.5B and a little
+STEP_GIL_ROWS = 64
+
+
+def step_gil_rows(args: ModelArgs) -> int:
+    """The most rows of a step that keeps the GIL (step_layers' gil_rows): STEP_GIL_MACS of
+    the layers' linears (a MoE layer: its router and the experts a row uses), at most
+    STEP_GIL_ROWS, at least 1."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    attn = 2 * args.dim * q + 2 * args.dim * kv
+    macs = 0
+    for i in range(args.n_layers):
+        mlp = 3 * args.dim * args.hidden_dim
+        if args.is_moe(i):
+            assert args.moe is not None
+            moe = args.moe
+            mlp = args.dim * moe.n_experts + moe.n_used * 3 * args.dim * moe.expert_dim
+        macs += attn + mlp
+    return max(1, min(STEP_GIL_ROWS, STEP_GIL_MACS // max(1, macs)))
 
 
 @dataclass(slots=True)
@@ -63,6 +88,7 @@ class NativeDecoder:
     n_heads: int
     eps: float
     scale: float
+    gil_rows: int  # steps of at most this many rows keep the GIL (step_gil_rows)
 
     @staticmethod
     def build(
@@ -137,6 +163,7 @@ class NativeDecoder:
             args.n_heads,
             args.norm_eps,
             args.scale,
+            step_gil_rows(args),
         )
         return decoder, f"{len(layers)} blocks, {model.dtype}"
 
@@ -179,6 +206,7 @@ class NativeDecoder:
             self.eps,
             self.scale,
             INT4_GROUP,
+            self.gil_rows,
         )
         return out
 

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvcache.rope import RopeConfig
 from model import load_model
+from model.arch import ModelArgs, MoEArgs
 from model.layers.quant import quantize
+from model.runner.native import STEP_GIL_ROWS, step_gil_rows
 from tests.model.factories import Driver, require_kernels
 from tests.model.test_ggml_blocks import TYPES, make_weights
 from tests.model.test_native import native_worker
@@ -114,14 +117,20 @@ def smollm_worker(smollm_path):
     return native_worker(loaded, n_cells=4096)
 
 
-@pytest.mark.parametrize("rows, runs_beside", [(512, True), (64, False)])
+@pytest.mark.parametrize(
+    "rows, gil_rows, runs_beside", [(512, None, True), (64, None, False), (64, 8, True)]
+)
 def test_the_one_call_step_lets_python_run_past_a_decode_steps_rows(
-    smollm_worker, monkeypatch, rows, runs_beside
+    smollm_worker, monkeypatch, rows, gil_rows, runs_beside
 ):
     """step_layers over a prompt chunk of 512 rows: the event loop's thread runs beside it; over
-    64 rows (a decode step of 64 streams) it waits, as layers.cpp decides. Watched over the C++
+    64 rows (a decode step of 64 streams) it waits, as layers.cpp decides, unless the model's
+    work per row lowers the rows kept (gil_rows 8: a model 8x the 1.5B). Watched over the C++
     call alone (the Python around it lets go of the GIL in torch's ops either way)."""
     native = smollm_worker.paths.native
+    assert native.gil_rows == STEP_GIL_ROWS  # SmolLM2-135M: the cap
+    if gil_rows is not None:
+        monkeypatch.setattr(native, "gil_rows", gil_rows)
     span: dict[str, float] = {}
     step_rows: list[int] = []
 
@@ -145,6 +154,31 @@ def test_the_one_call_step_lets_python_run_past_a_decode_steps_rows(
     assert step_rows == [rows]  # one C++ step took the whole chunk
     stood = f"this thread stood still {longest:.3f} s of {call_s:.3f} s"
     assert (longest < 0.5 * call_s) == runs_beside, stood
+
+
+def shaped(dim: int, n_layers: int, n_heads: int, n_kv: int, hidden: int, **kw) -> ModelArgs:
+    head_dim = dim // n_heads
+    rope = RopeConfig(10000.0, head_dim, "neox")
+    return ModelArgs(
+        "llama", 1000, dim, n_layers, n_heads, n_kv, head_dim, hidden, 1e-5, rope, 4096, **kw
+    )
+
+
+def test_the_rows_that_keep_the_gil_follow_the_models_work():
+    """The 1.5B's 64-row decode step is the measured budget; an 8B's 64-stream step would hold
+    the interpreter 5x as long (seconds on 2 cores): it keeps it for 12 rows only."""
+    qwen_1_5b = shaped(1536, 28, 12, 2, 8960)
+    llama_8b = shaped(4096, 32, 32, 8, 14336)
+    smollm_135m = shaped(576, 30, 9, 3, 1536)
+    assert step_gil_rows(qwen_1_5b) == 64
+    assert step_gil_rows(llama_8b) == 12
+    assert step_gil_rows(smollm_135m) == 64
+    # a mixture of experts counts the experts a row uses, not all of them (Qwen3-30B-A3B-like)
+    moe = MoEArgs(n_experts=128, n_used=8, expert_dim=768, norm_topk_prob=True)
+    a3b = shaped(2048, 48, 32, 4, 6144, moe=moe)
+    # per layer 9.4M (attention) + 0.26M (router) + 8 x 4.7M (the experts a row uses): 37 rows;
+    # all 128 experts would be 605M a layer, 2 rows
+    assert step_gil_rows(a3b) == 37
 
 
 def test_calls_from_two_threads_at_once_equal_calls_alone(kern):
