@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvcache.rope import RopeLayout
 from model.arch.args import LLAMA, BlockSpec, ModelArgs, MoEArgs
@@ -53,6 +53,10 @@ class Family:
     hf_names: Mapping[str, str] = field(default_factory=dict)  # kind -> HF tensor, where it differs
     hf_fused: tuple[str, ...] = ()  # HF fused projections (model/load/hf.py _FUSED)
     hf_tied: bool = False  # tie_word_embeddings when config.json does not say
+    # how its HF files store the experts (model/load/hf.py): one tensor per expert and projection
+    # (Qwen3-MoE, OLMoE), Granite-MoE's fused input_linear / output_linear, gpt-oss's stacked
+    # gate_up_proj with biases
+    hf_experts: Literal["per_expert", "granite", "gpt_oss"] = "per_expert"
     from_gguf: Callable[[ModelArgs, GGUFMeta], None] | None = None
     from_hf: Callable[[ModelArgs, dict[str, Any]], None] | None = None
 

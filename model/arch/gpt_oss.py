@@ -62,6 +62,7 @@ FAMILY = Family(
         "moe_router_b": "mlp.router.bias",
         "sinks": "self_attn.sinks",
     },
+    hf_experts="gpt_oss",
     from_gguf=from_gguf,
     from_hf=from_hf,
 )

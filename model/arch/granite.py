@@ -45,6 +45,7 @@ MOE_FAMILY = Family(
     moe_norm_topk=True,
     gguf_permuted_qk=True,
     hf_names={"moe_router": "block_sparse_moe.router.layer.weight"},
+    hf_experts="granite",
     from_gguf=from_gguf,
     from_hf=moe_from_hf,
 )

@@ -79,11 +79,11 @@ def read_weights(
     weights: dict[str, torch.Tensor] = {}
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
-            if ours in _GPTOSS_EXPERTS and args.arch == "gpt_oss":
+            if ours in _GPTOSS_EXPERTS and family.hf_experts == "gpt_oss":
                 w = _gptoss_experts(raw, i, ours, expected[ours], folder)
                 weights[f"layers.{i}.{ours}"] = w.to(dtype)
                 continue
-            if ours in _EXPERT_PROJ and args.arch == "granitemoe":
+            if ours in _EXPERT_PROJ and family.hf_experts == "granite":
                 w = _granite_experts(raw, i, ours, expected[ours], folder)
                 weights[f"layers.{i}.{ours}"] = w.to(dtype)
                 continue
