@@ -149,12 +149,12 @@ def prompt_group(
     s: SeqRows, read_index: ReadIndex, dev: torch.device, order: bool = False
 ) -> PromptGroup:
     """`order`: also the cells (in position order) and each row's visible count, for the
-    prompt kernel: full attention only, where every row sees a prefix of them (lo = 0)."""
+    prompt kernel, where every row sees a prefix of them (lo = 0: full attention, or a window
+    that cuts none of this chunk's cells yet)."""
     mask = s.visible()  # [L, n_kv]
     kv_index = read_index(np.asarray(s.kv_cells))
     group = PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
-    if order:
-        assert not s.lo.any(), "a windowed prompt chunk takes the masked path"
+    if order and not s.lo.any():
         group.cells = int64_tensor(s.kv_cells, dev)
         group.lens = int64_tensor(s.hi, dev)
     return group
@@ -179,15 +179,17 @@ def plan_attn_groups(
     else groups that bound the padding.
 
     NOTE: the C++ prompt kernel reads a prefix of the position-ordered cells per row; a
-    window's visible cells are a range, so windowed prompt chunks take the masked torch path.
-    Windowed decode rows see exactly their in-window cells (group_seqs), a prefix again.
+    window's visible cells are a range, so a windowed prompt chunk takes it only while the
+    window cuts none of its rows' cells (a prompt shorter than the window), the masked torch
+    path after. Windowed decode rows see exactly their in-window cells (group_seqs), a prefix
+    again.
     """
-    window = group.window
     seqs = group_seqs(plan, group)
     decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]
-    order = ordered_prompts and window == 0
     prompts = [
-        prompt_group(s, read_index, device, order) for s in seqs if one_each or s.end - s.start != 1
+        prompt_group(s, read_index, device, ordered_prompts)
+        for s in seqs
+        if one_each or s.end - s.start != 1
     ]
     n_rows = len(plan.token_ids)
 

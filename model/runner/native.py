@@ -19,8 +19,8 @@ step.cpp rope_partial_, the Python layers' ATen ops). An architecture described 
 model/arch/ runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
-bfloat16 with AVX-512 BF16; a window's prompt chunks take the masked torch path) and covers its
-rows.
+bfloat16 with AVX-512 BF16; a window's prompt chunks while the window cuts none of their cells,
+the masked torch path after) and covers its rows.
 Each linear runs through the kernels' quant_linear (step.cpp), which QuantLinear.forward calls
 too, as the kind QuantLinear.step_kind (BlockLinear.step_kind: "ggml") names for the model's
 dtype, with the StepLinear its step_linear builds (int4: torch's for bfloat16 activations,

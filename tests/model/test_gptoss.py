@@ -122,8 +122,8 @@ def test_the_one_call_step_runs_gptoss_as_the_python_layers(
     folder, dtype, quant, n_seq, monkeypatch
 ):
     """step.cpp with the sinks, the wo / router / expert biases and the clamped SwiGLU: bit for
-    bit the Python layers' logits over decode steps past the window (windowed prompt chunks
-    take the Python layers: tests/model/test_dense_families.py)."""
+    bit the Python layers' logits over decode steps past the window (prompts longer than
+    the window take the Python layers: tests/model/test_dense_families.py)."""
     require_kernels()
     loaded = load_model(folder, dtype=dtype)
     quantize(loaded.transformer, quant)

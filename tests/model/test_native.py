@@ -216,9 +216,33 @@ def test_other_architectures_run_their_description_natively(
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
     native = decode(worker, prompts, steps=8)  # decode rows pass the window of 8
-    # windowed prompt chunks take the masked torch path, so Gemma's prefill stays in Python
+    # Gemma's prompts (12 tokens and more) pass its window of 8: its prefill stays in Python
     prefill_native = arch != "gemma3" and prompt_kernel_runs(worker)
     assert len(calls) == 8 + prefill_native
     worker.paths.native = None
     python = decode(worker, prompts, steps=8)
     assert torch.equal(native, python)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_prompt_inside_the_window_takes_the_one_call_step(tiny_quantized, dtype, monkeypatch):
+    """Gemma 3's sliding layers (window 8): prompts of 8 tokens see a prefix of their cells in
+    every layer, so their prefill runs in the one-call step (the prompt kernel); prompts of 9
+    do not (the window cuts the first cell for the last row) and take the Python layers. Both
+    equal the Python layers bit for bit."""
+    loaded = tiny_quantized("gemma3", dtype, "int4")
+    worker = native_worker(loaded, n_cells=1024)
+    if not prompt_kernel_runs(worker):
+        pytest.skip(f"no prompt kernel for {dtype} on this build")
+    native = worker.paths.native
+    calls: list[int] = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    for length, prefill_native in ((8, True), (9, False)):
+        prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(length)] for s in range(3)]
+        calls.clear()
+        worker.paths.native = native
+        got = decode(worker, prompts, steps=3)
+        assert len(calls) == 3 + prefill_native, length
+        worker.paths.native = None
+        assert torch.equal(got, decode(worker, prompts, steps=3)), length
