@@ -44,7 +44,8 @@ DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float],
     torch.Tensor,
 ]
-PromptAttention = DecodeAttention  # (q, k, v, cells [n_kv], lens [L], scale, softcap)
+# (q, k, v, cells [n_kv], lens [L], scale, softcap, sinks=None, firsts=None)
+PromptAttention = Callable[..., torch.Tensor]
 HERE = pathlib.Path(__file__).parent
 _SOURCE_NAMES = (
     "attention.cpp",

@@ -88,7 +88,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           }
           if (convert) {  // rows decoded as they are read
             scores.resize(group * (n + 1));
-            attend_bf16_coded(qrows, group, nullptr, hd, kk, kraw + kvh * kb0, kb1, vk,
+            attend_bf16_coded(qrows, group, nullptr, nullptr, hd, kk, kraw + kvh * kb0, kb1, vk,
                               vraw + kvh * vb0, vb1, sc, n, fscale, cap, sk, scores.data(), dst);
             continue;
           }
@@ -100,7 +100,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
               prefetch_row(kp1 + sc1[r] * ks1, hd);
           }
           scores.resize(group * (n + 1));
-          attend_bf16(qrows, group, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, cap, sk,
+          attend_bf16(qrows, group, nullptr, nullptr, hd, kp, vp, ks1, vs1, sc, n, fscale, cap, sk,
                       scores.data(), dst);
           continue;
         }
@@ -117,10 +117,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           }
           scores.resize(group * n);
           if (convert)  // rows decoded as they are read
-            attend_f32_coded(qf.data(), group, nullptr, hd, kk, kraw + kvh * kb0, kb1, vk,
+            attend_f32_coded(qf.data(), group, nullptr, nullptr, hd, kk, kraw + kvh * kb0, kb1, vk,
                              vraw + kvh * vb0, vb1, sc, n, cap, sk, scores.data(), dst);
           else
-            attend_f32(qf.data(), group, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, sk,
+            attend_f32(qf.data(), group, nullptr, nullptr, hd, kp, vp, ks1, vs1, sc, n, cap, sk,
                        scores.data(), dst);
           continue;
         }
@@ -231,15 +231,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // prompt_attention: one prompt chunk's attention, K/V read from the cells in place.
 // q: [L, n_heads, head_dim]; k, v: as for decode_attention; cells: [n_kv] int64, the cells the
 // chunk reads in position order; lens: [L] int64, how many of them row i sees (>= 1: a causal
-// mask is a prefix of the position-ordered cells). head_dim % 32 == 0; bfloat16 on a CPU with
-// AVX-512 BF16 (has_bf16_kernels()), float32 with AVX2 (has_f32_kernels()). A task is one kv
-// head and a block of rows (its query heads x rows <= kMaxQueries share every K/V row read),
+// mask is a prefix of the position-ordered cells); firsts (a sliding window's chunk): [L]
+// int64, the first of them row i sees (row i: cells[firsts[i], lens[i])). head_dim % 32 == 0;
+// bfloat16 on a CPU with AVX-512 BF16 (has_bf16_kernels()), float32 with AVX2
+// (has_f32_kernels()). A task is one kv head and a block of rows (its query heads x rows <= kMaxQueries share every K/V row read),
 // scheduled dynamically: later rows see more. SmolLM2's 256-token prompt, bfloat16: 0.78 vs
 // ~1.3 ms a layer for SDPA's flash kernel with the mask.
 
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
-                            double softcap, const c10::optional<at::Tensor>& sinks) {
+                            double softcap, const c10::optional<at::Tensor>& sinks,
+                            const c10::optional<at::Tensor>& firsts) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
@@ -250,7 +252,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
     auto kd = dequant_cells(k.contiguous(), c, q.size(2), q.scalar_type());
     auto vd = dequant_cells(v.contiguous(), c, q.size(2), q.scalar_type());
     auto order = at::arange(c.size(0), c.options());
-    return prompt_attention(q, kd, vd, order, lens, scale, softcap, sinks);
+    return prompt_attention(q, kd, vd, order, lens, scale, softcap, sinks, firsts);
   }
   const bool f32 = q.scalar_type() == at::kFloat;
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
@@ -275,11 +277,32 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto c = cells.contiguous();
   auto l = lens.contiguous();
   check_lens(l, c.size(0));
+  at::Tensor f;  // a sliding window's rows: row i sees cells[firsts[i], lens[i])
+  if (firsts.has_value() && firsts->defined() && firsts->numel() > 0) {
+    f = firsts->contiguous();
+    TORCH_CHECK(f.scalar_type() == at::kLong && f.dim() == 1 && f.size(0) == L,
+                "firsts must be [L] int64");
+    const int64_t* fp = f.data_ptr<int64_t>();
+    const int64_t* lp = l.data_ptr<int64_t>();
+    for (int64_t i = 0; i < L; ++i)
+      TORCH_CHECK(fp[i] >= 0 && fp[i] < lp[i], "firsts[", i, "] = ", fp[i], " is not in [0, lens[",
+                  i, "] = ", lp[i], ")");
+  }
   auto out = at::empty({L, n_heads, hd}, q.options());
   const int64_t rows = std::max<int64_t>(1, kMaxQueries / group);
   const int64_t n_blocks = (L + rows - 1) / rows, n_tasks = n_kv * n_blocks;
   const int64_t* cp = c.data_ptr<int64_t>();
   const int64_t* lp = l.data_ptr<int64_t>();
+  const int64_t* fp = f.defined() ? f.data_ptr<int64_t>() : nullptr;
+  // a task reads its rows' cells from the first any of them sees (rounded down to an even
+  // index: the bfloat16 kernel sums V in pairs of rows from there, so the pairs stay the same
+  // for any block of rows), each row's lens and firsts counted from there
+  auto task_base = [fp](int64_t r0, int64_t r1) -> int64_t {
+    if (fp == nullptr) return 0;
+    int64_t base = fp[r0];
+    for (int64_t r = r0 + 1; r < r1; ++r) base = std::min(base, fp[r]);
+    return base & ~int64_t{1};
+  };
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
@@ -302,20 +325,23 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
         const int64_t r1 = std::min(L, r0 + rows);
         float* dst[kMaxQueries];
         float qsinks[kMaxQueries];
-        int64_t qlens[kMaxQueries];
+        int64_t qlens[kMaxQueries], qfirsts[kMaxQueries];
         int64_t nq = 0, n = 0;
+        const int64_t base = task_base(r0, r1);
         for (int64_t r = r0; r < r1; ++r)
           for (int64_t g = 0; g < group; ++g, ++nq) {
             const float* src = qp + r * qs0 + (kvh * group + g) * qs1;
             for (int64_t d = 0; d < hd; ++d) qf[nq * hd + d] = src[d] * fscale;
             dst[nq] = op + r * os0 + (kvh * group + g) * os1;
             qsinks[nq] = skp != nullptr ? skp[kvh * group + g] : 0.0f;
-            qlens[nq] = lp[r];
+            qlens[nq] = lp[r] - base;
+            qfirsts[nq] = fp != nullptr ? fp[r] - base : 0;
             n = std::max(n, qlens[nq]);
           }
         scores.resize(nq * n);
-        attend_f32(qf.data(), nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n,
-                   cap, skp != nullptr ? qsinks : nullptr, scores.data(), dst);
+        attend_f32(qf.data(), nq, qlens, fp != nullptr ? qfirsts : nullptr, hd, kp + kvh * ks0,
+                   vp + kvh * vs0, ks1, vs1, cp + base, n, cap,
+                   skp != nullptr ? qsinks : nullptr, scores.data(), dst);
       }
     }
     return out;
@@ -336,19 +362,22 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const at::BFloat16* qrows[kMaxQueries];
       at::BFloat16* dst[kMaxQueries];
       float qsinks[kMaxQueries];
-      int64_t qlens[kMaxQueries];
+      int64_t qlens[kMaxQueries], qfirsts[kMaxQueries];
       int64_t nq = 0, n = 0;
+      const int64_t base = task_base(r0, r1);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t g = 0; g < group; ++g, ++nq) {
           qrows[nq] = qp + r * qs0 + (kvh * group + g) * qs1;
           dst[nq] = op + r * os0 + (kvh * group + g) * os1;
           qsinks[nq] = skp != nullptr ? skp[kvh * group + g] : 0.0f;
-          qlens[nq] = lp[r];
+          qlens[nq] = lp[r] - base;
+          qfirsts[nq] = fp != nullptr ? fp[r] - base : 0;
           n = std::max(n, qlens[nq]);
         }
       scores.resize(nq * (n + 1));
-      attend_bf16(qrows, nq, qlens, hd, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, cp, n, fscale,
-                  cap, skp != nullptr ? qsinks : nullptr, scores.data(), dst);
+      attend_bf16(qrows, nq, qlens, fp != nullptr ? qfirsts : nullptr, hd, kp + kvh * ks0,
+                  vp + kvh * vs0, ks1, vs1, cp + base, n, fscale, cap,
+                  skp != nullptr ? qsinks : nullptr, scores.data(), dst);
     }
   }
 #endif

@@ -39,42 +39,46 @@ struct InPlace {
 
 
 template <typename Rows>
-void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
+            const int64_t* qfirsts, int64_t hd,
             const Rows& krows, const Rows& vrows, const int64_t* sc, int64_t n, float scale,
             float softcap, const float* sinks, float* scores, at::BFloat16* const* dst);
 
 }  // namespace
 
 // One task: nq bfloat16 query vectors that share one kv head, over the K/V rows of cells
-// sc[0, n), head_dim % 32 == 0; query g sees the first qlens[g] of them (qlens null: all n).
+// sc[0, n), head_dim % 32 == 0; query g sees the first qlens[g] of them (qlens null: all n),
+// from its qfirsts[g] on (qfirsts null: from 0; a sliding window's prompt rows).
 // Scores by vdpbf16ps over blocks of 16 rows (bf16 pairs, float32 sums; q is bf16 already),
 // softmax in float32, then P V by vdpbf16ps over row pairs with float32 sums. Rows are
 // prefetched ahead (both 64-byte lines): a sequence's decode cells are scattered between other
 // sequences'. scores: room for nq * (n + 1) floats.
-void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
+                 const int64_t* qfirsts, int64_t hd,
                  const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
                  int64_t vstride, const int64_t* sc, int64_t n, float scale, float softcap,
                  const float* sinks, float* scores, at::BFloat16* const* dst) {
-  attend(qrows, nq, qlens, hd, InPlace{kbase, kstride, hd}, InPlace{vbase, vstride, hd}, sc, n,
-         scale, softcap, sinks, scores, dst);
+  attend(qrows, nq, qlens, qfirsts, hd, InPlace{kbase, kstride, hd}, InPlace{vbase, vstride, hd},
+         sc, n, scale, softcap, sinks, scores, dst);
 }
 
 // The same over rows of other cache types (kbytes / vbytes: bytes between cells): each row
 // decoded to bfloat16 as dequant_row does, so the output equals attend_bf16 over those rows.
 void attend_bf16_coded(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
-                       int64_t hd, CacheKind kkind, const uint8_t* kbase, int64_t kbytes,
-                       CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
+                       const int64_t* qfirsts, int64_t hd, CacheKind kkind,
+                       const uint8_t* kbase, int64_t kbytes, CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
                        int64_t n, float scale, float softcap, const float* sinks, float* scores,
                        at::BFloat16* const* dst) {
   using Coded = CodedRows<at::BFloat16>;
-  attend(qrows, nq, qlens, hd, Coded{kbase, kbytes, hd, kkind}, Coded{vbase, vbytes, hd, vkind},
-         sc, n, scale, softcap, sinks, scores, dst);
+  attend(qrows, nq, qlens, qfirsts, hd, Coded{kbase, kbytes, hd, kkind},
+         Coded{vbase, vbytes, hd, vkind}, sc, n, scale, softcap, sinks, scores, dst);
 }
 
 namespace {
 
 template <typename Rows>
-void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
+            const int64_t* qfirsts, int64_t hd,
             const Rows& krows, const Rows& vrows, const int64_t* sc, int64_t n, float scale,
             float softcap, const float* sinks, float* scores, at::BFloat16* const* dst) {
   alignas(64) at::BFloat16 scratch[16 * 32 * kMaxChunks];  // Coded's rows (InPlace: unused)
@@ -109,11 +113,13 @@ void attend(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, 
   for (int64_t i = 0; i < std::min(n, kPairsAhead); ++i)  // V's first rows, during the softmax
     vrows.prefetch(sc[i]);
   for (int64_t g = 0; g < nq; ++g) {
-    // rows past qlens[g] and the last pair's pad row get weight 0 (no infinities: -ffast-math)
+    // rows before qfirsts[g], past qlens[g] and the last pair's pad row get weight 0 (no
+    // infinities: -ffast-math)
     float* sg = scores + g * ns;
-    const int64_t m = qlens == nullptr ? n : qlens[g];
-    softcap_inplace(sg, m, softcap);
-    softmax_inplace(sg, m, sinks != nullptr ? sinks + g : nullptr);
+    const int64_t m = qlens == nullptr ? n : qlens[g], f = qfirsts == nullptr ? 0 : qfirsts[g];
+    softcap_inplace(sg + f, m - f, softcap);
+    softmax_inplace(sg + f, m - f, sinks != nullptr ? sinks + g : nullptr);
+    std::fill(sg, sg + f, 0.0f);
     for (int64_t i = m; i < ns; ++i) sg[i] = 0.0f;
   }
   // P V by vdpbf16ps over row pairs: p rounds to bfloat16 as in the torch path (probs.to(v));

@@ -69,8 +69,8 @@ constexpr int64_t kBlock = 16;   // V rows read (or decoded) together for every 
 // block's rows are read (decoded) once for all `group` queries, whose sums wait in accs between
 // blocks (the same additions in the same order as one pass over the rows).
 template <typename Rows>
-void attend(const float* q, int64_t group, const int64_t* qlens, int64_t hd, const Rows& krows,
-            const Rows& vrows, const int64_t* cells, int64_t n, float softcap, const float* sinks,
+void attend(const float* q, int64_t group, const int64_t* qlens, const int64_t* qfirsts,
+            int64_t hd, const Rows& krows, const Rows& vrows, const int64_t* cells, int64_t n, float softcap, const float* sinks,
             float* scores, float* const* out) {
   alignas(32) float scratch[kBlock * 8 * kMaxVec];  // Coded's rows (InPlace: unused)
   alignas(32) float accs[kMaxQueries * 8 * kMaxVec];
@@ -100,9 +100,9 @@ void attend(const float* q, int64_t group, const int64_t* qlens, int64_t hd, con
   }
   int64_t most = 0;  // rows any query sees
   for (int64_t g = 0; g < group; ++g) {
-    const int64_t m = qlens ? qlens[g] : n;
-    softcap_inplace(scores + g * n, m, softcap);
-    softmax_f32(scores + g * n, m, sinks != nullptr ? sinks + g : nullptr);
+    const int64_t m = qlens ? qlens[g] : n, f = qfirsts ? qfirsts[g] : 0;
+    softcap_inplace(scores + g * n + f, m - f, softcap);
+    softmax_f32(scores + g * n + f, m - f, sinks != nullptr ? sinks + g : nullptr);
     most = std::max(most, m);
   }
   const int64_t nv = hd / 8;
@@ -121,7 +121,7 @@ void attend(const float* q, int64_t group, const int64_t* qlens, int64_t hd, con
       float* ag = accs + g * hd;
       __m256 acc[kMaxVec];
       for (int64_t d = 0; d < nv; ++d) acc[d] = _mm256_load_ps(ag + 8 * d);
-      for (int64_t r = r0; r < end; ++r) {
+      for (int64_t r = std::max(r0, qfirsts ? qfirsts[g] : 0); r < end; ++r) {
         const __m256 pr = _mm256_set1_ps(p[r]);
         for (int64_t d = 0; d < nv; ++d)
           acc[d] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr[r - r0] + 8 * d), acc[d]);
@@ -136,26 +136,28 @@ void attend(const float* q, int64_t group, const int64_t* qlens, int64_t hd, con
 
 // One task in float32, head_dim % 8 == 0: `group` query vectors (q, scaled, [group, hd]: a kv
 // head's query heads, of one decode row or of a block of prompt rows) over the first n K/V rows
-// read in place at cells (query g over its first qlens[g] <= n, where qlens is given);
+// read in place at cells (query g over its first qlens[g] <= n, where qlens is given, from its
+// qfirsts[g] < qlens[g] on, where qfirsts is given: a sliding window's prompt rows);
 // out[g] <- attention output of query g. SmolLM2 (hd 64, 3 query heads per kv head), 32
 // sequences x 330 cells x 30 layers, 1 thread: ~5x the scalar loop's speed.
-void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
-                const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
+void attend_f32(const float* q, int64_t group, const int64_t* qlens, const int64_t* qfirsts,
+                int64_t hd, const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
                 const int64_t* cells, int64_t n, float softcap, const float* sinks,
                 float* scores, float* const* out) {
-  attend(q, group, qlens, hd, InPlace{kbase, ks1}, InPlace{vbase, vs1}, cells, n, softcap, sinks,
-         scores, out);
+  attend(q, group, qlens, qfirsts, hd, InPlace{kbase, ks1}, InPlace{vbase, vs1}, cells, n, softcap,
+         sinks, scores, out);
 }
 
 // The same over rows of other cache types (kbytes / vbytes: bytes between cells), each row
 // decoded to float32 when it is read, as dequant_row decodes it.
-void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
-                      CacheKind kkind, const uint8_t* kbase, int64_t kbytes, CacheKind vkind,
-                      const uint8_t* vbase, int64_t vbytes, const int64_t* cells, int64_t n,
+void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens,
+                      const int64_t* qfirsts, int64_t hd, CacheKind kkind,
+                      const uint8_t* kbase, int64_t kbytes, CacheKind vkind, const uint8_t* vbase,
+                      int64_t vbytes, const int64_t* cells, int64_t n,
                       float softcap, const float* sinks, float* scores, float* const* out) {
   using Coded = CodedRows<float>;
-  attend(q, group, qlens, hd, Coded{kbase, kbytes, hd, kkind}, Coded{vbase, vbytes, hd, vkind},
-         cells, n, softcap, sinks, scores, out);
+  attend(q, group, qlens, qfirsts, hd, Coded{kbase, kbytes, hd, kkind},
+         Coded{vbase, vbytes, hd, vkind}, cells, n, softcap, sinks, scores, out);
 }
 #endif
 

@@ -69,11 +69,12 @@ inline void softcap_inplace(float* s, int64_t m, float cap) {
 #define CELLSERVE_F32_AVX2 1
 // One task in float32, head_dim % 8 == 0, head_dim <= 256 (attention_f32.cpp): `group` scaled
 // query vectors q [group, hd] over the first n K/V rows read in place at cells (query g over
-// its first qlens[g] <= n, where qlens is given); out[g] <- its output; scores: group * n floats;
+// its first qlens[g] <= n, where qlens is given, from its qfirsts[g] < qlens[g] on, where
+// qfirsts is given); out[g] <- its output; scores: group * n floats;
 // softcap > 0: the scores capped (softcap_inplace) before the softmax; sinks (null: none):
 // query g's sink logit sinks[g] in its softmax's denominator.
-void attend_f32(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
-                const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
+void attend_f32(const float* q, int64_t group, const int64_t* qlens, const int64_t* qfirsts,
+                int64_t hd, const float* kbase, const float* vbase, int64_t ks1, int64_t vs1,
                 const int64_t* cells, int64_t n, float softcap, const float* sinks,
                 float* scores, float* const* out);
 #endif
@@ -85,10 +86,12 @@ inline void prefetch_row(const at::BFloat16* row, int64_t hd) {  // every 64-byt
 }
 
 // One task in bfloat16, head_dim % 32 == 0 (attention_bf16.cpp): nq query vectors sharing one kv
-// head over the K/V rows of cells sc[0, n) (query g over the first qlens[g]; null: all n);
+// head over the K/V rows of cells sc[0, n) (query g over the first qlens[g]; null: all n; from
+// its qfirsts[g] on; null: from 0);
 // scores: room for nq * (n + 1) floats; softcap > 0: the scaled scores capped before the softmax;
 // sinks (null: none): query g's sink logit sinks[g] in its softmax's denominator.
-void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens, int64_t hd,
+void attend_bf16(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
+                 const int64_t* qfirsts, int64_t hd,
                  const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t kstride,
                  int64_t vstride, const int64_t* sc, int64_t n, float scale, float softcap,
                  const float* sinks, float* scores, at::BFloat16* const* dst);
@@ -152,17 +155,18 @@ struct CodedRows {
 #ifdef CELLSERVE_F32_AVX2
 // attend_f32 over K and V rows of other cache types (kbytes / vbytes: bytes between cells), each
 // row decoded to float32 when it is read, as dequant_row decodes it (attention_f32.cpp)
-void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens, int64_t hd,
-                      CacheKind kkind, const uint8_t* kbase, int64_t kbytes, CacheKind vkind,
-                      const uint8_t* vbase, int64_t vbytes, const int64_t* cells, int64_t n,
+void attend_f32_coded(const float* q, int64_t group, const int64_t* qlens,
+                      const int64_t* qfirsts, int64_t hd, CacheKind kkind,
+                      const uint8_t* kbase, int64_t kbytes, CacheKind vkind, const uint8_t* vbase,
+                      int64_t vbytes, const int64_t* cells, int64_t n,
                       float softcap, const float* sinks, float* scores, float* const* out);
 #endif
 #ifdef CELLSERVE_AVX512_BF16
 // attend_bf16 over K and V rows of other cache types (kbytes / vbytes: bytes between cells), each
 // row decoded to bfloat16 when it is read, as dequant_row decodes it (attention_bf16.cpp)
 void attend_bf16_coded(const at::BFloat16* const* qrows, int64_t nq, const int64_t* qlens,
-                       int64_t hd, CacheKind kkind, const uint8_t* kbase, int64_t kbytes,
-                       CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
+                       const int64_t* qfirsts, int64_t hd, CacheKind kkind,
+                       const uint8_t* kbase, int64_t kbytes, CacheKind vkind, const uint8_t* vbase, int64_t vbytes, const int64_t* sc,
                        int64_t n, float scale, float softcap, const float* sinks, float* scores,
                        at::BFloat16* const* dst);
 #endif
@@ -173,10 +177,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
                             double softcap,
                             const c10::optional<at::Tensor>& sinks = c10::nullopt);
+// firsts: none, or [L] int64, the first of a prompt chunk's cells row i sees (sliding window)
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cells, const at::Tensor& lens, double scale,
                             double softcap,
-                            const c10::optional<at::Tensor>& sinks = c10::nullopt);
+                            const c10::optional<at::Tensor>& sinks = c10::nullopt,
+                            const c10::optional<at::Tensor>& firsts = c10::nullopt);
 bool has_bf16_kernels();
 bool has_attention_sinks();
 // layers.cpp: the fused ops both paths call (into `out`: x's shape, contiguous)
@@ -237,12 +243,13 @@ struct StepLayer {
 };
 // model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt
-// chunk its rows [start, end) (bounds: start, end, ...), cells [n_kv] in position order, lens.
+// chunk its rows [start, end) (bounds: start, end, ...), cells [n_kv] in position order, lens,
+// and firsts (a sliding window's chunk: the first cell each row sees; empty: 0 for every row).
 struct StepGroups {
   at::Tensor write_cells;
   std::vector<at::Tensor> decode_rows, decode_cells, decode_lens;
   std::vector<int64_t> prompt_bounds;
-  std::vector<at::Tensor> prompt_cells, prompt_lens;
+  std::vector<at::Tensor> prompt_cells, prompt_lens, prompt_firsts;
 };
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,

@@ -311,7 +311,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("prompt_attention", &prompt_attention, kNoGil, "a prompt chunk's attention over cells",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("lens"),
-        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+        py::arg("scale"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+        py::arg("firsts") = py::none());
   m.def("has_bf16_kernels", &has_bf16_kernels, "whether the AVX-512 BF16 kernels are built");
   m.def("has_attention_sinks", &has_attention_sinks,
         "whether decode_attention and prompt_attention take sinks (gpt-oss)");
@@ -400,5 +401,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("decode_lens", &StepGroups::decode_lens)
       .def_readwrite("prompt_bounds", &StepGroups::prompt_bounds)
       .def_readwrite("prompt_cells", &StepGroups::prompt_cells)
-      .def_readwrite("prompt_lens", &StepGroups::prompt_lens);
+      .def_readwrite("prompt_lens", &StepGroups::prompt_lens)
+      .def_readwrite("prompt_firsts", &StepGroups::prompt_firsts);
 }

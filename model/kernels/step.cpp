@@ -134,7 +134,7 @@ at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
     const int64_t start = g.prompt_bounds[2 * i], end = g.prompt_bounds[2 * i + 1];
     out.slice(0, start, end)
         .copy_(prompt_attention(q.slice(0, start, end), k, v, g.prompt_cells[i],
-                                g.prompt_lens[i], scale, softcap, sinks));
+                                g.prompt_lens[i], scale, softcap, sinks, g.prompt_firsts[i]));
   }
   return out;
 }
@@ -153,9 +153,10 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
     TORCH_CHECK(static_cast<int64_t>(g.decode_cells.size()) == n_dec &&
                     static_cast<int64_t>(g.decode_lens.size()) == n_dec &&
                     static_cast<int64_t>(g.prompt_lens.size()) == n_prompt &&
+                    static_cast<int64_t>(g.prompt_firsts.size()) == n_prompt &&
                     static_cast<int64_t>(g.prompt_bounds.size()) == 2 * n_prompt,
                 "step_layers: one rows / cells / lens per decode group, one bounds / cells / "
-                "lens per prompt chunk");
+                "lens / firsts per prompt chunk");
     for (int64_t i = 0; i < n_prompt; ++i)
       TORCH_CHECK(0 <= g.prompt_bounds[2 * i] &&
                       g.prompt_bounds[2 * i] < g.prompt_bounds[2 * i + 1] &&

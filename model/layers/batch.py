@@ -37,9 +37,11 @@ class PromptGroup:
     end: int
     kv_index: torch.Tensor | slice  # KVStorage.read_index of the [n_kv] cells it reads
     mask: torch.Tensor  # [end - start, n_kv] bool
-    # for the C++ prompt kernel: the cells in position order, and how many of them each row sees
+    # for the C++ prompt kernel: the cells in position order, how many of them each row sees,
+    # and (a sliding window that cuts some of them) the first of them each row sees
     cells: torch.Tensor | None = None  # [n_kv] int64
     lens: torch.Tensor | None = None  # [end - start] int64
+    firsts: torch.Tensor | None = None  # [end - start] int64; None: 0 for every row
 
 
 @dataclass(slots=True)

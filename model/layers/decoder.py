@@ -209,7 +209,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if kernel is not None and p.lens is not None:  # the worker checked dtypes and shapes
             k, v = storage.k[layer], storage.v[layer]
-            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap, *self._sinks)
+            extra = self._sinks if p.firsts is None else (self.sinks, p.firsts)
+            return kernel(q, k, v, p.cells, p.lens, self.scale, self.softcap, *extra)
         k, v = storage.gather_heads(layer, p.kv_index)  # [h_kv, n_kv, hd]
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)

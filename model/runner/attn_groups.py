@@ -148,15 +148,17 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torc
 def prompt_group(
     s: SeqRows, read_index: ReadIndex, dev: torch.device, order: bool = False
 ) -> PromptGroup:
-    """`order`: also the cells (in position order) and each row's visible count, for the
-    prompt kernel, where every row sees a prefix of them (lo = 0: full attention, or a window
-    that cuts none of this chunk's cells yet)."""
+    """`order`: also the cells (in position order) and each row's visible range, for the
+    prompt kernel: row r sees cells[firsts[r]:lens[r]] (firsts only where a window cuts some of
+    the chunk's cells: lo = 0 is full attention, or a window that cuts none yet)."""
     mask = s.visible()  # [L, n_kv]
     kv_index = read_index(np.asarray(s.kv_cells))
     group = PromptGroup(s.start, s.end, kv_index, torch.from_numpy(mask).to(dev))
-    if order and not s.lo.any():
+    if order:
         group.cells = int64_tensor(s.kv_cells, dev)
         group.lens = int64_tensor(s.hi, dev)
+        if s.lo.any():
+            group.firsts = int64_tensor(s.lo, dev)
     return group
 
 
@@ -173,16 +175,13 @@ def plan_attn_groups(
 ) -> AttnGroups:
     """The attention groups of the layers of one plan group (0: full attention), over its
     pool's cells. `one_each` (batch-invariant): every sequence attends on its own, as a prompt
-    group. `ordered_prompts` (the C++ prompt kernel): full-attention prompt chunks read their
-    cells in position order. `one_decode_group` (the C++ decode kernel): one group for every
+    group. `ordered_prompts` (the C++ prompt kernel): prompt chunks read their cells in
+    position order, each row a range of them. `one_decode_group` (the C++ decode kernel): one group for every
     decode row when each attends a prefix of its cells (the kernel reads each one's own length),
     else groups that bound the padding.
 
-    NOTE: the C++ prompt kernel reads a prefix of the position-ordered cells per row; a
-    window's visible cells are a range, so a windowed prompt chunk takes it only while the
-    window cuts none of its rows' cells (a prompt shorter than the window), the masked torch
-    path after. Windowed decode rows see exactly their in-window cells (group_seqs), a prefix
-    again.
+    Windowed decode rows see exactly their in-window cells (group_seqs): a prefix of them,
+    as full attention's rows.
     """
     seqs = group_seqs(plan, group)
     decode = [] if one_each else [s for s in seqs if s.end - s.start == 1]

@@ -19,8 +19,8 @@ step.cpp rope_partial_, the Python layers' ATen ops). An architecture described 
 model/arch/ runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
-bfloat16 with AVX-512 BF16; a window's prompt chunks while the window cuts none of their cells,
-the masked torch path after) and covers its rows.
+bfloat16 with AVX-512 BF16; a window's prompt chunks with each row's first cell) and covers
+its rows.
 Each linear runs through the kernels' quant_linear (step.cpp), which QuantLinear.forward calls
 too, as the kind QuantLinear.step_kind (BlockLinear.step_kind: "ggml") names for the model's
 dtype, with the StepLinear its step_linear builds (int4: torch's for bfloat16 activations,
@@ -222,10 +222,12 @@ class NativeDecoder:
         g.prompt_bounds = [b for p in prompts for b in (p.start, p.end)]
         g.prompt_cells = [p.cells for p in prompts]
         g.prompt_lens = [p.lens for p in prompts]
+        g.prompt_firsts = [_FROM_0 if p.firsts is None else p.firsts for p in prompts]
         return g
 
 
 _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # step_layers: a decode group of every row
+_FROM_0 = torch.empty(0, dtype=torch.int64)  # step_layers: a chunk whose rows see from cell 0
 
 
 def _linears(block: Block) -> tuple[Any, ...]:

@@ -122,8 +122,8 @@ def test_the_one_call_step_runs_gptoss_as_the_python_layers(
     folder, dtype, quant, n_seq, monkeypatch
 ):
     """step.cpp with the sinks, the wo / router / expert biases and the clamped SwiGLU: bit for
-    bit the Python layers' logits over decode steps past the window (prompts longer than
-    the window take the Python layers: tests/model/test_dense_families.py)."""
+    bit the Python layers' logits over prompts longer than the window (the prompt kernel
+    reading each row's window) and decode steps past it."""
     require_kernels()
     loaded = load_model(folder, dtype=dtype)
     quantize(loaded.transformer, quant)
@@ -135,7 +135,7 @@ def test_the_one_call_step_runs_gptoss_as_the_python_layers(
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
     native = decode(worker, prompts, steps=6)
-    assert len(calls) == 6
+    assert len(calls) == 6 + (worker.paths.prompt_attention is not None)
     worker.paths.native = None
     assert torch.equal(native, decode(worker, prompts, steps=6))
 
@@ -171,10 +171,18 @@ def decode_steps(worker, ids: list[int], then: list[int]) -> torch.Tensor:
 
 
 def test_bfloat16_is_close_to_float32(folder):
+    """Top-1 agrees wherever float32's is clear (its top two at least 5% of the row's largest
+    logit apart), and on most rows: this random model's near-ties flip with any change of
+    rounding: with the prompt kernel over the window (more exact than torch's bfloat16 matmuls
+    at the op) 5 of these 40 rows disagree, all within 4.2%; with the torch path, 2)."""
     ids = prompt(40, seed=3)
     full = logits(load_model(folder), ids)
     half = logits(load_model(folder, dtype="bfloat16"), ids).float()
-    assert float((half.argmax(-1) == full.argmax(-1)).float().mean()) >= 0.9
+    agree = half.argmax(-1) == full.argmax(-1)
+    top2 = full.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= 0.05 * full.abs().amax(-1)
+    assert bool(agree[clear].all()) and int(clear.sum()) >= 20
+    assert float(agree.float().mean()) >= 0.8
 
 
 def test_a_sink_takes_its_share_of_the_softmax():

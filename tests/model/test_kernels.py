@@ -131,6 +131,38 @@ def test_prompt_attention_is_causal_over_position_ordered_cells(
         kernel(q[:1], k, v, cells[:3], torch.tensor([4]), scale)
 
 
+@pytest.mark.parametrize("n_heads, n_kv, hd", [(4, 1, 32), (8, 2, 128)])
+@pytest.mark.parametrize("window", [5, 16])
+def test_prompt_attention_reads_each_rows_window(prompt_kernel, n_heads, n_kv, hd, window):
+    """A sliding window's chunk: row i sees cells[firsts[i]:lens[i]] (the last `window` of its
+    causal prefix): the float64 reference per row; a row alone (a task whose first cell is
+    its own) gets the bits it gets in the chunk; firsts outside [0, lens) are refused."""
+    kernel, dtype = prompt_kernel
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    gen = torch.Generator().manual_seed(5)
+    n_cells, past, L = 200, 9, 37
+    k = torch.randn(n_kv, n_cells, hd, generator=gen).to(dtype)
+    v = torch.randn(n_kv, n_cells, hd, generator=gen).to(dtype)
+    cells = torch.randperm(n_cells, generator=gen)[: past + L]
+    lens = torch.arange(past + 1, past + L + 1)
+    firsts = (lens - window).clamp(min=0)
+    q = torch.randn(L, n_heads, hd, generator=gen).to(dtype)
+    scale = hd**-0.5
+    got = kernel(q, k, v, cells, lens, scale, firsts=firsts)
+    rows = torch.stack([torch.roll(cells, -int(f)) for f in firsts])  # row i's cells first
+    want = reference(q, k, v, rows, lens - firsts, scale)
+    assert float((got.double() - want).abs().max()) < tol
+    full = kernel(q, k, v, cells, lens, scale)
+    assert not torch.allclose(got.float(), full.float(), atol=tol)  # the window cut cells
+    for r in range(L):
+        alone = kernel(q[r : r + 1], k, v, cells, lens[r : r + 1], scale, firsts=firsts[r : r + 1])
+        assert torch.equal(alone[0], got[r]), r
+    with pytest.raises(RuntimeError, match=r"firsts\[0\] = 3 is not in \[0, lens\[0\] = 3\)"):
+        kernel(q[:1], k, v, cells, torch.tensor([3]), scale, firsts=torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="firsts must be"):
+        kernel(q[:2], k, v, cells, lens[:2], scale, firsts=firsts[:1])
+
+
 def test_fused_rms_norm_and_silu_mul_round_as_torch_does(kernel):
     """The bfloat16 RMSNorm and SiLU-mul the model uses when the kernels are built: torch's
     values up to float32 summation order / exp ulps (at most one bfloat16 step, rarely)."""

@@ -8,6 +8,7 @@ GeGLU, sliding windows and two RoPE bases), from the same LayerDesc as the Pytho
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -216,33 +217,53 @@ def test_other_architectures_run_their_description_natively(
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
     native = decode(worker, prompts, steps=8)  # decode rows pass the window of 8
-    # Gemma's prompts (12 tokens and more) pass its window of 8: its prefill stays in Python
-    prefill_native = arch != "gemma3" and prompt_kernel_runs(worker)
-    assert len(calls) == 8 + prefill_native
+    # Gemma's prompts (12 tokens and more) pass its window of 8: the prompt kernel reads each
+    # row's window (its first cell)
+    assert len(calls) == 8 + prompt_kernel_runs(worker)
     worker.paths.native = None
     python = decode(worker, prompts, steps=8)
     assert torch.equal(native, python)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_prompt_inside_the_window_takes_the_one_call_step(tiny_quantized, dtype, monkeypatch):
-    """Gemma 3's sliding layers (window 8): prompts of 8 tokens see a prefix of their cells in
-    every layer, so their prefill runs in the one-call step (the prompt kernel); prompts of 9
-    do not (the window cuts the first cell for the last row) and take the Python layers. Both
-    equal the Python layers bit for bit."""
+def test_a_prompt_past_the_window_takes_the_one_call_step(tiny_quantized, dtype, monkeypatch):
+    """Gemma 3's sliding layers (window 8): a prompt of 8 tokens sees a prefix of its cells in
+    every layer; past 8 the window cuts the first cells of the later rows, and the prompt
+    kernel reads each row's range (its first cell). Every prefill, in one chunk or in chunks
+    that start inside the window, runs in the one-call step and equals the Python layers bit
+    for bit, and the masked torch attention (no kernel) up to rounding."""
     loaded = tiny_quantized("gemma3", dtype, "int4")
     worker = native_worker(loaded, n_cells=1024)
     if not prompt_kernel_runs(worker):
         pytest.skip(f"no prompt kernel for {dtype} on this build")
-    native = worker.paths.native
+    native, kernel = worker.paths.native, worker.paths.prompt_attention
     calls: list[int] = []
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
-    for length, prefill_native in ((8, True), (9, False)):
-        prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(length)] for s in range(3)]
+
+    def prefill(chunks: list[int]) -> torch.Tensor:
+        """Three sequences, each prompt in chunks of these sizes; the last chunk's logits."""
+        driver = Driver(worker, worker.kv[0].n_cells, seed=11)
+        tokens = [[(7 * i + 13 * s) % 300 + 5 for i in range(sum(chunks))] for s in range(3)]
+        at = 0
+        for size in chunks:
+            got = driver.logits([driver.chunk(s, t[at : at + size]) for s, t in enumerate(tokens)])
+            at += size
+        return got
+
+    for chunks in ([8], [9], [30], [5, 21], [13, 4, 13]):
         calls.clear()
-        worker.paths.native = native
-        got = decode(worker, prompts, steps=3)
-        assert len(calls) == 3 + prefill_native, length
+        worker.paths.native, worker.paths.prompt_attention = native, kernel
+        got = prefill(chunks)
+        assert len(calls) == len(chunks), chunks
         worker.paths.native = None
-        assert torch.equal(got, decode(worker, prompts, steps=3)), length
+        assert torch.equal(got, prefill(chunks)), chunks
+        worker.paths.prompt_attention = None  # the masked torch path
+        masked = prefill(chunks)
+        # float32: summation order; bfloat16: one step at the logits' scale (a missed window
+        # moves them 1.2-6)
+        scale = float(masked.float().abs().max())
+        tol = 1e-3 if dtype == "float32" else 2.0 ** (math.floor(math.log2(scale)) - 7)
+        assert float((got.float() - masked.float()).abs().max()) <= tol, chunks
+        assert torch.equal(got.argmax(-1), masked.argmax(-1)), chunks
+    worker.paths.native, worker.paths.prompt_attention = native, kernel
