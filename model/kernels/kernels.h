@@ -240,6 +240,10 @@ struct StepLayer {
   // > 0: the experts' activation is gpt-oss's clamped SwiGLU (model/layers/blocks.py
   // swiglu_oai) with this limit and swiglu_alpha; 0: SiLU(gate) * up
   double swiglu_limit = 0.0, swiglu_alpha = 0.0;
+  // LFM2's short-convolution mixer instead of attention: wqkv its in_proj (B, C, x), wo its
+  // out_proj, conv_w [dim, L], conv_state this layer's [n_slots, dim, L - 1] (short_conv)
+  bool shortconv = false;
+  at::Tensor conv_w, conv_state;
 };
 // model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt
@@ -251,10 +255,25 @@ struct StepGroups {
   std::vector<int64_t> prompt_bounds;
   std::vector<at::Tensor> prompt_cells, prompt_lens, prompt_firsts;
 };
+// model/layers/batch.py StateBatch, for the short-convolution layers: decode rows (rows: empty,
+// rows [0, n_dec) in order) each one step from its slot of decode_slots; prompt chunks [start,
+// end) (prompt_bounds: start, end, ...) each a scan from its slot of prompt_slots; captures
+// (chunk i, r, slot, ...): once chunk i's first r rows are consumed, its state copied to slot.
+struct StepState {
+  at::Tensor decode_rows, decode_slots;
+  std::vector<int64_t> prompt_bounds, prompt_slots, captures;
+};
+// LFM2's short convolution (layers.cpp; model/layers/shortconv.py calls it too): w [n, d] in
+// v's dtype, row t of a sequence = sum_j window_t[j] * weight[:, j] over the window of its last
+// L values of v (the state's L - 1, oldest first, then its own), summed in float32 in that
+// order, rounded once; conv [n_slots, d, L - 1] in v's dtype moves in place; weight [d, L].
+// Rows in no group get 0.
+at::Tensor short_conv(const at::Tensor& v, at::Tensor conv, const at::Tensor& weight,
+                      const StepState& state);
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,
                        const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
-                       double scale, int64_t group_size);
+                       double scale, int64_t group_size, const StepState& state);
 bool has_f32_kernels();
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min);
 // gemm.cpp: int4_mm's integers for batches, on pack_int4_gemm's layout; y [m, n]

@@ -247,6 +247,122 @@ void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
   }
 }
 
+// short_conv (kernels.h): one window of L values of v per row, a float32 sum in window order
+namespace {
+template <typename T>
+void short_conv_t(const at::Tensor& v, at::Tensor& conv, const at::Tensor& wf,
+                  const StepState& st, at::Tensor& out) {
+  const int64_t d = v.size(1), k1 = conv.size(2), L = k1 + 1;
+  const T* vp = v.data_ptr<T>();
+  T* cp = conv.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float* wp = wf.data_ptr<float>();
+  // rows of one sequence in order from its slot's state; row r of them at batch row rows[r]
+  auto scan = [&](int64_t slot, const int64_t* rows, int64_t first, int64_t count,
+                  const std::vector<std::pair<int64_t, int64_t>>& caps) {
+    at::parallel_for(0, d, 64, [&](int64_t c0, int64_t c1) {
+      float win[64];
+      for (int64_t c = c0; c < c1; ++c) {
+        T* state = cp + (slot * d + c) * k1;
+        for (int64_t j = 0; j < k1; ++j) win[j] = static_cast<float>(state[j]);
+        const float* w = wp + c * L;
+        size_t cap = 0;
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t row = rows != nullptr ? rows[r] : first + r;
+          win[k1] = static_cast<float>(vp[row * d + c]);
+          float acc = 0.0f;
+          for (int64_t j = 0; j < L; ++j) acc += win[j] * w[j];
+          op[row * d + c] = static_cast<T>(acc);
+          for (int64_t j = 0; j < k1; ++j) win[j] = win[j + 1];  // exact: v's values in T
+          for (; cap < caps.size() && caps[cap].first == r + 1; ++cap)
+            for (int64_t j = 0; j < k1; ++j)
+              cp[(caps[cap].second * d + c) * k1 + j] = static_cast<T>(win[j]);
+        }
+        for (int64_t j = 0; j < k1; ++j) state[j] = static_cast<T>(win[j]);
+      }
+    });
+  };
+  const int64_t n_dec = st.decode_slots.defined() ? st.decode_slots.numel() : 0;
+  const bool all_rows = !st.decode_rows.defined() || st.decode_rows.numel() == 0;
+  const int64_t* slots = n_dec ? st.decode_slots.data_ptr<int64_t>() : nullptr;
+  const int64_t* drows = all_rows ? nullptr : st.decode_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n_dec; ++i) {  // one step each (distinct slots)
+    const int64_t row = drows != nullptr ? drows[i] : i;
+    scan(slots[i], nullptr, row, 1, {});
+  }
+  const int64_t n_prompt = static_cast<int64_t>(st.prompt_slots.size());
+  for (int64_t p = 0; p < n_prompt; ++p) {
+    std::vector<std::pair<int64_t, int64_t>> caps;
+    for (size_t i = 0; i + 2 < st.captures.size(); i += 3)
+      if (st.captures[i] == p) caps.emplace_back(st.captures[i + 1], st.captures[i + 2]);
+    const int64_t start = st.prompt_bounds[2 * p], end = st.prompt_bounds[2 * p + 1];
+    scan(st.prompt_slots[p], nullptr, start, end - start, caps);
+  }
+}
+}  // namespace
+
+at::Tensor short_conv(const at::Tensor& v, at::Tensor conv, const at::Tensor& weight,
+                      const StepState& state) {
+  TORCH_CHECK(v.dim() == 2 && conv.dim() == 3 && weight.dim() == 2, "short_conv: v [n, d], "
+              "conv [n_slots, d, L - 1], weight [d, L]");
+  const int64_t n = v.size(0), d = v.size(1), n_slots = conv.size(0), k1 = conv.size(2);
+  TORCH_CHECK(conv.size(1) == d && weight.size(0) == d && weight.size(1) == k1 + 1 &&
+                  k1 >= 1 && k1 < 64,
+              "short_conv: conv [n_slots, d, L - 1] and weight [d, L] must match v's d, L <= 64");
+  TORCH_CHECK(conv.is_contiguous() && conv.scalar_type() == v.scalar_type() &&
+                  (v.scalar_type() == at::kFloat || v.scalar_type() == at::kBFloat16),
+              "short_conv: a contiguous state in v's dtype, bfloat16 or float32");
+  const int64_t n_dec = state.decode_slots.defined() ? state.decode_slots.numel() : 0;
+  const bool all_rows = !state.decode_rows.defined() || state.decode_rows.numel() == 0;
+  auto in_slots = [n_slots](int64_t s) { return 0 <= s && s < n_slots; };
+  if (n_dec) {
+    TORCH_CHECK(state.decode_slots.scalar_type() == at::kLong &&
+                    state.decode_slots.is_contiguous(),
+                "short_conv: decode_slots must be contiguous int64");
+    const int64_t* sp = state.decode_slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n_dec; ++i)
+      TORCH_CHECK(in_slots(sp[i]), "short_conv: decode slot ", sp[i], " is not in [0, ",
+                  n_slots, ")");
+    if (all_rows) {
+      TORCH_CHECK(n_dec <= n, "short_conv: more decode slots than rows");
+    } else {
+      TORCH_CHECK(state.decode_rows.scalar_type() == at::kLong &&
+                      state.decode_rows.is_contiguous() && state.decode_rows.numel() == n_dec,
+                  "short_conv: decode_rows must be contiguous int64, one per slot");
+      const int64_t* rp = state.decode_rows.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n_dec; ++i)
+        TORCH_CHECK(0 <= rp[i] && rp[i] < n, "short_conv: decode row ", rp[i], " is not in [0, ",
+                    n, ")");
+    }
+  }
+  const int64_t n_prompt = static_cast<int64_t>(state.prompt_slots.size());
+  TORCH_CHECK(static_cast<int64_t>(state.prompt_bounds.size()) == 2 * n_prompt &&
+                  state.captures.size() % 3 == 0,
+              "short_conv: one bounds pair and one slot per prompt chunk; captures in threes");
+  for (int64_t p = 0; p < n_prompt; ++p) {
+    const int64_t start = state.prompt_bounds[2 * p], end = state.prompt_bounds[2 * p + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= n && in_slots(state.prompt_slots[p]),
+                "short_conv: prompt chunk ", p, " is not a range of the ", n,
+                " rows with a slot");
+  }
+  for (size_t i = 0; i < state.captures.size(); i += 3) {
+    const int64_t p = state.captures[i], r = state.captures[i + 1];
+    TORCH_CHECK(0 <= p && p < n_prompt && in_slots(state.captures[i + 2]) && 0 < r &&
+                    r <= state.prompt_bounds[2 * p + 1] - state.prompt_bounds[2 * p] &&
+                    (i == 0 || state.captures[i - 3] != p || state.captures[i - 2] <= r),
+                "short_conv: capture ", i / 3, " is not (chunk, 0 < r <= its rows, slot) in "
+                "ascending r");
+  }
+  auto vc = v.contiguous();
+  auto wf = weight.to(at::kFloat).contiguous();
+  auto out = at::zeros_like(vc);
+  if (v.scalar_type() == at::kFloat)
+    short_conv_t<float>(vc, conv, wf, state, out);
+  else
+    short_conv_t<at::BFloat16>(vc, conv, wf, state, out);
+  return out;
+}
+
 // What the compiler targeted (the build's -march): checked against model/kernels/isa.py's level
 // by tests/model/test_kernels.py, so that a level's build never uses more than its CPUs have.
 std::string compiled_isa() {
@@ -299,10 +415,12 @@ constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 at::Tensor step_layers_py(at::Tensor x, const std::vector<StepLayer>& layers,
                           const std::vector<StepGroups>& groups,
                           const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
-                          double scale, int64_t group_size, int64_t gil_rows) {
+                          double scale, int64_t group_size, int64_t gil_rows,
+                          const std::optional<StepState>& state) {
   std::optional<py::gil_scoped_release> nogil;
   if (x.dim() > 0 && x.size(0) > gil_rows) nogil.emplace();
-  return step_layers(std::move(x), layers, groups, rope_tables, n_heads, eps, scale, group_size);
+  return step_layers(std::move(x), layers, groups, rope_tables, n_heads, eps, scale, group_size,
+                     state ? *state : StepState{});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -345,7 +463,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF blocks [n, row_bytes] dequantized to float32 [n, k]");
   m.def("ggml_row_bytes", &ggml_row_bytes, py::arg("type"), py::arg("k"),
         "bytes of a row of k values of a GGML type");
-  m.def("step_layers", &step_layers_py, "every layer of a quantized step, bf16 or f32");
+  m.def("step_layers", &step_layers_py, "every layer of a quantized step, bf16 or f32",
+        py::arg("x"), py::arg("layers"), py::arg("groups"), py::arg("rope_tables"),
+        py::arg("n_heads"), py::arg("eps"), py::arg("scale"), py::arg("group_size"),
+        py::arg("gil_rows"), py::arg("state") = py::none());
+  m.def("short_conv", &short_conv, kNoGil, py::arg("v"), py::arg("conv"), py::arg("weight"),
+        py::arg("state"), "LFM2's short convolution over state slots, in place");
   // quant_linear's and step_layers' arguments (kernels.h), built field by field from Python
   // (StepLinear: model/layers/quant.py and ggml.py step_linear; the rest model/runner/native.py);
   // module_local: every level's build is its own module, and a process may load several
@@ -392,7 +515,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("norm_topk", &StepLayer::norm_topk)
       .def_readwrite("router_bias", &StepLayer::router_bias)
       .def_readwrite("swiglu_limit", &StepLayer::swiglu_limit)
-      .def_readwrite("swiglu_alpha", &StepLayer::swiglu_alpha);
+      .def_readwrite("swiglu_alpha", &StepLayer::swiglu_alpha)
+      .def_readwrite("shortconv", &StepLayer::shortconv)
+      .def_readwrite("conv_w", &StepLayer::conv_w)
+      .def_readwrite("conv_state", &StepLayer::conv_state);
+  py::class_<StepState>(m, "StepState", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("decode_rows", &StepState::decode_rows)
+      .def_readwrite("decode_slots", &StepState::decode_slots)
+      .def_readwrite("prompt_bounds", &StepState::prompt_bounds)
+      .def_readwrite("prompt_slots", &StepState::prompt_slots)
+      .def_readwrite("captures", &StepState::captures);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)

@@ -169,6 +169,15 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
   // per group, the fewest cells of a pool its layers write into
   std::vector<int64_t> n_cells(n_groups, INT64_MAX);
   for (const auto& layer : layers) {
+    if (layer.shortconv) {  // short_conv checks the state's rows and slots
+      const auto& c = layer.conv_state;
+      TORCH_CHECK(c.dim() == 3 && c.is_contiguous() && c.scalar_type() == x.scalar_type() &&
+                      c.size(1) == x.size(1) && layer.conv_w.dim() == 2 &&
+                      layer.conv_w.size(0) == x.size(1) && layer.conv_w.size(1) == c.size(2) + 1,
+                  "step_layers: a short-convolution layer needs conv_state [n_slots, dim, L - 1] "
+                  "in x's dtype and conv_w [dim, L]");
+      continue;
+    }
     TORCH_CHECK(0 <= layer.groups && layer.groups < n_groups, "step_layers: a layer's groups ",
                 layer.groups, " is not one of the step's ", n_groups);
     TORCH_CHECK(layer.rope < static_cast<int64_t>(ropes.size()) / 2,
@@ -296,6 +305,47 @@ at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_
   return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());
 }
 
+// One attention layer's mixer output [n, dim] (before post_attn_norm and the residual): qkv of
+// the normed rows `in`, q/k norms, RoPE, the K/V rows written to their cells, attention over the
+// layer's window's groups, wo.
+template <typename MM>
+at::Tensor attention(const at::Tensor& x, const at::Tensor& in, const StepLayer& layer,
+                     const std::vector<StepGroups>& groups,
+                     const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
+                     double scale, const MM& mm) {
+  const int64_t n = x.size(0), elem = static_cast<int64_t>(x.element_size());
+  const int64_t n_kv = layer.k_cache.size(0), hd = layer.head_dim;
+  const int64_t qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
+  auto qkv = mm(in, layer.wqkv);  // [n, width]
+  TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
+              width);
+  if (layer.q_norm && layer.k_norm) {  // per head, or (OLMoE) over the whole projection
+    const bool whole = layer.q_norm->numel() != hd;
+    norm_heads_(qkv, 0, whole ? 1 : n_heads, whole ? n_heads * hd : hd, *layer.q_norm, eps);
+    norm_heads_(qkv, n_heads * hd, whole ? 1 : n_kv, whole ? n_kv * hd : hd, *layer.k_norm,
+                eps);
+  }
+  if (layer.rope >= 0) {
+    auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
+    const at::Tensor &c = rope_tables[2 * layer.rope], &s = rope_tables[2 * layer.rope + 1];
+    const int64_t rot = layer.rope_dim ? layer.rope_dim : hd;
+    if (rot == hd && !layer.rope_interleaved)
+      rope_neox_(qk, c, s);
+    else
+      rope_partial_(qk, c, s, rot, layer.rope_interleaved);
+  }
+  const StepGroups& g = groups[layer.groups];
+  const char* base = static_cast<const char*>(qkv.data_ptr());
+  const int64_t* wc = g.write_cells.data_ptr<int64_t>();
+  write_kv(layer.k_cache, wc, base + n_heads * hd * elem, n, n_kv, hd, width, x.scalar_type());
+  write_kv(layer.v_cache, wc, base + qk_width * elem, n, n_kv, hd, width, x.scalar_type());
+  auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
+  c10::optional<at::Tensor> sinks;
+  if (layer.sinks) sinks = *layer.sinks;
+  auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap, sinks);
+  return mm(attn.view({n, n_heads * hd}), layer.wo);
+}
+
 // step_layers: every layer of a step in one call (decode rows, prompt chunks or both), bfloat16
 // or float32 activations, weights of model/quant.py QuantLinear (int4, int8, q8): the same ops,
 // in the same order, as model/llama.py's Block for each layer's LayerDesc (StepLayer holds
@@ -310,48 +360,28 @@ at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,
                        const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,
-                       double scale, int64_t group_size) {
+                       double scale, int64_t group_size, const StepState& state) {
   check_step(x, layers, groups, rope_tables);
   auto mm = [group_size](const at::Tensor& a, const StepLinear& w) {
     return quant_linear(a, w, group_size).contiguous();
   };
   const int64_t n = x.size(0);
   x = x.contiguous().clone();  // NOTE: the residual stream, updated in place layer by layer
-  const int64_t elem = static_cast<int64_t>(x.element_size());
   auto normed = at::empty_like(x);  // each RMSNorm's output, reused across layers
   at::Tensor gated;                  // [n, ffn]: each SiLU-mul's output, reused
   for (const StepLayer& layer : layers) {
-    const int64_t n_kv = layer.k_cache.size(0), hd = layer.head_dim;
-    const int64_t qk_width = (n_heads + n_kv) * hd, width = qk_width + n_kv * hd;
     if (layer.attn_norm) rms_norm_into(x, *layer.attn_norm, eps, normed);
-    auto qkv = mm(layer.attn_norm ? normed : x, layer.wqkv);  // [n, width]
-    TORCH_CHECK(qkv.size(1) == width, "step_layers: wqkv gives ", qkv.size(1), " columns, not ",
-                width);
-    if (layer.q_norm && layer.k_norm) {  // per head, or (OLMoE) over the whole projection
-      const bool whole = layer.q_norm->numel() != hd;
-      norm_heads_(qkv, 0, whole ? 1 : n_heads, whole ? n_heads * hd : hd, *layer.q_norm, eps);
-      norm_heads_(qkv, n_heads * hd, whole ? 1 : n_kv, whole ? n_kv * hd : hd, *layer.k_norm,
-                  eps);
+    at::Tensor a;
+    if (layer.shortconv) {  // model/layers/shortconv.py: out_proj(C * conv(B * x))
+      auto bcx = mm(layer.attn_norm ? normed : x, layer.wqkv);  // [n, 3 dim]: B, C, x
+      const int64_t d = bcx.size(1) / 3;
+      auto v = at::mul(bcx.slice(1, 0, d), bcx.slice(1, 2 * d));
+      auto w = short_conv(v, layer.conv_state, layer.conv_w, state);
+      a = mm(at::mul(bcx.slice(1, d, 2 * d), w), layer.wo);
+    } else {
+      a = attention(x, layer.attn_norm ? normed : x, layer, groups, rope_tables, n_heads, eps,
+                    scale, mm);
     }
-    if (layer.rope >= 0) {
-      auto qk = qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1});
-      const at::Tensor &c = rope_tables[2 * layer.rope], &s = rope_tables[2 * layer.rope + 1];
-      const int64_t rot = layer.rope_dim ? layer.rope_dim : hd;
-      if (rot == hd && !layer.rope_interleaved)
-        rope_neox_(qk, c, s);
-      else
-        rope_partial_(qk, c, s, rot, layer.rope_interleaved);
-    }
-    const StepGroups& g = groups[layer.groups];
-    const char* base = static_cast<const char*>(qkv.data_ptr());
-    const int64_t* wc = g.write_cells.data_ptr<int64_t>();
-    write_kv(layer.k_cache, wc, base + n_heads * hd * elem, n, n_kv, hd, width, x.scalar_type());
-    write_kv(layer.v_cache, wc, base + qk_width * elem, n, n_kv, hd, width, x.scalar_type());
-    auto q = qkv.as_strided({n, n_heads, hd}, {width, hd, 1});
-    c10::optional<at::Tensor> sinks;
-    if (layer.sinks) sinks = *layer.sinks;
-    auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap, sinks);
-    auto a = mm(attn.view({n, n_heads * hd}), layer.wo);
     if (layer.post_attn_norm) {
       rms_norm_into(a, *layer.post_attn_norm, eps, normed);
       a = normed;

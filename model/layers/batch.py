@@ -79,6 +79,8 @@ class StateBatch:
     # decode_slots as a range [lo, hi) when they are one (the states are then updated in
     # place instead of gathered and scattered back)
     decode_run: tuple[int, int] | None = None
+    # the same as the kernels' StepState, built once a batch (model/layers/shortconv.py)
+    native: Any | None = None
 
 
 @dataclass(slots=True)

@@ -4,9 +4,15 @@ build_shortconv_block).
 Per token u: B, C, x = split(in_proj u, 3); v = B * x; w = causal depthwise conv of v over the
 last L tokens (kernel L, no bias); out = out_proj(C * w). The state of a sequence is its last
 L - 1 values of v, oldest first (kvcache/state_storage.py's conv; the ssm part is empty).
+
+With the C++ kernels (ForwardBatch.fused) the convolution is their short_conv, the op the
+one-call step (model/runner/native.py) calls too, so both paths give the same bits; without
+them, the torch ops below (the float32 reference).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +20,24 @@ from torch import nn
 
 from kvcache.state_storage import RecurrentStorage
 from model.arch import ModelArgs
-from model.layers.batch import ForwardBatch, StatePrompt
+from model.layers.batch import ForwardBatch, StateBatch, StatePrompt
 from model.layers.ggml import make_linear
+
+
+def step_state(kernels: Any, sb: StateBatch) -> Any:
+    """`sb` as the kernels' StepState (short_conv, step_layers), built once a batch."""
+    if sb.native is None:
+        st = kernels.StepState()
+        st.decode_rows = _EVERY_ROW if sb.decode_rows is None else sb.decode_rows
+        st.decode_slots = sb.decode_slots
+        st.prompt_bounds = [b for p in sb.prompts for b in (p.start, p.end)]
+        st.prompt_slots = [p.slot for p in sb.prompts]
+        st.captures = [v for i, p in enumerate(sb.prompts) for r, s in p.captures for v in (i, r, s)]
+        sb.native = st
+    return sb.native
+
+
+_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # StepState: the decode rows are every row
 
 
 class ShortConvMixer(nn.Module):
@@ -41,6 +63,10 @@ class ShortConvMixer(nn.Module):
         b, c, x = self.in_proj(u).chunk(3, dim=-1)
         conv = state.conv(layer)  # [n_slots, dim, L - 1]
         v = (b * x).to(conv.dtype)  # [n, dim]
+        kernels = batch.fused
+        if kernels is not None and v.dtype in (torch.bfloat16, torch.float32):
+            w = kernels.short_conv(v, conv, self.conv_w, step_state(kernels, sb))
+            return self.out_proj(c * w.to(c.dtype))
         w = torch.zeros_like(v)  # rows in no group (batch-invariant padding) stay 0
         if sb.decode_slots.numel():
             rows = sb.decode_rows

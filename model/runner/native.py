@@ -50,6 +50,7 @@ from model.layers.ggml import BlockLinear
 from model.layers.lora import unwrap
 from model.layers.moe import MoEFeedForward
 from model.layers.quant import INT4_GROUP, QuantLinear
+from model.layers.shortconv import ShortConvMixer, step_state
 
 # The work a step may do with the GIL held: the 1.5B's 64-row decode step (Qwen2.5-1.5B, 1.31G
 # multiply-adds a row in its layers), the one measured (model/kernels/layers.cpp). A model 5x
@@ -89,6 +90,7 @@ class NativeDecoder:
     eps: float
     scale: float
     gil_rows: int  # steps of at most this many rows keep the GIL (step_gil_rows)
+    recurrent: bool = False  # short-convolution layers (LFM2): steps read ForwardBatch.state
 
     @staticmethod
     def build(
@@ -104,8 +106,8 @@ class NativeDecoder:
             return None, "cells of another cache type (a build without cache types)"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
-        if any(d.mixer != "attn" or not d.ffn for d in descs):
-            return None, "recurrent mixers run in Python (model/layers/mamba2.py, shortconv.py)"
+        if any(d.mixer not in ("attn", "shortconv") or not d.ffn for d in descs):
+            return None, "Mamba2 mixers run in Python (model/layers/mamba2.py)"
         if any(d.activation == "swiglu_oai" and not d.moe for d in descs):
             return None, "a dense MLP with the clamped SwiGLU (step.cpp: the experts' only)"
         if any(d.rope is not None and d.rope.dim % 2 for d in descs):
@@ -113,21 +115,37 @@ class NativeDecoder:
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
-        windows = sorted({d.window for d in descs})
+        if any(d.mixer == "shortconv" for d in descs):
+            if not hasattr(kernels, "short_conv"):
+                return None, "short convolutions (LFM2): a build without them"
+            state = getattr(storage, "state", None)
+            if state is None or state.dtype != model.dtype:
+                return None, "short convolutions over a state of another dtype"
+        windows = sorted({d.window for d in descs if d.mixer == "attn"})
         layers = []
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
             attn, ffn = block.mixer, block.feed_forward
-            assert isinstance(attn, Attention) and ffn is not None
+            assert ffn is not None
             for name, norm in (  # the optional ones: None where the description has none
                 ("attn_norm", block.attention_norm),
                 ("ffn_norm", block.ffn_norm),
-                ("q_norm", attn.q_norm),
-                ("k_norm", attn.k_norm),
                 ("post_attn_norm", block.post_attention_norm),
                 ("post_ffn_norm", block.post_ffn_norm),
             ):
                 setattr(layer, name, None if norm is None else norm.weight.detach())
+            layer.residual_mult = desc.residual_mult
+            if isinstance(attn, ShortConvMixer):  # step.cpp: short_conv between the linears
+                layer.shortconv = True
+                for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
+                    setattr(layer, name, _step_linear(kernels, lin, model.dtype))
+                layer.conv_w = attn.conv_w.detach()
+                layer.conv_state = storage.state.conv(i)  # type: ignore[union-attr]
+                layers.append(layer)
+                continue
+            assert isinstance(attn, Attention)
+            layer.q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
+            layer.k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
             if isinstance(ffn, MoEFeedForward):  # step.cpp moe_ffn
                 layer.wqkv = _step_linear(kernels, unwrap(attn.wqkv), model.dtype)
                 layer.wo = _step_linear(kernels, unwrap(attn.wo), model.dtype)
@@ -153,7 +171,6 @@ class NativeDecoder:
             layer.softcap = desc.softcap
             layer.sinks = attn.sinks
             layer.gelu = desc.activation == "gelu_tanh"
-            layer.residual_mult = desc.residual_mult
             layers.append(layer)
         decoder = NativeDecoder(
             kernels,
@@ -164,14 +181,16 @@ class NativeDecoder:
             args.norm_eps,
             args.scale,
             step_gil_rows(args),
+            any(d.mixer == "shortconv" for d in descs),
         )
         return decoder, f"{len(layers)} blocks, {model.dtype}"
 
     def runs(self, batch: ForwardBatch) -> bool:
         """Every attention group of every window kernel-ready (cells and lens set; prompts only
         where the prompt kernel runs), each window's together covering the batch's rows; no
-        LoRA rows (step.cpp has no low-rank delta: model/layers/lora.py)."""
-        if batch.state is not None or batch.lora is not None:
+        LoRA rows (step.cpp has no low-rank delta: model/layers/lora.py); recurrent rows only
+        for the short-convolution layers this decoder has."""
+        if batch.lora is not None or (batch.state is not None) != self.recurrent:
             return False
         n = batch.tokens.shape[0]
         for window in self.windows:
@@ -207,6 +226,7 @@ class NativeDecoder:
             self.scale,
             INT4_GROUP,
             self.gil_rows,
+            None if batch.state is None else step_state(self.kernels, batch.state),
         )
         return out
 
@@ -231,13 +251,15 @@ _FROM_0 = torch.empty(0, dtype=torch.int64)  # step_layers: a chunk whose rows s
 
 
 def _linears(block: Block) -> tuple[Any, ...]:
-    """The block's linears: attention's, then the MLP's (a MoE layer's: every expert's); a
-    LoRA-adapted one's base (steps with LoRA rows take the Python layers: NativeDecoder.runs)."""
+    """The block's linears: the mixer's (attention's wqkv and wo, a short convolution's in_proj
+    and out_proj), then the MLP's (a MoE layer's: every expert's); a LoRA-adapted one's base
+    (steps with LoRA rows take the Python layers: NativeDecoder.runs)."""
     a, f = block.mixer, block.feed_forward
-    assert f is not None
+    assert f is not None and isinstance(a, (Attention, ShortConvMixer))
+    mixer = (a.in_proj, a.out_proj) if isinstance(a, ShortConvMixer) else (a.wqkv, a.wo)
     if isinstance(f, MoEFeedForward):
-        return (unwrap(a.wqkv), unwrap(a.wo), *(lin for e in f.experts for lin in (e.w13, e.w2)))
-    return (unwrap(a.wqkv), unwrap(a.wo), unwrap(f.w13), unwrap(f.w2))
+        return (*map(unwrap, mixer), *(lin for e in f.experts for lin in (e.w13, e.w2)))
+    return (*map(unwrap, mixer), unwrap(f.w13), unwrap(f.w2))
 
 
 def _step_kind(lin: Any, dtype: torch.dtype) -> str | None:

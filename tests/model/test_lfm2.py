@@ -88,7 +88,8 @@ def test_description_read_from_the_folder_and_the_gguf(folder, gguf_path):
     assert worker.kv_bytes_per_cell == 2 * 2 * 2 * 16 * 4  # 2 attention layers, K and V
     assert worker.state_bytes_per_slot == 3 * 64 * 2 * 4  # 3 conv layers x [dim, L - 1]
     reason = NativeDecoder.build(worker.model, worker.storage, types.SimpleNamespace())[1]
-    assert "recurrent mixers run in Python" in reason  # what the start-up line says
+    # float weights (the float32 reference) keep it in Python, not its short convolutions
+    assert "float weights" in reason  # what the start-up line says
 
 
 def test_released_config_keys_read_alike(folder, tmp_path):
@@ -214,6 +215,93 @@ def test_quantized_bfloat16_and_padded_steps_stay_close(folder, mode):
     )
     kl = float((ref.exp() * (ref - ours.float().log_softmax(-1))).sum(-1).mean())
     assert kl < {"int8": 0.01, "bfloat16": 0.005, "batch-invariant": 1e-6}[mode], kl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_kernel_is_the_torch_scan(dtype):
+    """kernels.short_conv against ShortConvMixer's torch ops: two decode rows (not in batch
+    order) and two prompt chunks (one with captures at rows 1 and 5) over their slots; rows in
+    no group stay 0; the states moved (and the captures written) alike; bad slots refused."""
+    from model.layers.batch import StateBatch, StatePrompt
+    from model.layers.shortconv import ShortConvMixer, step_state
+
+    kernels = load_kernels()
+    if kernels is None or not hasattr(kernels, "short_conv"):
+        pytest.skip("no C++ kernels built for this CPU")
+    gen = torch.Generator().manual_seed(0)
+    n, d, L, n_slots = 16, 96, 4, 8
+    v = torch.randn(n, d, generator=gen).to(dtype)
+    weight = torch.randn(d, L, generator=gen).to(dtype)
+    conv = torch.randn(n_slots, d, L - 1, generator=gen).to(dtype)
+    prompts = [StatePrompt(3, 10, 5, [(1, 6), (5, 0)]), StatePrompt(10, 15, 2)]
+    sb = StateBatch(torch.tensor([2, 0]), torch.tensor([7, 1]), prompts)
+    mixer = ShortConvMixer.__new__(ShortConvMixer)
+    torch.nn.Module.__init__(mixer)
+    mixer.conv_w = torch.nn.Parameter(weight.double(), requires_grad=False)  # the reference
+    want_conv, want = conv.double(), torch.zeros(n, d, dtype=torch.float64)
+    vd = v.double()
+    want[sb.decode_rows] = mixer._step(vd[sb.decode_rows], want_conv, sb.decode_slots)
+    for sp in prompts:
+        want[sp.start : sp.end] = mixer._scan(vd[sp.start : sp.end], want_conv, sp)
+    got = kernels.short_conv(v, conv, weight, step_state(kernels, sb))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
+    assert not got[[1, 15]].any()  # rows in no group
+    assert torch.equal(conv.double(), want_conv)  # the states hold v's own values
+    bad = StateBatch(torch.tensor([0]), torch.tensor([n_slots]), [])
+    with pytest.raises(RuntimeError, match="decode slot 8 is not in"):
+        kernels.short_conv(v, conv, weight, step_state(kernels, bad))
+
+
+@pytest.fixture(scope="module")
+def kernel_sized(tmp_path_factory):
+    """The tiny LFM2 at sizes the C++ step takes (int4 groups of 32, head_dim 32)."""
+    return write_tiny_lfm2(tmp_path_factory.mktemp("lfm2k") / "hf", dim=128, seed=5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
+def test_the_one_call_step_runs_lfm2_as_the_python_layers(kernel_sized, dtype, quant, monkeypatch):
+    """The short convolutions in step.cpp (short_conv, the op the Python layers call too):
+    every step of sequences batched together (prompt chunks beside decode rows, a fork, a
+    capture mid-chunk resumed by a new sequence) runs in one call and gives the Python layers'
+    logits bit for bit."""
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("no C++ kernels built for this CPU")
+    if quant == "gguf":
+        if not has_block_kernels(kernels):
+            pytest.skip("a build without ggml_linear")
+        path = convert_with_llamacpp(
+            kernel_sized, kernel_sized.parent / "lfm2-q8.gguf", pre="lfm2", outtype="q8_0"
+        )
+        loaded = load_model(path, dtype=dtype, blocks=True)
+    else:
+        loaded = load_model(kernel_sized, dtype=dtype)
+        quantize(loaded.transformer, quant)
+    worker = make_worker(loaded, n_cells=512, group_cells=[512, 8])
+    assert worker.paths.native is not None, worker.paths.describe()
+    calls: list[int] = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    p = {s: prompt(n, seed=s) for s, n in enumerate([3, 30, 9, 50, 20])}
+
+    def run() -> torch.Tensor:
+        d = StateDriver(worker, 512, 8)
+        d.free_slots = [0, 2, 3, 4, 5, 6, 7, 1]  # seq 0 takes slot 1; its capture goes to 0
+        out = [d.logits([Chunk(0, p[3], captures=[(21, 0)]), Chunk(1, p[1]), Chunk(2, p[2])])]
+        d.fork(1, 4)
+        out.append(d.logits([Chunk(0, [40]), Chunk(1, [41]), Chunk(2, p[4]), Chunk(4, [99])]))
+        d.resume(5, 0, 21, d.cells[0][:21])
+        out.append(d.logits([Chunk(5, p[0]), Chunk(1, [51]), Chunk(4, [54]), Chunk(0, [7])]))
+        for t in range(4):
+            out.append(d.logits([Chunk(s, [60 + t]) for s in (0, 1, 2, 4, 5)]))
+        return torch.cat(out)
+
+    native = run()
+    assert len(calls) == 7
+    worker.paths.native = None
+    assert torch.equal(native, run())
 
 
 TEXTS = ["It is 0123456789 now! It's 12 o'clock.", "  two  spaces\n\nlines", "x=3.1; I'M ok"]
