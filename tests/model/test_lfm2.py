@@ -299,7 +299,8 @@ def test_the_one_call_step_runs_lfm2_as_the_python_layers(kernel_sized, dtype, q
         return torch.cat(out)
 
     native = run()
-    assert len(calls) == 7
+    # the 3 steps with prompt chunks where this build has the prompt kernel, the 4 decode steps
+    assert len(calls) == 4 + 3 * (worker.paths.prompt_attention is not None)
     worker.paths.native = None
     assert torch.equal(native, run())
 
