@@ -7,6 +7,7 @@
 //   Q5_0 (6):  32, 22   d, qh[4], qs[16]         w = d * (q - 16)       5th bit: bit j of qh
 //   Q5_1 (7):  32, 24   d, m, qh[4], qs[16]      w = d * q + m
 //   Q8_0 (8):  32, 34   d, int8 qs[32]           w = d * q
+//   MXFP4 (39): 32, 17  e (E8M0), qs[16]         w = kMxfp4[q] * 2^(e - 128)   q: as Q4_0's
 //   Q4_K (12): 256, 144 d, dmin, scales[12], qs[128]   8 sub-blocks of 32 with a 6-bit scale
 //              and min each: w = d * sc * q - dmin * mn; qs in chunks of 32 bytes, the low
 //              nibbles sub-block 2c, the high ones 2c + 1
@@ -83,6 +84,7 @@ void dequant_row(int64_t type, const uint8_t* row, int64_t k, float* out) {
     case Q5_0: return dequant_row_q<Q5_0>(row, k, out);
     case Q5_1: return dequant_row_q<Q5_1>(row, k, out);
     case Q8_0: return dequant_row_q<Q8_0>(row, k, out);
+    case MXFP4: return dequant_row_q<MXFP4>(row, k, out);
     case Q4_K: return dequant_row_q<Q4_K>(row, k, out);
     case Q5_K: return dequant_row_q<Q5_K>(row, k, out);
     case Q6_K: return dequant_row_q<Q6_K>(row, k, out);
@@ -181,6 +183,7 @@ void run_task(const Linear& L, int64_t type, const uint8_t* w, int64_t row_bytes
         case Q5_0: rows_q<Q5_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
         case Q5_1: rows_q<Q5_1>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
         case Q8_0: rows_q<Q8_0>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
+        case MXFP4: rows_q<MXFP4>(L, wrow, r0, r1, y_col, acc, macc.data()); break;
         default: rows_f(L, type, wrow, r0, r1, y_col, wf.data());
       }
     }
@@ -294,6 +297,7 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
         case Q5_0: q_part<Q5_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q5_1: q_part<Q5_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q8_0: q_part<Q8_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case MXFP4: q_part<MXFP4>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #endif
         default: run_task(L, type, wp, w.size(1), task.o0, task.o1, c0);
       }

@@ -26,6 +26,7 @@ enum GgmlType : int64_t {
   Q5_K = 13,
   Q6_K = 14,
   BF16 = 30,
+  MXFP4 = 39,
 };
 
 inline bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -45,13 +46,14 @@ inline TypeInfo type_info(int64_t type) {
     case Q5_0: return {32, 22, true};
     case Q5_1: return {32, 24, true};
     case Q8_0: return {32, 34, true};
+    case MXFP4: return {32, 17, true};
     case Q4_K: return {256, 144, true};
     case Q5_K: return {256, 176, true};
     case Q6_K: return {256, 210, true};
     default:
       TORCH_CHECK_VALUE(false, "ggml: GGML type ", type,
                         " is not supported (F32=0, F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, "
-                        "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, BF16=30)");
+                        "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, BF16=30, MXFP4=39)");
   }
   return {0, 0, false};
 }
@@ -150,6 +152,32 @@ struct Fmt<Q8_0> {
   static void decode(const uint8_t* b, int8_t* q, float* sc, float*) {
     std::memcpy(q, b + 2, 32);
     sc[0] = sc[1] = fp16(b);
+  }
+};
+
+// MXFP4 (OCP microscaling, gpt-oss's experts): 32 FP4 (E2M1) values sharing an E8M0 scale. As
+// llama.cpp: each 4-bit code is twice its E2M1 value (kMxfp4), the scale half of 2^(e - 127);
+// a value is exactly kMxfp4[code] * e8m0_half(e).
+constexpr int8_t kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float e8m0_half(uint8_t e) {  // 2^(e - 128), subnormal for e < 2
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <>
+struct Fmt<MXFP4> {
+  static constexpr int64_t E = 32, B = 17;
+  static constexpr bool kHasMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* sc, float*) {
+    const uint8_t* qs = b + 1;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = kMxfp4[qs[j] & 0x0F];
+      q[16 + j] = kMxfp4[qs[j] >> 4];
+    }
+    sc[0] = sc[1] = e8m0_half(b[0]);
   }
 };
 

@@ -73,6 +73,11 @@ inline __m256i dec32(const uint8_t* b, float& d, float& mn) {
   } else if constexpr (T == Q5_1) {
     d = fp16(b), mn = fp16(b + 2);
     return _mm256_or_si256(nib32(b + 8), bit5(b + 4));
+  } else if constexpr (T == MXFP4) {  // u = code's value + 12 (0..24), mn = -12 d
+    d = e8m0_half(b[0]), mn = -12.f * d;
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(lut, nib32(b + 1));
   } else if constexpr (kQ8Signed) {  // Q8_0: its signed values (dec_pair takes |q| and the sign)
     d = fp16(b), mn = 0.f;
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));

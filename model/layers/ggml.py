@@ -2,7 +2,7 @@
 quantized GGUF where the C++ kernels are built).
 
 A BlockWeight is a tensor as the file stores it: rows of ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q5_K, Q6_K) or float rows (F32, F16, BF16), a view of the memory-mapped file
+Q8_0, MXFP4, Q4_K, Q5_K, Q6_K) or float rows (F32, F16, BF16), a view of the memory-mapped file
 (model/load/gguf_file.py): nothing is dequantized, re-quantized or copied, and the pages are
 shared with the page cache. BlockLinear multiplies by one or several of them (a fused q|k|v or
 gate|up whose parts have different types, as Q4_K_M files mix Q4_K and Q6_K) through the
@@ -34,6 +34,7 @@ GGML_TYPES = {
     "Q5_K": 13,
     "Q6_K": 14,
     "BF16": 30,
+    "MXFP4": 39,
 }
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 

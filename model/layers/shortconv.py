@@ -32,7 +32,9 @@ def step_state(kernels: Any, sb: StateBatch) -> Any:
         st.decode_slots = sb.decode_slots
         st.prompt_bounds = [b for p in sb.prompts for b in (p.start, p.end)]
         st.prompt_slots = [p.slot for p in sb.prompts]
-        st.captures = [v for i, p in enumerate(sb.prompts) for r, s in p.captures for v in (i, r, s)]
+        st.captures = [
+            v for i, p in enumerate(sb.prompts) for r, s in p.captures for v in (i, r, s)
+        ]
         sb.native = st
     return sb.native
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from model.arch import FAMILIES, ModelArgs, family_of_gguf
 from model.arch.weights import layer_weights, weight_shapes
@@ -83,9 +82,6 @@ BLOCK_KINDS = frozenset(
     + ("shortconv_in", "shortconv_out")
 )
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
-# block types without a kernel that the experts may come in, dequantized to the serving dtype
-# at load instead (NOTE: MXFP4, gpt-oss's experts: 4.25 bits a weight become 16 in bfloat16)
-DEQUANTIZED_AT_LOAD = frozenset((int(GGMLQuantizationType.MXFP4),))
 
 
 def read_weights(
@@ -124,7 +120,7 @@ def read_weights(
         if kind in fused:
             weights[ours] = _fused_part(info, args, kind, expected, path, dtype, blocks, cache)
             continue
-        if blocks and kind in EXPERT_KINDS and info.type_id not in DEQUANTIZED_AT_LOAD:
+        if blocks and kind in EXPERT_KINDS:
             weights[ours] = _expert_blocks(info, expected[kind], path)
             continue
         if blocks and kind in BLOCK_KINDS:

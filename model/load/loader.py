@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # less -> int4 (groups of 32: Q4_0 / Q4_1 blocks come back on their own grid), 5-8 bits -> int8
 _GGUF_QUANT = {
     **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"), "int4"),
-    "MXFP4": "int4",  # gpt-oss's experts: no block kernel yet (model/load/gguf.py)
+    "MXFP4": "int4",  # gpt-oss's experts (a file under BLOCKS_MIN_BYTES: re-quantized)
     **dict.fromkeys(("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"), "int4"),
     **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K"), "int8"),
 }

@@ -176,9 +176,9 @@ def plan_attn_groups(
     """The attention groups of the layers of one plan group (0: full attention), over its
     pool's cells. `one_each` (batch-invariant): every sequence attends on its own, as a prompt
     group. `ordered_prompts` (the C++ prompt kernel): prompt chunks read their cells in
-    position order, each row a range of them. `one_decode_group` (the C++ decode kernel): one group for every
-    decode row when each attends a prefix of its cells (the kernel reads each one's own length),
-    else groups that bound the padding.
+    position order, each row a range of them. `one_decode_group` (the C++ decode kernel): one
+    group for every decode row when each attends a prefix of its cells (the kernel reads each
+    one's own length), else groups that bound the padding.
 
     Windowed decode rows see exactly their in-window cells (group_seqs): a prefix of them,
     as full attention's rows.
