@@ -1,5 +1,5 @@
 """Optional C++ CPU kernels (attention*.cpp, gemm.cpp, ggml_blocks.cpp, ggml_kquants.cpp,
-int4.cpp, int8.cpp, kv_rows.cpp, layers.cpp, step.cpp): one build per ISA level, chosen at run
+int4.cpp, int8.cpp, kv_rows.cpp, layers.cpp, mamba2.cpp, step.cpp): one build per ISA level, chosen at run
 time from cpuid (model/kernels/isa.py).
 
 `build_kernels()` compiles them ahead of time (`cellserve build-kernels`; `make install` and
@@ -58,6 +58,7 @@ _SOURCE_NAMES = (
     "int8.cpp",
     "kv_rows.cpp",
     "layers.cpp",
+    "mamba2.cpp",
     "step.cpp",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]

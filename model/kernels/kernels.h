@@ -213,6 +213,31 @@ struct StepLinear {
 // A linear of any kind on rows a [m, k] (bfloat16 or float32; see StepLinear for the kinds each
 // takes): y [m, n] in a's dtype. group_size: int4's group along k (model/layers/quant.py).
 at::Tensor quant_linear(const at::Tensor& a, const StepLinear& w, int64_t group_size);
+// model/layers/batch.py StateBatch, for the short-convolution layers: decode rows (rows: empty,
+// rows [0, n_dec) in order) each one step from its slot of decode_slots; prompt chunks [start,
+// end) (prompt_bounds: start, end, ...) each a scan from its slot of prompt_slots; captures
+// (chunk i, r, slot, ...): once chunk i's first r rows are consumed, its state copied to slot.
+// decode_run_lo / hi: the decode slots as a range [lo, hi) when they are one (-1: not).
+struct StepState {
+  at::Tensor decode_rows, decode_slots;
+  std::vector<int64_t> prompt_bounds, prompt_slots, captures;
+  int64_t decode_run_lo = -1, decode_run_hi = -1;
+};
+// the rows, slots and captures of `state` well formed for n rows over n_slots (else it throws)
+void check_state(const StepState& state, int64_t n, int64_t n_slots, const char* who);
+// A Mamba2 mixer's parameters (model/layers/mamba2.py Mamba2Mixer; model.arch.SSMArgs sizes)
+struct StepMamba2 {
+  at::Tensor conv_w, dt_bias, a, d, norm_w;  // [conv_dim, K], [H], [H], [H], [d_inner]
+  std::optional<at::Tensor> conv_b;           // [conv_dim]
+  int64_t n_heads = 0, head_dim = 0, n_groups = 0, d_state = 0, d_inner = 0, conv_dim = 0;
+  int64_t d_conv = 0, scan_chunk = 64;
+  double eps = 1e-5;
+};
+// mamba2.cpp: the mixer between its linears, zxbcdt [n, >= d_in_proj] (in_proj's rows) ->
+// the gated RMSNorm's output [n, d_inner] in zxbcdt's dtype; conv [n_slots, conv_dim, K - 1]
+// and float32 ssm [n_slots, H, P, N] move in place (the Python layers call it too)
+at::Tensor mamba2_mix(const at::Tensor& zxbcdt, at::Tensor conv, at::Tensor ssm,
+                      const StepMamba2& m, const StepState& state);
 // One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
 struct StepLayer {
@@ -244,6 +269,11 @@ struct StepLayer {
   // out_proj, conv_w [dim, L], conv_state this layer's [n_slots, dim, L - 1] (short_conv)
   bool shortconv = false;
   at::Tensor conv_w, conv_state;
+  // a Mamba2 mixer instead: wqkv its in_proj, wo its out_proj, conv_state and ssm_state this
+  // layer's slots (mamba2_mix); ffn false: no MLP half (Mamba2's blocks)
+  std::optional<StepMamba2> mamba2;
+  at::Tensor ssm_state;
+  bool ffn = true;
 };
 // model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt
@@ -254,14 +284,6 @@ struct StepGroups {
   std::vector<at::Tensor> decode_rows, decode_cells, decode_lens;
   std::vector<int64_t> prompt_bounds;
   std::vector<at::Tensor> prompt_cells, prompt_lens, prompt_firsts;
-};
-// model/layers/batch.py StateBatch, for the short-convolution layers: decode rows (rows: empty,
-// rows [0, n_dec) in order) each one step from its slot of decode_slots; prompt chunks [start,
-// end) (prompt_bounds: start, end, ...) each a scan from its slot of prompt_slots; captures
-// (chunk i, r, slot, ...): once chunk i's first r rows are consumed, its state copied to slot.
-struct StepState {
-  at::Tensor decode_rows, decode_slots;
-  std::vector<int64_t> prompt_bounds, prompt_slots, captures;
 };
 // LFM2's short convolution (layers.cpp; model/layers/shortconv.py calls it too): w [n, d] in
 // v's dtype, row t of a sequence = sum_j window_t[j] * weight[:, j] over the window of its last

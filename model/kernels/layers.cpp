@@ -301,58 +301,67 @@ void short_conv_t(const at::Tensor& v, at::Tensor& conv, const at::Tensor& wf,
 }
 }  // namespace
 
-at::Tensor short_conv(const at::Tensor& v, at::Tensor conv, const at::Tensor& weight,
-                      const StepState& state) {
-  TORCH_CHECK(v.dim() == 2 && conv.dim() == 3 && weight.dim() == 2, "short_conv: v [n, d], "
-              "conv [n_slots, d, L - 1], weight [d, L]");
-  const int64_t n = v.size(0), d = v.size(1), n_slots = conv.size(0), k1 = conv.size(2);
-  TORCH_CHECK(conv.size(1) == d && weight.size(0) == d && weight.size(1) == k1 + 1 &&
-                  k1 >= 1 && k1 < 64,
-              "short_conv: conv [n_slots, d, L - 1] and weight [d, L] must match v's d, L <= 64");
-  TORCH_CHECK(conv.is_contiguous() && conv.scalar_type() == v.scalar_type() &&
-                  (v.scalar_type() == at::kFloat || v.scalar_type() == at::kBFloat16),
-              "short_conv: a contiguous state in v's dtype, bfloat16 or float32");
+void check_state(const StepState& state, int64_t n, int64_t n_slots, const char* who) {
   const int64_t n_dec = state.decode_slots.defined() ? state.decode_slots.numel() : 0;
   const bool all_rows = !state.decode_rows.defined() || state.decode_rows.numel() == 0;
   auto in_slots = [n_slots](int64_t s) { return 0 <= s && s < n_slots; };
   if (n_dec) {
     TORCH_CHECK(state.decode_slots.scalar_type() == at::kLong &&
                     state.decode_slots.is_contiguous(),
-                "short_conv: decode_slots must be contiguous int64");
+                who, ": decode_slots must be contiguous int64");
     const int64_t* sp = state.decode_slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < n_dec; ++i)
-      TORCH_CHECK(in_slots(sp[i]), "short_conv: decode slot ", sp[i], " is not in [0, ",
-                  n_slots, ")");
+      TORCH_CHECK(in_slots(sp[i]), who, ": decode slot ", sp[i], " is not in [0, ", n_slots, ")");
     if (all_rows) {
-      TORCH_CHECK(n_dec <= n, "short_conv: more decode slots than rows");
+      TORCH_CHECK(n_dec <= n, who, ": more decode slots than rows");
     } else {
       TORCH_CHECK(state.decode_rows.scalar_type() == at::kLong &&
                       state.decode_rows.is_contiguous() && state.decode_rows.numel() == n_dec,
-                  "short_conv: decode_rows must be contiguous int64, one per slot");
+                  who, ": decode_rows must be contiguous int64, one per slot");
       const int64_t* rp = state.decode_rows.data_ptr<int64_t>();
       for (int64_t i = 0; i < n_dec; ++i)
-        TORCH_CHECK(0 <= rp[i] && rp[i] < n, "short_conv: decode row ", rp[i], " is not in [0, ",
-                    n, ")");
+        TORCH_CHECK(0 <= rp[i] && rp[i] < n, who, ": decode row ", rp[i], " is not in [0, ", n,
+                    ")");
+    }
+    if (state.decode_run_lo >= 0) {
+      TORCH_CHECK(state.decode_run_hi - state.decode_run_lo == n_dec &&
+                      state.decode_run_hi <= n_slots,
+                  who, ": decode_run is not a range of the decode slots");
+      for (int64_t i = 0; i < n_dec; ++i)
+        TORCH_CHECK(sp[i] == state.decode_run_lo + i, who, ": decode_run is not the decode slots");
     }
   }
   const int64_t n_prompt = static_cast<int64_t>(state.prompt_slots.size());
   TORCH_CHECK(static_cast<int64_t>(state.prompt_bounds.size()) == 2 * n_prompt &&
                   state.captures.size() % 3 == 0,
-              "short_conv: one bounds pair and one slot per prompt chunk; captures in threes");
+              who, ": one bounds pair and one slot per prompt chunk; captures in threes");
   for (int64_t p = 0; p < n_prompt; ++p) {
     const int64_t start = state.prompt_bounds[2 * p], end = state.prompt_bounds[2 * p + 1];
-    TORCH_CHECK(0 <= start && start < end && end <= n && in_slots(state.prompt_slots[p]),
-                "short_conv: prompt chunk ", p, " is not a range of the ", n,
-                " rows with a slot");
+    TORCH_CHECK(0 <= start && start < end && end <= n && in_slots(state.prompt_slots[p]), who,
+                ": prompt chunk ", p, " is not a range of the ", n, " rows with a slot");
   }
   for (size_t i = 0; i < state.captures.size(); i += 3) {
     const int64_t p = state.captures[i], r = state.captures[i + 1];
     TORCH_CHECK(0 <= p && p < n_prompt && in_slots(state.captures[i + 2]) && 0 < r &&
                     r <= state.prompt_bounds[2 * p + 1] - state.prompt_bounds[2 * p] &&
                     (i == 0 || state.captures[i - 3] != p || state.captures[i - 2] <= r),
-                "short_conv: capture ", i / 3, " is not (chunk, 0 < r <= its rows, slot) in "
+                who, ": capture ", i / 3, " is not (chunk, 0 < r <= its rows, slot) in "
                 "ascending r");
   }
+}
+
+at::Tensor short_conv(const at::Tensor& v, at::Tensor conv, const at::Tensor& weight,
+                      const StepState& state) {
+  TORCH_CHECK(v.dim() == 2 && conv.dim() == 3 && weight.dim() == 2, "short_conv: v [n, d], "
+              "conv [n_slots, d, L - 1], weight [d, L]");
+  const int64_t n = v.size(0), d = v.size(1), k1 = conv.size(2);
+  TORCH_CHECK(conv.size(1) == d && weight.size(0) == d && weight.size(1) == k1 + 1 &&
+                  k1 >= 1 && k1 < 64,
+              "short_conv: conv [n_slots, d, L - 1] and weight [d, L] must match v's d, L <= 64");
+  TORCH_CHECK(conv.is_contiguous() && conv.scalar_type() == v.scalar_type() &&
+                  (v.scalar_type() == at::kFloat || v.scalar_type() == at::kBFloat16),
+              "short_conv: a contiguous state in v's dtype, bfloat16 or float32");
+  check_state(state, n, conv.size(0), "short_conv");
   auto vc = v.contiguous();
   auto wf = weight.to(at::kFloat).contiguous();
   auto out = at::zeros_like(vc);
@@ -469,6 +478,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gil_rows"), py::arg("state") = py::none());
   m.def("short_conv", &short_conv, kNoGil, py::arg("v"), py::arg("conv"), py::arg("weight"),
         py::arg("state"), "LFM2's short convolution over state slots, in place");
+  m.def("mamba2_mix", &mamba2_mix, kNoGil, py::arg("zxbcdt"), py::arg("conv"), py::arg("ssm"),
+        py::arg("params"), py::arg("state"), "the Mamba2 mixer between its linears, in place");
   // quant_linear's and step_layers' arguments (kernels.h), built field by field from Python
   // (StepLinear: model/layers/quant.py and ggml.py step_linear; the rest model/runner/native.py);
   // module_local: every level's build is its own module, and a process may load several
@@ -516,6 +527,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("router_bias", &StepLayer::router_bias)
       .def_readwrite("swiglu_limit", &StepLayer::swiglu_limit)
       .def_readwrite("swiglu_alpha", &StepLayer::swiglu_alpha)
+      .def_readwrite("mamba2", &StepLayer::mamba2)
+      .def_readwrite("ssm_state", &StepLayer::ssm_state)
+      .def_readwrite("ffn", &StepLayer::ffn)
       .def_readwrite("shortconv", &StepLayer::shortconv)
       .def_readwrite("conv_w", &StepLayer::conv_w)
       .def_readwrite("conv_state", &StepLayer::conv_state);
@@ -525,7 +539,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("decode_slots", &StepState::decode_slots)
       .def_readwrite("prompt_bounds", &StepState::prompt_bounds)
       .def_readwrite("prompt_slots", &StepState::prompt_slots)
-      .def_readwrite("captures", &StepState::captures);
+      .def_readwrite("captures", &StepState::captures)
+      .def_readwrite("decode_run_lo", &StepState::decode_run_lo)
+      .def_readwrite("decode_run_hi", &StepState::decode_run_hi);
+  py::class_<StepMamba2>(m, "StepMamba2", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("conv_w", &StepMamba2::conv_w)
+      .def_readwrite("conv_b", &StepMamba2::conv_b)
+      .def_readwrite("dt_bias", &StepMamba2::dt_bias)
+      .def_readwrite("a", &StepMamba2::a)
+      .def_readwrite("d", &StepMamba2::d)
+      .def_readwrite("norm_w", &StepMamba2::norm_w)
+      .def_readwrite("n_heads", &StepMamba2::n_heads)
+      .def_readwrite("head_dim", &StepMamba2::head_dim)
+      .def_readwrite("n_groups", &StepMamba2::n_groups)
+      .def_readwrite("d_state", &StepMamba2::d_state)
+      .def_readwrite("d_inner", &StepMamba2::d_inner)
+      .def_readwrite("conv_dim", &StepMamba2::conv_dim)
+      .def_readwrite("d_conv", &StepMamba2::d_conv)
+      .def_readwrite("scan_chunk", &StepMamba2::scan_chunk)
+      .def_readwrite("eps", &StepMamba2::eps);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)

@@ -169,6 +169,11 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
   // per group, the fewest cells of a pool its layers write into
   std::vector<int64_t> n_cells(n_groups, INT64_MAX);
   for (const auto& layer : layers) {
+    if (layer.mamba2) {  // mamba2_mix checks the rest
+      TORCH_CHECK(layer.conv_state.dim() == 3 && layer.ssm_state.dim() == 4,
+                  "step_layers: a Mamba2 layer needs conv_state and ssm_state");
+      continue;
+    }
     if (layer.shortconv) {  // short_conv checks the state's rows and slots
       const auto& c = layer.conv_state;
       TORCH_CHECK(c.dim() == 3 && c.is_contiguous() && c.scalar_type() == x.scalar_type() &&
@@ -378,6 +383,10 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
       auto v = at::mul(bcx.slice(1, 0, d), bcx.slice(1, 2 * d));
       auto w = short_conv(v, layer.conv_state, layer.conv_w, state);
       a = mm(at::mul(bcx.slice(1, d, 2 * d), w), layer.wo);
+    } else if (layer.mamba2) {  // model/layers/mamba2.py: out_proj(mixer(in_proj(x)))
+      auto zxbcdt = mm(layer.attn_norm ? normed : x, layer.wqkv);
+      a = mm(mamba2_mix(zxbcdt, layer.conv_state, layer.ssm_state, *layer.mamba2, state),
+             layer.wo);
     } else {
       a = attention(x, layer.attn_norm ? normed : x, layer, groups, rope_tables, n_heads, eps,
                     scale, mm);
@@ -387,6 +396,7 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
       a = normed;
     }
     add_residual_(x, a, layer.residual_mult);
+    if (!layer.ffn) continue;  // a block without an MLP half (Mamba2)
     if (layer.ffn_norm) rms_norm_into(x, *layer.ffn_norm, eps, normed);
     const at::Tensor& ffn_in = layer.ffn_norm ? normed : x;
     if (layer.router) {

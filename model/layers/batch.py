@@ -79,8 +79,27 @@ class StateBatch:
     # decode_slots as a range [lo, hi) when they are one (the states are then updated in
     # place instead of gathered and scattered back)
     decode_run: tuple[int, int] | None = None
-    # the same as the kernels' StepState, built once a batch (model/layers/shortconv.py)
+    # the same as the kernels' StepState, built once a batch (native_state)
     native: Any | None = None
+
+    def native_state(self, kernels: Any) -> Any:
+        """This batch as `kernels`' StepState (short_conv, mamba2_mix, step_layers)."""
+        if self.native is None:
+            st = kernels.StepState()
+            st.decode_rows = _EVERY_ROW if self.decode_rows is None else self.decode_rows
+            st.decode_slots = self.decode_slots
+            st.prompt_bounds = [b for p in self.prompts for b in (p.start, p.end)]
+            st.prompt_slots = [p.slot for p in self.prompts]
+            st.captures = [
+                v for i, p in enumerate(self.prompts) for r, s in p.captures for v in (i, r, s)
+            ]
+            if self.decode_run is not None:
+                st.decode_run_lo, st.decode_run_hi = self.decode_run
+            self.native = st
+        return self.native
+
+
+_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # StepState: the decode rows are every row
 
 
 @dataclass(slots=True)

@@ -6,9 +6,16 @@ chunked SSD scan (Mamba2 paper, section 6: quadratic inside a chunk, the state c
 between chunks) from its slot's state, split at its captures. Any split of a prompt gives the
 same state up to float rounding: it is one linear recurrence. The SSM runs in float32 whatever
 the model dtype; the conv state is kept in the model dtype.
+
+With the C++ kernels (ForwardBatch.fused) the mixer between its two linears is their
+mamba2_mix (model/kernels/mamba2.cpp: these torch ops, one for one, in ATen), the op the
+one-call step (model/runner/native.py) calls too, so both paths give the same bits; without
+them, the torch ops below (the float32 reference).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +113,22 @@ class Mamba2Mixer(nn.Module):
         self.d = param("ssm_d")
         self.norm_w = param("ssm_norm")
         self.out_proj = Linear(weights[prefix + "ssm_out"], weights.get(prefix + "ssm_out_b"))
+        self._native: Any | None = None  # native_params' StepMamba2
+
+    def native_params(self, kernels: Any) -> Any:
+        """This mixer's parameters and sizes as `kernels`' StepMamba2 (mamba2_mix)."""
+        if self._native is None:
+            s, m = self.ssm, kernels.StepMamba2()
+            m.conv_w, m.conv_b = self.conv_w.detach(), None
+            if self.conv_b is not None:
+                m.conv_b = self.conv_b.detach()
+            m.dt_bias, m.a, m.d = self.dt_bias.detach(), self.a.detach(), self.d.detach()
+            m.norm_w = self.norm_w.detach()
+            m.n_heads, m.head_dim, m.n_groups = s.n_heads, s.head_dim, s.n_groups
+            m.d_state, m.d_inner, m.conv_dim, m.d_conv = s.d_state, s.d_inner, s.conv_dim, s.d_conv
+            m.scan_chunk, m.eps = SCAN_CHUNK, s.norm_eps
+            self._native = m
+        return self._native
 
     def forward(
         self, u: torch.Tensor, batch: ForwardBatch, storage: object, layer: int
@@ -116,6 +139,12 @@ class Mamba2Mixer(nn.Module):
         assert isinstance(state, RecurrentStorage), "a recurrent layer needs the state storage"
         assert batch.state is not None, "the worker builds ForwardBatch.state for mamba2 layers"
         s, n = self.ssm, u.shape[0]
+        kernels = batch.fused
+        if kernels is not None and hasattr(kernels, "mamba2_mix"):
+            conv, ssm = state.conv(layer), state.ssm(layer)
+            params, st = self.native_params(kernels), batch.state.native_state(kernels)
+            mixed = kernels.mamba2_mix(self.in_proj(u), conv, ssm, params, st)
+            return self.out_proj(mixed.to(u.dtype))
         zxbcdt = self.in_proj(u)[:, : s.d_in_proj]
         z, xbc, dt = zxbcdt.split((s.d_inner, s.conv_dim, s.n_heads), dim=-1)
         conv, ssm = state.conv(layer), state.ssm(layer)

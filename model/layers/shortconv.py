@@ -12,34 +12,14 @@ them, the torch ops below (the float32 reference).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvcache.state_storage import RecurrentStorage
 from model.arch import ModelArgs
-from model.layers.batch import ForwardBatch, StateBatch, StatePrompt
+from model.layers.batch import ForwardBatch, StatePrompt
 from model.layers.ggml import make_linear
-
-
-def step_state(kernels: Any, sb: StateBatch) -> Any:
-    """`sb` as the kernels' StepState (short_conv, step_layers), built once a batch."""
-    if sb.native is None:
-        st = kernels.StepState()
-        st.decode_rows = _EVERY_ROW if sb.decode_rows is None else sb.decode_rows
-        st.decode_slots = sb.decode_slots
-        st.prompt_bounds = [b for p in sb.prompts for b in (p.start, p.end)]
-        st.prompt_slots = [p.slot for p in sb.prompts]
-        st.captures = [
-            v for i, p in enumerate(sb.prompts) for r, s in p.captures for v in (i, r, s)
-        ]
-        sb.native = st
-    return sb.native
-
-
-_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # StepState: the decode rows are every row
 
 
 class ShortConvMixer(nn.Module):
@@ -67,7 +47,7 @@ class ShortConvMixer(nn.Module):
         v = (b * x).to(conv.dtype)  # [n, dim]
         kernels = batch.fused
         if kernels is not None and v.dtype in (torch.bfloat16, torch.float32):
-            w = kernels.short_conv(v, conv, self.conv_w, step_state(kernels, sb))
+            w = kernels.short_conv(v, conv, self.conv_w, sb.native_state(kernels))
             return self.out_proj(c * w.to(c.dtype))
         w = torch.zeros_like(v)  # rows in no group (batch-invariant padding) stay 0
         if sb.decode_slots.numel():

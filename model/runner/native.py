@@ -48,9 +48,10 @@ from model.layers.batch import DecodeGroup, PromptGroup
 from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
 from model.layers.ggml import BlockLinear
 from model.layers.lora import unwrap
+from model.layers.mamba2 import Mamba2Mixer
 from model.layers.moe import MoEFeedForward
 from model.layers.quant import INT4_GROUP, QuantLinear
-from model.layers.shortconv import ShortConvMixer, step_state
+from model.layers.shortconv import ShortConvMixer
 
 # The work a step may do with the GIL held: the 1.5B's 64-row decode step (Qwen2.5-1.5B, 1.31G
 # multiply-adds a row in its layers), the one measured (model/kernels/layers.cpp). A model 5x
@@ -68,12 +69,19 @@ def step_gil_rows(args: ModelArgs) -> int:
     attn = 2 * args.dim * q + 2 * args.dim * kv
     macs = 0
     for i in range(args.n_layers):
-        mlp = 3 * args.dim * args.hidden_dim
+        desc = args.layer_desc(i)
+        mixer = attn
+        if desc.mixer == "shortconv":
+            mixer = 4 * args.dim * args.dim
+        elif desc.mixer == "mamba2":
+            assert args.ssm is not None
+            mixer = args.dim * (args.ssm.d_in_proj + args.ssm.d_inner)
+        mlp = 3 * args.dim * args.hidden_dim if desc.ffn else 0
         if args.is_moe(i):
             assert args.moe is not None
             moe = args.moe
             mlp = args.dim * moe.n_experts + moe.n_used * 3 * args.dim * moe.expert_dim
-        macs += attn + mlp
+        macs += mixer + mlp
     return max(1, min(STEP_GIL_ROWS, STEP_GIL_MACS // max(1, macs)))
 
 
@@ -90,7 +98,7 @@ class NativeDecoder:
     eps: float
     scale: float
     gil_rows: int  # steps of at most this many rows keep the GIL (step_gil_rows)
-    recurrent: bool = False  # short-convolution layers (LFM2): steps read ForwardBatch.state
+    recurrent: bool = False  # recurrent layers (LFM2, Mamba2): steps read ForwardBatch.state
 
     @staticmethod
     def build(
@@ -106,8 +114,6 @@ class NativeDecoder:
             return None, "cells of another cache type (a build without cache types)"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
-        if any(d.mixer not in ("attn", "shortconv") or not d.ffn for d in descs):
-            return None, "Mamba2 mixers run in Python (model/layers/mamba2.py)"
         if any(d.activation == "swiglu_oai" and not d.moe for d in descs):
             return None, "a dense MLP with the clamped SwiGLU (step.cpp: the experts' only)"
         if any(d.rope is not None and d.rope.dim % 2 for d in descs):
@@ -115,18 +121,18 @@ class NativeDecoder:
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
-        if any(d.mixer == "shortconv" for d in descs):
-            if not hasattr(kernels, "short_conv"):
-                return None, "short convolutions (LFM2): a build without them"
+        if any(d.mixer != "attn" for d in descs):
+            op = "mamba2_mix" if any(d.mixer == "mamba2" for d in descs) else "short_conv"
+            if not hasattr(kernels, op):
+                return None, f"recurrent layers: a build without {op}"
             state = getattr(storage, "state", None)
             if state is None or state.dtype != model.dtype:
-                return None, "short convolutions over a state of another dtype"
+                return None, "recurrent layers over a conv state of another dtype"
         windows = sorted({d.window for d in descs if d.mixer == "attn"})
         layers = []
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
-            attn, ffn = block.mixer, block.feed_forward
-            assert ffn is not None
+            mixer, ffn = block.mixer, block.feed_forward
             for name, norm in (  # the optional ones: None where the description has none
                 ("attn_norm", block.attention_norm),
                 ("ffn_norm", block.ffn_norm),
@@ -135,42 +141,42 @@ class NativeDecoder:
             ):
                 setattr(layer, name, None if norm is None else norm.weight.detach())
             layer.residual_mult = desc.residual_mult
-            if isinstance(attn, ShortConvMixer):  # step.cpp: short_conv between the linears
-                layer.shortconv = True
-                for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
-                    setattr(layer, name, _step_linear(kernels, lin, model.dtype))
-                layer.conv_w = attn.conv_w.detach()
-                layer.conv_state = storage.state.conv(i)  # type: ignore[union-attr]
-                layers.append(layer)
-                continue
-            assert isinstance(attn, Attention)
-            layer.q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
-            layer.k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
+            linears = [_step_linear(kernels, lin, model.dtype) for lin in _linears(block)]
+            layer.wqkv, layer.wo = linears[:2]  # the mixer's two linears
+            layer.ffn = ffn is not None
             if isinstance(ffn, MoEFeedForward):  # step.cpp moe_ffn
-                layer.wqkv = _step_linear(kernels, unwrap(attn.wqkv), model.dtype)
-                layer.wo = _step_linear(kernels, unwrap(attn.wo), model.dtype)
                 layer.router = ffn.router.detach().to(model.dtype)
                 layer.expert_rows = ffn.expert_rows
-                layer.experts_w13 = [_step_linear(kernels, e.w13, model.dtype) for e in ffn.experts]
-                layer.experts_w2 = [_step_linear(kernels, e.w2, model.dtype) for e in ffn.experts]
+                layer.experts_w13, layer.experts_w2 = linears[2::2], linears[3::2]
                 layer.n_used, layer.norm_topk = ffn.n_used, ffn.norm_topk_prob
                 if ffn.router_bias is not None:
                     layer.router_bias = ffn.router_bias.detach().to(model.dtype)
                 if desc.activation == "swiglu_oai":
                     layer.swiglu_alpha, layer.swiglu_limit = ffn.experts[0].swiglu
-            else:
-                for name, lin in zip(("wqkv", "wo", "w13", "w2"), _linears(block), strict=True):
-                    setattr(layer, name, _step_linear(kernels, lin, model.dtype))
-            layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
-            layer.head_dim = args.head_dim
-            layer.groups = windows.index(desc.window)
-            layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
-            if desc.rope is not None:  # GLM-4: half of each head, pairs interleaved
-                layer.rope_dim = desc.rope.dim
-                layer.rope_interleaved = desc.rope.layout == "interleaved"
-            layer.softcap = desc.softcap
-            layer.sinks = attn.sinks
+            elif ffn is not None:
+                layer.w13, layer.w2 = linears[2:]
             layer.gelu = desc.activation == "gelu_tanh"
+            state = getattr(storage, "state", None)
+            if isinstance(mixer, ShortConvMixer):  # step.cpp: short_conv between the linears
+                layer.shortconv = True
+                layer.conv_w = mixer.conv_w.detach()
+                layer.conv_state = state.conv(i)
+            elif isinstance(mixer, Mamba2Mixer):  # step.cpp: mamba2_mix between the linears
+                layer.mamba2 = mixer.native_params(kernels)
+                layer.conv_state, layer.ssm_state = state.conv(i), state.ssm(i)
+            else:
+                assert isinstance(mixer, Attention)
+                layer.q_norm = None if mixer.q_norm is None else mixer.q_norm.weight.detach()
+                layer.k_norm = None if mixer.k_norm is None else mixer.k_norm.weight.detach()
+                layer.k_cache, layer.v_cache = storage.k[i], storage.v[i]
+                layer.head_dim = args.head_dim
+                layer.groups = windows.index(desc.window)
+                layer.rope = -1 if desc.rope is None else int(desc.swa_rope)
+                if desc.rope is not None:  # GLM-4: half of each head, pairs interleaved
+                    layer.rope_dim = desc.rope.dim
+                    layer.rope_interleaved = desc.rope.layout == "interleaved"
+                layer.softcap = desc.softcap
+                layer.sinks = mixer.sinks
             layers.append(layer)
         decoder = NativeDecoder(
             kernels,
@@ -179,9 +185,9 @@ class NativeDecoder:
             any(d.swa_rope for d in descs),
             args.n_heads,
             args.norm_eps,
-            args.scale,
+            args.scale if args.n_kv_heads else 1.0,  # no attention layer: unused
             step_gil_rows(args),
-            any(d.mixer == "shortconv" for d in descs),
+            any(d.mixer != "attn" for d in descs),
         )
         return decoder, f"{len(layers)} blocks, {model.dtype}"
 
@@ -226,7 +232,7 @@ class NativeDecoder:
             self.scale,
             INT4_GROUP,
             self.gil_rows,
-            None if batch.state is None else step_state(self.kernels, batch.state),
+            None if batch.state is None else batch.state.native_state(self.kernels),
         )
         return out
 
@@ -251,12 +257,17 @@ _FROM_0 = torch.empty(0, dtype=torch.int64)  # step_layers: a chunk whose rows s
 
 
 def _linears(block: Block) -> tuple[Any, ...]:
-    """The block's linears: the mixer's (attention's wqkv and wo, a short convolution's in_proj
-    and out_proj), then the MLP's (a MoE layer's: every expert's); a LoRA-adapted one's base
-    (steps with LoRA rows take the Python layers: NativeDecoder.runs)."""
+    """The block's linears: the mixer's two (attention's wqkv and wo, a recurrent mixer's
+    in_proj and out_proj), then the MLP's (a MoE layer's: every expert's gate|up and down; none
+    without an MLP half); a LoRA-adapted one's base (steps with LoRA rows take the Python
+    layers: NativeDecoder.runs)."""
     a, f = block.mixer, block.feed_forward
-    assert f is not None and isinstance(a, (Attention, ShortConvMixer))
-    mixer = (a.in_proj, a.out_proj) if isinstance(a, ShortConvMixer) else (a.wqkv, a.wo)
+    if isinstance(a, Attention):
+        mixer = (a.wqkv, a.wo)
+    else:
+        mixer = (a.in_proj, a.out_proj)
+    if f is None:
+        return tuple(map(unwrap, mixer))
     if isinstance(f, MoEFeedForward):
         return (*map(unwrap, mixer), *(lin for e in f.experts for lin in (e.w13, e.w2)))
     return (*map(unwrap, mixer), unwrap(f.w13), unwrap(f.w2))

@@ -223,7 +223,7 @@ def test_short_conv_kernel_is_the_torch_scan(dtype):
     order) and two prompt chunks (one with captures at rows 1 and 5) over their slots; rows in
     no group stay 0; the states moved (and the captures written) alike; bad slots refused."""
     from model.layers.batch import StateBatch, StatePrompt
-    from model.layers.shortconv import ShortConvMixer, step_state
+    from model.layers.shortconv import ShortConvMixer
 
     kernels = load_kernels()
     if kernels is None or not hasattr(kernels, "short_conv"):
@@ -243,14 +243,14 @@ def test_short_conv_kernel_is_the_torch_scan(dtype):
     want[sb.decode_rows] = mixer._step(vd[sb.decode_rows], want_conv, sb.decode_slots)
     for sp in prompts:
         want[sp.start : sp.end] = mixer._scan(vd[sp.start : sp.end], want_conv, sp)
-    got = kernels.short_conv(v, conv, weight, step_state(kernels, sb))
+    got = kernels.short_conv(v, conv, weight, sb.native_state(kernels))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
     assert not got[[1, 15]].any()  # rows in no group
     assert torch.equal(conv.double(), want_conv)  # the states hold v's own values
     bad = StateBatch(torch.tensor([0]), torch.tensor([n_slots]), [])
     with pytest.raises(RuntimeError, match="decode slot 8 is not in"):
-        kernels.short_conv(v, conv, weight, step_state(kernels, bad))
+        kernels.short_conv(v, conv, weight, bad.native_state(kernels))
 
 
 @pytest.fixture(scope="module")

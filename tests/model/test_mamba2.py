@@ -247,3 +247,98 @@ def test_a_step_that_raises_keeps_the_state_copies_it_carried(tiny, monkeypatch)
     for s in (0, 1):
         for a, b in zip(state_of(d, s), forked, strict=True):
             assert torch.equal(a, b)
+
+
+def test_mamba2_mix_kernel_is_the_torch_mixer(folder):
+    """kernels.mamba2_mix (model/kernels/mamba2.cpp) against Mamba2Mixer's torch ops on the
+    same states: decode rows over a range of slots (updated in place) and over scattered ones
+    (gathered), and a prompt chunk with a capture: the outputs and every state up to float32
+    rounding (ATen's ops, one for one, with another build's vectorization)."""
+    from model.kernels import load_kernels
+    from model.layers.batch import ForwardBatch, StateBatch, StatePrompt
+
+    kernels = load_kernels()
+    if kernels is None or not hasattr(kernels, "mamba2_mix"):
+        pytest.skip("no C++ kernels built for this CPU")
+    model = load_model(folder)
+    mixer = model.transformer.layers[1].mixer
+    gen = torch.Generator().manual_seed(0)
+    n, dim = 12, model.config.dim
+    u = torch.randn(n, dim, generator=gen)
+    for decode_slots, run in ((torch.tensor([2, 3, 4]), (2, 5)), (torch.tensor([6, 0, 3]), None)):
+        sb = StateBatch(torch.tensor([0, 5, 11]), decode_slots, [StatePrompt(1, 5, 1, [(2, 7)])])
+        sb.decode_run = run
+        states = []
+        for fused in (None, kernels):
+            sb.native = None
+            storage = _states(model, torch.Generator().manual_seed(1))
+            batch = ForwardBatch.__new__(ForwardBatch)
+            batch.fused, batch.state = fused, sb
+            out = mixer(u, batch, storage, 1)
+            states.append((out, storage.state.conv(1).clone(), storage.state.ssm(1).clone()))
+        for want, got in zip(states[0], states[1], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _states(model, gen):
+    """A GroupedKVStorage-like holder of random states for every layer (slots 0..7)."""
+    from types import SimpleNamespace
+
+    from kvcache.state_storage import RecurrentStorage
+
+    conv_shape, ssm_shape = model.config.state_shapes
+    layers = tuple(range(model.config.n_layers))
+    st = RecurrentStorage(layers, 8, conv_shape, ssm_shape)
+    for layer in layers:
+        st.conv(layer).copy_(torch.randn(st.conv(layer).shape, generator=gen))
+        st.ssm(layer).copy_(torch.randn(st.ssm(layer).shape, generator=gen) * 0.1)
+    return SimpleNamespace(state=st)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "granite"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_the_one_call_step_runs_mamba2_as_the_python_layers(
+    tmp_path_factory, arch, dtype, quant, monkeypatch
+):
+    """Mamba2 and Granite 4.0-H (Mamba2 mixers beside attention, every layer an MLP) in
+    step.cpp: mamba2_mix between the linears, the op the Python layers call too. Sequences
+    batched together (prompt chunks beside decode rows, a fork, a capture mid-chunk resumed
+    by a new sequence): every step in one call, bit for bit the Python layers' logits."""
+    from model.kernels import load_kernels
+    from model.runner.native import NativeDecoder
+    from tests.tiny_ssm import write_tiny_granite_hybrid
+
+    if load_kernels() is None:
+        pytest.skip("no C++ kernels built for this CPU")
+    where = tmp_path_factory.mktemp(arch) / "hf"
+    if arch == "mamba2":
+        path = write_tiny_mamba2(where, dim=128, head_dim=32, seed=3)
+    else:
+        path = write_tiny_granite_hybrid(where, dim=128, hidden_dim=256, mamba_head_dim=32)
+    loaded = load_model(path, dtype=dtype)
+    quantize(loaded.transformer, quant)
+    worker = make_worker(loaded, n_cells=512, group_cells=[512, 8] if arch != "mamba2" else [8])
+    assert worker.paths.native is not None, worker.paths.describe()
+    calls: list[int] = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    p = {s: prompt(n, seed=s) for s, n in enumerate([3, 30, 9, 70, 20])}
+
+    def run() -> torch.Tensor:
+        d = StateDriver(worker, 512, 8)
+        d.free_slots = [0, 2, 3, 4, 5, 6, 7, 1]  # seq 0 takes slot 1; its capture goes to 0
+        out = [d.logits([Chunk(0, p[3], captures=[(21, 0)]), Chunk(1, p[1]), Chunk(2, p[2])])]
+        d.fork(1, 4)
+        out.append(d.logits([Chunk(0, [40]), Chunk(1, [41]), Chunk(2, p[4]), Chunk(4, [99])]))
+        d.resume(5, 0, 21, d.cells[0][:21])
+        out.append(d.logits([Chunk(5, p[0]), Chunk(1, [51]), Chunk(4, [54]), Chunk(0, [7])]))
+        for t in range(4):
+            out.append(d.logits([Chunk(s, [60 + t]) for s in (0, 1, 2, 4, 5)]))
+        return torch.cat(out)
+
+    native = run()
+    prompt_steps = 3 if arch == "mamba2" or worker.paths.prompt_attention is not None else 0
+    assert len(calls) == 4 + prompt_steps
+    worker.paths.native = None
+    assert torch.equal(native, run())
