@@ -16,7 +16,8 @@ moe_ffn, as model/layers/moe.py) and OLMoE's q/k norms over the whole projection
 the attention kernels), OLMo 2 and EXAONE 4.0 (no pre-norms: StepLayer's attn_norm / ffn_norm
 None), GLM-4 and partial Phi-3 (RoPE on part of each head, GLM's pairs interleaved:
 step.cpp rope_partial_, the Python layers' ATen ops). An architecture described in
-model/arch/ runs here without C++ of its own; recurrent (Mamba2) layers stay in Python. It
+model/arch/ runs here without C++ of its own; the recurrent mixers through the C++ ops the
+Python layers call too (LFM2's short_conv, Mamba2's mamba2_mix, over ForwardBatch.state). It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
 bfloat16 with AVX-512 BF16; a window's prompt chunks with each row's first cell) and covers
@@ -125,8 +126,8 @@ class NativeDecoder:
             op = "mamba2_mix" if any(d.mixer == "mamba2" for d in descs) else "short_conv"
             if not hasattr(kernels, op):
                 return None, f"recurrent layers: a build without {op}"
-            state = getattr(storage, "state", None)
-            if state is None or state.dtype != model.dtype:
+            held = getattr(storage, "state", None)
+            if held is None or held.dtype != model.dtype:
                 return None, "recurrent layers over a conv state of another dtype"
         windows = sorted({d.window for d in descs if d.mixer == "attn"})
         layers = []
@@ -152,11 +153,12 @@ class NativeDecoder:
                 if ffn.router_bias is not None:
                     layer.router_bias = ffn.router_bias.detach().to(model.dtype)
                 if desc.activation == "swiglu_oai":
-                    layer.swiglu_alpha, layer.swiglu_limit = ffn.experts[0].swiglu
+                    expert: Any = ffn.experts[0]
+                    layer.swiglu_alpha, layer.swiglu_limit = expert.swiglu
             elif ffn is not None:
                 layer.w13, layer.w2 = linears[2:]
             layer.gelu = desc.activation == "gelu_tanh"
-            state = getattr(storage, "state", None)
+            state: Any = getattr(storage, "state", None)  # checked above (recurrent models)
             if isinstance(mixer, ShortConvMixer):  # step.cpp: short_conv between the linears
                 layer.shortconv = True
                 layer.conv_w = mixer.conv_w.detach()
@@ -262,10 +264,7 @@ def _linears(block: Block) -> tuple[Any, ...]:
     without an MLP half); a LoRA-adapted one's base (steps with LoRA rows take the Python
     layers: NativeDecoder.runs)."""
     a, f = block.mixer, block.feed_forward
-    if isinstance(a, Attention):
-        mixer = (a.wqkv, a.wo)
-    else:
-        mixer = (a.in_proj, a.out_proj)
+    mixer = (a.wqkv, a.wo) if isinstance(a, Attention) else (a.in_proj, a.out_proj)
     if f is None:
         return tuple(map(unwrap, mixer))
     if isinstance(f, MoEFeedForward):
