@@ -29,6 +29,10 @@ BENCH_OUT ?= bench/results
 # c=1 and c=8 with a 16k-cell cache after the main run; BENCH_8B= leaves it out.
 BENCH_8B ?= 1
 BENCH_8B_ARGS ?= --skip-micro --skip-prefix --concurrency 1,8 --server-args "--n-cells 16384" --level-max-s 400
+# The Granite-3.1-3B-A800M-shaped mixture of experts (bench/make_moe.py, made the same way: ~15 GB
+# of scratch disk, 2 GB kept) at c=1 and c=32; BENCH_MOE= leaves it out.
+BENCH_MOE ?= 1
+BENCH_MOE_ARGS ?= --skip-micro --skip-prefix --concurrency 1,32 --server-args "--n-cells 16384" --level-max-s 400
 
 .PHONY: serve test lint bench install format clean
 
@@ -84,6 +88,10 @@ endif
 ifneq ($(strip $(BENCH_8B)),)
 	$(PY) -m bench.make_8b
 	$(PY) -m bench.run --out $(BENCH_OUT)/8b --model llama-3.1-8b-shape $(BENCH_8B_ARGS)
+endif
+ifneq ($(strip $(BENCH_MOE)),)
+	$(PY) -m bench.make_moe
+	$(PY) -m bench.run --out $(BENCH_OUT)/moe --model granite-3b-a800m-shape $(BENCH_MOE_ARGS)
 endif
 
 clean:

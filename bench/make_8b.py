@@ -19,7 +19,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
 
 NAME = "llama-3.1-8b-shape"
 
@@ -48,11 +50,11 @@ ROPE_SCALING = {
 }
 
 
-def default_path() -> pathlib.Path:
+def default_path(name: str = NAME) -> pathlib.Path:
     """In the user's cache, beside the packaged models (model/load/packaged.py cache_dir)."""
     from model.load.packaged import cache_dir
 
-    return cache_dir() / NAME / f"{NAME}-Q4_K_M.gguf"
+    return cache_dir() / name / f"{name}-Q4_K_M.gguf"
 
 
 def _smollm2_vocab() -> dict:
@@ -138,9 +140,11 @@ def _layer_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     }
 
 
-def write_weights(folder: pathlib.Path, shape: Shape, vocab_size: int, seed: int = 0) -> None:
-    """One safetensors shard a layer (plus one for the embeddings, norm and head) and the index:
-    matrices N(0, 0.02) in bfloat16, norms 1."""
+def write_shards(
+    folder: pathlib.Path, shards: list[dict[str, tuple[int, ...]]], seed: int = 0
+) -> None:
+    """One safetensors file a shard (name -> dims), in order, and the index: matrices N(0, 0.02)
+    in bfloat16, norms 1. The index is written last: a folder with one is whole."""
     import torch
     from safetensors.torch import save_file
 
@@ -151,6 +155,20 @@ def write_weights(folder: pathlib.Path, shape: Shape, vocab_size: int, seed: int
             return torch.ones(dims, dtype=torch.bfloat16)
         return (torch.randn(dims, generator=gen) * 0.02).to(torch.bfloat16)
 
+    weight_map: dict[str, str] = {}
+    total = 0
+    for idx, names in enumerate(shards):
+        file = f"model-{idx + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: tensor(dims) for name, dims in names.items()}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_weights(folder: pathlib.Path, shape: Shape, vocab_size: int, seed: int = 0) -> None:
+    """One shard a layer, plus one for the embeddings, norm and head."""
     n = shape.num_hidden_layers
     shards: list[dict[str, tuple[int, ...]]] = [
         {f"model.layers.{i}.{k}": d for k, d in _layer_shapes(shape).items()} for i in range(n)
@@ -163,16 +181,7 @@ def write_weights(folder: pathlib.Path, shape: Shape, vocab_size: int, seed: int
             "lm_head.weight": (vocab_size, h),
         }
     )
-    weight_map: dict[str, str] = {}
-    total = 0
-    for idx, names in enumerate(shards):
-        file = f"model-{idx + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: tensor(dims) for name, dims in names.items()}
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_shards(folder, shards, seed)
 
 
 def write_hf_folder(folder: pathlib.Path, shape: Shape = LLAMA_31_8B, seed: int = 0) -> None:
@@ -207,32 +216,55 @@ def llamacpp_tools() -> tuple[pathlib.Path, pathlib.Path]:
     return prefix / "convert" / "convert_hf_to_gguf.py", prefix / "bin" / "llama-quantize"
 
 
-def make(out: pathlib.Path, shape: Shape, keep: bool, threads: int) -> pathlib.Path:
-    """Each step's output is renamed into place when whole, so an interrupted run resumes at the
-    step it was in."""
+def convert_to_bf16(
+    convert: pathlib.Path, folder: pathlib.Path, out: pathlib.Path, name: str
+) -> None:
+    """folder -> out, a bf16 GGUF named `name`, by llama.cpp's convert_hf_to_gguf.py (`convert`);
+    renamed into place when whole."""
+    # the converter's own gguf-py, not the gguf package the test extras install
+    env = {**os.environ, "PYTHONPATH": str(convert.parent / "gguf-py")}
+    part = out.with_suffix(".part")
+    cmd = [sys.executable, str(convert), str(folder), "--outtype", "bf16"]
+    _run([*cmd, "--outfile", str(part), "--model-name", name], env=env)
+    part.rename(out)
+
+
+S = TypeVar("S")
+
+
+def make_gguf(
+    out: pathlib.Path,
+    name: str,
+    shape: S,
+    write_folder: Callable[[pathlib.Path, S], Any],
+    keep: bool,
+    threads: int,
+) -> pathlib.Path:
+    """`out`, the Q4_K_M of the Hugging Face folder `write_folder(folder, shape)` writes (a
+    dataclass shape), converted and quantized in out's folder. Each step's output is renamed into
+    place when whole, so an interrupted run resumes at the step it was in."""
     if out.is_file():
         return out
     work = out.parent / "work"
-    folder, bf16 = work / "hf", work / f"{NAME}-bf16.gguf"
+    folder, bf16 = work / "hf", work / f"{name}-bf16.gguf"
     if not (folder / "model.safetensors.index.json").is_file():  # written last
-        print(f"[make_8b] writing {folder} ({asdict(shape)})", file=sys.stderr, flush=True)
+        print(f"[{name}] writing {folder} ({asdict(shape)})", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        write_hf_folder(folder, shape)
+        write_folder(folder, shape)
         print(f"  ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     convert, quantize = llamacpp_tools()
     if not bf16.is_file():
-        # the converter's own gguf-py, not the gguf package the test extras install
-        env = {**os.environ, "PYTHONPATH": str(convert.parent / "gguf-py")}
-        part = bf16.with_suffix(".part")
-        cmd = [sys.executable, str(convert), str(folder), "--outtype", "bf16"]
-        _run([*cmd, "--outfile", str(part), "--model-name", NAME], env=env)
-        part.rename(bf16)
+        convert_to_bf16(convert, folder, bf16, name)
     part = out.with_suffix(".part")
     _run([str(quantize), str(bf16), str(part), "Q4_K_M", str(threads)])
     part.rename(out)
     if not keep:
         shutil.rmtree(work)
     return out
+
+
+def make(out: pathlib.Path, shape: Shape, keep: bool, threads: int) -> pathlib.Path:
+    return make_gguf(out, NAME, shape, write_hf_folder, keep, threads)
 
 
 def main(argv: list[str] | None = None) -> int:

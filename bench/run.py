@@ -29,7 +29,7 @@ import traceback
 from dataclasses import asdict, replace
 from typing import Any
 
-from bench import make_8b
+from bench import make_8b, make_moe
 from bench.models import PACKAGED, decode_read_bytes, resolve_model
 from bench.report import format_table, plot_levels, write_json
 from bench.server_proc import REPO_ROOT, cellserve_process, llama_server, llamacpp_default
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the GGUF both servers serve: a path, or a packaged model's name "
         f"({', '.join(PACKAGED)}; model/load/packaged.py), or {make_8b.NAME} (made by "
-        "`python -m bench.make_8b`); default: the embedded SmolLM2-135M",
+        f"`python -m bench.make_8b`) or {make_moe.NAME} (made by `python -m bench.make_moe`); "
+        "default: the embedded SmolLM2-135M",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return p
