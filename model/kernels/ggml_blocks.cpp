@@ -224,21 +224,45 @@ int64_t ggml_row_bytes(int64_t type, int64_t k) {
 
 at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& parts,
                        const std::vector<int64_t>& types, int64_t k) {
+  return ggml_linear_segments(x_in, {0, x_in.dim() == 2 ? x_in.size(0) : 0}, {parts}, {types}, k);
+}
+
+// Segment s: rows [starts[s], starts[s + 1]) of x times its own parts. Every row is quantized
+// once (each row on its own: the same int8 values whatever the rows beside it), and every
+// segment's output blocks are tasks of one parallel region; within a segment each kernel runs
+// over its m_s rows exactly as a ggml_linear of those rows alone would (k_gemv up to a few rows,
+// the tiles past them), so each segment's y is that call's, bit for bit.
+at::Tensor ggml_linear_segments(const at::Tensor& x_in, const std::vector<int64_t>& starts,
+                                const std::vector<std::vector<at::Tensor>>& seg_parts,
+                                const std::vector<std::vector<int64_t>>& seg_types, int64_t k) {
   TORCH_CHECK_VALUE(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat ||
                                         x_in.scalar_type() == at::kBFloat16),
                     "ggml_linear: x must be [m, k] float32 or bfloat16, got ", x_in.scalar_type(),
                     " ", x_in.sizes());
   TORCH_CHECK_VALUE(x_in.size(1) == k, "ggml_linear: x has ", x_in.size(1), " columns, k = ", k);
-  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == types.size(), "ggml_linear: ",
-                    parts.size(), " parts and ", types.size(), " types");
+  const int64_t m = x_in.size(0), n_seg = static_cast<int64_t>(seg_parts.size());
+  TORCH_CHECK_VALUE(n_seg >= 1 && seg_types.size() == seg_parts.size() &&
+                        static_cast<int64_t>(starts.size()) == n_seg + 1 && starts[0] == 0 &&
+                        starts[n_seg] == m,
+                    "ggml_linear: segments must cover the rows: starts [0, ..., m], one parts / "
+                    "types list each");
   bool any_q = false, any_k = false, any_f = false;
-  int64_t n = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    check_weight(parts[i], types[i], k, "ggml_linear");
-    (is_k(types[i]) ? any_k : type_info(types[i]).quantized ? any_q : any_f) = true;
-    n += parts[i].size(0);
+  int64_t n = -1;
+  for (int64_t s = 0; s < n_seg; ++s) {
+    const auto& parts = seg_parts[s];
+    const auto& types = seg_types[s];
+    TORCH_CHECK_VALUE(starts[s] <= starts[s + 1], "ggml_linear: segment ", s, " ends before it starts");
+    TORCH_CHECK_VALUE(!parts.empty() && parts.size() == types.size(), "ggml_linear: ",
+                      parts.size(), " parts and ", types.size(), " types");
+    int64_t ns = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      check_weight(parts[i], types[i], k, "ggml_linear");
+      (is_k(types[i]) ? any_k : type_info(types[i]).quantized ? any_q : any_f) = true;
+      ns += parts[i].size(0);
+    }
+    TORCH_CHECK_VALUE(n < 0 || ns == n, "ggml_linear: segments with ", n, " and ", ns, " outputs");
+    n = ns;
   }
-  const int64_t m = x_in.size(0);
   // bfloat16 rows (the AVX-512 BF16 path's activations) in and out through plain loops: a
   // torch conversion of a verification step's 17 x 8960 outputs is a parallel region of its
   // own, ~12% of a speculative step in a profile on a busy 2-core Zen 4
@@ -270,40 +294,62 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
 #if defined(CELLSERVE_GGML_TILE32)
   const int64_t q_tile = std::max<int64_t>(kMR32, std::min<int64_t>(kQTile, 32768 / k) / kMR32 * kMR32);
 #endif
-  const Linear L{&rows, any_f ? x.data_ptr<float>() : nullptr, m, k, n, y.data_ptr<float>(),
-                 row_tile};
-  std::vector<Task> tasks;
-  std::vector<int64_t> col0(parts.size());
-  for (size_t i = 0, c = 0; i < parts.size(); c += parts[i].size(0), ++i) {
-    col0[i] = static_cast<int64_t>(c);
-    for (int64_t o = 0; o < parts[i].size(0); o += kOutBlock)
-      tasks.push_back({static_cast<int64_t>(i), o, std::min(parts[i].size(0), o + kOutBlock)});
+  // each segment's rows: its views of the quantized rows, the float rows and y
+  const int64_t groups = k / kQ, nb = k / 256;
+  std::vector<Q8Rows> seg_rows(n_seg);
+  std::vector<Q8K> seg_krows(n_seg);
+  std::vector<Linear> seg_L;
+  seg_L.reserve(n_seg);
+  for (int64_t s = 0; s < n_seg; ++s) {
+    const int64_t r0 = starts[s], ms = starts[s + 1] - r0;
+    if (any_q) seg_rows[s] = {rows.q + r0 * k, rows.d + r0 * groups, rows.s + r0 * groups};
+    if (any_k)
+      seg_krows[s] = {krows.q + r0 * k, krows.d + r0 * nb, krows.mx + r0 * (k / 16),
+                      krows.s16 + r0 * (k / 16)};
+    seg_L.push_back({&seg_rows[s], any_f ? x.data_ptr<float>() + r0 * k : nullptr, ms, k, n,
+                     y.data_ptr<float>() + r0 * n, row_tile});
+  }
+  struct SegTask {
+    int64_t seg, part, o0, o1, col0;
+  };
+  std::vector<SegTask> tasks;
+  for (int64_t s = 0; s < n_seg; ++s) {
+    if (starts[s + 1] == starts[s]) continue;
+    const auto& parts = seg_parts[s];
+    for (size_t i = 0, c = 0; i < parts.size(); c += parts[i].size(0), ++i)
+      for (int64_t o = 0; o < parts[i].size(0); o += kOutBlock)
+        tasks.push_back({s, static_cast<int64_t>(i), o, std::min(parts[i].size(0), o + kOutBlock),
+                         static_cast<int64_t>(c)});
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const Task& task = tasks[t];
-      const at::Tensor& w = parts[task.part];
-      const int64_t type = types[task.part];
+      const SegTask& task = tasks[t];
+      const at::Tensor& w = seg_parts[task.seg][task.part];
+      const int64_t type = seg_types[task.seg][task.part];
       const uint8_t* wp = w.data_ptr<uint8_t>();
-      const int64_t c0 = col0[task.part];
+      const int64_t c0 = task.col0, r0 = starts[task.seg];
+      const Linear& L = seg_L[task.seg];
+      const int64_t ms = L.m;
+      const Q8Rows& qr = seg_rows[task.seg];
+      const Q8K& kr = seg_krows[task.seg];
       float* yp = L.y;
       switch (type) {
         case Q4_K:
         case Q5_K:
-        case Q6_K: k_part(type, krows, m, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q6_K: k_part(type, kr, ms, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #if defined(CELLSERVE_GGML_TILE32)
-        case Q4_0: q_part<Q4_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q4_1: q_part<Q4_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q5_0: q_part<Q5_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q5_1: q_part<Q5_1>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case Q8_0: q_part<Q8_0>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
-        case MXFP4: q_part<MXFP4>(rows, m, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q4_0: q_part<Q4_0>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q4_1: q_part<Q4_1>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_0: q_part<Q5_0>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q5_1: q_part<Q5_1>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q8_0: q_part<Q8_0>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case MXFP4: q_part<MXFP4>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #endif
         default: run_task(L, type, wp, w.size(1), task.o0, task.o1, c0);
       }
       if (bf16_io) {  // this task's outputs, while they are in cache
-        at::BFloat16* ob = out.data_ptr<at::BFloat16>();
-        for (int64_t r = 0; r < m; ++r)
+        at::BFloat16* ob = out.data_ptr<at::BFloat16>() + r0 * n;
+        for (int64_t r = 0; r < ms; ++r)
           to_bf16(yp + r * n + c0 + task.o0, ob + r * n + c0 + task.o0, task.o1 - task.o0);
       }
     }

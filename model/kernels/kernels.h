@@ -327,5 +327,11 @@ at::Tensor q8_matmul(const at::Tensor& x, int64_t n, Q8Tile tile);
 int64_t ggml_row_bytes(int64_t type, int64_t k);
 at::Tensor ggml_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const std::vector<int64_t>& types, int64_t k);
+// ggml_linear of several row segments, each with its own parts (the same output count): rows
+// [starts[s], starts[s + 1]) times seg_parts[s], in one parallel region; each segment's rows get
+// the bits a ggml_linear of them alone gives (a MoE layer's experts: step.cpp moe_ffn)
+at::Tensor ggml_linear_segments(const at::Tensor& x, const std::vector<int64_t>& starts,
+                                const std::vector<std::vector<at::Tensor>>& seg_parts,
+                                const std::vector<std::vector<int64_t>>& seg_types, int64_t k);
 at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k);
 at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k);

@@ -466,6 +466,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows times a quantized linear (a StepLinear), by its kind and the row count");
   m.def("ggml_linear", &ggml_linear, kNoGil, py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("k"), "rows times a GGUF's own quantized blocks (parts along the outputs)");
+  m.def("ggml_linear_segments", &ggml_linear_segments, kNoGil, py::arg("x"), py::arg("starts"),
+        py::arg("parts"), py::arg("types"), py::arg("k"),
+        "row segments, each times its own GGUF blocks, in one call (a MoE layer's experts)");
   m.def("ggml_get_rows", &ggml_get_rows, kNoGil, py::arg("w"), py::arg("type"), py::arg("ids"),
         py::arg("k"), "the rows ids of GGUF blocks, dequantized to float32");
   m.def("ggml_dequantize", &ggml_dequantize, kNoGil, py::arg("w"), py::arg("type"), py::arg("k"),

@@ -222,6 +222,67 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
   }
 }
 
+// an expert's activation of its rows' gate | up [rows, 2 f] -> [rows, f]: SiLU(gate) * up, or
+// gpt-oss's clamped SwiGLU (the ATen ops of blocks.py swiglu_oai, in its order)
+at::Tensor expert_act(const at::Tensor& gate_up, const StepLayer& layer) {
+  const int64_t f = gate_up.size(1) / 2;
+  if (layer.swiglu_limit > 0.0) {
+    const double limit = layer.swiglu_limit;
+    auto gate = at::clamp_max(gate_up.slice(1, 0, f), limit);
+    auto up = at::clamp(gate_up.slice(1, f), -limit, limit);
+    auto glu = at::mul(gate, at::sigmoid(at::mul(gate, layer.swiglu_alpha)));
+    return at::mul(at::add(up, 1), glu);
+  }
+  auto gated = at::empty({gate_up.size(0), f}, gate_up.options());
+  silu_mul_into(gate_up.contiguous(), gated);
+  return gated;
+}
+
+// every expert on a GGUF's own blocks (ggml_linear)
+bool all_ggml(const StepLayer& layer) {
+  for (size_t e = 0; e < layer.experts_w13.size(); ++e)
+    if (layer.experts_w13[e].kind != "ggml" || layer.experts_w2[e].kind != "ggml") return false;
+  return true;
+}
+
+// The experts' SwiGLU (or gpt-oss's clamped one) on their grouped rows xs [n k, dim] (expert e's
+// rows [start[e], start[e] + counts[e])): both linears of every used expert in one
+// ggml_linear_segments call each, not two calls an expert (a decode row's 8 experts were 16
+// parallel regions a layer, each quantizing its row again). Each expert's rows get the bits
+// its own quant_linear calls give (the Python layer's, model/layers/moe.py): the segments' y
+// are ggml_linear's of those rows alone, the biases added per expert as quant_linear adds them,
+// and the activation is elementwise.
+at::Tensor ggml_experts(const at::Tensor& xs, const StepLayer& layer,
+                        const std::vector<int64_t>& start, const std::vector<int64_t>& counts) {
+  std::vector<int64_t> starts{0}, used;
+  std::vector<std::vector<at::Tensor>> p13, p2;
+  std::vector<std::vector<int64_t>> t13, t2;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (!counts[e]) continue;
+    used.push_back(static_cast<int64_t>(e));
+    starts.push_back(start[e] + counts[e]);
+    p13.push_back(layer.experts_w13[e].parts);
+    t13.push_back(layer.experts_w13[e].types);
+    p2.push_back(layer.experts_w2[e].parts);
+    t2.push_back(layer.experts_w2[e].types);
+  }
+  auto add_biases = [&](at::Tensor y, const std::vector<StepLinear>& lins) {
+    for (size_t i = 0; i < used.size(); ++i)
+      if (lins[used[i]].bias) y.slice(0, starts[i], starts[i + 1]).add_(*lins[used[i]].bias);
+    return y;
+  };
+  auto gate_up = add_biases(ggml_linear_segments(xs, starts, p13, t13, xs.size(1)),
+                            layer.experts_w13);
+  // the activation per expert, as the loop computes it (ATen's vectorized ops treat a
+  // tensor's tail elements apart: the same rows in a bigger tensor could round otherwise)
+  auto gated = at::empty({gate_up.size(0), gate_up.size(1) / 2}, xs.options());
+  for (size_t i = 0; i < used.size(); ++i)
+    gated.slice(0, starts[i], starts[i + 1])
+        .copy_(expert_act(gate_up.slice(0, starts[i], starts[i + 1]), layer));
+  return add_biases(ggml_linear_segments(gated, starts, p2, t2, gated.size(1)),
+                    layer.experts_w2);
+}
+
 // model/layers/moe.py MoEFeedForward.forward on h [n, dim] (SwiGLU experts): softmax routing
 // in float32, the top n_used (renormalized with norm_topk) in h's dtype; the (row, slot) pairs
 // grouped by expert in a stable counting sort (the permutation of the Python layer's stable
@@ -250,24 +311,18 @@ at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_si
   for (int64_t e = 0; e < n_experts; ++e) load[e] += counts[e];
   auto rows = at::floor_divide(order, k);
   auto xs = h.index_select(0, rows);  // [n k, dim], expert by expert
+  if (all_ggml(layer)) {
+    auto ys = ggml_experts(xs, layer, start, counts);
+    ys.mul_(top.reshape(-1).index_select(0, order).unsqueeze(1));
+    return at::zeros_like(h).index_add_(0, rows, ys);
+  }
   auto ys = at::empty_like(xs);
   for (int64_t e = 0; e < n_experts; ++e) {
     if (!counts[e]) continue;
     auto gate_up = quant_linear(xs.slice(0, start[e], start[e + 1]), layer.experts_w13[e],
                                 group_size)
                        .contiguous();
-    at::Tensor gated;
-    if (layer.swiglu_limit > 0.0) {  // the ATen ops of blocks.py swiglu_oai, in its order
-      const int64_t f = gate_up.size(1) / 2;
-      const double limit = layer.swiglu_limit;
-      auto gate = at::clamp_max(gate_up.slice(1, 0, f), limit);
-      auto up = at::clamp(gate_up.slice(1, f), -limit, limit);
-      auto glu = at::mul(gate, at::sigmoid(at::mul(gate, layer.swiglu_alpha)));
-      gated = at::mul(at::add(up, 1), glu);
-    } else {
-      gated = at::empty({counts[e], gate_up.size(1) / 2}, h.options());
-      silu_mul_into(gate_up, gated);
-    }
+    auto gated = expert_act(gate_up, layer);
     ys.slice(0, start[e], start[e + 1]).copy_(quant_linear(gated, layer.experts_w2[e], group_size));
   }
   ys.mul_(top.reshape(-1).index_select(0, order).unsqueeze(1));

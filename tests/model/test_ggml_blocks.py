@@ -378,3 +378,30 @@ def check_row_alone_equals_it_in_a_batch(kern: Any, name: str) -> None:
             batch = kern.ggml_linear(x[:m], [w], [t], k)
             for i in range(m):
                 assert torch.equal(alone[i], batch[i]), (m, i)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "MXFP4", "F16"])
+def test_segments_equal_each_ggml_linear_alone(kern, name):
+    """ggml_linear_segments (a MoE layer's experts in one call): each segment of rows times its
+    own weights gives the bits a ggml_linear of those rows alone gives, at 1, 2, 7 and 0 rows a
+    segment (k_gemv's and the tiles' row counts), bfloat16 and float32 rows; segments that do
+    not cover the rows, or differ in outputs, are refused."""
+    rng = np.random.default_rng(5)
+    k = 512
+    t = int(TYPES[name][0])
+    weights = [torch.from_numpy(make_weights(name, 48, k, rng)) for _ in range(4)]
+    sizes = [1, 2, 0, 7]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.from_numpy(rng.standard_normal((starts[-1], k)).astype(np.float32)).to(dtype)
+        got = kern.ggml_linear_segments(x, starts, [[w] for w in weights], [[t]] * 4, k)
+        assert got.shape == (starts[-1], 48) and got.dtype == dtype
+        for s, w in enumerate(weights):
+            rows = x[starts[s] : starts[s + 1]]
+            if len(rows):
+                assert torch.equal(got[starts[s] : starts[s + 1]], kern.ggml_linear(rows, [w], [t], k))
+    x = torch.zeros(3, k)
+    with pytest.raises(ValueError, match="cover the rows"):
+        kern.ggml_linear_segments(x, [0, 2], [[weights[0]]], [[t]], k)
+    with pytest.raises(ValueError, match="outputs"):
+        kern.ggml_linear_segments(x, [0, 1, 3], [[weights[0]], [weights[1][:16]]], [[t], [t]], k)
