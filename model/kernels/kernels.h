@@ -225,6 +225,13 @@ struct StepState {
 };
 // the rows, slots and captures of `state` well formed for n rows over n_slots (else it throws)
 void check_state(const StepState& state, int64_t n, int64_t n_slots, const char* who);
+// prompt chunk p's captures, (r, slot) in ascending r
+inline std::vector<std::pair<int64_t, int64_t>> captures_of(const StepState& state, int64_t p) {
+  std::vector<std::pair<int64_t, int64_t>> caps;
+  for (size_t i = 0; i + 2 < state.captures.size(); i += 3)
+    if (state.captures[i] == p) caps.emplace_back(state.captures[i + 1], state.captures[i + 2]);
+  return caps;
+}
 // A Mamba2 mixer's parameters (model/layers/mamba2.py Mamba2Mixer; model.arch.SSMArgs sizes)
 struct StepMamba2 {
   at::Tensor conv_w, dt_bias, a, d, norm_w;  // [conv_dim, K], [H], [H], [H], [d_inner]

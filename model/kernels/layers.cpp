@@ -292,11 +292,8 @@ void short_conv_t(const at::Tensor& v, at::Tensor& conv, const at::Tensor& wf,
   }
   const int64_t n_prompt = static_cast<int64_t>(st.prompt_slots.size());
   for (int64_t p = 0; p < n_prompt; ++p) {
-    std::vector<std::pair<int64_t, int64_t>> caps;
-    for (size_t i = 0; i + 2 < st.captures.size(); i += 3)
-      if (st.captures[i] == p) caps.emplace_back(st.captures[i + 1], st.captures[i + 2]);
     const int64_t start = st.prompt_bounds[2 * p], end = st.prompt_bounds[2 * p + 1];
-    scan(st.prompt_slots[p], nullptr, start, end - start, caps);
+    scan(st.prompt_slots[p], nullptr, start, end - start, captures_of(st, p));
   }
 }
 }  // namespace

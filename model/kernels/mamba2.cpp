@@ -157,9 +157,7 @@ at::Tensor mamba2_mix(const at::Tensor& zxbcdt, at::Tensor conv, at::Tensor ssm,
   }
   const int64_t n_prompt = static_cast<int64_t>(state.prompt_slots.size());
   for (int64_t p = 0; p < n_prompt; ++p) {
-    std::vector<std::pair<int64_t, int64_t>> caps;
-    for (size_t i = 0; i + 2 < state.captures.size(); i += 3)
-      if (state.captures[i] == p) caps.emplace_back(state.captures[i + 1], state.captures[i + 2]);
+    const auto caps = captures_of(state, p);
     const int64_t start = state.prompt_bounds[2 * p], end = state.prompt_bounds[2 * p + 1];
     auto rows = Slice(start, end);
     y.index_put_({rows}, scan(xbc.index({rows}), dt.index({rows}), conv, ssm,

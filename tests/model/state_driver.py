@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvcache.cells import PendingOps
 from scheduler.plan import BatchPlan, Capture, GroupBatch, SampleRow, SeqBatch, full_group
@@ -149,3 +150,22 @@ def greedy(driver: StateDriver, seq: int, ids: list[int], n_new: int):
         steps.append(driver.logits([Chunk(seq, [tokens[-1]])])[0])
         tokens.append(int(steps[-1].argmax()))
     return tokens, torch.stack(steps)
+
+
+def mixed_steps(worker, lengths: tuple[int, ...] = (3, 30, 9, 50, 20)) -> torch.Tensor:
+    """Seven steps of sequences batched together over a worker with 8 state slots and 512
+    cells: three with prompt chunks beside decode rows (a capture mid-chunk into slot 0, a fork,
+    a new sequence resumed from the capture), then four decode steps of five sequences; prompts
+    of `lengths`. The logits of every step, concatenated (the one-call step against the Python
+    layers: tests/model/test_lfm2.py, test_mamba2.py)."""
+    p = {s: prompt(n, seed=s) for s, n in enumerate(lengths)}
+    d = StateDriver(worker, 512, 8)
+    d.free_slots = [0, 2, 3, 4, 5, 6, 7, 1]  # seq 0 takes slot 1; its capture goes to 0
+    out = [d.logits([Chunk(0, p[3], captures=[(21, 0)]), Chunk(1, p[1]), Chunk(2, p[2])])]
+    d.fork(1, 4)
+    out.append(d.logits([Chunk(0, [40]), Chunk(1, [41]), Chunk(2, p[4]), Chunk(4, [99])]))
+    d.resume(5, 0, 21, d.cells[0][:21])
+    out.append(d.logits([Chunk(5, p[0]), Chunk(1, [51]), Chunk(4, [54]), Chunk(0, [7])]))
+    for t in range(4):
+        out.append(d.logits([Chunk(s, [60 + t]) for s in (0, 1, 2, 4, 5)]))
+    return torch.cat(out)

@@ -25,7 +25,15 @@ from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.live_server import start_server_process
 from tests.llamacpp_convert import convert_with_llamacpp, require_llamacpp
-from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
+from tests.model.state_driver import (
+    Chunk,
+    StateDriver,
+    assert_close,
+    greedy,
+    hf_greedy,
+    mixed_steps,
+    prompt,
+)
 from tests.tiny_ssm import LFM2_LAYERS, write_tiny_lfm2
 
 pytestmark = pytest.mark.model
@@ -284,25 +292,11 @@ def test_the_one_call_step_runs_lfm2_as_the_python_layers(kernel_sized, dtype, q
     calls: list[int] = []
     layers = NativeDecoder.layers
     monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
-    p = {s: prompt(n, seed=s) for s, n in enumerate([3, 30, 9, 50, 20])}
-
-    def run() -> torch.Tensor:
-        d = StateDriver(worker, 512, 8)
-        d.free_slots = [0, 2, 3, 4, 5, 6, 7, 1]  # seq 0 takes slot 1; its capture goes to 0
-        out = [d.logits([Chunk(0, p[3], captures=[(21, 0)]), Chunk(1, p[1]), Chunk(2, p[2])])]
-        d.fork(1, 4)
-        out.append(d.logits([Chunk(0, [40]), Chunk(1, [41]), Chunk(2, p[4]), Chunk(4, [99])]))
-        d.resume(5, 0, 21, d.cells[0][:21])
-        out.append(d.logits([Chunk(5, p[0]), Chunk(1, [51]), Chunk(4, [54]), Chunk(0, [7])]))
-        for t in range(4):
-            out.append(d.logits([Chunk(s, [60 + t]) for s in (0, 1, 2, 4, 5)]))
-        return torch.cat(out)
-
-    native = run()
+    native = mixed_steps(worker, (3, 30, 9, 50, 20))
     # the 3 steps with prompt chunks where this build has the prompt kernel, the 4 decode steps
     assert len(calls) == 4 + 3 * (worker.paths.prompt_attention is not None)
     worker.paths.native = None
-    assert torch.equal(native, run())
+    assert torch.equal(native, mixed_steps(worker, (3, 30, 9, 50, 20)))
 
 
 TEXTS = ["It is 0123456789 now! It's 12 o'clock.", "  two  spaces\n\nlines", "x=3.1; I'M ok"]
