@@ -267,21 +267,35 @@ def make(out: pathlib.Path, shape: Shape, keep: bool, threads: int) -> pathlib.P
     return make_gguf(out, NAME, shape, write_hf_folder, keep, threads)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.make_8b", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=pathlib.Path, default=default_path())
+def cli(
+    argv: list[str] | None,
+    module: str,
+    doc: str,
+    name: str,
+    shape: Any,
+    write_folder: Callable[[pathlib.Path, Any], Any],
+) -> int:
+    """`python -m <module>`'s command line (make_8b's, make_moe's): --out, --layers, --keep,
+    --threads; prints the GGUF's path."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    p.add_argument("--out", type=pathlib.Path, default=default_path(name))
     p.add_argument(
         "--layers",
         type=int,
-        default=LLAMA_31_8B.num_hidden_layers,
-        help="fewer layers for a quicker model of the same width (default 32)",
+        default=shape.num_hidden_layers,
+        help=f"fewer layers for a quicker model of the same width (default "
+        f"{shape.num_hidden_layers})",
     )
     p.add_argument("--keep", action="store_true", help="keep the HF folder and the bf16 GGUF")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
-    shape = replace(LLAMA_31_8B, num_hidden_layers=args.layers)
-    print(make(args.out, shape, args.keep, args.threads))
+    shape = replace(shape, num_hidden_layers=args.layers)
+    print(make_gguf(args.out, name, shape, write_folder, args.keep, args.threads))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, "bench.make_8b", __doc__ or "", NAME, LLAMA_31_8B, write_hf_folder)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ one is reused. `python -m bench.run --model granite-3b-a800m-shape` serves it.
 
 from __future__ import annotations
 
-import argparse
-import os
 import pathlib
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
-from bench.make_8b import _smollm2_vocab, default_path, make_gguf, write_shards, write_tokenizer
+from bench.make_8b import (
+    _smollm2_vocab,
+    cli,
+    make_gguf,
+    write_shards,
+    write_tokenizer,
+)
 
 NAME = "granite-3b-a800m-shape"
 
@@ -107,20 +111,7 @@ def make(out: pathlib.Path, shape: Shape, keep: bool, threads: int) -> pathlib.P
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.make_moe", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=pathlib.Path, default=default_path(NAME))
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=GRANITE_3B_A800M.num_hidden_layers,
-        help="fewer layers for a quicker model of the same width (default 32)",
-    )
-    p.add_argument("--keep", action="store_true", help="keep the HF folder and the bf16 GGUF")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = p.parse_args(argv)
-    shape = replace(GRANITE_3B_A800M, num_hidden_layers=args.layers)
-    print(make(args.out, shape, args.keep, args.threads))
-    return 0
+    return cli(argv, "bench.make_moe", __doc__ or "", NAME, GRANITE_3B_A800M, write_hf_folder)
 
 
 if __name__ == "__main__":
