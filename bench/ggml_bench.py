@@ -8,8 +8,11 @@ median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read
 decode step reads each weight once), at 512 rows the multiply-adds per second. Speed does not
 depend on the weights' values: random bits with finite fp16 scales. These matrices stay in the
 CPU's caches between calls; `--model NAME|PATH` measures a real GGUF's linears instead, one
-bfloat16 row through each in decode order (every weight read from memory once a token, as a
-decode step reads them): ms per token and GB/s, in all and per linear and type."""
+bfloat16 row (or each of --rows) through each in decode order (every weight read from memory
+once a step, as a decode step reads them): ms per step and GB/s, in all and per linear and type.
+The two disagree at a few rows (2026-12-05, Zen 4: at 3-5 rows the tiles beat k_gemv on the
+cached matrices and lose by ~2x on the 1.5B's linears), so choices between kernels at a few
+rows are made with --model."""
 
 from __future__ import annotations
 
@@ -101,9 +104,10 @@ def run(
     }
 
 
-def decode_order(model: str, rounds: int = 6) -> dict[str, Any]:
-    """Each BlockLinear of the model's default runtime on one row, in the order a decode step
-    calls them, `rounds` times (the first two not counted)."""
+def decode_order(model: str, rows: int = 1, rounds: int = 6) -> dict[str, Any]:
+    """Each BlockLinear of the model's default runtime on `rows` rows (a decode step of that many
+    sequences, or a speculative verification of rows - 1 drafted tokens), in the order a decode
+    step calls them, `rounds` times (the first two not counted)."""
     import torch
 
     from bench.models import resolve_model
@@ -121,7 +125,7 @@ def decode_order(model: str, rounds: int = 6) -> dict[str, Any]:
     spent: dict[str, list[float]] = {}
     for r in range(rounds):
         for key, m in linears:
-            x = torch.randn(1, m.in_features, dtype=torch.bfloat16)
+            x = torch.randn(rows, m.in_features, dtype=torch.bfloat16)
             t0 = time.perf_counter()
             m(x)
             dt = time.perf_counter() - t0
@@ -133,8 +137,9 @@ def decode_order(model: str, rounds: int = 6) -> dict[str, Any]:
     return {
         "model": str(model),
         "build": isa.describe()["active"],
-        "ms_per_token": round(total_s * 1e3, 2),
-        "MB_per_token": round(total_b / 1e6, 1),
+        "rows": rows,
+        "ms_per_step": round(total_s * 1e3, 2),
+        "MB_per_step": round(total_b / 1e6, 1),
         "GB_s": round(total_b / total_s / 1e9, 1),
         "linears": {
             k: {"ms": round(v[0] / v[2] * 1e3, 3), "GB_s": round(v[1] / v[0] / 1e9, 1)}
@@ -148,7 +153,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=0.4, help="time per case (median of repeats)")
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated: " + ", ".join(TYPES))
-    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
+    default_rows = ",".join(map(str, ROWS))
+    ap.add_argument("--rows", help=f"comma-separated row counts ({default_rows}; --model: 1)")
     ap.add_argument("--model", help="a packaged model or a GGUF: its linears in decode order")
     args = ap.parse_args()
     if args.model:
@@ -156,13 +162,16 @@ def main() -> None:
 
         if torch.get_num_threads() != args.threads:
             torch.set_num_threads(args.threads)
-        print(json.dumps(decode_order(args.model), indent=1))
+        row_counts = [int(r) for r in args.rows.split(",") if r.strip()] if args.rows else [1]
+        indent = None if len(row_counts) > 1 else 1
+        for m in row_counts:
+            print(json.dumps(decode_order(args.model, m), indent=indent))
         return
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     for t in types:
         if t not in TYPES:
             ap.error(f"--types: {t!r} is not one of {', '.join(TYPES)}")
-    rows = tuple(int(r) for r in args.rows.split(",") if r.strip())
+    rows = tuple(int(r) for r in args.rows.split(",") if r.strip()) if args.rows else ROWS
     result = run(args.threads, args.seconds, types, rows)
     print(f"{result['cpu']}, {result['build']} build, {result['threads']} threads")
     print("case                    median ms   best ms   (median, best)")
