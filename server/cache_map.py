@@ -5,6 +5,10 @@ payload grows with the number of runs, not with `n_cells`: 65,536 free cells are
 
 With several models (server/model_router.py) `?model=` picks the loaded model whose cache is
 shown; the map only watches: it never loads a model nor keeps one from being unloaded.
+
+A mixture-of-experts model's expert load rides along (`experts`: the rows each expert of each
+MoE layer took so far, what /metrics exports as cellserve_moe_expert_rows), so the page shows
+how evenly the router spreads the batch next to the cells it fills.
 """
 
 from __future__ import annotations
@@ -22,14 +26,21 @@ from kvcache.cells import FREE, SHARED
 from scheduler.speculative import SpecStats
 from scheduler.stats import CellMapSnapshot, PoolMap, SlotInfo
 from server.auth import check_api_key
+from server.backend import Backend
 from server.deps import ROUTER_NO_MODEL, get_backend
 from server.errors import APIError
 from server.model_router import ModelRouter
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
-# a snapshot of the watched cache; None once its model is unloaded (the stream ends)
-CellSource = Callable[[], CellMapSnapshot | None]
+# the payload of the watched cache (cell_map_payload); None once its model is unloaded (the
+# stream ends)
+CellSource = Callable[[], dict[str, Any] | None]
+
+
+def _payload_of(backend: Backend) -> dict[str, Any]:
+    load = backend.expert_load
+    return cell_map_payload(backend.engine.cell_map(), None if load is None else load())
 
 
 def get_cell_source(request: Request) -> CellSource:
@@ -37,7 +48,8 @@ def get_cell_source(request: Request) -> CellSource:
     (400 `model_required` without it, 404 for an unknown name, 400 `model_not_loaded`)."""
     models: ModelRouter | None = request.app.state.router
     if models is None:
-        return get_backend(request).engine.cell_map
+        backend = get_backend(request)
+        return lambda: _payload_of(backend)
     name = request.query_params.get("model")
     entry = models.find(None if name in (None, "", ROUTER_NO_MODEL) else name)
     if entry.backend is None or entry.status != "loaded":
@@ -49,11 +61,11 @@ def get_cell_source(request: Request) -> CellSource:
             code="model_not_loaded",
         )
 
-    def snapshot() -> CellMapSnapshot | None:
+    def snapshot() -> dict[str, Any] | None:
         # NOTE: through the entry, not the Backend: a watching stream must not keep an
         # unloaded model's engine and cache alive
         backend = entry.backend
-        return backend.engine.cell_map() if backend is not None else None
+        return _payload_of(backend) if backend is not None else None
 
     return snapshot
 
@@ -114,11 +126,14 @@ def _pool_row(pool: PoolMap) -> dict[str, Any]:
     }
 
 
-def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
+def cell_map_payload(
+    snap: CellMapSnapshot, expert_rows: list[list[int]] | None = None
+) -> dict[str, Any]:
     """The JSON body of /v1/cache/cells: every number the page shows, from one snapshot.
     The top-level map and totals are the full-attention pool's; `pools` lists every pool
     (with a sliding-window model's iSWA memory: "full", then "swa"; a recurrent or hybrid
-    model's state slots come last, as pool "recurrent" of kind "slots")."""
+    model's state slots come last, as pool "recurrent" of kind "slots"). `experts`: None for a
+    dense model, else per MoE layer (in order) the rows each expert took, cumulative."""
     owner_map = np.asarray(snap.owner_map, dtype=np.int32)
     stats = snap.stats
     holders = sorted(int(s) for s in snap.holder_seq_ids)
@@ -146,6 +161,9 @@ def cell_map_payload(snap: CellMapSnapshot) -> dict[str, Any]:
         "num_steps": int(stats.num_steps),
         "pools": [_pool_row(p) for p in snap.pools],
         "speculative": None if stats.spec is None else _spec_row(stats.spec),
+        "experts": None
+        if not expert_rows
+        else {"rows": [[int(n) for n in r] for r in expert_rows]},
     }
 
 
@@ -162,10 +180,10 @@ def _spec_row(spec: SpecStats) -> dict[str, Any]:
 
 @router.get("/v1/cache/cells")
 async def get_cells(source: CellSourceDep) -> dict[str, Any]:
-    snap = source()
-    if snap is None:
+    payload = source()
+    if payload is None:
         raise APIError(400, "the model was unloaded", param="model", code="model_not_loaded")
-    return cell_map_payload(snap)
+    return payload
 
 
 async def _cell_events(
@@ -175,10 +193,10 @@ async def _cell_events(
     snapshots are skipped (sse-starlette's pings keep an idle connection alive)."""
     last = ""
     while not await request.is_disconnected():
-        snap = source()
-        if snap is None:
+        payload = source()
+        if payload is None:
             return
-        data = json.dumps(cell_map_payload(snap), separators=(",", ":"))
+        data = json.dumps(payload, separators=(",", ":"))
         if data != last:
             last = data
             yield {"event": "cells", "data": data}

@@ -35,9 +35,55 @@ function renderCounters(els, s) {
       `${fmt(sd.num_accepted_tokens)} / ${fmt(sd.num_draft_tokens)} ` +
       `(${percent(sd.num_accepted_tokens, sd.num_draft_tokens)}) · ${perRound} tokens/round`;
   }
+  renderExperts(els, s.experts);
   els.mapSize.textContent =
     `${fmt(s.n_cells)} cells · head ${fmt(s.head)} · ${s.num_running} running · ` +
     `${s.num_waiting} waiting`;
+}
+
+// A mixture-of-experts model's expert load (cumulative rows per layer and expert): one bar per
+// expert over all MoE layers, and the most uneven layer's busiest expert against an even share
+// (1.00x: the router spread that layer's rows evenly; top-k counts each row k times)
+export function expertSummary(rows) {
+  const nExperts = Math.max(0, ...rows.map((r) => r.length));
+  const perExpert = new Array(nExperts).fill(0);
+  let routed = 0;
+  let worst = { ratio: 0, layer: -1, expert: -1 };
+  rows.forEach((counts, layer) => {
+    const total = counts.reduce((a, b) => a + b, 0);
+    counts.forEach((n, e) => {
+      perExpert[e] += n;
+    });
+    routed += total;
+    if (!total) return;
+    const busiest = counts.indexOf(Math.max(...counts));
+    const ratio = (counts[busiest] * counts.length) / total;
+    if (ratio > worst.ratio) worst = { ratio, layer, expert: busiest };
+  });
+  const idle = perExpert.filter((n) => n === 0).length;
+  return { nExperts, nLayers: rows.length, routed, perExpert, worst, idle };
+}
+
+function renderExperts(els, experts) {
+  els.expertBox.hidden = !experts;
+  if (!experts) return;
+  const sum = expertSummary(experts.rows);
+  let text = `${plural(sum.nExperts, "expert")} × ${plural(sum.nLayers, "layer")} · ${fmt(sum.routed)} rows routed`;
+  if (sum.worst.layer >= 0) {
+    text +=
+      ` · busiest: expert ${sum.worst.expert} of layer ${sum.worst.layer} ` +
+      `at ${sum.worst.ratio.toFixed(2)}x an even share`;
+  }
+  if (sum.routed && sum.idle) text += ` · ${sum.idle} never chosen`;
+  els.expertLoad.textContent = text;
+  const top = Math.max(1, ...sum.perExpert);
+  const bars = sum.perExpert.map((n, e) => {
+    const bar = document.createElement("span");
+    bar.style.height = `${Math.max(2, Math.round((100 * n) / top))}%`;
+    bar.title = `expert ${e}: ${fmt(n)} rows (${percent(n, sum.routed)})`;
+    return bar;
+  });
+  els.expertBars.replaceChildren(...bars);
 }
 
 function legendItem(swatchClass, color, text) {

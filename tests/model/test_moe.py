@@ -286,6 +286,10 @@ def test_the_server_answers_with_a_moe_model(tmp_path, fmt):
         assert len(rows) == 2 * 8  # 2 layers x 8 experts
         layer0 = sum(float(ln.split()[-1]) for ln in rows if 'layer="0"' in ln)
         assert layer0 == 2 * (out["usage"]["prompt_tokens"] + 7)
+        # the page's copy of the same counts (/v1/cache/cells `experts`)
+        experts = httpx.get(f"{server.url}/v1/cache/cells", timeout=10).json()["experts"]
+        assert len(experts["rows"]) == 2 and len(experts["rows"][0]) == 8
+        assert sum(experts["rows"][0]) == layer0
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text

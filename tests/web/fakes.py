@@ -103,10 +103,13 @@ def make_busy_engine(n_cells: int = 64) -> FakeEngine:
     return FakeEngine(n_cells, owner_map, [7], slots, head=12, counters=counters)
 
 
-def start_fake_server(engine: FakeEngine, **settings) -> LiveServer:
-    """The whole app (routes, auth, the page) over the fake engine."""
+def start_fake_server(engine: FakeEngine, expert_load=None, **settings) -> LiveServer:
+    """The whole app (routes, auth, the page) over the fake engine; `expert_load`: a MoE
+    model's (Backend.expert_load)."""
 
     def factory(_settings, _on_step) -> Backend:
-        return Backend(engine, None, None, "fake-model", 512, engine.n_cells, 0)
+        backend = Backend(engine, None, None, "fake-model", 512, engine.n_cells, 0)
+        backend.expert_load = expert_load
+        return backend
 
     return start_server(factory, ready_timeout=20, **settings)
