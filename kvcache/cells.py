@@ -294,14 +294,14 @@ class KVCells:
 
     def stats(self) -> CellStats:
         free = self.pos == -1
-        n_free = int(free.sum())
+        num_free = int(free.sum())
         return CellStats(
             n_cells=self.n_cells,
             used=self.used,
             shared=int((self.n_owners > 1).sum()),
             pending_shift=int(np.count_nonzero(self.shift)),
             num_seqs=int(np.count_nonzero(self.seq_count)),
-            fragmentation=1.0 - longest_run(free) / n_free if n_free else 0.0,
+            fragmentation=1.0 - longest_run(free) / num_free if num_free else 0.0,
         )
 
     def check(self) -> None:

@@ -63,8 +63,8 @@ class HybridMemory(Memory):
 
     # -- a step ------------------------------------------------------------------------------
 
-    def n_free(self) -> int:
-        return self.attn.n_free()
+    def num_free(self) -> int:
+        return self.attn.num_free()
 
     def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
         a = self.attn.plan(positions, seq_ids)
@@ -127,8 +127,8 @@ class HybridMemory(Memory):
             seq_id, n_keep, n_discard
         )
 
-    def n_shift_copies(self, seq_id: int, p0: int) -> int:
-        return self.attn.n_shift_copies(seq_id, p0)
+    def num_shift_copies(self, seq_id: int, p0: int) -> int:
+        return self.attn.num_shift_copies(seq_id, p0)
 
     def usable_prefix(self, seq_id: int, n: int) -> int:
         for m in self.recr.prefix_lengths(seq_id, n):

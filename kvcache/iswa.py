@@ -13,7 +13,7 @@ NOTE: why a SWA pool never binds: after a prune each sequence owns cells at dist
 positions in [max - W + 1, max], so at most W, and distinct cells <= the sum over seq ids
 (running choices and prefix holders alike) <= W x n_seq_max; a step adds <= n_batch. Forks
 (seq_cp) add owners, not cells; a copy-on-write replaces a shared cell of one owner, and
-seq_add prunes first. So only the full pool decides what fits (n_free), and plan() still
+seq_add prunes first. So only the full pool decides what fits (num_free), and plan() still
 checks every pool.
 
 Prefix cache: a holder keeps the SWA cells of its last W positions (what pruning leaves).
@@ -79,7 +79,7 @@ class ISWAMemory(Memory):
 
     # -- a step ------------------------------------------------------------------------------
 
-    def n_free(self) -> int:
+    def num_free(self) -> int:
         return self.full.n_cells - self.full.used
 
     def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
@@ -168,7 +168,7 @@ class ISWAMemory(Memory):
                 return False
         return True
 
-    def n_shift_copies(self, seq_id: int, p0: int) -> int:
+    def num_shift_copies(self, seq_id: int, p0: int) -> int:
         return shared_from(self.full, seq_id, p0)
 
     def usable_prefix(self, seq_id: int, n: int) -> int:

@@ -111,7 +111,7 @@ class Memory(ABC):
     # -- a step: plan, then apply --------------------------------------------------------------
 
     @abstractmethod
-    def n_free(self) -> int:
+    def num_free(self) -> int:
         """How many new tokens (of any sequences) the next apply can place beside everything
         the memory holds, counting what apply would free first. Never mutates."""
 
@@ -152,7 +152,7 @@ class Memory(ABC):
     @abstractmethod
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Move seq_id's tokens in [p0, p1) by delta (deferred K-shift, copy-on-write of
-        shared cells); tokens going negative are forgotten. Needs n_shift_copies free cells."""
+        shared cells); tokens going negative are forgotten. Needs num_shift_copies free cells."""
 
     @abstractmethod
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
@@ -179,8 +179,8 @@ class Memory(ABC):
         caller recomputes the shifted context instead."""
 
     @abstractmethod
-    def n_shift_copies(self, seq_id: int, p0: int) -> int:
-        """Free cells (in n_free's units) a seq_add of seq_id's [p0, inf) needs for its
+    def num_shift_copies(self, seq_id: int, p0: int) -> int:
+        """Free cells (in num_free's units) a seq_add of seq_id's [p0, inf) needs for its
         copies-on-write."""
 
     @abstractmethod

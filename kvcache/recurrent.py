@@ -34,7 +34,7 @@ from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells
 from kvcache.slots import SlotPool, SlotStep
 from kvcache.spec import MemorySpec, Recurrent
 
-UNBOUNDED = 1 << 40  # n_free: a state does not grow with the tokens it consumed
+UNBOUNDED = 1 << 40  # num_free: a state does not grow with the tokens it consumed
 _END = 1 << 62
 
 
@@ -73,7 +73,7 @@ class RecurrentMemory(Memory):
 
     # -- a step ------------------------------------------------------------------------------
 
-    def n_free(self) -> int:
+    def num_free(self) -> int:
         return UNBOUNDED
 
     def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
@@ -249,7 +249,7 @@ class RecurrentMemory(Memory):
     def can_shift(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
         return n_discard == 0
 
-    def n_shift_copies(self, seq_id: int, p0: int) -> int:
+    def num_shift_copies(self, seq_id: int, p0: int) -> int:
         return 0
 
     def usable_prefix(self, seq_id: int, n: int) -> int:

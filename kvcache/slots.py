@@ -147,14 +147,14 @@ class SlotPool:
 
     def stats(self) -> CellStats:
         free = np.array([self.is_free(x) for x in range(self.n_cells)])
-        n_free = int(free.sum())
+        num_free = int(free.sum())
         return CellStats(
             n_cells=self.n_cells,
-            used=self.n_cells - n_free,
+            used=self.n_cells - num_free,
             shared=sum(1 for x in range(self.n_cells) if len(self.owners(x)) > 1),
             pending_shift=0,
             num_seqs=sum(1 for s in range(self.n_seq_max) if self.tail[s] >= 0),
-            fragmentation=1.0 - longest_run(free) / n_free if n_free else 0.0,
+            fragmentation=1.0 - longest_run(free) / num_free if num_free else 0.0,
         )
 
     def num_ckpt_slots(self) -> int:

@@ -36,7 +36,7 @@ class UnifiedMemory(Memory):
     def tail_rollback(self) -> bool:
         return True
 
-    def n_free(self) -> int:
+    def num_free(self) -> int:
         return self.cells.n_cells - self.cells.used
 
     def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
@@ -87,7 +87,7 @@ class UnifiedMemory(Memory):
     def can_shift(self, seq_id: int, n_keep: int, n_discard: int) -> bool:
         return True
 
-    def n_shift_copies(self, seq_id: int, p0: int) -> int:
+    def num_shift_copies(self, seq_id: int, p0: int) -> int:
         return shared_from(self.cells, seq_id, p0)
 
     def usable_prefix(self, seq_id: int, n: int) -> int:

@@ -46,18 +46,18 @@ class Admission:
         self.waiting = waiting
         self._clock = 0
 
-    def n_free(self, step: Step, evict: bool) -> int:
+    def num_free(self, step: Step, evict: bool) -> int:
         """Tokens the memory can still take this step; with `evict`, drops every holder
         first if that is what it takes to get any."""
-        free = self.memory.n_free() - step.num_scheduled
+        free = self.memory.num_free() - step.num_scheduled
         while evict and free <= 0 and self.seq_ids.drop_lru_holder():
-            free = self.memory.n_free() - step.num_scheduled
+            free = self.memory.num_free() - step.num_scheduled
         return max(free, 0)
 
     def make_room(self, n: int, seq: Sequence, step: Step) -> bool:
         """Room for `n` more tokens: LRU holders first, then preempts the most recently
         admitted sequence without rows this step. False when `seq` itself was preempted."""
-        while self.n_free(step, evict=False) < n:
+        while self.num_free(step, evict=False) < n:
             if not self._free_some(seq, step):
                 return False
         return True
@@ -74,7 +74,7 @@ class Admission:
             # the copies-on-write shrink as sharers leave (a preempted sibling, a dropped
             # holder): counted again after each, or room is made for copies no longer needed
             p0 = plan.n_keep + plan.n_discard
-            while self.n_free(step, evict=False) < self.memory.n_shift_copies(seq.seq_id, p0):
+            while self.num_free(step, evict=False) < self.memory.num_shift_copies(seq.seq_id, p0):
                 if not self._free_some(seq, step):
                     return False
             apply_shift(self.memory, seq, plan)
@@ -109,7 +109,7 @@ class Admission:
         try:
             while True:
                 short_ids = self.seq_ids.num_free < seq.num_seq_ids
-                short_cells = self.n_free(step, evict=False) - committed < need - match.length
+                short_cells = self.num_free(step, evict=False) - committed < need - match.length
                 if not (short_ids or short_cells):
                     break
                 keep = match.seq_id if match.holder else -1

@@ -114,7 +114,7 @@ class Scheduler:
                 step.add(seq, 1)
         step.num_decode = len(step.rows)
         if self.spec.enabled:  # drafts never evict nor preempt
-            free = self.admission.n_free(step, evict=False)
+            free = self.admission.num_free(step, evict=False)
             busy = len(self.running) + len(self.waiting)
             self.spec.add_drafts(step, free, n_ctx, busy, self._live_seq_ids)
 
@@ -127,7 +127,7 @@ class Scheduler:
             cap = min(cap, self._stop(seq) - seq.num_computed)
             if cap <= 0:
                 continue
-            n = min(cap, self.admission.n_free(step, evict=True))
+            n = min(cap, self.admission.num_free(step, evict=True))
             if n == 0:
                 if not self.admission.make_room(1, seq, step):
                     continue
@@ -142,7 +142,7 @@ class Scheduler:
                 i += 1  # its prefix is being computed or read: it takes it in a later step
                 continue
             if self.config.whole_prompts and seq.num_tokens > min(
-                step.budget, self.admission.n_free(step, evict=False)
+                step.budget, self.admission.num_free(step, evict=False)
             ):
                 break  # an encoder's input is read whole: it waits for a step with room
             if not self.admission.admit(seq, step, match):
@@ -150,7 +150,7 @@ class Scheduler:
             del self.waiting[i]
             cap = min(seq.num_uncomputed, step.budget, n_ctx - seq.num_computed)
             cap = min(cap, self._stop(seq) - seq.num_computed)
-            n = min(cap, self.admission.n_free(step, evict=False))
+            n = min(cap, self.admission.num_free(step, evict=False))
             if n > 0:
                 step.add(seq, n)
 

@@ -139,10 +139,10 @@ class DraftModel:
     def _room(self, keep: set[int]) -> int:
         """Free cells; when the memory is full, after forgetting the sequences not in `keep`
         (planned rows are the caller's to subtract)."""
-        if self.memory.n_free() < self.n_batch:
+        if self.memory.num_free() < self.n_batch:
             for other in [s for s in self.held if s not in keep]:
                 self._forget(other)
-        return self.memory.n_free()
+        return self.memory.num_free()
 
     def _share(self, sid: int, tokens: list[int]) -> int:
         """How much of `tokens` sid's cells hold, after taking another seq id's cells

@@ -52,7 +52,7 @@ def test_make_memory_picks_recurrent_or_hybrid() -> None:
 def test_a_step_fits_only_when_both_parts_fit() -> None:
     mem = make_hybrid(n_cells=10)
     prefill(mem, 0, 8)
-    assert mem.n_free() == 2
+    assert mem.num_free() == 2
     assert mem.plan(np.arange(8, 11), np.zeros(3, dtype=np.int64)) is None  # cells
     attn = UnifiedMemory(attention_spec(SPEC), 64, 4)
     small = HybridMemory(SPEC, attn, RecurrentMemory(recurrent_spec(SPEC), 4, n_slots=1))

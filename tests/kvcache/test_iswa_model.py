@@ -116,7 +116,7 @@ class ISWAMachine(RuleBasedStateMachine):
             assert len(positions) > full.n_cells - len(self.ref[0].entries)
             event("step does not fit")
             return
-        assert self.mem.n_free() >= len(positions)
+        assert self.mem.num_free() >= len(positions)
         self.mem.apply(plan)
         self.flush()
         for ref in self.ref:
@@ -170,7 +170,7 @@ class ISWAMachine(RuleBasedStateMachine):
         if not want:
             event("shift refused")
             return
-        if self.mem.n_shift_copies(s, n_keep + n_discard) > self.mem.n_free():
+        if self.mem.num_shift_copies(s, n_keep + n_discard) > self.mem.num_free():
             return
         self.mem.seq_rm(s, n_keep, n_keep + n_discard)
         self.mem.seq_add(s, n_keep + n_discard, -1, -n_discard)

@@ -101,7 +101,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             assert len(idle) + len(seqs) > self.mem.slots.n_cells, "refused a step that fits"
             event("slots ran out")
             return
-        assert self.mem.n_free() >= len(positions)
+        assert self.mem.num_free() >= len(positions)
         self.mem.apply(plan)
         self.flush()
         for s in seqs:  # the slot each sequence reads holds its state
@@ -234,7 +234,7 @@ class RecurrentMachine(RuleBasedStateMachine):
     @rule(s=seq_ids, n_discard=st.integers(0, 4))
     def shift(self, s: int, n_discard: int) -> None:
         assert self.mem.can_shift(s, 0, n_discard) == (n_discard == 0)
-        assert self.mem.n_shift_copies(s, 0) == 0
+        assert self.mem.num_shift_copies(s, 0) == 0
 
     @precondition(lambda self: hasattr(self, "mem"))
     @invariant()
