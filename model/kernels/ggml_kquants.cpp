@@ -48,7 +48,8 @@ constexpr int64_t kKTileBytes = 262144;
 // load (32 rows: 2.09 -> 1.89-1.93 ms; 2-core Zen 4, 40 matrices in turn). Software prefetches
 // of the next chunks (2 to 16 super-blocks ahead, into L1 or L2, in bursts or spread over the
 // rows), a column-contiguous layout of the same bits and 2 MB pages all measured no better than
-// no change. Longer rows (the down projection's k = 8960: 80 KB a column) gained nothing.
+// no change. At k = 4096 (an 8B's 36 KB columns) 4-6% at 8 rows; the down projection's
+// k = 8960 (80 KB a column) gained nothing, so longer columns are left to the interleave.
 constexpr int64_t kColumnLoad = 49152;
 
 inline void load_lines(const uint8_t* p, int64_t bytes) {
