@@ -161,9 +161,7 @@ def cell_map_payload(
         "num_steps": int(stats.num_steps),
         "pools": [_pool_row(p) for p in snap.pools],
         "speculative": None if stats.spec is None else _spec_row(stats.spec),
-        "experts": None
-        if not expert_rows
-        else {"rows": [[int(n) for n in r] for r in expert_rows]},
+        "experts": {"rows": expert_rows} if expert_rows else None,
     }
 
 

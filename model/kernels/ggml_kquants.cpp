@@ -73,7 +73,8 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
     const int64_t nr = std::min(m, r0 + row_tile) - r0;
     for (int64_t og = o0; og < o1; og += Tile::kLanes) {
       const int no = static_cast<int>(std::min(Tile::kLanes, o1 - og));
-      if (no * row_bytes <= kColumnLoad) load_lines(w + og * row_bytes, no * row_bytes);
+      // from memory once: later row tiles find the column in L1 / L2
+      if (r0 == 0 && no * row_bytes <= kColumnLoad) load_lines(w + og * row_bytes, no * row_bytes);
       for (int64_t b0 = 0; b0 < nb; b0 += Tile::kKB) {
         const int64_t nkb = std::min(Tile::kKB, nb - b0);
         for (int64_t b = 0; b < nkb; ++b)

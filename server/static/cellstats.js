@@ -44,7 +44,7 @@ function renderCounters(els, s) {
 // A mixture-of-experts model's expert load (cumulative rows per layer and expert): one bar per
 // expert over all MoE layers, and the most uneven layer's busiest expert against an even share
 // (1.00x: the router spread that layer's rows evenly; top-k counts each row k times)
-export function expertSummary(rows) {
+function expertSummary(rows) {
   const nExperts = Math.max(0, ...rows.map((r) => r.length));
   const perExpert = new Array(nExperts).fill(0);
   let routed = 0;
