@@ -4,20 +4,24 @@ map onto ModelArgs, and the few ways its files name or lay out tensors.
 The loaders (model/load/gguf_args.py, hf_config.py, gguf.py, hf.py) read what every family shares
 (sizes, RoPE and its scaling, biases the file has) and then call the family's hook for the rest:
 `from_gguf(args, meta)` with llama.cpp's `<arch>.*` keys, `from_hf(args, config)` with
-config.json. Adding a family is one file here and one line in model/arch/__init__.py (the
-recurrent families, whose ModelArgs differ from the start, still read in
-model/load/gguf_ssm.py and hf_ssm.py).
+config.json. Adding a family is one file here and one line in model/arch/__init__.py.
+
+The recurrent and hybrid families (Mamba2, Granite 4.0-H, LFM2), whose ModelArgs differ from the
+start (a mixer per layer, state shapes), read them whole instead: `gguf_args(meta, vocab_size)`
+and `hf_args(config)`, with their HF tensors' names (`hf_tensors`) and layouts (`hf_convert`,
+`gguf_convert`) in the same file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from kvcache.rope import RopeLayout
 from model.arch.args import LLAMA, BlockSpec, ModelArgs, MoEArgs
+from model.errors import ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +45,8 @@ class Family:
     qkv_bias: bool = False  # q/k/v biases whatever the config or file says (Qwen2)
     sliding: bool = False  # its HF config's sliding_window is read (by from_hf), not refused
     longrope: bool = False  # its HF config's LongRoPE scaling is read (by from_hf), not refused
-    recurrent: bool = False  # ModelArgs read by model/load/gguf_ssm.py and hf_ssm.py, no hooks
+    # a recurrent or hybrid family: ModelArgs read whole by gguf_args / hf_args (no hooks)
+    recurrent: bool = False
     # its linears can run on a GGUF's own blocks (model/layers/ggml.py); False: dequantized at
     # load (the Mamba2 mixers read dense weights)
     file_blocks: bool = True
@@ -59,6 +64,16 @@ class Family:
     hf_experts: Literal["per_expert", "granite", "gpt_oss"] = "per_expert"
     from_gguf: Callable[[ModelArgs, GGUFMeta], None] | None = None
     from_hf: Callable[[ModelArgs, dict[str, Any]], None] | None = None
+    # read whole (recurrent): ModelArgs from the metadata and the embedding's row count, from
+    # config.json (raising KeyError / TypeError / ValueError on a bad one)
+    gguf_args: Callable[[GGUFMeta, int], ModelArgs] | None = None
+    hf_args: Callable[[dict[str, Any]], ModelArgs] | None = None
+    # read whole: our weight name -> its HF tensor, given the names the folder holds
+    hf_tensors: Callable[[ModelArgs, Collection[str]], dict[str, str]] | None = None
+    # an HF tensor (torch) of a kind -> our layout; a GGUF one (numpy) likewise, raising
+    # ValueError("has shape ..., expected ...") where its shape is not the one it must have
+    hf_convert: Callable[[str, Any, ModelArgs], Any] | None = None
+    gguf_convert: Callable[[str, Any, ModelArgs], Any] | None = None
 
 
 # Gemma's names (and OLMo 2's, EXAONE 4.0's): post_attention_layernorm normalizes the attention
@@ -81,6 +96,33 @@ def hf_layer_windows(
     if len(types) != n_layers:
         raise ValueError(f"layer_types has {len(types)} entries")
     return tuple(window if str(t).startswith("sliding") else 0 for t in types)
+
+
+def gguf_per_layer(meta: GGUFMeta, key: str, n_layers: int) -> list[int]:
+    """A llama.cpp get_key_or_arr value: one number for every layer, or one per layer."""
+    value = meta.get(key)
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n_layers
+    if len(values) != n_layers:
+        raise ModelLoadError(
+            f"{meta.path}: {key} has {len(values)} entries for {n_layers} layers (inconsistent "
+            "file)."
+        )
+    return [int(v) for v in values]
+
+
+def gguf_uniform(meta: GGUFMeta, values: list[int], key: str) -> int:
+    """The one nonzero value of a per-layer list (0 where the layer has none of it)."""
+    nonzero = {v for v in values if v}
+    if len(nonzero) > 1:
+        raise ModelLoadError(
+            f"{meta.path}: {key} differs between layers ({sorted(nonzero)}); not supported."
+        )
+    return nonzero.pop() if nonzero else 0
+
+
+def check_hf_silu(config: dict[str, Any]) -> None:
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
 
 
 def hf_rope_kind(p: dict[str, Any]) -> str:
@@ -110,8 +152,7 @@ def hf_moe(args: ModelArgs, config: dict[str, Any]) -> None:
     layer sparse) keep intermediate_size."""
     if config.get("clip_qkv") is not None:
         raise ValueError("clip_qkv is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
+    check_hf_silu(config)
     model_type = config["model_type"]
     qwen = model_type == "qwen3_moe"
     args.moe = MoEArgs(

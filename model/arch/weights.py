@@ -1,10 +1,10 @@
 """The weights an architecture needs: each kind's expected shape and the kinds of each block.
 
-The loaders (model/load/gguf.py, hf.py, hf_ssm.py, lora.py) check every tensor against these."""
+The loaders (model/load/gguf.py, hf.py, lora.py) check every tensor against these."""
 
 from __future__ import annotations
 
-from model.arch import ModelArgs
+from model.arch.args import ModelArgs
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -27,7 +27,6 @@ from model.load.gguf_args import (  # the metadata half, re-exported: the loader
     tensor_info,
 )
 from model.load.gguf_file import GGUFFile, GGUFTensor
-from model.load.gguf_ssm import SSM_TENSORS, to_hf_layout
 
 __all__ = ["SUPPORTED_ARCHS", "field_value", "open_gguf", "read_args", "read_weights"]
 
@@ -63,7 +62,6 @@ _LAYER_TENSORS = {
     "b1_exps": "ffn_gate_exps.bias",  # [n_expert, n_ff_exp]
     "b3_exps": "ffn_up_exps.bias",
     "b2_exps": "ffn_down_exps.bias",
-    **SSM_TENSORS,
 }
 
 
@@ -135,7 +133,11 @@ def read_weights(
                 f"{path}: tensor {theirs} of type {info.tensor_type.name} cannot be "
                 f"dequantized ({type(e).__name__}: {e})."
             ) from e
-        w = to_hf_layout(kind, w, args, theirs, path)
+        if family.gguf_convert is not None:
+            try:
+                w = family.gguf_convert(kind, w, args)
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: tensor {theirs} {e}.") from e
         want = expected[kind]
         if tuple(w.shape) != want:
             raise ModelLoadError(

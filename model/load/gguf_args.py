@@ -15,7 +15,6 @@ from kvcache.rope import RopeConfig, linear_rope, yarn
 from model.arch import FAMILIES, GGUFMeta, ModelArgs, MoEArgs, family_of_gguf
 from model.errors import ModelLoadError
 from model.load.gguf_file import GGUFError, GGUFFile, GGUFTensor, open_shared
-from model.load.gguf_ssm import read_args as read_ssm_args
 
 SUPPORTED_ARCHS = tuple(f.arch for f in FAMILIES)
 
@@ -50,11 +49,19 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
 
     embd = tensor_info(reader, "token_embd.weight", path)
     vocab_size = int(embd.shape[-1])
-    if family.recurrent:
+    meta = GGUFMeta(
+        get=get,
+        floats=lambda name: _floats(reader, name, path),
+        has=lambda name: name in reader,
+        path=path,
+    )
+    if family.gguf_args is not None:  # read whole (the recurrent and hybrid families)
         try:
-            return read_ssm_args(reader, arch, get, vocab_size, path)
+            args = family.gguf_args(meta, vocab_size)
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: bad {arch} metadata ({e}).") from e
+        _refuse_unsupported(reader, arch, path)
+        return args
     dim = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
     n_kv_heads = int(get("attention.head_count_kv", n_heads))
@@ -102,14 +109,33 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
             norm_topk_prob=bool(get("expert_weights_norm", family.moe_norm_topk)),
         )
     if family.from_gguf is not None:
-        meta = GGUFMeta(
-            get=get,
-            floats=lambda name: _floats(reader, name, path),
-            has=lambda name: name in reader,
-            path=path,
-        )
         family.from_gguf(args, meta)
     return args
+
+
+# tensors llama.cpp reads for the recurrent and hybrid archs that their forward does not implement
+_UNSUPPORTED = {
+    "ffn_gate_inp": "a mixture-of-experts FFN",
+    "_exps": "a mixture-of-experts FFN",
+    "_shexp": "a mixture-of-experts FFN (shared expert)",
+    "attn_q.bias": "attention biases",
+    "attn_k.bias": "attention biases",
+    "attn_v.bias": "attention biases",
+    "attn_output.bias": "attention biases",
+    "ffn_gate.bias": "FFN biases",
+    "ffn_up.bias": "FFN biases",
+    "ffn_down.bias": "FFN biases",
+}
+
+
+def _refuse_unsupported(reader: GGUFFile, arch: str, path: Path) -> None:
+    """A recurrent family's file with tensors of features we do not run: refused, named."""
+    for name in sorted(t.name for t in reader.tensors):
+        for marker, what in _UNSUPPORTED.items():
+            if marker in name:
+                raise ModelLoadError(
+                    f"{path}: tensor {name} means {what}, which is not supported for {arch}."
+                )
 
 
 def _floats(reader: GGUFFile, name: str, path: Path) -> tuple[float, ...]:

@@ -12,7 +12,6 @@ from safetensors import safe_open
 from model.arch import ModelArgs, family_of_hf
 from model.arch.weights import layer_weights, weight_shapes
 from model.errors import ModelLoadError
-from model.load.hf_ssm import read_ssm_weights
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight",
@@ -57,14 +56,46 @@ def read_safetensors(files: list[Path], where: Path) -> dict[str, torch.Tensor]:
     return raw
 
 
+def _read_whole(
+    raw: dict[str, torch.Tensor],
+    args: ModelArgs,
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    folder: Path,
+) -> dict[str, torch.Tensor]:
+    """A family's own tensor names and layouts (model/arch/mamba2.py, granite_hybrid.py,
+    lfm2.py), every tensor checked against its expected shape."""
+    family = family_of_hf(args.arch)
+    assert family is not None and family.hf_tensors is not None, args.arch
+    names = family.hf_tensors(args, raw.keys())
+    tied = config.get("tie_embedding", config.get("tie_word_embeddings", family.hf_tied))
+    if "lm_head.weight" not in raw and tied:
+        del names["output"]
+    expected = weight_shapes(args)
+    weights: dict[str, torch.Tensor] = {}
+    for ours, theirs in names.items():
+        if theirs not in raw:
+            raise ModelLoadError(f"{folder}: tensor {theirs} is missing.")
+        kind = ours.rsplit(".", 1)[-1]
+        w = raw[theirs] if family.hf_convert is None else family.hf_convert(kind, raw[theirs], args)
+        if tuple(w.shape) != expected[kind]:
+            raise ModelLoadError(
+                f"{folder}: tensor {theirs} has shape {tuple(raw[theirs].shape)}, which does not "
+                f"give the expected {expected[kind]}."
+            )
+        weights[ours] = w.to(dtype)
+    weights.setdefault("output", weights["tok_embeddings"])
+    return weights
+
+
 def read_weights(
     folder: Path, args: ModelArgs, config: dict[str, Any], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     raw = read_safetensors(sorted(folder.glob("*.safetensors")), folder)
     family = family_of_hf(args.arch)
     assert family is not None, args.arch  # hf_config.read_args refused the others
-    if family.recurrent:
-        return read_ssm_weights(raw, args, config, dtype, folder)
+    if family.hf_tensors is not None:  # read whole (the recurrent and hybrid families)
+        return _read_whole(raw, args, config, dtype, folder)
     # the file says whether o_proj has a bias: transformers' attention_bias gives Llama,
     # Granite, Qwen3, OLMo 2, ... one on all four projections, Qwen2 and GLM-4 on q/k/v only
     args.out_bias = args.out_bias or "model.layers.0.self_attn.o_proj.bias" in raw

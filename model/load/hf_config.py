@@ -11,7 +11,6 @@ from kvcache.rope import RopeConfig, linear_rope, yarn
 from model.arch import FAMILIES, ModelArgs, family_of_hf
 from model.arch.family import hf_rope_kind
 from model.errors import ModelLoadError
-from model.load.hf_ssm import read_ssm_args
 
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 
@@ -52,9 +51,9 @@ def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = 
             f"{folder}: model_type {model_type!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)})."
         )
-    if family.recurrent:
+    if family.hf_args is not None:  # read whole (the recurrent and hybrid families)
         try:
-            return read_ssm_args(config, str(model_type))
+            return family.hf_args(config)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{folder}/config.json: bad or unsupported field ({e}).") from e
     window = config.get("sliding_window")

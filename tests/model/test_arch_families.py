@@ -35,8 +35,15 @@ def test_each_name_finds_one_family() -> None:
     assert family_of_gguf("bert") is None and family_of_hf("gemma3") is None
 
 
-def test_recurrent_families_have_no_hooks() -> None:
-    """gguf_ssm.py / hf_ssm.py read them whole: a hook on one would never run."""
+def test_recurrent_families_read_whole_and_have_no_hooks() -> None:
+    """A recurrent family reads its ModelArgs whole (gguf_args / hf_args / hf_tensors), so a
+    from_* hook on one would never run; a dense family reads through the shared loaders, so a
+    whole reader on one would shadow them."""
     for family in FAMILIES:
+        whole = (family.gguf_args, family.hf_args, family.hf_tensors)
         if family.recurrent:
+            assert all(f is not None for f in whole), family.arch
             assert family.from_gguf is None and family.from_hf is None, family.arch
+        else:
+            assert all(f is None for f in whole), family.arch
+            assert family.hf_convert is None and family.gguf_convert is None, family.arch
