@@ -14,9 +14,9 @@ if TYPE_CHECKING:
 def check_cells(kv: KVCells) -> None:
     """Raises AssertionError naming the first cached quantity or invariant that is wrong."""
     empty = kv.pos == -1
-    n_owners = kv.owners.sum(axis=0) + kv.held
-    assert (n_owners == kv.n_owners).all(), "n_owners cache"
-    assert ((n_owners == 0) == empty).all(), "pos == -1 <=> no owner"
+    num_owners = kv.owners.sum(axis=0) + kv.held
+    assert (num_owners == kv.num_owners).all(), "num_owners cache"
+    assert ((num_owners == 0) == empty).all(), "pos == -1 <=> no owner"
     assert (kv.shift[empty] == 0).all(), "shift of an empty cell"
     assert (kv.pos >= -1).all(), "negative position"
     assert kv.used == int((~empty).sum()), "used"

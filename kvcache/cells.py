@@ -17,12 +17,12 @@ class KVCells:
     """Cell metadata of the unified KV cache, after llama.cpp's llama_kv_cells + llama_kv_cache."""
 
     # NOTE: invariants (check() asserts them: kvcache/cell_check.py):
-    #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and n_owners[c] == 0;
-    #   owner_xor[c] == XOR of c's owner ids, so the single owner's id where n_owners[c] == 1;
+    #   pos[c] == -1  <=>  no owner  <=>  shift[c] == 0 and num_owners[c] == 0;
+    #   owner_xor[c] == XOR of c's owner ids, so the single owner's id where num_owners[c] == 1;
     #   used == count(pos != -1); seq_count[s] == owners[s].sum();
     #   seq_min/seq_max[s] are exact unless seq_dirty[s] (then recomputed on read);
     #   held[c] (a cell-level owner with no seq id: kvcache/held_cells.py) counts as one owner
-    #   in n_owners[c], never in owner_xor.
+    #   in num_owners[c], never in owner_xor.
     # NOTE: pending copies are recorded in the logical order of the cell operations and
     #   read storage rows that hold the data as of the last applied forward: shift[c] is the
     #   rotation still owed to the row that cell c holds once all pending copies are applied.
@@ -39,7 +39,7 @@ class KVCells:
         self.pos = np.full(n_cells, -1, dtype=np.int64)
         self.shift = np.zeros(n_cells, dtype=np.int64)
         self.owners = np.zeros((n_seq_max, n_cells), dtype=bool)  # [n_seq_max, n_cells]
-        self.n_owners = np.zeros(n_cells, dtype=np.int32)
+        self.num_owners = np.zeros(n_cells, dtype=np.int32)
         self.held = np.zeros(n_cells, dtype=bool)
         self.owner_xor = np.zeros(n_cells, dtype=np.int32)
         self.seq_count = np.zeros(n_seq_max, dtype=np.int64)
@@ -87,7 +87,7 @@ class KVCells:
             raise ValueError("apply_ubatch into a cell that is not free")
         self.pos[cells] = positions
         self.owners[seq_ids, cells] = True
-        self.n_owners[cells] = 1
+        self.num_owners[cells] = 1
         self.owner_xor[cells] = seq_ids
         self.used += int(cells.size)
         self.seq_count += np.bincount(seq_ids, minlength=self.n_seq_max)
@@ -107,7 +107,7 @@ class KVCells:
             self.seq_count -= self.owners[:, cells].sum(axis=1)
             self.seq_dirty |= self.owners[:, cells].any(axis=1)
             self.owners[:, cells] = False
-            self.n_owners[cells] = 0
+            self.num_owners[cells] = 0
             self.held[cells] = False
             self.owner_xor[cells] = 0
             freed = cells
@@ -132,7 +132,7 @@ class KVCells:
         if cells.size == 0:
             return
         self.owners[dst, cells] = True
-        self.n_owners[cells] += 1
+        self.num_owners[cells] += 1
         self.owner_xor[cells] ^= dst
         self.seq_count[dst] += cells.size
         self.seq_min[dst] = min(int(self.seq_min[dst]), int(p[cells].min()))
@@ -145,7 +145,7 @@ class KVCells:
         freed = np.flatnonzero((self.pos != -1) & ~keep)
         self.owners[:] = False
         self.owners[seq_id] = keep
-        self.n_owners[:] = keep
+        self.num_owners[:] = keep
         self.held[:] = False
         self.owner_xor[:] = np.where(keep, seq_id, 0)
         self._free(freed)
@@ -201,18 +201,18 @@ class KVCells:
         single, shared, drop = self._below(cut)
         owner = self.owner_xor[single]
         self.owners[owner, single] = False
-        self.n_owners[single] = 0
+        self.num_owners[single] = 0
         self.owner_xor[single] = 0
         self.seq_count -= np.bincount(owner, minlength=self.n_seq_max)
         self.seq_dirty[owner] = True
         if shared.size:
             ids = np.arange(self.n_seq_max, dtype=np.int32)[:, None]
             self.owners[:, shared] &= ~drop
-            self.n_owners[shared] -= drop.sum(axis=0).astype(np.int32)
+            self.num_owners[shared] -= drop.sum(axis=0).astype(np.int32)
             self.owner_xor[shared] ^= np.bitwise_xor.reduce(np.where(drop, ids, 0), axis=0)
             self.seq_count -= drop.sum(axis=1)
             self.seq_dirty |= drop.any(axis=1)
-        freed = np.concatenate([single, shared[self.n_owners[shared] == 0]])
+        freed = np.concatenate([single, shared[self.num_owners[shared] == 0]])
         freed.sort()
         self._free(freed)
         self._reset_empty_seqs()
@@ -257,7 +257,7 @@ class KVCells:
     def owner_map(self) -> np.ndarray:
         """Per cell: FREE, SHARED (2+ owners), HELD (only the memory holds it), else the single
         owner's seq id (int32)."""
-        n = self.n_owners
+        n = self.num_owners
         single = np.where(self.held, HELD, self.owner_xor)
         return np.where(n == 1, single, np.where(n == 0, FREE, SHARED)).astype(np.int32)
 
@@ -282,7 +282,7 @@ class KVCells:
         self.pos[:] = -1
         self.shift[:] = 0
         self.owners[:] = False
-        self.n_owners[:] = 0
+        self.num_owners[:] = 0
         self.held[:] = False
         self.owner_xor[:] = 0
         self.seq_count[:] = 0
@@ -298,7 +298,7 @@ class KVCells:
         return CellStats(
             n_cells=self.n_cells,
             used=self.used,
-            shared=int((self.n_owners > 1).sum()),
+            shared=int((self.num_owners > 1).sum()),
             pending_shift=int(np.count_nonzero(self.shift)),
             num_seqs=int(np.count_nonzero(self.seq_count)),
             fragmentation=1.0 - longest_run(free) / num_free if num_free else 0.0,
@@ -324,16 +324,16 @@ class KVCells:
     def _below(self, cut: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> (single-owner cells below their owner's cut, shared cells, [n_seq_max, n_shared]
         which owners drop each shared cell)."""
-        single = np.flatnonzero((self.n_owners == 1) & ~self.held)
+        single = np.flatnonzero((self.num_owners == 1) & ~self.held)
         single = single[self.pos[single] < cut[self.owner_xor[single]]]
-        shared = np.flatnonzero(self.n_owners > 1)
+        shared = np.flatnonzero(self.num_owners > 1)
         drop = self.owners[:, shared] & (self.pos[shared][None, :] < cut[:, None])
         return single.astype(np.int64), shared.astype(np.int64), drop
 
     def _copy_on_write(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
         """Give seq_id a private copy of each cell in `cells` that others also own; returns
         `cells` with those replaced by the copies. Raises (changing nothing) if no room."""
-        shared = self.n_owners[cells] > 1
+        shared = self.num_owners[cells] > 1
         n_copies = int(shared.sum())
         if n_copies == 0:
             return cells
@@ -349,7 +349,7 @@ class KVCells:
         self._drop_owner(seq_id, src)
         self.seq_count[seq_id] += n_copies
         self.owners[seq_id, dst] = True
-        self.n_owners[dst] = 1
+        self.num_owners[dst] = 1
         self.owner_xor[dst] = seq_id
         self.used += n_copies
         self.copies.append((src.astype(np.int64), dst.astype(np.int64)))
@@ -360,10 +360,10 @@ class KVCells:
     def _drop_owner(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
         """Remove seq_id from `cells` (all owned by it); returns the cells left ownerless."""
         self.owners[seq_id, cells] = False
-        self.n_owners[cells] -= 1
+        self.num_owners[cells] -= 1
         self.seq_count[seq_id] -= cells.size
         self.owner_xor[cells] ^= seq_id
-        return cells[self.n_owners[cells] == 0]
+        return cells[self.num_owners[cells] == 0]
 
     def _seq_cells_in(self, seq_id: int, lo: int, hi: int) -> np.ndarray:
         p = self.pos

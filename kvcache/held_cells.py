@@ -2,7 +2,7 @@
 keeps of finished conversations, so that thousands of them fit in the cache while running
 sequences keep every seq id.
 
-A held cell counts as one owner (KVCells.n_owners), so it is never freed while held, and a
+A held cell counts as one owner (KVCells.num_owners), so it is never freed while held, and a
 sequence that also owns it copies it before a seq_add / seq_div moves it (copy-on-write). It
 is handed to a sequence by cells_cp: seq_cp by cell instead of by a source sequence's range.
 """
@@ -20,7 +20,7 @@ def cells_hold(kv: KVCells, cells: np.ndarray) -> None:
     assert (kv.pos[cells] >= 0).all(), "hold of a free cell"
     assert not kv.held[cells].any(), "cell held twice"
     kv.held[cells] = True
-    kv.n_owners[cells] += 1
+    kv.num_owners[cells] += 1
 
 
 def cells_release(kv: KVCells, cells: np.ndarray) -> None:
@@ -28,8 +28,8 @@ def cells_release(kv: KVCells, cells: np.ndarray) -> None:
     cells = np.asarray(cells, dtype=np.int64)
     assert kv.held[cells].all(), "release of a cell not held"
     kv.held[cells] = False
-    kv.n_owners[cells] -= 1
-    freed = cells[kv.n_owners[cells] == 0]
+    kv.num_owners[cells] -= 1
+    freed = cells[kv.num_owners[cells] == 0]
     kv.pos[freed] = -1
     kv.shift[freed] = 0
     kv.used -= int(freed.size)
@@ -47,7 +47,7 @@ def cells_cp(kv: KVCells, cells: np.ndarray, dst: int) -> None:
         return
     p = kv.pos[cells]
     kv.owners[dst, cells] = True
-    kv.n_owners[cells] += 1
+    kv.num_owners[cells] += 1
     kv.owner_xor[cells] ^= dst
     kv.seq_count[dst] += cells.size
     kv.seq_min[dst] = min(int(kv.seq_min[dst]), int(p.min()))

@@ -121,7 +121,7 @@ def shared_from(cells: KVCells, seq_id: int, p0: int) -> int:
     """How many of seq_id's cells at positions >= p0 other sequences also own."""
     kv_cells, kv_pos = cells.seq_cells(seq_id)
     tail = kv_cells[kv_pos >= p0]
-    return int(np.count_nonzero(cells.n_owners[tail] > 1)) if tail.size else 0
+    return int(np.count_nonzero(cells.num_owners[tail] > 1)) if tail.size else 0
 
 
 def _window(spec: object) -> int:

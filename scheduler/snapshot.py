@@ -73,8 +73,8 @@ def engine_stats(
     c = sched.counters
     radix = sched.seq_ids.radix
     held = getattr(cells, "held", None)  # KVCells' (kvcache/held_cells.py)
-    n_owners = getattr(cells, "n_owners", None)
-    index_only = 0 if held is None else int(np.count_nonzero(held & (n_owners == 1)))
+    num_owners = getattr(cells, "num_owners", None)
+    index_only = 0 if held is None else int(np.count_nonzero(held & (num_owners == 1)))
     return EngineStats(
         num_waiting=sum(s.num_seq_ids for s in sched.waiting),
         num_running=len(sched.running),
