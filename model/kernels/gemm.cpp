@@ -9,7 +9,7 @@
 // float32 scaling once per group and 8 outputs. With AVX-512 VNNI one vpdpbusd does both.
 // One source, compiled per ISA level by model/kernels/__init__.py; portable C++ elsewhere.
 //
-// Layout (model/quant.py pack_int4_gemm), one uint8 tensor [n8 / 8, k / 32, 320], n8 = n rounded
+// Layout (model/layers/quant.py pack_int4_gemm), one uint8 tensor [n8 / 8, k / 32, 320], n8 = n rounded
 // up to 8 (the padding has zero weights and scales): for block b of 8 outputs and group g of 32
 // along k, 8 steps of 4 consecutive k, each 8 outputs x 4 values in [0, 15] (256 bytes), then
 // the 8 outputs' float32 scales and their 8 minimums (64 bytes; w = q * scale + min, as

@@ -1,4 +1,4 @@
-// int4_mm: float32 activations times cellserve's int4 weights (model/quant.py QuantLinear
+// int4_mm: float32 activations times cellserve's int4 weights (model/layers/quant.py QuantLinear
 // "int4"), in integers: each activation row is quantized to int8 per group of 32 (one float32
 // scale a group, as GGUF's Q8_0 / Q8_1), and each group's dot product with the 4-bit weights is
 // exact in int32 (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with AVX-512 VNNI), then scaled in
@@ -8,7 +8,7 @@
 // bfloat16) take it, for every batch size. One source, compiled per ISA level by
 // model/kernels/__init__.py: AVX-512 VNNI, AVX2, or portable C++ (aarch64, older x86).
 //
-// Layout (model/quant.py pack_int4): q [n, k] in [0, 15], k % 32 == 0 -> [n, k / 2] uint8, per
+// Layout (model/layers/quant.py pack_int4): q [n, k] in [0, 15], k % 32 == 0 -> [n, k / 2] uint8, per
 // row and group of 32 along k: 16 bytes, byte j = q[j] | q[16 + j] << 4 (the low nibbles are the
 // group's first 16 values in order, the high ones its last 16). scale_min [n, 2, k / 32]
 // float32: row o's group scales, then its group minimums: w = q * scale + min.

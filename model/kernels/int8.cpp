@@ -1,7 +1,7 @@
 // int8_mm: float32 activations times int8 weights with one float32 scale per group of 32 along
 // k (GGUF's Q8_0 block), in integers as int4_mm (int4.cpp) is: the rows are quantized to int8
 // per group of 32 (quantize_rows_q8), each group's dot product is exact in int32, then scaled.
-// The output head of an int4 model with float32 activations (model/quant.py QuantLinear "q8"):
+// The output head of an int4 model with float32 activations (model/layers/quant.py QuantLinear "q8"):
 // against fbgemm's dynamic int8 linear it keeps a scale per group of the activations instead of
 // one per row (and full 8 bits where, without VNNI, fbgemm drops to 7), and it reads the same
 // bytes. One source, compiled per ISA level by model/kernels/__init__.py.

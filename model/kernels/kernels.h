@@ -189,7 +189,7 @@ bool has_attention_sinks();
 void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
-// step.cpp: every layer of a step in one call (model/native.py), each layer as its
+// step.cpp: every layer of a step in one call (model/runner/native.py), each layer as its
 // model.arch.LayerDesc describes it. A linear as model/layers/quant.py QuantLinear.step_linear
 // (or ggml.py BlockLinear.step_linear) builds it, by kind:
 // "int4_f32" (float32 rows, model/kernels): q4, q4_scale_min, q4_gemm; "q8" (float32 rows):
@@ -245,7 +245,7 @@ struct StepMamba2 {
 // and float32 ssm [n_slots, H, P, N] move in place (the Python layers call it too)
 at::Tensor mamba2_mix(const at::Tensor& zxbcdt, at::Tensor conv, at::Tensor ssm,
                       const StepMamba2& m, const StepState& state);
-// One block: the parts model/llama.py's Block has for the layer's LayerDesc, by its names
+// One block: the parts model/layers/decoder.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
 struct StepLayer {
   // attn_norm / ffn_norm: absent where the block has no pre-norms (OLMo 2, EXAONE 4.0);
@@ -282,7 +282,7 @@ struct StepLayer {
   at::Tensor ssm_state;
   bool ffn = true;
 };
-// model/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
+// model/layers/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows
 // (empty: every row of the batch, in order), cells [n_seq, max_kv], lens [n_seq]; per prompt
 // chunk its rows [start, end) (bounds: start, end, ...), cells [n_kv] in position order, lens,
 // and firsts (a sliding window's chunk: the first cell each row sees; empty: 0 for every row).

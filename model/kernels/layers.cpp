@@ -15,7 +15,7 @@
 #include <type_traits>
 #include <vector>
 
-// rms_norm_bf16 / silu_mul_bf16: what model/llama.py's RMSNorm and FeedForward compute for
+// rms_norm_bf16 / silu_mul_bf16: what model/layers/blocks.py's RMSNorm and FeedForward compute for
 // bfloat16 rows, rounded to bfloat16 where torch rounds, in one pass each instead of ~10 ATen
 // ops (RMSNorm of [32, 576]: 4.3 vs 24.7 us). The float32 math inside differs from torch's in
 // op order (-ffast-math, vector expf), so a value can differ by one bfloat16 step, rarely. Both
@@ -95,8 +95,8 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
 }
 
 // rope_neox_: rotate-half ("neox") RoPE over the whole head, in place, in one pass instead of
-// model/llama.py's cat + mul + addcmul (3 ATen ops, 2 allocations). x [n, heads, hd] (any row
-// and head strides, dims contiguous), c, s [n, 1, hd] (kvcache.storage.rope_tables) in x's
+// model/layers/decoder.py's cat + mul + addcmul (3 ATen ops, 2 allocations). x [n, heads, hd] (any row
+// and head strides, dims contiguous), c, s [n, 1, hd] (kvcache.rope.rope_tables) in x's
 // dtype: x[i] = x[i] * c[i] + partner[i] * s[i], partner = (x[hd/2:], x[:hd/2]).
 // NOTE: bfloat16 rounds where torch's `addcmul(qk * c, partner, s)` rounds: the mul to
 // bfloat16, then the add in float32 to bfloat16 (a product of two bfloat16 values is exact
@@ -221,7 +221,7 @@ at::Tensor silu_mul_f32(const at::Tensor& gate_up) {
   return out;
 }
 
-// The fused RMSNorm and SiLU-mul for the activation dtype: what model/blocks.py calls through
+// The fused RMSNorm and SiLU-mul for the activation dtype: what model/layers/blocks.py calls through
 // ForwardBatch.fused, and step_layers (step.cpp), so that both paths compute the same values.
 at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps) {
   return x.scalar_type() == at::kBFloat16 ? rms_norm_bf16(x, w, eps) : rms_norm_f32(x, w, eps);

@@ -1,4 +1,4 @@
-// The one-call step (model/native.py): every block of a step in C++, each as its
+// The one-call step (model/runner/native.py): every block of a step in C++, each as its
 // model.arch.LayerDesc describes it (the parts it has, its window's attention groups, its RoPE
 // table), with the kernels the Python layers call (layers.cpp, attention*.cpp, int4.cpp,
 // gemm.cpp).
@@ -28,14 +28,14 @@ void add_rows_(at::Tensor& x, const at::Tensor& y) {
   }
 }
 
-// x += m * y as model/llama.py's Block adds a sublayer: `x + y` at m == 1, else `x + y * m`
+// x += m * y as model/layers/decoder.py's Block adds a sublayer: `x + y` at m == 1, else `x + y * m`
 // (the product rounded to x's dtype first, as torch does).
 void add_residual_(at::Tensor& x, const at::Tensor& y, double m) {
   add_rows_(x, m == 1.0 ? y.contiguous() : at::mul(y, m).contiguous());
 }
 
 // oneDNN's linear over a weight prepacked by mkldnn::_reorder_linear_weight (what
-// model/quant.py dense_linear runs), through the dispatcher: it has no at:: function.
+// model/layers/quant.py dense_linear runs), through the dispatcher: it has no at:: function.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
@@ -82,7 +82,7 @@ void write_kv(const at::Tensor& layer, const int64_t* cells, const char* src, in
   }
 }
 
-// model/llama.py Attention's q_norm / k_norm: RMSNorm over head_dim of `heads` heads of qkv
+// model/layers/decoder.py Attention's q_norm / k_norm: RMSNorm over head_dim of `heads` heads of qkv
 // [n, width] starting at column col, written back in place (the Python layers norm a copy and
 // cat it: the same values).
 void norm_heads_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w,
@@ -112,7 +112,7 @@ void rope_partial_(at::Tensor& qk, const at::Tensor& c, const at::Tensor& s, int
 }
 
 // One layer's attention output [n, heads, hd] over its window's groups, assembled as
-// model/llama.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
+// model/layers/decoder.py's Attention.forward does (index_copy_ of each decode group, a slice copy of
 // each chunk; rows in no group are zero); softcap > 0 caps the scores (Gemma 2); sinks: gpt-oss's.
 at::Tensor attend(const StepGroups& g, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, double scale, double softcap,
@@ -407,8 +407,8 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& in, const StepLayer&
 }
 
 // step_layers: every layer of a step in one call (decode rows, prompt chunks or both), bfloat16
-// or float32 activations, weights of model/quant.py QuantLinear (int4, int8, q8): the same ops,
-// in the same order, as model/llama.py's Block for each layer's LayerDesc (StepLayer holds
+// or float32 activations, weights of model/layers/quant.py QuantLinear (int4, int8, q8): the same ops,
+// in the same order, as model/layers/decoder.py's Block for each layer's LayerDesc (StepLayer holds
 // the parts it has), without the Python between them, and without ATen calls where a raw pass
 // gives the same bits: RoPE in place (rope_neox_, which the Python layers call too), K/V rows
 // memcpy'd into their cells (KVStorage.write's index_copy_), residual adds into one stream
@@ -462,7 +462,7 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     auto gate_up = mm(ffn_in, layer.w13);  // [n, 2 ffn]: gate, up
     const int64_t f = gate_up.size(1) / 2;
     at::Tensor hidden;
-    if (layer.gelu) {  // model/blocks.py FeedForward: gelu(gate, tanh) * up, two ATen ops
+    if (layer.gelu) {  // model/layers/blocks.py FeedForward: gelu(gate, tanh) * up, two ATen ops
       hidden = at::mul(at::gelu(gate_up.slice(1, 0, f), "tanh"), gate_up.slice(1, f));
     } else {
       if (!gated.defined() || gated.size(1) != f) gated = at::empty({n, f}, x.options());

@@ -2,7 +2,7 @@
 level, for int4 weights with bfloat16 activations (oneDNN-packed bfloat16 weights on AVX-512,
 plain ones below) and with float32 ones (model/kernels/int4.cpp and gemm.cpp, the AVX2
 default), for decode steps, prompt chunks and steps that mix both; and for every architecture
-model/arch.py describes with attention blocks (Qwen2's biases, Gemma 3's q/k norms, post norms,
+model/arch/ describes with attention blocks (Qwen2's biases, Gemma 3's q/k norms, post norms,
 GeGLU, sliding windows and two RoPE bases), from the same LayerDesc as the Python Block."""
 
 from __future__ import annotations
