@@ -1,6 +1,6 @@
 """`python -m bench.router_prefix_bench [--systems 3] [--questions 8] [--clients 4]
 [--policies cache_aware,round_robin] [--repeats 3] [--out FILE]`: the fleet's prefix hit ratio
-behind sglang-router, with requests in flight together (issue 30's router target: >= 95% of an
+behind sglang-router, with requests in flight together (the target: >= 95% of an
 ideal cache's under cache_aware).
 
 Per policy, a fresh fleet of two replicas (tiny random Llama, `--threads 1`; the fleet of
@@ -31,7 +31,13 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from tests.deploy.test_router_replicas import _counter, ideal_hits, sglang_fleet
+try:  # the fleet is the deploy tests' (tiny random model, replicas, router): a checkout's
+    from tests.deploy.test_router_replicas import _counter, ideal_hits, sglang_fleet
+except ImportError as e:  # an installed copy ships bench/ without tests/
+    raise SystemExit(
+        "bench.router_prefix_bench runs from a cellserve checkout (it builds the fleet of "
+        f"tests/deploy/test_router_replicas.py): {e}"
+    ) from e
 
 REPLICA_FLAGS = ["--threads", "1", "--n-cells", "8192", "--ctx-per-seq", "1024", "--n-seq-max", "8"]
 SENTENCES = [
