@@ -31,6 +31,7 @@ from kvcache.cell_file import (
     read_cell_file,
     write_cell_file,
 )
+from kvcache.tier_entry import StoredEntry
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class RamStore:
         self.model = model
         self._data: dict[str, CellFile] = {}
 
-    def entries(self) -> list[Any]:
+    def entries(self) -> list[StoredEntry]:
         return []
 
     def put(self, key: str, held: Any, worker: Any) -> int:
@@ -112,11 +113,10 @@ class DiskStore:
     def path(self, key: str) -> Path:
         return self.folder / f"{key}{SUFFIX}"
 
-    def entries(self) -> list[Any]:
-        """This model's files, from their headers and tokens (not verified until read)."""
-        from scheduler.cache_tier import TierEntry
-
-        out: list[Any] = []
+    def entries(self) -> list[StoredEntry]:
+        """This model's files, oldest first, from their headers and tokens (not verified
+        until read)."""
+        out: list[StoredEntry] = []
         for path in sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
             try:
                 peeked = _peek_tokens(path, self.model)
@@ -124,8 +124,7 @@ class DiskStore:
                 continue
             if peeked is not None:
                 tokens, lora, lora_name = peeked
-                size = path.stat().st_size
-                out.append(TierEntry(path.stem, tokens, size, len(out), lora, lora_name))
+                out.append(StoredEntry(path.stem, tokens, path.stat().st_size, lora, lora_name))
         return out
 
     def put(self, key: str, held: Any, worker: Any) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvcache.tier_entry import StoredEntry
 from scheduler.plan import LoraKey
 from scheduler.prefix_cache import common_prefix_len
 from scheduler.saved_slots import SlotCells, SlotError, restore_slot, slot_cells
@@ -52,8 +53,9 @@ class TierStore(Protocol):
     name: str  # "ram" | "disk": the tier label in /metrics
     max_bytes: int
 
-    def entries(self) -> list[TierEntry]:
-        """What the store already holds for this model (a disk store after a restart)."""
+    def entries(self) -> list[StoredEntry]:
+        """What the store already holds for this model (a disk store after a restart), oldest
+        first."""
         ...
 
     def put(self, key: str, held: SlotCells, worker: Any) -> int:
@@ -114,7 +116,10 @@ class CacheTier:
         self.stats = [TierStats() for _ in stores]
         self._clock = 0
         for i, store in enumerate(stores):
-            entries = {e.key: e for e in store.entries()}
+            entries = {  # oldest first: the least recently used
+                e.key: TierEntry(e.key, e.tokens, e.nbytes, age, e.lora, e.lora_name)
+                for age, e in enumerate(store.entries())
+            }
             self.index.append(entries)
             self.stats[i].entries = len(entries)
             self.stats[i].bytes = sum(e.nbytes for e in entries.values())
