@@ -39,11 +39,11 @@ from server.cache_config import cache_config_labels
 from server.deps import get_backend
 from server.errors import BodyTooLargeError, error_response, install_error_handlers
 from server.kv_events import start_kv_events
-from server.memory import MemoryParts, memory_breakdown
 from server.metrics import Metrics
 from server.metrics_models import ModelsCollector
 from server.model_router import ModelRouter
 from server.models_dir import model_sources
+from server.process_memory import MemoryParts, memory_breakdown
 from server.settings import Settings
 
 log = logging.getLogger("cellserve.server")

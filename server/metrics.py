@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from scheduler.cache_tier import TierStats
 from scheduler.stats import EngineStats, StepStats
-from server.memory import MemoryParts, memory_breakdown
+from server.process_memory import MemoryParts, memory_breakdown
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
