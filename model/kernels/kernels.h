@@ -185,7 +185,14 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& firsts = c10::nullopt);
 bool has_bf16_kernels();
 bool has_attention_sinks();
-// layers.cpp: the fused ops both paths call (into `out`: x's shape, contiguous)
+// layers.cpp: RMSNorm and silu(gate) * up of bfloat16 or float32 rows (the *_of ones by x's
+// dtype), and the fused ops both paths call (into `out`: x's shape, contiguous)
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
+at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul_f32(const at::Tensor& gate_up);
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul_of(const at::Tensor& gate_up);
 void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);

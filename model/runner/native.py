@@ -55,7 +55,7 @@ from model.layers.quant import INT4_GROUP, QuantLinear
 from model.layers.shortconv import ShortConvMixer
 
 # The work a step may do with the GIL held: the 1.5B's 64-row decode step (Qwen2.5-1.5B, 1.31G
-# multiply-adds a row in its layers), the one measured (model/kernels/layers.cpp). A model 5x
+# multiply-adds a row in its layers), the one measured (model/kernels/bindings.cpp). A model 5x
 # the size keeps it for 12 rows, so that no step holds the interpreter for seconds
 # (an 8B's 64-stream step would); smaller ones stop at STEP_GIL_ROWS.
 STEP_GIL_MACS = 85_000_000_000  # 64 rows of the 1.5B and a little
