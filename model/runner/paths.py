@@ -1,13 +1,16 @@
 """Which parts of a step run in C++, decided once per model when its worker is built.
 
-Three choices, each with the reason a start-up log line gives:
+Three choices, each with the reason a start-up log line gives, and what the linears run:
 - the one-call step (model/runner/native.py): every block of a step in one C++ call;
 - the attention kernels (model/kernels attention*.cpp): decode rows always when the cache has
   the model's dtype, prompt chunks where this CPU's build has the kernel for that dtype and the
   head shape fits it (soft-capped scores too: Gemma 2's cap is the kernels' `softcap`; gpt-oss's
   attention sinks their `sinks`);
 - the fused RMSNorm / SiLU-mul / RoPE: bfloat16 models, and float32 ones that the one-call step
-  runs (the Python layers must then compute the same as the C++ step).
+  runs (the Python layers must then compute the same as the C++ step);
+- the linears, by kind (counted once here: a linear's kernel is fixed by its weights and the
+  model's dtype; the row count then picks the micro-kernel inside it, as llama.cpp's does):
+  a GGUF's own blocks on ggml_linear, cellserve's int4 / int8 / q8 on quant_linear, or torch.
 Everything not chosen here runs torch. Per step, the worker only asks whether the step's rows
 are kernel-ready (`NativeDecoder.runs`); it never re-decides a path.
 """
@@ -20,7 +23,10 @@ from typing import Any
 import torch
 
 from kvcache.storage import GroupedKVStorage, KVStorage
+from model.layers.blocks import Linear
 from model.layers.decoder import Transformer
+from model.layers.ggml import GGML_TYPE_NAMES, BlockLinear
+from model.layers.quant import QuantLinear
 from model.runner.native import NativeDecoder
 
 PROMPT_KERNEL_MAX_HEAD_DIM = 256
@@ -36,6 +42,8 @@ class KernelPaths:
     prompt_attention: Any | None = None  # kernels.prompt_attention
     fused: Any | None = None  # the kernels module, for ForwardBatch.fused
     why: dict[str, str] = field(default_factory=dict)
+    # how many linears run each way, e.g. {"C++ ggml_linear Q4_K": 168, "torch": 1}
+    linears: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for the start-up log: each path, on or off, and why."""
@@ -49,6 +57,9 @@ class KernelPaths:
             parts.append(f"{name}: {'C++' if on else 'torch'} ({self.why.get(name, '')})")
         if LORA_STEPS in self.why:
             parts.append(f"{LORA_STEPS}: torch ({self.why[LORA_STEPS]})")
+        if self.linears:
+            counts = ", ".join(f"{way} x {n}" for way, n in sorted(self.linears.items()))
+            parts.append(f"linears: {counts}")
         return "; ".join(parts)
 
 
@@ -56,9 +67,11 @@ def decide_paths(
     model: Transformer, storage: KVStorage | GroupedKVStorage, kernels: Any | None
 ) -> KernelPaths:
     """The paths for `model` over `storage` with the loaded C++ `kernels` (None: not built)."""
+    linears = linear_paths(model)
     if kernels is None:
-        return KernelPaths(why=dict.fromkeys(_NAMES, "no C++ kernels for this CPU"))
-    paths = KernelPaths()
+        why = dict.fromkeys(_NAMES, "no C++ kernels for this CPU")
+        return KernelPaths(why=why, linears=linears)
+    paths = KernelPaths(linears=linears)
     why = paths.why
     reads = _reads_cells(model, storage, kernels)
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)
@@ -76,6 +89,27 @@ def decide_paths(
     else:
         why["fused norms"] = "torch's own, the float32 reference"
     return paths
+
+
+def linear_paths(model: Transformer) -> dict[str, int]:
+    """How each linear of `model` runs at its dtype, counted: "C++ ggml_linear <block types>"
+    (a GGUF's own blocks), "C++ quant_linear <kind>" (cellserve's int4 / int8 / q8, their
+    step_kind), "torch <kind>" (a quantized kind the kernels do not run at this dtype: the
+    fbgemm head, or no kernels), "torch" (a dense Linear). MoE experts count one per expert."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            kinds = "+".join(sorted({GGML_TYPE_NAMES.get(t, str(t)) for t in module.types}))
+            way = f"C++ ggml_linear {kinds}"
+        elif isinstance(module, QuantLinear):
+            kind = module.step_kind(model.dtype) if module.kernels is not None else None
+            way = f"C++ quant_linear {kind}" if kind else f"torch {module.kind}"
+        elif isinstance(module, Linear):
+            way = "torch"
+        else:
+            continue
+        counts[way] = counts.get(way, 0) + 1
+    return counts
 
 
 _NAMES = ("one-call step", "decode attention", "prompt attention", "fused norms")

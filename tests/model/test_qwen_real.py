@@ -61,6 +61,10 @@ def test_the_default_serves_the_files_own_blocks_mapped(qwen_path):
     assert owned < 0.01 * mapped
     worker = make_worker(opened.loaded, n_cells=256)
     assert worker.paths.native is not None, worker.paths.describe()
+    # Q4_K_M: Q4_K with Q6_K in some layers' w2 / wv and the head; each on ggml_linear
+    linears = worker.paths.linears
+    assert sum(linears.values()) == 24 * 4 + 1, linears
+    assert all(way.startswith("C++ ggml_linear ") for way in linears), linears
 
 
 @pytest.mark.parametrize(
