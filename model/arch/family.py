@@ -146,22 +146,27 @@ def check_hf_gelu(config: dict[str, Any]) -> None:
         raise ValueError(f"hidden_activation {config['hidden_activation']!r} is not supported")
 
 
-def hf_moe(args: ModelArgs, config: dict[str, Any]) -> None:
-    """The experts' sizes and routing from config.json (Qwen3-MoE, OLMoE, Granite-MoE);
-    Qwen3-MoE's dense layers (mlp_only_layers, and with decoder_sparse_step s only every s-th
-    layer sparse) keep intermediate_size."""
+def hf_moe(
+    args: ModelArgs,
+    config: dict[str, Any],
+    expert_dim_key: str = "intermediate_size",
+    norm_topk: bool | None = None,
+) -> None:
+    """The experts' sizes and routing from config.json (Qwen3-MoE, OLMoE, Granite-MoE): each
+    expert's width under `expert_dim_key`, the top-k weights renormalized where `norm_topk` says
+    (None: the config's norm_topk_prob). Qwen3-MoE's dense layers (mlp_only_layers, and with
+    decoder_sparse_step s only every s-th layer sparse) keep intermediate_size."""
     if config.get("clip_qkv") is not None:
         raise ValueError("clip_qkv is not supported")
     check_hf_silu(config)
-    model_type = config["model_type"]
-    qwen = model_type == "qwen3_moe"
+    if norm_topk is None:
+        norm_topk = bool(config.get("norm_topk_prob", False))
     args.moe = MoEArgs(
         # transformers 5 writes num_local_experts (its attribute map for num_experts)
         n_experts=int(config.get("num_experts") or config["num_local_experts"]),
         n_used=int(config["num_experts_per_tok"]),
-        expert_dim=int(config["moe_intermediate_size" if qwen else "intermediate_size"]),
-        # Granite: softmax over the top-k logits, the same as renormalizing the top-k of all
-        norm_topk_prob=model_type == "granitemoe" or bool(config.get("norm_topk_prob", False)),
+        expert_dim=int(config[expert_dim_key]),
+        norm_topk_prob=norm_topk,
     )
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1))

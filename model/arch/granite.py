@@ -28,7 +28,8 @@ def from_hf(args: ModelArgs, config: dict[str, Any]) -> None:
 
 
 def moe_from_hf(args: ModelArgs, config: dict[str, Any]) -> None:
-    hf_moe(args, config)
+    """Granite-MoE: a softmax over the top-k logits, the same as renormalizing the top-k of all."""
+    hf_moe(args, config, norm_topk=True)
     from_hf(args, config)
 
 
