@@ -26,3 +26,11 @@ class PromptError(ValueError):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class FieldError(ValueError):
+    """A request field the engine cannot serve (HTTP 400 naming `param`, the API's field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from scheduler.config import EngineConfig
 from scheduler.context_shift import clamp_n_keep, truncate_prompt
-from scheduler.errors import PromptError
+from scheduler.errors import FieldError, PromptError
 from scheduler.request import Request
 from scheduler.sequence import Sequence
 
@@ -31,6 +31,8 @@ def check_request(request: Request, config: EngineConfig) -> None:
         raise ValueError(f"an embedding request has one choice, got n={request.n}")
     if request.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
+    if request.min_tokens > request.max_tokens:
+        raise FieldError("min_tokens must not exceed max_tokens", param="min_tokens")
     num_prompt = len(request.prompt_ids)
     if num_prompt >= _context_limit(request, config) and not shift_enabled(request, config):
         raise PromptError(

@@ -10,7 +10,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.errors import EngineDeadError, EngineDrainingError, PromptError, QueueFullError
+from scheduler.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    FieldError,
+    PromptError,
+    QueueFullError,
+)
 
 log = logging.getLogger("cellserve.server")
 
@@ -73,6 +79,8 @@ def engine_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
     client sees it; `prompt_param` names the prompt in the body."""
     if isinstance(exc, PromptError):
         return APIError(400, str(exc), param=prompt_param, code=exc.code)
+    if isinstance(exc, FieldError):
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(429, "the server is busy: queue full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDrainingError):

@@ -137,8 +137,6 @@ def make_request(
         check_fits_cache(len(prompt_ids), backend.n_cells, backend.n_ctx_seq)
     except PromptError as exc:
         raise engine_error(exc, prompt_param) from exc
-    if body.min_tokens > (max_tokens or default_max_tokens):
-        raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     check_token_ids(backend, list(bias), "logit_bias")
     top_k = body.top_k or 0

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from scheduler.errors import PromptError
+from scheduler.errors import FieldError, PromptError
 from scheduler.intake import check_fits_cache, check_request
 from tests.scheduler.fakes import make_config, make_request
 
@@ -31,3 +31,13 @@ def test_the_cache_rule_alone_is_what_the_server_asks_at_its_edge() -> None:
         check_request(make_request("big", prompt_len=257), config)
     assert str(caught.value) == str(engine_caught.value)
     assert caught.value.code == engine_caught.value.code == "context_length_exceeded"
+
+
+def test_min_tokens_past_max_tokens_is_refused_naming_the_field() -> None:
+    """The engine's rule, whoever submits: the server maps FieldError to a 400 whose param is
+    the field (server/errors.engine_error)."""
+    config = make_config()
+    check_request(make_request("ok", prompt_len=8, max_tokens=4, min_tokens=4), config)
+    with pytest.raises(FieldError) as caught:
+        check_request(make_request("r", prompt_len=8, max_tokens=4, min_tokens=5), config)
+    assert caught.value.param == "min_tokens"

@@ -160,6 +160,11 @@ def error_of(resp: httpx.Response, status: int) -> dict:
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        # the engine's admission check (scheduler/intake.check_request), mapped by field
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "min_tokens": 3},
+            "min_tokens",
+        ),
     ],
 )
 def test_bad_chat_bodies_are_400(url, body, param):
