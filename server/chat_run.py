@@ -108,7 +108,6 @@ async def prepare_chat(
         )
     grammar = await compile_grammar(backend, spec) if spec is not None else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    room = backend.n_ctx_seq - len(prompt_ids)
     engine_request = make_request(
         req_id,
         prompt_ids,
@@ -116,7 +115,7 @@ async def prepare_chat(
         backend=backend,
         settings=settings,
         max_tokens=max_tokens,
-        default_max_tokens=max(1, min(settings.max_tokens_limit, room)),
+        default_max_tokens=None,  # the context's room
         n_keep=n_keep,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,

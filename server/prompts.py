@@ -118,13 +118,18 @@ def make_request(
     backend: Backend,
     settings: Settings,
     max_tokens: int | None,
-    default_max_tokens: int,
+    default_max_tokens: int | None,
     n_keep: int,
     logprobs: bool,
     top_logprobs: int,
     prompt_param: str,
     grammar: Grammar | None = None,
 ) -> Request:
+    """`default_max_tokens` None: as many as the context has room for after the prompt (chat,
+    infill), at most --max-tokens-limit and at least 1."""
+    if default_max_tokens is None:
+        room = backend.n_ctx_seq - len(prompt_ids)
+        default_max_tokens = max(1, min(settings.max_tokens_limit, room))
     if body.n > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
     limit = settings.max_tokens_limit

@@ -87,7 +87,6 @@ async def infill(
     )
     spec = body_grammar_spec(body)
     grammar = await compile_grammar(backend, spec) if spec is not None else None
-    room = backend.n_ctx_seq - len(ids)
     engine_request = make_request(
         f"infill-{uuid.uuid4().hex}",
         ids,
@@ -95,7 +94,7 @@ async def infill(
         backend=backend,
         settings=settings,
         max_tokens=max_tokens,
-        default_max_tokens=max(1, min(settings.max_tokens_limit, room)),
+        default_max_tokens=None,  # the context's room
         n_keep=0,
         logprobs=False,
         top_logprobs=0,
