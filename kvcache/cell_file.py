@@ -20,6 +20,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -183,3 +184,19 @@ def place_rows(
         out_cells.append(at[keep])
         out_rows.append((g.k.index_select(2, index), g.v.index_select(2, index)))
     return out_cells, out_rows
+
+
+def copy_out(model: str, held: Any, worker: Any) -> CellFile:
+    """A held prefix as a cell file holds it: `held` (scheduler/saved_slots.py SlotCells: its
+    tokens, per group the cells and their positions, its LoRA adapters) with its K/V rows read
+    out of the worker's storage; `model` the model's fingerprint."""
+    rows = worker.read_rows(held.cells)
+    groups = [GroupRows(p.copy(), k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
+    return CellFile(model, held.tokens.copy(), groups, held.lora, held.lora_name)
+
+
+def write_back(data: CellFile, cells: list[np.ndarray], worker: Any) -> None:
+    """`data`'s rows into the worker's storage (`cells`: as place_rows takes them);
+    CellFileError where the rows' layout is not the storage's (check_geometry)."""
+    check_geometry(data.groups, worker.kv_geometry())
+    worker.write_rows(*place_rows(data.groups, cells))

@@ -25,10 +25,9 @@ from kvcache.cell_file import (
     MAGIC,
     CellFile,
     CellFileError,
-    GroupRows,
-    check_geometry,
-    place_rows,
+    copy_out,
     read_cell_file,
+    write_back,
     write_cell_file,
 )
 from kvcache.tier_entry import StoredEntry
@@ -38,23 +37,9 @@ log = logging.getLogger(__name__)
 SUFFIX = ".cells"
 
 
-def _copy_out(model: str, held: Any, worker: Any) -> CellFile:
-    rows = worker.read_rows(held.cells)
-    groups = [GroupRows(p.copy(), k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
-    return CellFile(model, held.tokens.copy(), groups, held.lora, held.lora_name)
-
-
 def _nbytes(data: CellFile) -> int:
     rows = sum(g.k.nbytes + g.v.nbytes + g.positions.nbytes for g in data.groups)
     return rows + data.tokens.nbytes
-
-
-def _write(data: CellFile, cells: list[np.ndarray], worker: Any) -> None:
-    try:
-        check_geometry(data.groups, worker.kv_geometry())
-    except CellFileError as e:
-        raise ValueError(str(e)) from e
-    worker.write_rows(*place_rows(data.groups, cells))
 
 
 class RamStore:
@@ -71,7 +56,7 @@ class RamStore:
         return []
 
     def put(self, key: str, held: Any, worker: Any) -> int:
-        data = _copy_out(self.model, held, worker)
+        data = copy_out(self.model, held, worker)
         self._data[key] = data
         return _nbytes(data)
 
@@ -85,7 +70,7 @@ class RamStore:
         return future
 
     def write(self, entry: Any, cells: list[np.ndarray], worker: Any) -> None:
-        _write(entry, cells, worker)
+        write_back(entry, cells, worker)  # CellFileError is a ValueError
 
     def drop(self, key: str) -> None:
         self._data.pop(key, None)
@@ -130,7 +115,7 @@ class DiskStore:
     def put(self, key: str, held: Any, worker: Any) -> int:
         if self._queue.full():
             return -1
-        data = _copy_out(self.model, held, worker)
+        data = copy_out(self.model, held, worker)
         with self._lock:
             self._dropped.discard(key)
             self._written[key] = threading.Event()
@@ -179,7 +164,7 @@ class DiskStore:
         return self._reader.submit(read)
 
     def write(self, entry: Any, cells: list[np.ndarray], worker: Any) -> None:
-        _write(entry, cells, worker)
+        write_back(entry, cells, worker)  # CellFileError is a ValueError
 
     def drop(self, key: str) -> None:
         with self._lock:

@@ -23,10 +23,10 @@ from starlette.concurrency import run_in_threadpool
 from kvcache.cell_file import (
     CellFile,
     CellFileError,
-    GroupRows,
     check_geometry,
-    place_rows,
+    copy_out,
     read_cell_file,
+    write_back,
     write_cell_file,
 )
 from scheduler.saved_slots import SlotError, erase_slot, restore_slot, slot_cells
@@ -88,11 +88,7 @@ def _save(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
                 "names adapters by id, which only the start-up ones (--lora) keep",
                 param="id_slot",
             )
-        rows = worker.read_rows(held.cells)
-        groups = [GroupRows(p, k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
-        return CellFile(
-            backend.model_fingerprint, held.tokens.copy(), groups, held.lora, held.lora_name
-        )
+        return copy_out(backend.model_fingerprint, held, worker)
 
     data = _call(backend, read)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,11 +113,11 @@ def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
 
     def write(sched: Any, worker: Any) -> None:
         try:
-            check_geometry(data.groups, worker.kv_geometry())
+            check_geometry(data.groups, worker.kv_geometry())  # before the slot is touched
         except CellFileError as e:
             raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
         cells = restore_slot(sched, id_slot, data.tokens, data.lora, data.lora_name)
-        worker.write_rows(*place_rows(data.groups, cells))
+        write_back(data, cells, worker)
 
     _call(backend, write)
     return {
