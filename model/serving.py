@@ -1,7 +1,8 @@
 """open_model: everything model/ does before a worker exists, decided once and logged.
 
-The runtime (activation dtype and weight format for this CPU), the load, the quantization, and
-the C++ kernels for this CPU's ISA level. server/model_backend.py composes the result with the
+The device (`resolve_device`), the runtime (activation dtype and weight format for this CPU),
+the load, the quantization, the C++ kernels for this CPU's ISA level, and the context a
+sequence gets (`fit_context`). server/model_backend.py composes the result with the
 scheduler's memory and a worker (model.runner.worker.make_worker).
 """
 
@@ -34,6 +35,30 @@ class OpenModel:
     isa: str  # the ISA path steps take ("" off the CPU)
     cpu_isa: str  # what this CPU can run ("" off the CPU)
     kernels: str  # the C++ build's level, or "none"
+
+
+def resolve_device(device: str) -> str:
+    """ "auto": CUDA where torch sees a GPU, else the CPU; any other name as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def fit_context(loaded: LoadedModel, ctx_per_seq: int, n_cells: int) -> int:
+    """A sequence's context: --ctx-per-seq within the cache, with a warning past the model's
+    training context; the model's context-dependent factors (LongRoPE's) set for it before a
+    worker is made."""
+    n_ctx = min(ctx_per_seq, n_cells)
+    if n_ctx > loaded.config.n_ctx_train > 0:
+        log.warning(
+            "ctx_per_seq %d is past the model's training context %d",
+            n_ctx,
+            loaded.config.n_ctx_train,
+        )
+    loaded.config.use_context(n_ctx)
+    return n_ctx
 
 
 def open_model(

@@ -38,7 +38,7 @@ def load_encoder_backend(
     from model.errors import ModelLoadError
     from model.load.encoder import load_encoder
     from model.runner.encoder_worker import EncoderWorker
-    from server.model_backend import resolve_device
+    from model.serving import resolve_device
 
     if settings.quant not in (None, "none"):
         raise ModelLoadError(f"{path}: --quant {settings.quant}: an encoder runs unquantized.")

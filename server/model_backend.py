@@ -19,14 +19,6 @@ from server.settings import Settings
 log = logging.getLogger("cellserve.server")
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def log_speculation(config: EngineConfig, memory: Any) -> None:
     spec = config.spec
     if spec.kind == "none":
@@ -163,7 +155,7 @@ def load_backend(
     from model.load.packaged import resolve_model
     from model.runner.grammar import GrammarCompiler
     from model.runner.worker import default_cache_type, make_worker
-    from model.serving import open_model
+    from model.serving import fit_context, open_model, resolve_device
 
     model, packaged_name = resolve_model(settings.model)
     if model is not None and is_encoder(model):
@@ -178,14 +170,7 @@ def load_backend(
     opened = open_model(model, device, settings.dtype, settings.quant, settings.chat_template)
     loaded, dtype = opened.loaded, opened.runtime.dtype
     log.info("torch threads: %d (model steps)", threads)
-    n_ctx = min(settings.ctx_per_seq, settings.n_cells)
-    if n_ctx > loaded.config.n_ctx_train > 0:
-        log.warning(
-            "ctx_per_seq %d is past the model's training context %d",
-            n_ctx,
-            loaded.config.n_ctx_train,
-        )
-    loaded.config.use_context(n_ctx)  # LongRoPE's factors for this context, before the worker
+    n_ctx = fit_context(loaded, settings.ctx_per_seq, settings.n_cells)
     config = EngineConfig(
         n_cells=settings.n_cells,
         n_seq_max=settings.n_seq_max,
