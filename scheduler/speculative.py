@@ -51,7 +51,7 @@ SPEC_TYPES: dict[str, SpecType] = {  # llama.cpp's spellings too
 
 
 class Drafter(Protocol):
-    """A draft model beside the target (model/runner/draft.py; fakes in tests)."""
+    """A draft model beside the target (scheduler/draft.py; fakes in tests)."""
 
     def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
         """asks: (seq_id, the sequence's tokens, k) -> up to k greedy draft tokens each.

@@ -10,6 +10,7 @@ from typing import Any
 
 from scheduler.cache_tier import CacheTier
 from scheduler.config import EngineConfig
+from scheduler.draft import DraftModel
 from scheduler.engine import Engine
 from scheduler.speculative import SpecConfig
 from scheduler.stats import StepStats
@@ -43,28 +44,45 @@ def log_speculation(config: EngineConfig, memory: Any) -> None:
     )
 
 
-def load_draft_model(settings: Settings, target: Any, device: str, threads: int) -> Any:
-    """Speculative decoding's draft model (model/runner/draft.py), or ModelLoadError."""
+def load_draft_model(
+    settings: Settings, target: Any, device: str, threads: int, n_ctx: int
+) -> DraftModel:
+    """Speculative decoding's draft model (scheduler/draft.py), or ModelLoadError: opened like
+    the target (the same device and runtime choices), its tokenizer checked against the
+    target's, a unified cache of --n-cells (sliding-window layers masked: its tail must be
+    removable) with the target's seq ids, the target's context per sequence."""
+    from kvcache.make import make_memory
     from model.errors import ModelLoadError
-    from model.runner.draft import load_draft
+    from model.load.tokenizer import check_vocab
+    from model.runner.worker import make_worker
+    from model.serving import fit_context, open_model
 
-    if not settings.model_draft:
+    path = settings.model_draft
+    if not path:
         raise ModelLoadError("--spec-type draft needs a draft model: --model-draft PATH")
+    opened = open_model(path, device, settings.dtype, settings.quant)
+    loaded = opened.loaded
     try:
-        draft = load_draft(
-            settings.model_draft,
-            target,
-            device,
-            settings.dtype,
-            settings.quant,
-            settings.n_cells,
-            settings.n_seq_max,
-            settings.n_batch,
-            threads if device == "cpu" else None,
-            settings.ctx_per_seq,
+        check_vocab(target.tokenizer, loaded.tokenizer)
+    except ValueError as exc:
+        raise ModelLoadError(f"--model-draft {path}: {exc}") from exc
+    try:
+        spec = loaded.config.memory_spec
+        memory = make_memory(
+            spec, settings.n_cells, settings.n_seq_max, settings.n_batch, "unified"
         )
     except ValueError as exc:
-        raise ModelLoadError(f"--model-draft {settings.model_draft}: {exc}") from exc
+        raise ModelLoadError(f"--model-draft {path}: it cannot be a draft model: {exc}") from exc
+    fit_context(loaded, n_ctx, settings.n_cells)
+    worker = make_worker(
+        loaded,
+        settings.n_cells,
+        opened.runtime.dtype,
+        device,
+        threads=threads if device == "cpu" else None,
+    )
+    limit = min(target.config.vocab_size, loaded.config.vocab_size)
+    draft = DraftModel(worker, memory, settings.n_batch, vocab_limit=limit, name=loaded.name)
     log.info("draft model: %s (%s cells)", draft.name, settings.n_cells)
     return draft
 
@@ -198,7 +216,7 @@ def load_backend(
     lora_set, loras = load_loras(settings, loaded, model_name)
     drafter = None
     if config.spec.kind == "draft" and memory.tail_rollback:
-        drafter = load_draft_model(settings, loaded, device, threads)
+        drafter = load_draft_model(settings, loaded, device, threads, n_ctx)
     type_k = settings.cache_type_k or default_cache_type(loaded.transformer.dtype, device)
     type_v = settings.cache_type_v or default_cache_type(loaded.transformer.dtype, device)
     worker = make_worker(

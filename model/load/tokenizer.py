@@ -246,3 +246,24 @@ def _spm_bpe(tokens: list[str], scores: list[float], types: list[int]) -> models
     merges = [(tokens[left], tokens[right]) for _, _, left, right in ranked]
     unk = next((t for t, i in vocab.items() if types[i] == 2), None)
     return models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
+
+
+def check_vocab(target: Tokenizer, draft: Tokenizer) -> None:
+    """The draft must speak the target's tokens (llama.cpp's check: sizes within 128, the
+    same text for every id both have, the same BOS / EOS); ValueError says where not."""
+    if abs(target.vocab_size - draft.vocab_size) > 128:
+        raise ValueError(
+            f"the draft's vocabulary has {draft.vocab_size} tokens, the target's "
+            f"{target.vocab_size}: they must share a tokenizer"
+        )
+    if (target.bos_id, target.eos_id) != (draft.bos_id, draft.eos_id):
+        raise ValueError(
+            f"the draft's BOS / EOS ids {draft.bos_id} / {draft.eos_id} differ from the "
+            f"target's {target.bos_id} / {target.eos_id}"
+        )
+    for i in range(min(target.vocab_size, draft.vocab_size)):
+        if target.id_to_token(i) != draft.id_to_token(i):
+            raise ValueError(
+                f"token {i} is {target.id_to_token(i)!r} in the target and "
+                f"{draft.id_to_token(i)!r} in the draft: they must share a tokenizer"
+            )

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (model/runner/draft.py) on tiny random Llamas: the
+"""Speculative decoding with a draft model (scheduler/draft.py) on tiny random Llamas: the
 draft's own cache mirrors the target's sequences, its greedy tokens are verified in one target
 step, and the text is the target's alone."""
 
@@ -10,8 +10,9 @@ import pytest
 
 from kvcache.make import make_memory
 from model.load.loader import LoadedModel, load_model
-from model.runner.draft import DraftModel, check_vocab
+from model.load.tokenizer import check_vocab
 from model.runner.worker import make_worker
+from scheduler.draft import DraftModel
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler

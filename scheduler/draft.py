@@ -1,6 +1,8 @@
 """The draft model of speculative decoding (scheduler/speculative.py's Drafter): a second model
 with its own worker and its own memory (built from its own spec: it may be another
-architecture), driven from the engine thread inside the scheduler's step.
+architecture), driven from the engine thread inside the scheduler's step. Torch-free: the
+worker is any scheduler.plan.Worker (server/model_backend.py load_draft_model builds the real
+one from model/).
 
 Its cache mirrors each target sequence by seq id, lazily: `held[seq_id]` is the tokens its
 cells hold at positions 0..n-1. Asked to draft for a sequence, it keeps the longest common
@@ -22,10 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcache.memory import Memory
-from model.load.loader import LoadedModel
-from model.load.tokenizer import Tokenizer
-from model.runner.worker import ModelWorker
-from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
+from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, Worker, group_batches
 from scheduler.prefix_cache import common_prefix_len
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -39,7 +38,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class DraftModel:
     def __init__(
         self,
-        worker: ModelWorker,
+        worker: Worker,
         memory: Memory,
         n_batch: int,
         vocab_limit: int | None = None,
@@ -172,58 +171,3 @@ class DraftModel:
     def _forget(self, sid: int) -> None:
         self.memory.seq_rm(sid, -1, -1)
         del self.held[sid]
-
-
-def check_vocab(target: Tokenizer, draft: Tokenizer) -> None:
-    """The draft must speak the target's tokens (llama.cpp's check: sizes within 128, the
-    same text for every id both have, the same BOS / EOS); ValueError says where not."""
-    if abs(target.vocab_size - draft.vocab_size) > 128:
-        raise ValueError(
-            f"the draft's vocabulary has {draft.vocab_size} tokens, the target's "
-            f"{target.vocab_size}: they must share a tokenizer"
-        )
-    if (target.bos_id, target.eos_id) != (draft.bos_id, draft.eos_id):
-        raise ValueError(
-            f"the draft's BOS / EOS ids {draft.bos_id} / {draft.eos_id} differ from the "
-            f"target's {target.bos_id} / {target.eos_id}"
-        )
-    for i in range(min(target.vocab_size, draft.vocab_size)):
-        if target.id_to_token(i) != draft.id_to_token(i):
-            raise ValueError(
-                f"token {i} is {target.id_to_token(i)!r} in the target and "
-                f"{draft.id_to_token(i)!r} in the draft: they must share a tokenizer"
-            )
-
-
-def load_draft(
-    path: str,
-    target: LoadedModel,
-    device: str,
-    dtype: str | None,
-    quant: str | None,
-    n_cells: int,
-    n_seq_max: int,
-    n_batch: int,
-    threads: int | None,
-    n_ctx_seq: int | None = None,
-) -> DraftModel:
-    """Open the draft model like the target (the same device and runtime choices), check its
-    tokenizer against the target's, and give it a unified cache of n_cells (sliding-window
-    layers masked: its tail must be removable) with the target's seq ids; `n_ctx_seq`: the
-    context per sequence (LongRoPE's factors, as the target's)."""
-    from kvcache.make import make_memory
-    from model.runner.worker import make_worker
-    from model.serving import open_model
-
-    opened = open_model(path, device, dtype, quant)
-    loaded = opened.loaded
-    check_vocab(target.tokenizer, loaded.tokenizer)
-    try:
-        memory = make_memory(loaded.config.memory_spec, n_cells, n_seq_max, n_batch, "unified")
-    except ValueError as exc:
-        raise ValueError(f"{path} cannot be a draft model: {exc}") from exc
-    # the target's context per sequence (server/model_backend.py: min(ctx_per_seq, n_cells))
-    loaded.config.use_context(min(n_ctx_seq or n_cells, n_cells))
-    worker = make_worker(loaded, n_cells, opened.runtime.dtype, device, threads=threads)
-    limit = min(target.config.vocab_size, loaded.config.vocab_size)
-    return DraftModel(worker, memory, n_batch, vocab_limit=limit, name=loaded.name)
