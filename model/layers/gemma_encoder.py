@@ -14,68 +14,13 @@ inputs, padded to the longest, the padding masked out of the keys and the poolin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.arch import ModelArgs
+from model.arch.embedding_gemma import LAYER_KEYS, GemmaEncoderArgs
 from model.layers.encoder import embed_padded
-
-# per layer, our names (model/arch's layer_weights for a Gemma 3 block)
-LAYER_KEYS = (
-    "attn_norm",
-    "wq",
-    "wk",
-    "wv",
-    "wo",
-    "q_norm",
-    "k_norm",
-    "post_attn_norm",
-    "ffn_norm",
-    "w1",
-    "w3",
-    "w2",
-    "post_ffn_norm",
-)
-NORM_KEYS = frozenset(k for k in LAYER_KEYS if k.endswith("norm"))
-
-
-@dataclass(frozen=True, slots=True)
-class GemmaEncoderArgs:
-    model: ModelArgs  # the Gemma 3 text model: sizes, windows, RoPE per layer, attention scale
-    dense: tuple[tuple[int, int], ...]  # sentence-transformers' Dense layers: (in, out) each
-    normalize: bool  # L2-normalise the last vector (sentence-transformers' Normalize)
-    n_ctx: int  # the longest input served
-    arch: str = "gemma-embedding"
-    pooling: str = "mean"
-
-    @property
-    def n_layers(self) -> int:
-        return self.model.n_layers
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def dim(self) -> int:
-        """The length of the vectors served: the last Dense layer's output, else the model's."""
-        return self.dense[-1][1] if self.dense else self.model.dim
-
-    def check(self) -> None:
-        m = self.model
-        if len(m.windows) not in (0, m.n_layers):
-            raise ValueError(f"{len(m.windows)} windows for {m.n_layers} layers")
-        width = m.dim
-        for n_in, n_out in self.dense:
-            if n_in != width:
-                raise ValueError(f"a Dense layer takes {n_in} features where {width} come")
-            width = n_out
-        if not 1 <= self.n_ctx <= m.n_ctx_train:
-            raise ValueError(f"context {self.n_ctx} is past the {m.n_ctx_train} positions")
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

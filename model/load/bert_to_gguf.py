@@ -15,8 +15,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from model.arch.bert import weight_names
 from model.errors import ModelLoadError
-from model.layers.encoder import weight_names
 from model.load.encoder import read_folder
 from model.load.wordpiece import PHANTOM
 

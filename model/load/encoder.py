@@ -25,9 +25,11 @@ import gguf
 import numpy as np
 import torch
 
+from model.arch.bert import EncoderArgs, weight_names
+from model.arch.embedding_gemma import GemmaEncoderArgs
 from model.errors import ModelLoadError
-from model.layers.encoder import Encoder, EncoderArgs, weight_names
-from model.layers.gemma_encoder import GemmaEncoder, GemmaEncoderArgs
+from model.layers.encoder import Encoder
+from model.layers.gemma_encoder import GemmaEncoder
 from model.load.dtypes import resolve_dtype
 from model.load.gemma_encoder import GGUF_ARCH, is_gemma_folder, read_gemma_folder, read_gemma_gguf
 from model.load.gguf import open_gguf

@@ -23,8 +23,8 @@ import torch
 
 from kvcache.rope import RopeConfig
 from model.arch import ModelArgs, gemma3
+from model.arch.embedding_gemma import LAYER_KEYS, NORM_KEYS, GemmaEncoderArgs
 from model.errors import ModelLoadError
-from model.layers.gemma_encoder import LAYER_KEYS, NORM_KEYS, GemmaEncoderArgs
 from model.load.hf import read_safetensors
 from model.load.hf_config import read_args, read_json
 from model.load.tokenizer import Tokenizer

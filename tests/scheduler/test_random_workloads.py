@@ -133,6 +133,7 @@ def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int
                     assert (
                         len(a.request.prompt_ids) >= config.n_ctx_seq
                         or a.request.n > config.n_seq_max
+                        or a.request.min_tokens > a.request.max_tokens
                     )
                     continue
                 accepted[a.request.req_id] = a
