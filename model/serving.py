@@ -46,15 +46,18 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def fit_context(loaded: LoadedModel, ctx_per_seq: int, n_cells: int) -> int:
-    """A sequence's context: --ctx-per-seq within the cache, with a warning past the model's
+def fit_context(
+    loaded: LoadedModel, ctx_per_seq: int, n_cells: int, who: str = "the model's"
+) -> int:
+    """A sequence's context: --ctx-per-seq within the cache, with a warning past `who`
     training context; the model's context-dependent factors (LongRoPE's) set for it before a
     worker is made."""
     n_ctx = min(ctx_per_seq, n_cells)
     if n_ctx > loaded.config.n_ctx_train > 0:
         log.warning(
-            "ctx_per_seq %d is past the model's training context %d",
+            "ctx_per_seq %d is past %s training context %d",
             n_ctx,
+            who,
             loaded.config.n_ctx_train,
         )
     loaded.config.use_context(n_ctx)

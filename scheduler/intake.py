@@ -31,8 +31,7 @@ def check_request(request: Request, config: EngineConfig) -> None:
         raise ValueError(f"an embedding request has one choice, got n={request.n}")
     if request.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {request.min_tokens}")
-    if request.min_tokens > request.max_tokens:
-        raise FieldError("min_tokens must not exceed max_tokens", param="min_tokens")
+    check_min_tokens(request.min_tokens, request.max_tokens)
     num_prompt = len(request.prompt_ids)
     if num_prompt >= _context_limit(request, config) and not shift_enabled(request, config):
         raise PromptError(
@@ -41,6 +40,12 @@ def check_request(request: Request, config: EngineConfig) -> None:
             code="context_length_exceeded",
         )
     check_fits_cache(num_prompt, config.n_cells, config.n_ctx_seq)
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """A request cannot be held to more tokens than it may generate."""
+    if min_tokens > max_tokens:
+        raise FieldError("min_tokens must not exceed max_tokens", param="min_tokens")
 
 
 def check_fits_cache(num_prompt: int, n_cells: int, n_ctx_seq: int) -> None:

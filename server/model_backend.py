@@ -60,27 +60,27 @@ def load_draft_model(
     path = settings.model_draft
     if not path:
         raise ModelLoadError("--spec-type draft needs a draft model: --model-draft PATH")
-    opened = open_model(path, device, settings.dtype, settings.quant)
-    loaded = opened.loaded
     try:
+        opened = open_model(path, device, settings.dtype, settings.quant)
+        loaded = opened.loaded
         check_vocab(target.tokenizer, loaded.tokenizer)
-    except ValueError as exc:
-        raise ModelLoadError(f"--model-draft {path}: {exc}") from exc
-    try:
         spec = loaded.config.memory_spec
-        memory = make_memory(
-            spec, settings.n_cells, settings.n_seq_max, settings.n_batch, "unified"
+        try:
+            memory = make_memory(
+                spec, settings.n_cells, settings.n_seq_max, settings.n_batch, "unified"
+            )
+        except ValueError as exc:
+            raise ValueError(f"{path} cannot be a draft model: {exc}") from exc
+        fit_context(loaded, n_ctx, settings.n_cells, who="the draft model's")
+        worker = make_worker(
+            loaded,
+            settings.n_cells,
+            opened.runtime.dtype,
+            device,
+            threads=threads if device == "cpu" else None,
         )
-    except ValueError as exc:
-        raise ModelLoadError(f"--model-draft {path}: it cannot be a draft model: {exc}") from exc
-    fit_context(loaded, n_ctx, settings.n_cells)
-    worker = make_worker(
-        loaded,
-        settings.n_cells,
-        opened.runtime.dtype,
-        device,
-        threads=threads if device == "cpu" else None,
-    )
+    except ValueError as exc:  # a ModelLoadError names the path itself
+        raise ModelLoadError(f"--model-draft {path}: {exc}") from exc
     limit = min(target.config.vocab_size, loaded.config.vocab_size)
     draft = DraftModel(worker, memory, settings.n_batch, vocab_limit=limit, name=loaded.name)
     log.info("draft model: %s (%s cells)", draft.name, settings.n_cells)

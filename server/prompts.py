@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.constraint import Grammar
-from scheduler.errors import PromptError
-from scheduler.intake import check_fits_cache
+from scheduler.intake import check_fits_cache, check_min_tokens
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from server.backend import Backend, Tokenizer
@@ -136,11 +135,13 @@ def make_request(
     if max_tokens is not None and max_tokens > limit:
         raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens")
     # NOTE: scheduler/intake.check_request is the admission check; its rules answer at submit
-    # (engine_error), after the engine's 503 / 429. This one is asked here too, before the body's
-    # other checks and for /render, where the server has always refused it.
+    # (engine_error), after the engine's 503 / 429. These two are asked here too, before the
+    # body's other checks and for /render, which submits nothing: the same functions, the same
+    # messages.
     try:
         check_fits_cache(len(prompt_ids), backend.n_cells, backend.n_ctx_seq)
-    except PromptError as exc:
+        check_min_tokens(body.min_tokens, max_tokens or default_max_tokens)
+    except ValueError as exc:
         raise engine_error(exc, prompt_param) from exc
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     check_token_ids(backend, list(bias), "logit_bias")

@@ -2,7 +2,7 @@
 #pragma once
 
 // ATen only (not torch/extension.h: pybind11 and the C++ frontend double a build's time);
-// layers.cpp adds the bindings.
+// bindings.cpp adds the bindings.
 #include <ATen/ATen.h>
 #include <c10/util/FunctionRef.h>
 

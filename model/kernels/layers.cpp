@@ -1,8 +1,6 @@
 // CPU kernels for the rest of a layer: RMSNorm, SiLU-mul, RoPE (built by model/kernels/__init__.py
-// with the other sources into one extension), and the Python bindings of them all.
+// with the other sources into one extension; the Python bindings are bindings.cpp's).
 #include "kernels.h"
-
-#include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

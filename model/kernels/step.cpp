@@ -415,7 +415,7 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& in, const StepLayer&
 // (torch's x + y, rounded once), one RMSNorm and one SiLU-mul buffer for all layers. Each
 // linear picks its kernel by its kind and row count (quant_linear). groups: one
 // StepGroups per window the layers attend through; rope_tables: (c, s) pairs [n, 1, head_dim]
-// in x's dtype (kvcache.storage.rope_tables), the full layers' then the sliding ones'. Returns
+// in x's dtype (kvcache.rope.rope_tables), the full layers' then the sliding ones'. Returns
 // the hidden state after the last layer.
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,

@@ -106,7 +106,7 @@ _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # StepState: the decode rows are
 class ForwardBatch:
     tokens: torch.Tensor  # [n] int64
     cells: torch.Tensor  # [n] int64
-    rope_c: torch.Tensor  # [n, 1, head_dim] model dtype (kvcache.storage.rope_tables)
+    rope_c: torch.Tensor  # [n, 1, head_dim] model dtype (kvcache.rope.rope_tables)
     rope_s: torch.Tensor  # [n, 1, head_dim]
     decodes: list[DecodeGroup]  # full-attention layers
     prompts: list[PromptGroup]

@@ -1,7 +1,7 @@
 """model/kernels: the compute kernels run without the GIL, so the HTTP thread streams and reads
 requests while the engine thread is inside a C++ step, and calls from two threads at once (two
 models' engines in router mode) each get what a call alone gets. The one-call step keeps the
-GIL for decode-sized steps (at most 64 rows, layers.cpp says why) and lets go of it above."""
+GIL for decode-sized steps (at most 64 rows, bindings.cpp says why) and lets go of it above."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_the_one_call_step_lets_python_run_past_a_decode_steps_rows(
     smollm_worker, monkeypatch, rows, gil_rows, runs_beside
 ):
     """step_layers over a prompt chunk of 512 rows: the event loop's thread runs beside it; over
-    64 rows (a decode step of 64 streams) it waits, as layers.cpp decides, unless the model's
+    64 rows (a decode step of 64 streams) it waits, as bindings.cpp decides, unless the model's
     work per row lowers the rows kept (gil_rows 8: a model 8x the 1.5B). Watched over the C++
     call alone (the Python around it lets go of the GIL in torch's ops either way)."""
     native = smollm_worker.paths.native

@@ -119,6 +119,8 @@ def test_completion_render_returns_one_request_per_prompt(fake):
         ("/v1/completions/render", {"prompt": "x", "model": "other"}, "model"),
         ("/v1/chat/completions/render", {"messages": []}, "messages"),
         ("/v1/chat/completions/render", {"messages": [{"role": "x", "content": "y"}]}, None),
+        # the engine's admission rule, asked by make_request too (render submits nothing)
+        ("/v1/completions/render", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ],
 )
 def test_render_rejects_what_generation_rejects(fake, path, body, param):
