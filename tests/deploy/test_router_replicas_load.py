@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -34,33 +36,43 @@ class Sent:
 def _load(router: str, stop: threading.Event, sent: list[Sent], seed: int) -> None:
     """One closed-loop client: 24-token replies over the shared systems until `stop`."""
     i = 0
-    while not stop.is_set():
-        body = {
-            "messages": [
-                {"role": "system", "content": SYSTEMS[(seed + i) % 2]},
-                {"role": "user", "content": f"Client {seed}, question {i}"},
-            ],
-            "max_tokens": 24,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-        t0 = time.monotonic()
-        try:
-            status = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=60).status_code
-        except httpx.HTTPError:
-            status = -1
-        sent.append(Sent(t0, time.monotonic(), status))
-        i += 1
+    with httpx.Client(timeout=60) as client:  # NOTE: one client: a new one loads the CA store
+        while not stop.is_set():
+            body = {
+                "messages": [
+                    {"role": "system", "content": SYSTEMS[(seed + i) % 2]},
+                    {"role": "user", "content": f"Client {seed}, question {i}"},
+                ],
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            t0 = time.monotonic()
+            try:
+                status = client.post(f"{router}/v1/chat/completions", json=body).status_code
+            except httpx.HTTPError:
+                status = -1
+            sent.append(Sent(t0, time.monotonic(), status))
+            i += 1
 
 
-def _clients(
-    router: str, n: int, sent: list[Sent]
-) -> tuple[threading.Event, list[threading.Thread]]:
+@contextmanager
+def _clients(router: str, n: int, sent: list[Sent]) -> Iterator[threading.Event]:
+    """`n` closed-loop clients until the returned event is set, and always stopped and joined
+    on the way out: a test failing mid-way must not leave them looping (they once kept a whole
+    CI run's later tests on a busy machine for half an hour)."""
     stop = threading.Event()
-    threads = [threading.Thread(target=_load, args=(router, stop, sent, k)) for k in range(n)]
+    threads = [
+        threading.Thread(target=_load, args=(router, stop, sent, k), daemon=True) for k in range(n)
+    ]
     for t in threads:
         t.start()
-    return stop, threads
+    try:
+        yield stop
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=90)
 
 
 def test_shared_prefixes_in_flight_together_hit_95_percent_of_an_ideal_cache() -> None:
@@ -91,16 +103,13 @@ def test_shared_prefixes_in_flight_together_hit_95_percent_of_an_ideal_cache() -
 def test_sigkill_under_load_fails_only_the_requests_in_flight_on_the_victim() -> None:
     with sglang_fleet() as fleet:
         sent: list[Sent] = []
-        stop, threads = _clients(fleet.router, 6, sent)
-        time.sleep(3)
-        victim = fleet.replicas[1]
-        victim.process.kill()  # SIGKILL: no drain
-        killed_at = time.monotonic()
-        victim.process.wait(timeout=10)
-        time.sleep(6)
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+        with _clients(fleet.router, 6, sent):
+            time.sleep(3)
+            victim = fleet.replicas[1]
+            victim.process.kill()  # SIGKILL: no drain
+            killed_at = time.monotonic()
+            victim.process.wait(timeout=10)
+            time.sleep(6)
     in_flight = [s for s in sent if s.start < killed_at < s.end]
     failed = [s for s in sent if s.status != 200]
     after = [s for s in sent if s.start > killed_at]
@@ -115,7 +124,10 @@ def test_sigkill_under_load_fails_only_the_requests_in_flight_on_the_victim() ->
 
 def _stream_direct(url: str, started: threading.Event, out: list[dict]) -> None:
     """A long stream straight to one replica: its last chunk's finish_reason and token count."""
-    body = {"prompt": "Tell a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # NOTE: long enough to be in flight at the SIGTERM a second after they start: 400 tokens of
+    # the tiny model took ~1 s idle, so the replica sometimes had nothing left to drain and had
+    # exited before /health was asked (ConnectError)
+    body = {"prompt": "Tell a story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     num_chunks, finish = 0, None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200
@@ -141,19 +153,23 @@ def test_sigterm_drains_while_the_router_moves_new_requests_away() -> None:
             t.start()
         assert all(e.wait(30) for e in started)
         sent: list[Sent] = []
-        stop, threads = _clients(fleet.router, 4, sent)
-        time.sleep(1)
-        victim.terminate()
-        term_at = time.monotonic()
-        health = 200
-        while health == 200 and time.monotonic() < term_at + 5:
-            health = httpx.get(f"{victim.url}/health", timeout=5).status_code
-        victim.process.wait(timeout=60)
-        exited_at = time.monotonic()
-        time.sleep(2)
-        stop.set()
-        for t in [*direct, *threads]:
-            t.join(timeout=60)
+        try:
+            with _clients(fleet.router, 4, sent):
+                time.sleep(1)
+                victim.terminate()
+                term_at = time.monotonic()
+                health = 200
+                while health == 200 and time.monotonic() < term_at + 5:
+                    try:
+                        health = httpx.get(f"{victim.url}/health", timeout=5).status_code
+                    except httpx.ConnectError:
+                        health = -1  # gone: it did not drain while its streams ran
+                victim.process.wait(timeout=180)
+                exited_at = time.monotonic()
+                time.sleep(2)
+        finally:
+            for t in direct:
+                t.join(timeout=60)
     during = [s for s in sent if term_at < s.start and s.end < exited_at]
     print(
         f"SIGTERM: drained in {exited_at - term_at:.1f} s, streams {streams}, "
@@ -162,6 +178,6 @@ def test_sigterm_drains_while_the_router_moves_new_requests_away() -> None:
     )
     assert health == 503
     assert victim.process.returncode == 0
-    assert [s["finish_reason"] for s in streams] == ["length"] * 3  # all 400 tokens
+    assert [s["finish_reason"] for s in streams] == ["length"] * 3  # all 2000 tokens
     assert during, "no routed request fell inside the drain"
     assert [s.status for s in sent] == [200] * len(sent)
