@@ -27,9 +27,14 @@ enum GgmlType : int64_t {
   Q6_K = 14,
   BF16 = 30,
   MXFP4 = 39,
+  // not a GGML type: Q4_K's bytes moved 16 outputs at a time (ggml_kx16.h, ggml_repack), on
+  // AVX-512 VNNI builds only; ggml_linear computes on it, nothing else reads it
+  Q4_K_X16 = 1012,
 };
 
-inline bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+inline bool is_k(int64_t type) {
+  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_K_X16;
+}
 
 struct TypeInfo {
   int64_t elems, bytes;
@@ -48,6 +53,7 @@ inline TypeInfo type_info(int64_t type) {
     case Q8_0: return {32, 34, true};
     case MXFP4: return {32, 17, true};
     case Q4_K: return {256, 144, true};
+    case Q4_K_X16: return {256, 144, true};
     case Q5_K: return {256, 176, true};
     case Q6_K: return {256, 210, true};
     default:
@@ -283,5 +289,10 @@ int64_t k_tile_rows(int64_t k);
 // -> y[:, col0 + o0 .. col0 + o1) (y: n columns); k_tile: k_tile_rows(k)
 void k_part(int64_t type, const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0);
+
+// whether this build computes on Q4_K_X16 (AVX-512 VNNI); n Q4_K rows at src (row_bytes each, n
+// a multiple of 16) moved into that layout at dst (as many bytes)
+bool x16_built();
+void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes);
 
 }  // namespace ggml

@@ -21,6 +21,7 @@
 #include "ggml_kdecode.h"
 #include "ggml_kgemv.h"
 #include "ggml_ktiles.h"
+#include "ggml_kx16.h"
 
 #include <ATen/Parallel.h>
 
@@ -207,8 +208,41 @@ void k_part(int64_t type, const Q8K& X, int64_t m, int64_t k, int64_t n, float* 
     case Q4_K: return k_part_t<Q4_K>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
     case Q5_K: return k_part_t<Q5_K>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
     case Q6_K: return k_part_t<Q6_K>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
+#if defined(CELLSERVE_GGML_X16)
+    case Q4_K_X16: return x16_task(X, m, k, n, y, w, row_bytes, o0, o1, col0);
+#endif
     default: TORCH_CHECK_VALUE(false, "ggml k_part: GGML type ", type, " is not a K-quant");
   }
+}
+
+bool x16_built() {
+#if defined(CELLSERVE_GGML_X16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ggml_kx16.h's layout: per group of 16 rows and super-block, the d's, the dmin's, the scales'
+// dwords and the qs' dwords of the 16 outputs side by side
+void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes) {
+  TORCH_CHECK_VALUE(n % 16 == 0 && row_bytes % 144 == 0, "repack_q4k_x16: ", n, " rows of ",
+                    row_bytes, " bytes (16 rows a group, 144 bytes a super-block)");
+  const int64_t nb = row_bytes / 144;
+  at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* out = dst + g * 16 * row_bytes + b * 144 * 16;
+        for (int64_t o = 0; o < 16; ++o) {
+          const uint8_t* blk = src + (16 * g + o) * row_bytes + b * 144;
+          std::memcpy(out + 2 * o, blk, 2);
+          std::memcpy(out + 32 + 2 * o, blk + 2, 2);
+          for (int j = 0; j < 3; ++j) std::memcpy(out + 64 + 64 * j + 4 * o, blk + 4 + 4 * j, 4);
+          for (int c = 0; c < 32; ++c) std::memcpy(out + 256 + 64 * c + 4 * o, blk + 16 + 4 * c, 4);
+        }
+      }
+    }
+  });
 }
 
 }  // namespace ggml

@@ -3,8 +3,10 @@ quantized GGUF where the C++ kernels are built).
 
 A BlockWeight is a tensor as the file stores it: rows of ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0, MXFP4, Q4_K, Q5_K, Q6_K) or float rows (F32, F16, BF16), a view of the memory-mapped file
-(model/load/gguf_file.py): nothing is dequantized, re-quantized or copied, and the pages are
-shared with the page cache. BlockLinear multiplies by one or several of them (a fused q|k|v or
+(model/load/gguf_file.py): nothing is dequantized or re-quantized, and the pages are shared
+with the page cache. Where the build has a layout of its own for a type (AVX-512 VNNI: Q4_K,
+16 rows a group, ggml_kx16.h), BlockLinear moves the same bytes into it once at load and the
+file's pages are released (`repack`). BlockLinear multiplies by one or several of them (a fused q|k|v or
 gate|up whose parts have different types, as Q4_K_M files mix Q4_K and Q6_K) through the
 kernels' `ggml_linear` (model/kernels/ggml_blocks.cpp, the K-quants in ggml_kquants.cpp: int8
 activations per 32 or 256, integer dot products per block), at every row count: no dense copy
@@ -13,6 +15,7 @@ for large batches. BlockEmbedding dequantizes only the rows a step looks up (`gg
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +40,8 @@ GGML_TYPES = {
     "MXFP4": 39,
 }
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
+# not GGML types: a file's blocks moved into a layout of the kernels' own at load (ggml_repack)
+GGML_TYPE_NAMES[1012] = "Q4_Kx16"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +52,9 @@ class BlockWeight:
     ggml_type: int
     shape: tuple[int, int]  # (out_features n, in_features k)
     name: str = ""
-    mapped: bool = True  # a view of the file's mapping (False: rows permuted into a copy)
+    # a view of the file's read-only mapping (False: a copy, e.g. rows permuted): only then may a
+    # repack release its pages (ggml_repack)
+    mapped: bool = False
 
     @property
     def type_name(self) -> str:
@@ -60,6 +67,25 @@ class BlockWeight:
 
 def has_block_kernels(kernels: Any | None) -> bool:
     return kernels is not None and hasattr(kernels, "ggml_linear")
+
+
+def repack(kernels: Any, weight: BlockWeight) -> tuple[torch.Tensor, int]:
+    """`weight`'s blocks as this build's kernels read them fastest -> (data, type id): the file's
+    own where the build has no layout of its own for the type. ggml_repack moves the same bytes
+    16 rows a group (Q4_K on AVX-512 VNNI: model/kernels/ggml_kx16.h), so that the tiles do not
+    interleave them on every call; the copy replaces the file's pages in memory (those are
+    released), it does not sit beside them. CELLSERVE_GGML_REPACK=0 computes on the file's
+    layout (the same bits, slower)."""
+    if (
+        os.environ.get("CELLSERVE_GGML_REPACK", "1") == "0"
+        or not hasattr(kernels, "ggml_repack")
+        or weight.ggml_type not in kernels.ggml_repack_types()
+        or weight.shape[0] % 16
+    ):
+        return weight.data, weight.ggml_type
+    w = weight
+    data, ggml_type = kernels.ggml_repack(w.data, w.ggml_type, w.shape[1], w.mapped)
+    return data, int(ggml_type)
 
 
 class BlockLinear(nn.Module):
@@ -77,16 +103,27 @@ class BlockLinear(nn.Module):
             raise ValueError(f"fused parts with different in_features {sorted(ks)}")
         self.kernels = kernels
         self.weights = list(parts)
-        self.parts = [p.data for p in parts]
-        self.types = [p.ggml_type for p in parts]
-        self.names = [p.name for p in parts]
         self.in_features = ks.pop()
+        self.parts, self.types = [], []
+        for p in parts:
+            data, ggml_type = repack(kernels, p)
+            self.parts.append(data)
+            self.types.append(ggml_type)
+        self.names = [p.name for p in parts]
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.detach().float()
 
     @property
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.parts)
+
+    def held(self) -> list[tuple[BlockWeight, torch.Tensor]]:
+        """(the file's weight, the bytes computed on) of each part."""
+        return list(zip(self.weights, self.parts, strict=True))
+
+    def repacked(self) -> list[tuple[BlockWeight, torch.Tensor]]:
+        """(the file's weight, its copy) of each part ggml_repack moved."""
+        return [(w, d) for w, d in self.held() if d is not w.data]
 
     def step_kind(self, dtype: torch.dtype) -> str:
         """The kind model/kernels' quant_linear and step_layers run it as (kernels.h StepLinear)."""
@@ -145,17 +182,20 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     seen: set[int] = set()
     mapped = owned = 0
     for module in model.modules():
-        blocks = getattr(module, "weights", None) if isinstance(module, BlockLinear) else None
+        held: list[tuple[torch.Tensor, bool]] = []  # (the data computed on, a view of the file)
+        if isinstance(module, BlockLinear):  # a repacked part is a copy, its file pages released
+            moved = {id(d) for _, d in module.repacked()}
+            held = [(d, w.mapped and id(d) not in moved) for w, d in module.held()]
         if isinstance(module, BlockEmbedding):
-            blocks = [module.weight]
-        for w in blocks or ():
-            ptr = w.data.data_ptr()  # NOTE: the experts of a 3-D tensor share one storage
+            held = [(module.weight.data, module.weight.mapped)]
+        for data, is_mapped in held:
+            ptr = data.data_ptr()  # NOTE: the experts of a 3-D tensor share one storage
             if ptr not in seen:
                 seen.add(ptr)
-                if w.mapped:
-                    mapped += w.nbytes
+                if is_mapped:
+                    mapped += data.numel()
                 else:
-                    owned += w.nbytes
+                    owned += data.numel()
         for value in vars(module).values():
             tensors = value.values() if isinstance(value, dict) else [value]
             for t in tensors:

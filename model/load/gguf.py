@@ -182,7 +182,7 @@ def _fused_part(
         with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(info.rows())[start : start + n]
-        return BlockWeight(data, info.type_id, (n, k), f"{info.name}[{kind}]")
+        return BlockWeight(data, info.type_id, (n, k), f"{info.name}[{kind}]", mapped=True)
     if info.name not in cache:
         cache.clear()  # NOTE: one fused tensor at a time, its parts are read one after another
         cache[info.name] = dequantize(info).reshape(shape)
@@ -229,6 +229,6 @@ def _expert_blocks(info: GGUFTensor, want: tuple[int, ...], path: Path) -> list[
         warnings.simplefilter("ignore", UserWarning)
         rows = torch.from_numpy(info.rows())
     return [
-        BlockWeight(rows[e * n : (e + 1) * n], info.type_id, (n, k), f"{info.name}[{e}]")
+        BlockWeight(rows[e * n : (e + 1) * n], info.type_id, (n, k), f"{info.name}[{e}]", True)
         for e in range(n_experts)
     ]
