@@ -54,7 +54,7 @@ __attribute__((noinline)) void x16_micro(const uint8_t* g, int64_t nb, const int
     const uint8_t* q = s + 256;
     __m512i acc[MR], t[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
-#pragma GCC unroll 1
+#pragma GCC unroll 8
     for (int sb = 0; sb < 8; ++sb) {  // sub-block sb: values 32 sb .. 32 sb + 31
       const int j = sb / 2, h = sb % 2;
       for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_si512();
