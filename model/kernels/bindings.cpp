@@ -115,7 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_repack_types", &ggml_repack_types,
         "the GGML types this build moves into a layout of its own at load (ggml_repack)");
   m.def("ggml_repack", &ggml_repack, kNoGil, py::arg("w"), py::arg("type"), py::arg("k"),
-        py::arg("release"), "a weight's blocks moved 16 rows a group -> (the copy, its type)");
+        py::arg("release"), "a weight's blocks moved 16 (8) rows a group -> (the copy, its type)");
   m.def("ggml_row_bytes", &ggml_row_bytes, py::arg("type"), py::arg("k"),
         "bytes of a row of k values of a GGML type");
   m.def("step_layers", &step_layers_py, "every layer of a quantized step, bf16 or f32",

@@ -342,7 +342,8 @@ at::Tensor ggml_linear_segments(const at::Tensor& x_in, const std::vector<int64_
         case Q4_K:
         case Q5_K:
         case Q6_K:
-        case Q4_K_X16: k_part(type, kr, ms, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
+        case Q4_K_X16:
+        case Q4_K_X8: k_part(type, kr, ms, k, n, yp, k_tile, wp, w.size(1), task.o0, task.o1, c0); break;
 #if defined(CELLSERVE_GGML_TILE32)
         case Q4_0: q_part<Q4_0>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
         case Q4_1: q_part<Q4_1>(qr, ms, k, n, yp, q_tile, wp, w.size(1), task.o0, task.o1, c0); break;
@@ -365,7 +366,7 @@ at::Tensor ggml_linear_segments(const at::Tensor& x_in, const std::vector<int64_
 
 at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids_in, int64_t k) {
   check_weight(w, type, k, "ggml_get_rows");
-  TORCH_CHECK_VALUE(type != Q4_K_X16, "ggml_get_rows: a repacked Q4_K is for ggml_linear only");
+  TORCH_CHECK_VALUE(type != Q4_K_X16 && type != Q4_K_X8, "ggml_get_rows: a repacked Q4_K is for ggml_linear only");
   TORCH_CHECK_VALUE(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong,
                     "ggml_get_rows: ids must be a 1-D int64 tensor");
   const auto ids = ids_in.contiguous();
@@ -385,7 +386,7 @@ at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& id
 
 at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
   check_weight(w, type, k, "ggml_dequantize");
-  TORCH_CHECK_VALUE(type != Q4_K_X16, "ggml_dequantize: a repacked Q4_K is for ggml_linear only");
+  TORCH_CHECK_VALUE(type != Q4_K_X16 && type != Q4_K_X8, "ggml_dequantize: a repacked Q4_K is for ggml_linear only");
   const int64_t n = w.size(0), row_bytes = w.size(1);
   auto out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -397,21 +398,22 @@ at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
 }
 
 std::vector<int64_t> ggml_repack_types() {
-  if (x16_built()) return {Q4_K};
+  if (repack_type() != 0) return {Q4_K};
   return {};
 }
 
-// A Q4_K weight moved into ggml_kx16.h's layout (the same bytes, 16 rows a group) -> (the copy,
-// Q4_K_X16). release: the weight is a view of a read-only file mapping, whose pages the move
+// A Q4_K weight moved into ggml_krepack.h's layout (the same bytes, 16 or 8 rows a group) -> (the
+// copy, this build's repacked type). release: the weight is a view of a read-only file mapping, whose pages the move
 // read; they are dropped from this process (the page cache keeps them), so the resident set
 // holds the weight once.
 std::tuple<at::Tensor, int64_t> ggml_repack(const at::Tensor& w, int64_t type, int64_t k, bool release) {
   check_weight(w, type, k, "ggml_repack");
-  TORCH_CHECK_VALUE(type == Q4_K && x16_built(), "ggml_repack: this build repacks ",
-                    x16_built() ? "Q4_K (12)" : "nothing", ", not GGML type ", type);
-  TORCH_CHECK_VALUE(w.size(0) % 16 == 0, "ggml_repack: ", w.size(0), " rows, not a multiple of 16");
+  TORCH_CHECK_VALUE(type == Q4_K && repack_type() != 0, "ggml_repack: this build repacks ",
+                    repack_type() != 0 ? "Q4_K (12)" : "nothing", ", not GGML type ", type);
+  TORCH_CHECK_VALUE(w.size(0) % repack_lanes() == 0, "ggml_repack: ", w.size(0),
+                    " rows, not a multiple of ", repack_lanes());
   auto out = at::empty_like(w);
-  repack_q4k_x16(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), w.size(0), w.size(1));
+  repack_q4k(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), w.size(0), w.size(1));
 #if defined(__unix__)
   if (release) {
     const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
@@ -420,5 +422,5 @@ std::tuple<at::Tensor, int64_t> ggml_repack(const at::Tensor& w, int64_t type, i
     if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
   }
 #endif
-  return {out, Q4_K_X16};
+  return {out, repack_type()};
 }

@@ -27,13 +27,14 @@ enum GgmlType : int64_t {
   Q6_K = 14,
   BF16 = 30,
   MXFP4 = 39,
-  // not a GGML type: Q4_K's bytes moved 16 outputs at a time (ggml_kx16.h, ggml_repack), on
-  // AVX-512 VNNI builds only; ggml_linear computes on it, nothing else reads it
+  // not GGML types: Q4_K's bytes moved 16 (8) outputs a group (ggml_krepack.h, ggml_repack) for
+  // the AVX-512 VNNI (the other AVX2) builds; ggml_linear computes on them, nothing else reads them
   Q4_K_X16 = 1012,
+  Q4_K_X8 = 2012,
 };
 
 inline bool is_k(int64_t type) {
-  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_K_X16;
+  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_K_X16 || type == Q4_K_X8;
 }
 
 struct TypeInfo {
@@ -53,7 +54,8 @@ inline TypeInfo type_info(int64_t type) {
     case Q8_0: return {32, 34, true};
     case MXFP4: return {32, 17, true};
     case Q4_K: return {256, 144, true};
-    case Q4_K_X16: return {256, 144, true};
+    case Q4_K_X16:
+    case Q4_K_X8: return {256, 144, true};
     case Q5_K: return {256, 176, true};
     case Q6_K: return {256, 210, true};
     default:
@@ -290,9 +292,10 @@ int64_t k_tile_rows(int64_t k);
 void k_part(int64_t type, const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0);
 
-// whether this build computes on Q4_K_X16 (AVX-512 VNNI); n Q4_K rows at src (row_bytes each, n
-// a multiple of 16) moved into that layout at dst (as many bytes)
-bool x16_built();
-void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes);
+// the repacked Q4_K this build computes on (Q4_K_X16, Q4_K_X8; 0: none) and its outputs a group;
+// n Q4_K rows at src (row_bytes each, n a multiple of the group) moved into it at dst
+int64_t repack_type();
+int64_t repack_lanes();
+void repack_q4k(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes);
 
 }  // namespace ggml

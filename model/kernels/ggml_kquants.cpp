@@ -21,7 +21,7 @@
 #include "ggml_kdecode.h"
 #include "ggml_kgemv.h"
 #include "ggml_ktiles.h"
-#include "ggml_kx16.h"
+#include "ggml_krepack.h"
 
 #include <ATen/Parallel.h>
 
@@ -79,7 +79,8 @@ void k_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t row
       for (int64_t b0 = 0; b0 < nb; b0 += Tile::kKB) {
         const int64_t nkb = std::min(Tile::kKB, nb - b0);
         for (int64_t b = 0; b < nkb; ++b)
-          Tile::template pack<T>(w + og * row_bytes + (b0 + b) * B, row_bytes, no, buf[b]);
+          Tile::template pack<T>(w + og * row_bytes + (b0 + b) * B * Tile::kGroupStride, row_bytes,
+                                 no, buf[b]);
         for (int64_t rr = 0; rr < nr; rr += Tile::kRows) {
           const int64_t row = r0 + rr;
           Tile::template micro<T>(static_cast<int>(std::min(Tile::kRows, nr - rr)), buf, nkb,
@@ -176,6 +177,21 @@ void k_part_t(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k
 #endif
 }
 
+#if defined(CELLSERVE_GGML_REPACK)
+// A task's outputs of a repacked Q4_K part: the repacked micro-kernel, except for more than 8
+// rows on the 8-lane builds, where the AVX2 tiles run on columns unpacked from the repacked
+// groups (Tile8R: no decode, no transpose), decoded once per tile of rows instead of once per 4
+// rows (1.5B linears in decode order, forced AVX2, 16 / 32 rows: the repacked micro-kernel 220 /
+// 366 ms, the file's tiles 183 / 310, these 174 / 307)
+void repacked_part(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
+                   const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+#if !(defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__))
+  if (m > 2 * kRepackRows) return k_task<Q4_K, Tile8R>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
+#endif
+  repacked_task(X, m, k, n, y, w, row_bytes, o0, o1, col0);
+}
+#endif
+
 }  // namespace
 
 Q8K quantize_rows_k(const float* x, int64_t m, int64_t k) {
@@ -204,41 +220,52 @@ int64_t k_tile_rows(int64_t k) {
 
 void k_part(int64_t type, const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
             const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+  TORCH_CHECK_VALUE((type != Q4_K_X16 && type != Q4_K_X8) || type == repack_type(),
+                    "ggml k_part: a Q4_K weight repacked for another build (type ", type, ")");
   switch (type) {
     case Q4_K: return k_part_t<Q4_K>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
     case Q5_K: return k_part_t<Q5_K>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
     case Q6_K: return k_part_t<Q6_K>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
-#if defined(CELLSERVE_GGML_X16)
-    case Q4_K_X16: return x16_task(X, m, k, n, y, w, row_bytes, o0, o1, col0);
+#if defined(CELLSERVE_GGML_REPACK)
+    case kRepackType: return repacked_part(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
 #endif
     default: TORCH_CHECK_VALUE(false, "ggml k_part: GGML type ", type, " is not a K-quant");
   }
 }
 
-bool x16_built() {
-#if defined(CELLSERVE_GGML_X16)
-  return true;
+int64_t repack_type() {
+#if defined(CELLSERVE_GGML_REPACK)
+  return kRepackType;
 #else
-  return false;
+  return 0;
 #endif
 }
 
-// ggml_kx16.h's layout: per group of 16 rows and super-block, the d's, the dmin's, the scales'
-// dwords and the qs' dwords of the 16 outputs side by side
-void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes) {
-  TORCH_CHECK_VALUE(n % 16 == 0 && row_bytes % 144 == 0, "repack_q4k_x16: ", n, " rows of ",
-                    row_bytes, " bytes (16 rows a group, 144 bytes a super-block)");
+int64_t repack_lanes() {
+#if defined(CELLSERVE_GGML_REPACK)
+  return kRepackLanes;
+#else
+  return 0;
+#endif
+}
+
+// ggml_krepack.h's layout: per group of G rows and super-block, the d's, the dmin's, the scales'
+// dwords and the qs' dwords of the G outputs side by side
+void repack_q4k(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes) {
+  const int64_t G = repack_lanes();
+  TORCH_CHECK_VALUE(G > 0 && n % G == 0 && row_bytes % 144 == 0, "repack_q4k: ", n, " rows of ",
+                    row_bytes, " bytes (", G, " rows a group, 144 bytes a super-block)");
   const int64_t nb = row_bytes / 144;
-  at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, n / G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* out = dst + g * 16 * row_bytes + b * 144 * 16;
-        for (int64_t o = 0; o < 16; ++o) {
-          const uint8_t* blk = src + (16 * g + o) * row_bytes + b * 144;
+        uint8_t* out = dst + g * G * row_bytes + b * 144 * G;
+        for (int64_t o = 0; o < G; ++o) {
+          const uint8_t* blk = src + (G * g + o) * row_bytes + b * 144;
           std::memcpy(out + 2 * o, blk, 2);
-          std::memcpy(out + 32 + 2 * o, blk + 2, 2);
-          for (int j = 0; j < 3; ++j) std::memcpy(out + 64 + 64 * j + 4 * o, blk + 4 + 4 * j, 4);
-          for (int c = 0; c < 32; ++c) std::memcpy(out + 256 + 64 * c + 4 * o, blk + 16 + 4 * c, 4);
+          std::memcpy(out + 2 * G + 2 * o, blk + 2, 2);
+          for (int j = 0; j < 3; ++j) std::memcpy(out + 4 * G * (1 + j) + 4 * o, blk + 4 + 4 * j, 4);
+          for (int c = 0; c < 32; ++c) std::memcpy(out + 4 * G * (4 + c) + 4 * o, blk + 16 + 4 * c, 4);
         }
       }
     }

@@ -190,6 +190,7 @@ struct Tile8 {
   using Col = KCol;
   using Acc = __m256;
   static constexpr int64_t kLanes = 8, kKB = kKBCol, kRows = kMR;
+  static constexpr int64_t kGroupStride = 1;  // a column's next super-block: B bytes on
   template <int64_t T>
   static void pack(const uint8_t* blk, int64_t row_bytes, int no, Col& col) {
     pack_kcol<T>(blk, row_bytes, no, col);
@@ -287,6 +288,7 @@ struct Tile16 {
   using Col = KCol16;
   using Acc = __m512;
   static constexpr int64_t kLanes = 16, kKB = kKBCol16, kRows = kMR16;
+  static constexpr int64_t kGroupStride = 1;
   template <int64_t T>
   static void pack(const uint8_t* blk, int64_t row_bytes, int no, Col& col) {
     pack_kcol16<T>(blk, row_bytes, no, col);

@@ -350,7 +350,7 @@ at::Tensor ggml_linear_segments(const at::Tensor& x, const std::vector<int64_t>&
                                 const std::vector<std::vector<int64_t>>& seg_types, int64_t k);
 at::Tensor ggml_get_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k);
 at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k);
-// the GGML types this build moves into a layout of its own at load (Q4_K with AVX-512 VNNI), and
-// that move: the same bytes, 16 rows a group -> (the copy, its type for ggml_linear)
+// the GGML types this build moves into a layout of its own at load (Q4_K on the AVX2 and AVX-512 builds), and
+// that move: the same bytes, 16 (8) rows a group -> (the copy, its type for ggml_linear)
 std::vector<int64_t> ggml_repack_types();
 std::tuple<at::Tensor, int64_t> ggml_repack(const at::Tensor& w, int64_t type, int64_t k, bool release);

@@ -4,9 +4,9 @@ quantized GGUF where the C++ kernels are built).
 A BlockWeight is a tensor as the file stores it: rows of ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0, MXFP4, Q4_K, Q5_K, Q6_K) or float rows (F32, F16, BF16), a view of the memory-mapped file
 (model/load/gguf_file.py): nothing is dequantized or re-quantized, and the pages are shared
-with the page cache. Where the build has a layout of its own for a type (AVX-512 VNNI: Q4_K,
-16 rows a group, ggml_kx16.h), BlockLinear moves the same bytes into it once at load and the
-file's pages are released (`repack`). BlockLinear multiplies by one or several of them (a fused q|k|v or
+with the page cache. Where the build has a layout of its own for a type (Q4_K on the AVX2 and
+AVX-512 builds: 16 or 8 rows a group, ggml_krepack.h), BlockLinear moves the same bytes into it
+once at load and the file's pages are released (`repack`). BlockLinear multiplies by one or several of them (a fused q|k|v or
 gate|up whose parts have different types, as Q4_K_M files mix Q4_K and Q6_K) through the
 kernels' `ggml_linear` (model/kernels/ggml_blocks.cpp, the K-quants in ggml_kquants.cpp: int8
 activations per 32 or 256, integer dot products per block), at every row count: no dense copy
@@ -41,7 +41,7 @@ GGML_TYPES = {
 }
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 # not GGML types: a file's blocks moved into a layout of the kernels' own at load (ggml_repack)
-GGML_TYPE_NAMES[1012] = "Q4_Kx16"
+GGML_TYPE_NAMES.update({1012: "Q4_Kx16", 2012: "Q4_Kx8"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +72,15 @@ def has_block_kernels(kernels: Any | None) -> bool:
 def repack(kernels: Any, weight: BlockWeight) -> tuple[torch.Tensor, int]:
     """`weight`'s blocks as this build's kernels read them fastest -> (data, type id): the file's
     own where the build has no layout of its own for the type. ggml_repack moves the same bytes
-    16 rows a group (Q4_K on AVX-512 VNNI: model/kernels/ggml_kx16.h), so that the tiles do not
-    interleave them on every call; the copy replaces the file's pages in memory (those are
-    released), it does not sit beside them. CELLSERVE_GGML_REPACK=0 computes on the file's
-    layout (the same bits, slower)."""
+    16 rows a group with AVX-512 VNNI, 8 on the other AVX2 builds (Q4_K:
+    model/kernels/ggml_krepack.h), so that the tiles do not interleave them on every call; the
+    copy replaces the file's pages in memory (those are released), it does not sit beside them.
+    CELLSERVE_GGML_REPACK=0 computes on the file's layout (the same bits, slower)."""
     if (
         os.environ.get("CELLSERVE_GGML_REPACK", "1") == "0"
         or not hasattr(kernels, "ggml_repack")
         or weight.ggml_type not in kernels.ggml_repack_types()
-        or weight.shape[0] % 16
+        or weight.shape[0] % 16  # (a multiple of either group)
     ):
         return weight.data, weight.ggml_type
     w = weight

@@ -1,10 +1,13 @@
-"""ggml_repack (model/kernels/ggml_kx16.h): a Q4_K weight's bytes moved 16 rows a group at load,
-on the builds that compute on that layout (AVX-512 VNNI). The same bits as the file's layout at
-every row count (k_gemv's few rows, the tiles past them, a prompt chunk), in fused parts beside
-other types and in MoE segments; refused where it cannot hold; BlockLinear repacks by default,
-releases only a file mapping's pages, and CELLSERVE_GGML_REPACK=0 keeps the file's layout."""
+"""ggml_repack (model/kernels/ggml_krepack.h): a Q4_K weight's bytes moved 16 rows a group at
+load on AVX-512 VNNI builds, 8 on the other AVX2 and AVX-512 builds (CELLSERVE_ISA=avx2 runs
+those). The same bits as the file's layout at every row count (k_gemv's few rows, the tiles past
+them, a prompt chunk), in fused parts beside other types and in MoE segments; refused where it
+cannot hold; BlockLinear repacks by default, releases only a file mapping's pages, and
+CELLSERVE_GGML_REPACK=0 keeps the file's layout."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -13,7 +16,8 @@ import torch
 from tests.model.factories import require_kernels
 from tests.model.test_ggml_blocks import make_weights
 
-Q4_K, Q6_K, X16 = 12, 14, 1012
+Q4_K, Q6_K = 12, 14
+REPACKED = {"avx512_bf16": 1012, "avx512": 2012, "avx2": 2012}  # by the build's level
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +27,16 @@ def kern():
 
 @pytest.fixture(scope="module")
 def x16(kern):
+    """The kernels, where they repack Q4_K (the fixture's name: one of the two group widths)."""
     if Q4_K not in kern.ggml_repack_types():
         pytest.skip(f"this build ({kern.compiled_isa()}) keeps every type in the file's layout")
     return kern
+
+
+def level(kern) -> str:
+    """The build's level, from its file name (cellserve_kernels_<level>_<hash>)."""
+    name = os.path.basename(kern.__file__)
+    return next(lv for lv in sorted(REPACKED, key=len, reverse=True) if f"_{lv}_" in name)
 
 
 def test_what_a_build_repacks_is_what_it_computes_on(kern):
@@ -43,14 +54,14 @@ def test_repacked_q4k_gives_the_files_bits_at_every_row_count(x16, k):
     rng = np.random.default_rng(k)
     w = torch.from_numpy(make_weights("Q4_K", 48, k, rng))
     wr, t = x16.ggml_repack(w, Q4_K, k, False)
-    assert t == X16 and wr.shape == w.shape and wr.dtype == torch.uint8
+    assert t == REPACKED[level(x16)] and wr.shape == w.shape and wr.dtype == torch.uint8
     assert not torch.equal(wr, w)
     assert torch.equal(wr.flatten().sort().values, w.flatten().sort().values)  # moved, not changed
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 130):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         for dtype in (torch.float32, torch.bfloat16):
             want = x16.ggml_linear(x.to(dtype), [w], [Q4_K], k)
-            got = x16.ggml_linear(x.to(dtype), [wr], [X16], k)
+            got = x16.ggml_linear(x.to(dtype), [wr], [t], k)
             assert got.dtype == dtype and torch.equal(got, want), (m, dtype)
 
 
@@ -91,7 +102,7 @@ def test_fused_parts_and_segments_with_a_repacked_part(x16):
 def test_what_cannot_be_repacked_is_refused(x16):
     rng = np.random.default_rng(4)
     q4 = torch.from_numpy(make_weights("Q4_K", 20, 256, rng))
-    with pytest.raises(ValueError, match="not a multiple of 16"):
+    with pytest.raises(ValueError, match="not a multiple of (8|16)"):
         x16.ggml_repack(q4, Q4_K, 256, False)
     q6 = torch.from_numpy(make_weights("Q6_K", 16, 256, rng))
     with pytest.raises(ValueError, match="not GGML type 14"):
@@ -115,7 +126,7 @@ def test_block_linear_repacks_and_keeps_a_copys_bytes(x16, monkeypatch):
     before = data.clone()
     weight = BlockWeight(data, Q4_K, (32, k), "w")
     lin = BlockLinear([weight], None, kernels=x16)
-    assert lin.types == [X16] and torch.equal(data, before)
+    assert lin.types == [REPACKED[level(x16)]] and torch.equal(data, before)
     assert weight_bytes(lin) == (0, data.numel())
     monkeypatch.setenv("CELLSERVE_GGML_REPACK", "0")
     plain = BlockLinear([weight], None, kernels=x16)
