@@ -6,11 +6,12 @@ Q8_0, MXFP4, Q4_K, Q5_K, Q6_K) or float rows (F32, F16, BF16), a view of the mem
 (model/load/gguf_file.py): nothing is dequantized or re-quantized, and the pages are shared
 with the page cache. Where the build has a layout of its own for a type (Q4_K on the AVX2 and
 AVX-512 builds: 16 or 8 rows a group, ggml_krepack.h), BlockLinear moves the same bytes into it
-once at load and the file's pages are released (`repack`). BlockLinear multiplies by one or several of them (a fused q|k|v or
-gate|up whose parts have different types, as Q4_K_M files mix Q4_K and Q6_K) through the
-kernels' `ggml_linear` (model/kernels/ggml_blocks.cpp, the K-quants in ggml_kquants.cpp: int8
-activations per 32 or 256, integer dot products per block), at every row count: no dense copy
-for large batches. BlockEmbedding dequantizes only the rows a step looks up (`ggml_get_rows`).
+once at load and the file's pages are released (`repack`). BlockLinear multiplies by one or
+several of them (a fused q|k|v or gate|up whose parts have different types, as Q4_K_M files mix
+Q4_K and Q6_K) through the kernels' `ggml_linear` (model/kernels/ggml_blocks.cpp, the K-quants
+in ggml_kquants.cpp: int8 activations per 32 or 256, integer dot products per block), at every
+row count: no dense copy for large batches. BlockEmbedding dequantizes only the rows a step
+looks up (`ggml_get_rows`).
 """
 
 from __future__ import annotations
