@@ -99,28 +99,34 @@ constexpr int kRepackRows = 4;  // 16 ymm registers: the int16 sums, the int32 s
 constexpr int64_t kRepackType = Q4_K_X8;
 constexpr int64_t kX8Bytes = 8 * 144;
 
+// k_scale_words in the 8 lanes of a group's super-block at s: w[0] scales 0-3, w[1] 4-7, w[2]
+// minimums 0-3, w[3] 4-7 (a byte each)
+inline void scale_words8(const uint8_t* s, __m256i* w) {
+  const __m256i m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f);
+  const __m256i m30 = _mm256_set1_epi32(0x30303030);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+  const __m256i bq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+  w[0] = _mm256_and_si256(a, m3f);
+  w[1] = _mm256_or_si256(_mm256_and_si256(c, m0f), _mm256_and_si256(_mm256_srli_epi32(a, 2), m30));
+  w[2] = _mm256_and_si256(bq, m3f);
+  w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), m0f),
+                         _mm256_and_si256(_mm256_srli_epi32(bq, 2), m30));
+}
+
 // x16_micro's sums with vpmaddubsw: a sub-block's 8 groups of 4 values summed in int16 (8 * 2 *
 // 15 * 127 < 2^15, as the AVX2 tiles sum them), then times the pair (sc, sc) by vpmaddwd
 template <int MR>
 __attribute__((noinline)) void x8_micro(const uint8_t* g, int64_t nb, const int8_t* x, int64_t k,
                                         const float* xd, const int16_t* xs, float* y, int64_t n) {
-  const __m256i m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f);
-  const __m256i m30 = _mm256_set1_epi32(0x30303030), ff = _mm256_set1_epi32(0xff);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ff = _mm256_set1_epi32(0xff), low4 = _mm256_set1_epi8(0x0F);
   __m256 f[MR];
   for (int r = 0; r < MR; ++r) f[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* s = g + b * kX8Bytes;
     const int8_t* xb = x + 256 * b;
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-    const __m256i bq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
     __m256i w[4];
-    w[0] = _mm256_and_si256(a, m3f);
-    w[1] = _mm256_or_si256(_mm256_and_si256(c, m0f), _mm256_and_si256(_mm256_srli_epi32(a, 2), m30));
-    w[2] = _mm256_and_si256(bq, m3f);
-    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), m0f),
-                           _mm256_and_si256(_mm256_srli_epi32(bq, 2), m30));
+    scale_words8(s, w);
     const uint8_t* q = s + 128;
     __m256i acc[MR], t[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
@@ -165,9 +171,7 @@ __attribute__((noinline)) void x8_micro(const uint8_t* g, int64_t nb, const int8
 // the file's blocks: per 4 values g the 8 outputs' 4 bytes, per 16 values the scale pair (sc,
 // sc) of its 32, per pair of 16s the minimums' pair (m, m), d and dmin
 inline void kcol_from_x8(const uint8_t* s, KCol& col) {
-  const __m256i m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f);
-  const __m256i m30 = _mm256_set1_epi32(0x30303030), ff = _mm256_set1_epi32(0xff);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ff = _mm256_set1_epi32(0xff), low4 = _mm256_set1_epi8(0x0F);
   auto store = [](void* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); };
   const uint8_t* q = s + 128;
   for (int c = 0; c < 32; ++c) {
@@ -176,15 +180,8 @@ inline void kcol_from_x8(const uint8_t* s, KCol& col) {
     store(col.u[g], _mm256_and_si256(p, low4));
     store(col.u[g + 8], _mm256_and_si256(_mm256_srli_epi16(p, 4), low4));
   }
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-  const __m256i bq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
   __m256i w[4];
-  w[0] = _mm256_and_si256(a, m3f);
-  w[1] = _mm256_or_si256(_mm256_and_si256(c, m0f), _mm256_and_si256(_mm256_srli_epi32(a, 2), m30));
-  w[2] = _mm256_and_si256(bq, m3f);
-  w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), m0f),
-                         _mm256_and_si256(_mm256_srli_epi32(bq, 2), m30));
+  scale_words8(s, w);
   for (int sb = 0; sb < 8; ++sb) {
     const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(w[sb / 4], 8 * (sb % 4)), ff);
     const __m256i scp = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
