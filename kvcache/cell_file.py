@@ -1,4 +1,6 @@
-"""Cell files: one sequence's cached tokens and K/V rows on disk (slot save/restore).
+"""Cell files: one sequence's cached tokens and K/V rows on disk (slot save/restore), or in a
+recurrent layer group its state after the last token (its conv and ssm values as the K and V
+"rows" of one position: kvcache/state_storage.py read_cells).
 
 Layout: MAGIC | u64 little-endian header length | header (JSON) | payload. The header names
 the model (model.load.fingerprint, which covers the LoRA adapter files too), the tokens, the
@@ -174,10 +176,21 @@ def place_rows(
     groups: list[GroupRows], cells: list[np.ndarray]
 ) -> tuple[list[np.ndarray], list[tuple[torch.Tensor, torch.Tensor]]]:
     """`cells`: per group, the cell of each position 0..n-1 (-1 where the group no longer
-    keeps it: a sliding window's old rows) -> per group, the cells and the rows to write
-    there (worker.write_rows)."""
+    keeps it: a sliding window's old rows; a recurrent group keeps only the last one, its
+    state) -> per group, the cells and the rows to write there (worker.write_rows).
+    CellFileError where the file lacks a row the cache keeps (nothing is written): a cell
+    left unwritten would hold another sequence's rows, a recurrent slot a zero state."""
     out_cells, out_rows = [], []
-    for g, at_pos in zip(groups, cells, strict=True):
+    for i, (g, at_pos) in enumerate(zip(groups, cells, strict=True)):
+        n = at_pos.shape[0]
+        if g.positions.size and (g.positions.min() < 0 or g.positions.max() >= n):
+            raise CellFileError(f"layer group {i} has rows outside its {n} tokens")
+        missing = np.setdiff1d(np.flatnonzero(at_pos >= 0), g.positions)
+        if missing.size:
+            raise CellFileError(
+                f"layer group {i} lacks the rows of {missing.size} positions the cache keeps "
+                f"(first: {int(missing[0])})"
+            )
         at = at_pos[g.positions]
         keep = at >= 0
         index = torch.from_numpy(np.flatnonzero(keep))
@@ -197,6 +210,7 @@ def copy_out(model: str, held: Any, worker: Any) -> CellFile:
 
 def write_back(data: CellFile, cells: list[np.ndarray], worker: Any) -> None:
     """`data`'s rows into the worker's storage (`cells`: as place_rows takes them);
-    CellFileError where the rows' layout is not the storage's (check_geometry)."""
+    CellFileError where the rows' layout is not the storage's (check_geometry) or the file
+    lacks rows the cache keeps (place_rows)."""
     check_geometry(data.groups, worker.kv_geometry())
     worker.write_rows(*place_rows(data.groups, cells))

@@ -80,6 +80,16 @@ class HybridMemory(Memory):
             MemoryPlan(plan.positions, plan.seq_ids, plan.cells[n:], plan.captures, plan.slot_step)
         )
 
+    def plan_written(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+        a = self.attn.plan_written(positions, seq_ids)
+        r = self.recr.plan_written(positions, seq_ids)
+        if a is None or r is None:
+            return None
+        return MemoryPlan(a.positions, a.seq_ids, a.cells + r.cells, r.captures, r.slot_step)
+
+    def seq_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        return self._per_group(self.attn.seq_rows(seq_id, n), self.recr.seq_rows(seq_id, n))
+
     def views(self, seq_id: int, q_pos: np.ndarray) -> list[SeqCells]:
         return self._per_group(self.attn.views(seq_id, q_pos), self.recr.views(seq_id, q_pos))
 
@@ -131,10 +141,15 @@ class HybridMemory(Memory):
         return self.attn.num_shift_copies(seq_id, p0)
 
     def usable_prefix(self, seq_id: int, n: int) -> int:
-        for m in self.recr.prefix_lengths(seq_id, n):
-            if self.attn.usable_prefix(seq_id, m) == m:
-                return m
-        return 0
+        return max(self.prefix_lengths(seq_id, n), default=0)
+
+    def prefix_lengths(self, seq_id: int, n: int) -> list[int]:
+        """The state's lengths (RecurrentMemory.prefix_lengths) the attention part serves."""
+        return [
+            m
+            for m in self.recr.prefix_lengths(seq_id, n)
+            if self.attn.usable_prefix(seq_id, m) == m
+        ]
 
     # -- accounting --------------------------------------------------------------------------
 

@@ -125,9 +125,29 @@ class Memory(ABC):
     def apply(self, plan: MemoryPlan) -> None:
         """Commit a plan made against the current state: the rows own their cells."""
 
+    def plan_written(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+        """plan() for rows whose K/V or state will be written from a saved copy (a restored
+        slot file or cache-tier entry) instead of computed: nothing is owed to the storage for
+        them (a recurrent memory neither zeroes the new state nor takes checkpoints whose
+        content no step computes). Never mutates."""
+        return self.plan(positions, seq_ids)
+
     @abstractmethod
     def views(self, seq_id: int, q_pos: np.ndarray) -> list[SeqCells]:
         """Per layer group: what rows of seq_id at q_pos may read, after apply. Never mutates."""
+
+    def seq_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer group: where seq_id keeps what a sequence that goes on at position n needs
+        of its [0, n), as (cells, their positions ascending): what a slot file saves. A
+        sliding-window group the rows its window sees from position n - 1 (cells it still
+        owns further back are never read again); a recurrent group one state slot, the state
+        after the n positions, at position n - 1 (nothing where seq_id has no state there: see
+        usable_prefix). Never mutates."""
+        out = []
+        for view in self.views(seq_id, np.array([n - 1], dtype=np.int64)):
+            lo, hi = int(view.lo[0]), int(view.hi[0])
+            out.append((view.kv_cells[lo:hi], view.kv_pos[lo:hi]))
+        return out
 
     @abstractmethod
     def take_pending(self) -> list[PendingOps]:
@@ -187,6 +207,14 @@ class Memory(ABC):
     def usable_prefix(self, seq_id: int, n: int) -> int:
         """The longest m <= n such that a sequence given seq_id's [0, m) by seq_cp can go on
         at position m with every cell its rows need; 0 if none."""
+
+    def prefix_lengths(self, seq_id: int, n: int) -> list[int]:
+        """The lengths m <= n at which a copy of seq_id's [0, m) serves new sequences,
+        descending, one per distinct prefix: usable_prefix alone where it serves every
+        shorter prompt as well (cells); on a recurrent state, each length it kept a state
+        for (a checkpoint or its tail). What the cache tier saves of a finished sequence."""
+        m = self.usable_prefix(seq_id, n)
+        return [m] if m > 0 else []
 
     @property
     def keeps_prefixes(self) -> bool:

@@ -77,6 +77,15 @@ class RecurrentMemory(Memory):
         return UNBOUNDED
 
     def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+        return self._plan(positions, seq_ids, written=False)
+
+    def plan_written(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+        """The tails plan() gives, without the copies into them (a new sequence's zeroed
+        state, a shared state copied before a write: the saved state overwrites the tail) and
+        without checkpoints (no step computes the states before the last row)."""
+        return self._plan(positions, seq_ids, written=True)
+
+    def _plan(self, positions: np.ndarray, seq_ids: np.ndarray, written: bool) -> MemoryPlan | None:
         positions = np.asarray(positions, dtype=np.int64)
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         runs = self._runs(positions, seq_ids)
@@ -99,11 +108,12 @@ class RecurrentMemory(Memory):
         for s in need_new:
             dst = spare.pop(0)
             step.tails[s] = dst
-            step.copies.append((sl.tail[s], dst))  # -1: a new sequence reads a zeroed state
+            if not written:
+                step.copies.append((sl.tail[s], dst))  # -1: a new sequence reads a zeroed state
         taken = {step.tails[s] for s in need_new}
         for x in sorted({step.tails[s] for s, _, _ in runs} - taken):
             if sl.ckpt_refs[x]:  # written in place: its checkpoints keep a copy, or go
-                if spare:
+                if spare and not written:  # (a copy owed now would read the written state)
                     y = spare.pop(0)
                     step.moves.append((x, y))
                     step.copies.append((x, y))
@@ -111,7 +121,7 @@ class RecurrentMemory(Memory):
                     step.evict.append(x)
         captures = []
         for s, p_first, p_last in runs:
-            points = self._capture_points(p_first, p_last)
+            points = [] if written else self._capture_points(p_first, p_last)
             if points:
                 step.drops += [(s, m) for m in sl.ckpts[s] if not self._lasting(m)]
             for m in points:
@@ -140,6 +150,16 @@ class RecurrentMemory(Memory):
         for s, m, x in plan.captures:
             sl.add_ckpt(s, m, x)
         self._copies += step.copies
+
+    def seq_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        sl = self.slots
+        sl._check_seq(seq_id)
+        slot = sl.tail[seq_id] if n > 0 and sl.pos[seq_id] == n - 1 else sl.ckpts[seq_id].get(n, -1)
+        if slot < 0:
+            cells = pos = np.zeros(0, dtype=np.int64)
+        else:
+            cells, pos = np.array([slot], dtype=np.int64), np.array([n - 1], dtype=np.int64)
+        return [(cells, pos) for _ in self.spec.groups]
 
     def views(self, seq_id: int, q_pos: np.ndarray) -> list[SeqCells]:
         empty = np.zeros(0, dtype=np.int64)

@@ -100,6 +100,33 @@ class RecurrentStorage:
         self._conv.index_copy_(1, slots, saved[0])
         self._ssm.index_copy_(1, slots, saved[1])
 
+    def read_cells(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of `slots`' [n] states as a slot file keeps rows (kvcache/cell_file.py):
+        conv [n_layers, 1, n, conv values] in the storage's dtype and ssm [n_layers, 1, n,
+        ssm values] float32; write_cells puts them back."""
+        n_layers, k = len(self.layers), int(slots.shape[0])
+        conv = self._conv.index_select(1, slots).reshape(n_layers, 1, k, -1)
+        ssm = self._ssm.index_select(1, slots).reshape(n_layers, 1, k, -1)
+        return conv, ssm
+
+    def write_cells(self, slots: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Put states that read_cells returned (of a storage of the same shapes) into
+        `slots` [n]."""
+        assert conv.dtype == self._conv.dtype and ssm.dtype == self._ssm.dtype, "another dtype"
+        k = int(slots.shape[0])
+        slots = slots.to(self.device)
+        conv = conv.to(self.device).reshape(len(self.layers), k, *self._conv.shape[2:])
+        ssm = ssm.to(self.device).reshape(len(self.layers), k, *self._ssm.shape[2:])
+        self._conv.index_copy_(1, slots, conv)
+        self._ssm.index_copy_(1, slots, ssm)
+
+    def rows_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole storage shaped as read_cells gives rows: [n_layers, 1, n_slots, values]
+        (what a restore checks a file's geometry against)."""
+        n_layers = len(self.layers)
+        conv = self._conv.view(n_layers, 1, self.n_slots, -1)
+        return conv, self._ssm.view(n_layers, 1, self.n_slots, -1)
+
     def clear(self) -> None:
         self._conv.zero_()
         self._ssm.zero_()

@@ -2,7 +2,8 @@
 that survives restarts (`--cache-dir`).
 
 Every prefix-cache holder of at least `min_tokens` tokens is copied out when it appears (its tokens
-and K/V rows as stored: what a slot file keeps, scheduler/saved_slots.py) and given to each store,
+and K/V rows as stored, and on a recurrent or hybrid model the state after its last token: what a
+slot file keeps, scheduler/saved_slots.py) and given to each store,
 which keeps it within its byte budget, least recently used out first. When the live cache later
 evicts the holder under pressure, the copy stays. The prefix index over held cells
 (scheduler/radix.py) holds only demoted holders, each copied out when it was a holder, so what the
@@ -94,6 +95,13 @@ class _Load:
     waiters: list[Sequence] = field(default_factory=list)
 
 
+def whole_length_only(sched: Scheduler) -> bool:
+    """Whether an entry serves only prompts that start with all of its tokens: a sliding
+    window keeps the rows of its last positions only, a recurrent state is the state after the
+    last token."""
+    return any(p.window > 0 or p.kind != "cells" for p in sched.memory.pools)
+
+
 class CacheTier:
     def __init__(
         self,
@@ -149,20 +157,37 @@ class CacheTier:
                 self._save(sched, sid, tokens, worker)
 
     def _save(self, sched: Scheduler, sid: int, tokens: np.ndarray, worker: Any) -> None:
+        """Copy out what holder `sid` serves: its whole length, and on a recurrent or hybrid
+        model each shorter length it kept a state for (a checkpoint: the end of a shared
+        system prompt's grid point, the prompt before its last token), shortest first so that
+        the whole conversation is the most recently used."""
         lora, lora_name = sched.prefix.lora(sid), sched.prefix.lora_name(sid)
         fixed = self.num_fixed_loras
         if fixed is not None and any(aid >= fixed for aid, _ in lora):
             return
+        lengths = sched.memory.prefix_lengths(sid, int(tokens.shape[0]))
+        for m in sorted(m for m in lengths if m >= self.min_tokens):
+            self._save_prefix(sched, sid, tokens[:m], lora, lora_name, worker)
+
+    def _save_prefix(
+        self,
+        sched: Scheduler,
+        sid: int,
+        tokens: np.ndarray,
+        lora: LoraKey,
+        lora_name: str | None,
+        worker: Any,
+    ) -> None:
         key = self.key(tokens, lora)
         held: SlotCells | None = None
-        windowed = any(p.window > 0 for p in sched.memory.pools)
+        whole = whole_length_only(sched)
         for i, store in enumerate(self.stores):
             index = self.index[i]
             if key in index:
                 self._touch(index[key])
                 continue
             if held is None:
-                held = slot_cells(sched, sid)
+                held = slot_cells(sched, sid, int(tokens.shape[0]))
             nbytes = store.put(key, held, worker)
             if nbytes < 0:
                 self.stats[i].dropped_saves += 1
@@ -170,7 +195,7 @@ class CacheTier:
             self._clock += 1
             index[key] = TierEntry(key, tokens.copy(), nbytes, self._clock, lora, lora_name)
             self.stats[i].saves += 1
-            if not windowed:  # a full-attention entry serves every prefix of itself
+            if not whole:  # a full-attention entry serves every prefix of itself
                 for k, e in list(index.items()):
                     n = e.tokens.shape[0]
                     covered = (
@@ -217,7 +242,7 @@ class CacheTier:
                 self._finish(sched, worker, load)
         if not sched.config.prefix_cache:
             return
-        windowed = any(p.window > 0 for p in sched.memory.pools)
+        whole = whole_length_only(sched)
         for seq in list(sched.waiting)[: max(1, sched.config.n_seq_max)]:
             if seq.tier_checked or seq.request.embed:
                 continue
@@ -229,8 +254,8 @@ class CacheTier:
                     if e.lora != lora:
                         continue  # K/V computed under other adapters serves nobody here
                     n = common_prefix_len(e.tokens, tokens)
-                    if windowed and n < e.tokens.shape[0]:
-                        continue  # a windowed holder serves only its whole length
+                    if whole and n < e.tokens.shape[0]:
+                        continue
                     if best is None or n > best[0]:
                         best = (n, i, e)
             if best is None:

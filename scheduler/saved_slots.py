@@ -3,10 +3,12 @@ erase`, server/routes_slots.py).
 
 A llama.cpp slot keeps its last prompt's cells for the next request; here a finished
 conversation's cells stay under its seq id as a prefix-cache holder, so slot N is seq id N and
-what it holds is that holder's tokens and cells. A restored slot is a holder again: the next
-request whose prompt starts with its tokens takes them with seq_cp (cached_tokens), exactly as
-if the conversation had just finished here. Every function runs on the engine thread between
-two steps (Engine.call), so the worker is idle and the cells cannot move under it.
+what it holds is that holder's tokens and cells (on a recurrent or hybrid model, the state
+after its last token in place of the recurrent layers' cells, as llama.cpp's state files keep
+a recurrent cell). A restored slot is a holder again: the next request whose prompt starts with
+its tokens takes them with seq_cp (cached_tokens), exactly as if the conversation had just
+finished here. Every function runs on the engine thread between two steps (Engine.call), so
+the worker is idle and the cells cannot move under it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class SlotError(Exception):
 @dataclass(slots=True)
 class SlotCells:
     """What slot `seq_id` holds: its tokens (positions 0..n-1) and, per layer group of the
-    model's MemorySpec, the cells that group keeps for it and their positions (sorted), and the
-    LoRA adapters its K/V was computed under."""
+    model's MemorySpec, the cells that group keeps for it and their positions (sorted;
+    Memory.seq_rows: a recurrent group's one state slot at n - 1), and the LoRA adapters its
+    K/V was computed under."""
 
     seq_id: int
     tokens: np.ndarray
@@ -45,28 +48,24 @@ def _check(sched: Scheduler, seq_id: int) -> None:
     n = sched.memory.n_seq_max
     if not 0 <= seq_id < n:
         raise SlotError(400, f"id_slot {seq_id} is out of range: this server has slots 0..{n - 1}")
-    if any(p.kind != "cells" for p in sched.memory.pools):
-        raise SlotError(
-            400,
-            "this model keeps a recurrent state, not per-token cells: slot save/restore "
-            "serves attention caches only",
-        )
     if any(s.seq_id == seq_id for s in sched.running):
         raise SlotError(409, f"slot {seq_id} is busy with a running request; retry when it ends")
 
 
-def slot_cells(sched: Scheduler, seq_id: int) -> SlotCells:
-    """What slot `seq_id` holds (never mutates); SlotError if it is busy or holds nothing."""
+def slot_cells(sched: Scheduler, seq_id: int, length: int | None = None) -> SlotCells:
+    """What slot `seq_id` holds (never mutates), or its first `length` tokens' part (a length
+    Memory.prefix_lengths gives); SlotError if it is busy or holds nothing."""
     _check(sched, seq_id)
     if seq_id not in sched.prefix:
         raise SlotError(400, f"slot {seq_id} holds no cached prompt to save")
-    tokens = sched.prefix.tokens(seq_id)
-    n = int(tokens.shape[0])
-    cells, positions = [], []
-    for view in sched.memory.views(seq_id, np.array([n - 1], dtype=np.int64)):
-        keep = view.kv_pos < n
-        cells.append(view.kv_cells[keep])
-        positions.append(view.kv_pos[keep])
+    tokens = sched.prefix.tokens(seq_id)[:length]
+    # a recurrent state serves only the lengths it kept a state for (a holder's whole length)
+    n = sched.memory.usable_prefix(seq_id, int(tokens.shape[0]))
+    if n <= 0:
+        raise SlotError(400, f"slot {seq_id} holds no reusable prompt to save")
+    tokens = tokens[:n]
+    rows = sched.memory.seq_rows(seq_id, n)
+    cells, positions = [c for c, _ in rows], [p for _, p in rows]
     return SlotCells(
         seq_id, tokens, cells, positions, sched.prefix.lora(seq_id), sched.prefix.lora_name(seq_id)
     )
@@ -110,14 +109,13 @@ def restore_slot(
     if not sched.seq_ids.claim(seq_id):
         raise SlotError(409, f"slot {seq_id} is in use")
     mem = sched.memory
-    rows = [np.full(n, -1, dtype=np.int64) for _ in mem.group_pools]
     chunk = max(1, sched.config.n_batch)
     for start in range(0, n, chunk):
         pos = np.arange(start, min(n, start + chunk), dtype=np.int64)
         ids = np.full(pos.shape, seq_id, dtype=np.int64)
-        plan = mem.plan(pos, ids)
+        plan = mem.plan_written(pos, ids)
         while plan is None and sched.seq_ids.drop_lru_holder(exclude=seq_id):
-            plan = mem.plan(pos, ids)
+            plan = mem.plan_written(pos, ids)
         if plan is None:
             mem.seq_rm(seq_id, -1, -1)
             sched.seq_ids.release(seq_id)
@@ -125,12 +123,12 @@ def restore_slot(
                 503, f"the cache has no room for the slot's {n} tokens while requests hold it"
             )
         mem.apply(plan)
-        for g, pool in enumerate(mem.group_pools):
-            rows[g][pos] = plan.cells[pool]
-    # rows a sliding window has since dropped: their cells may be another row's now
-    for g, view in enumerate(mem.views(seq_id, np.array([n - 1], dtype=np.int64))):
-        kept = np.zeros(n, dtype=bool)
-        kept[view.kv_pos[view.kv_pos < n]] = True
-        rows[g][~kept] = -1
+    # what the sequence keeps: not a sliding window's older rows (their cells may be another
+    # row's now), of a recurrent state only the state after the last position
+    rows = []
+    for cells, kept in mem.seq_rows(seq_id, n):
+        at = np.full(n, -1, dtype=np.int64)
+        at[kept] = cells
+        rows.append(at)
     sched.prefix.insert(seq_id, np.asarray(tokens, dtype=np.int64).copy(), lora, lora_name)
     return rows

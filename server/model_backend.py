@@ -88,16 +88,13 @@ def load_draft_model(
 
 
 def make_cache_tier(
-    settings: Settings, memory: Any, fingerprint: str, num_fixed_loras: int | None = None
+    settings: Settings, fingerprint: str, num_fixed_loras: int | None = None
 ) -> CacheTier | None:
     """The prefix cache's second tier from --cache-ram / --cache-dir (None: neither);
     `num_fixed_loras`: scheduler.cache_tier.CacheTier's."""
     from kvcache.tier_store import DiskStore, RamStore
 
     if not settings.cache_ram and not settings.cache_dir:
-        return None
-    if any(p.kind != "cells" for p in memory.pools):
-        log.warning("--cache-ram / --cache-dir: off for a recurrent or hybrid model (no cells)")
         return None
     if not settings.prefix_cache:
         log.warning("--cache-ram / --cache-dir: off with --no-prefix-cache")
@@ -247,7 +244,7 @@ def load_backend(
     # slot files and the disk tier name adapters by index: the adapters are part of the identity
     adapter_paths = [a.path for a in loras.adapters] if loras is not None else []
     fingerprint = model_fingerprint(loaded.path, *adapter_paths)
-    tier = make_cache_tier(settings, memory, fingerprint, len(adapter_paths))
+    tier = make_cache_tier(settings, fingerprint, len(adapter_paths))
     engine = Engine(worker, config, on_step=on_step, memory=memory, drafter=drafter, tier=tier)
     lora_runtime = None
     if settings.allow_runtime_lora and loras is not None:

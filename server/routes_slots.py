@@ -117,7 +117,11 @@ def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
         except CellFileError as e:
             raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
         cells = restore_slot(sched, id_slot, data.tokens, data.lora, data.lora_name)
-        write_back(data, cells, worker)
+        try:
+            write_back(data, cells, worker)
+        except CellFileError as e:  # it lacks rows the cache keeps: hold nothing unwritten
+            sched.seq_ids.drop_holder(id_slot)
+            raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
 
     _call(backend, write)
     return {

@@ -29,6 +29,19 @@ def _redraw(model: Any, seed: int) -> None:
                 p.copy_(0.15 * noise)
 
 
+def _long_memory(model: Any, seed: int) -> None:
+    """Make the SSM states remember: A = -exp(A_log) ~ -0.02 and dt ~ 0.13 keep ~99.7% of a
+    state a token (the redrawn N(0, 0.5) forgets within a few tokens, so a lost or zeroed
+    state would change no output a test can see)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(-4.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.full(p.shape, -2.0))
+
+
 def _save(folder: Path, model: Any) -> Path:
     """save_pretrained over write_tiny_llama's folder (keeping its tokenizer files)."""
     for old in folder.glob("*.safetensors"):
@@ -59,8 +72,10 @@ def write_tiny_mamba2(
     seed: int = 0,
     conv_bias: bool = True,
     proj_bias: bool = False,
+    long_memory: bool = False,
 ) -> Path:
-    """A random Mamba2 (expand 2, untied head) with write_tiny_llama's tokenizer."""
+    """A random Mamba2 (expand 2, untied head) with write_tiny_llama's tokenizer;
+    `long_memory`: states that forget slowly (_long_memory)."""
     import transformers
 
     folder, ids = _tokenizer_folder(folder)
@@ -82,6 +97,8 @@ def write_tiny_mamba2(
     )
     model = transformers.Mamba2ForCausalLM(config)
     _redraw(model, seed)
+    if long_memory:
+        _long_memory(model, seed)
     return _save(folder, model)
 
 
@@ -101,10 +118,11 @@ def write_tiny_granite_hybrid(
     vocab: int = 2048,
     seed: int = 0,
     tie: bool = True,
+    long_memory: bool = False,
 ) -> Path:
     """A random dense GraniteMoeHybrid (Granite 4.0-H; `rope` True: Bamba-like rope attention)
     with multipliers != 1 and write_tiny_llama's tokenizer. layer_types: "mamba" /
-    "attention"."""
+    "attention"; `long_memory`: states that forget slowly (_long_memory)."""
     import transformers
 
     folder, ids = _tokenizer_folder(folder)
@@ -138,6 +156,8 @@ def write_tiny_granite_hybrid(
     )
     model = transformers.GraniteMoeHybridForCausalLM(config)
     _redraw(model, seed)
+    if long_memory:
+        _long_memory(model, seed)
     if tie:
         model.tie_weights()
     return _save(folder, model)

@@ -133,11 +133,13 @@ class ModelWorker:
 
     def read_rows(self, cells: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer group, copies of the K/V rows of `cells` as stored (a slot file's
-        content; call between steps)."""
+        content; call between steps); of a recurrent group, its slots' (conv, ssm) states
+        (RecurrentStorage.read_cells)."""
         out = []
         for storage, c in zip(self.kv, cells, strict=True):
-            assert isinstance(storage, KVStorage), "slot rows: attention groups only"
-            out.append(storage.read_cells(torch.from_numpy(np.asarray(c, dtype=np.int64))))
+            index = torch.from_numpy(np.asarray(c, dtype=np.int64)).to(self.device)
+            k, v = storage.read_cells(index)
+            out.append((k.cpu(), v.cpu()))
         return out
 
     def write_rows(
@@ -145,13 +147,13 @@ class ModelWorker:
     ) -> None:
         """The inverse of read_rows (a restored slot)."""
         for storage, c, (k, v) in zip(self.kv, cells, rows, strict=True):
-            assert isinstance(storage, KVStorage), "slot rows: attention groups only"
-            storage.write_cells(torch.from_numpy(np.asarray(c, dtype=np.int64)), k, v)
+            index = torch.from_numpy(np.asarray(c, dtype=np.int64)).to(self.device)
+            storage.write_cells(index, k.to(self.device), v.to(self.device))
 
     def kv_geometry(self) -> list[dict[str, object]]:
         """Per layer group, what its stored rows look like (checked before a restore)."""
         return [
-            rows_geometry(s.k, s.v) if isinstance(s, KVStorage) else {"recurrent": True}
+            rows_geometry(s.k, s.v) if isinstance(s, KVStorage) else rows_geometry(*s.rows_views())
             for s in self.kv
         ]
 

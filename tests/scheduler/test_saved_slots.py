@@ -1,7 +1,8 @@
 """Slot save/restore on the cells (scheduler/saved_slots.py): what a finished conversation
 holds is read out, erased, and restored into fresh cells (another slot, a full cache) such that
 a continuation takes it as a prefix hit and generates exactly what a cold run would; on the
-unified and the sliding-window memory. Busy, empty and out-of-range slots and a cache without
+unified, sliding-window, recurrent and hybrid memories (a state is saved and written back
+whole). Busy, empty and out-of-range slots and a cache without
 room are refused with nothing changed and nothing leaked."""
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from tests.scheduler.fakes import (
 )
 
 W = 16
-SPECS = {
+STATE = Recurrent(((3, 8), (2, 4, 4)))
+SPECS = {  # memory spec, the window of each layer group (a recurrent state sees everything)
     "unified": (None, (0,)),
     "iswa": (MemorySpec.of([Attention(1, 4), Attention(1, 4, W)]), (0, W)),
+    "recurrent": (MemorySpec.of([STATE, STATE]), (0,)),
+    "hybrid": (MemorySpec.of([STATE, Attention(1, 4), STATE]), (0, 0)),
 }
 PROMPT = make_prompt(150, seed=5)
 
@@ -45,13 +49,21 @@ def request(req_id: str, prompt: list[int], max_tokens: int = 6) -> Request:
     return req
 
 
+def is_state(sched: Scheduler, g: int) -> bool:
+    mem = sched.memory
+    return mem.pools[mem.group_pools[g]].kind == "slots"
+
+
 def save(sched: Scheduler, worker: FakeWorker, sid: int) -> tuple[np.ndarray, list]:
-    """What a slot file keeps: the tokens and, per group, positions + the fake K/V rows."""
+    """What a slot file keeps: the tokens and, per group, positions + the fake K/V rows (a
+    recurrent group: its slots' fake states)."""
     held = slot_cells(sched, sid)
-    rows = [
-        (pos, worker.token[g][cells].copy(), worker.k_pos[g][cells].copy())
-        for g, (cells, pos) in enumerate(zip(held.cells, held.positions, strict=True))
-    ]
+    rows = []
+    for g, (cells, pos) in enumerate(zip(held.cells, held.positions, strict=True)):
+        if is_state(sched, g):
+            rows.append((pos, [worker.states.slots[c] for c in cells.tolist()], None))
+        else:
+            rows.append((pos, worker.token[g][cells].copy(), worker.k_pos[g][cells].copy()))
     return held.tokens.copy(), rows
 
 
@@ -60,6 +72,10 @@ def restore(sched: Scheduler, worker: FakeWorker, sid: int, tokens: np.ndarray, 
     for g, (pos, token, k_pos) in enumerate(rows):
         at = cells[g][pos]
         keep = at >= 0
+        if is_state(sched, g):
+            assert keep.all() and (cells[g] >= 0).sum() == len(token) == 1, "one state, kept"
+            worker.states.slots[int(at[0])] = token[0]
+            continue
         worker.token[g][at[keep]] = token[keep]
         worker.k_pos[g][at[keep]] = k_pos[keep]
 
@@ -73,6 +89,7 @@ def test_a_restored_slot_is_a_prefix_hit_with_the_cold_output(kind: str) -> None
     (sid,) = sched.prefix.seq_ids
     tokens, rows = save(sched, worker, sid)
     assert tokens.tolist() == conversation[: tokens.shape[0]]
+    assert tokens.shape[0] >= len(PROMPT)
     assert erase_slot(sched, sid) == tokens.shape[0]
     assert len(sched.prefix) == 0 and sched.memory.num_used == 0
     # other work reuses the freed cells before the restore
@@ -147,10 +164,42 @@ def test_refusals_change_nothing() -> None:
     sched.seq_ids.release(free_sid)
 
 
-def test_a_recurrent_memory_is_refused() -> None:
-    state = Recurrent(((3, 8), (2, 4, 4)))
-    config = make_config(memory_spec=MemorySpec.of([state, state]))
-    sched = Scheduler(config)
-    with pytest.raises(SlotError) as e:
-        slot_cells(sched, 0)
-    assert e.value.status == 400 and "recurrent" in str(e.value)
+@pytest.mark.parametrize("kind", ["recurrent", "hybrid"])
+def test_a_restored_state_takes_no_checkpoint_and_no_zeroing_copy(kind: str) -> None:
+    """The restored tail is written from the file: a checkpoint of the restore's chunks would
+    hold a state nobody computed, a pending zeroing copy would wipe the written one at the
+    next step."""
+    sched, worker = make(kind, n_batch=16)
+    out = run(sched, worker, [request("a", PROMPT)])
+    (sid,) = sched.prefix.seq_ids
+    tokens, rows = save(sched, worker, sid)
+    recr = sched.memory if kind == "recurrent" else sched.memory.recr  # type: ignore[attr-defined]
+    ckpts = sum(len(c) for c in recr.slots.ckpts)
+    target = (sid + 1) % 4
+    restore(sched, worker, target, tokens, rows)
+    assert sum(len(c) for c in recr.slots.ckpts) == ckpts  # none for the restored slot
+    assert recr.slots.ckpts[target] == {}
+    pending = sched.memory.take_pending()
+    state_groups = [g for g in range(len(pending)) if is_state(sched, g)]
+    assert all(pending[g].copy_dst.size == 0 for g in state_groups)
+    sched.memory.check()
+    conversation = PROMPT + out.tokens[("a", 0)]
+    follow = request("b", conversation + make_prompt(5, seed=1), max_tokens=4)
+    assert (
+        run(sched, worker, [follow]).tokens[("b", 0)]
+        == reference_output(follow, 400, windows=SPECS[kind][1])[0]
+    )
+
+
+def test_a_state_saved_at_another_length_is_not_a_slot() -> None:
+    """A recurrent holder whose state is not after its whole length saves only the length it
+    has a state for."""
+    sched, worker = make("recurrent")
+    run(sched, worker, [request("a", PROMPT)])
+    (sid,) = sched.prefix.seq_ids
+    n = int(sched.prefix.tokens(sid).shape[0])
+    assert slot_cells(sched, sid).tokens.shape[0] == n
+    holder = sched.prefix._holders[sid]  # the engine never makes one: the save path's guard
+    holder.tokens = np.concatenate([holder.tokens, np.arange(3, dtype=np.int64)])
+    held = slot_cells(sched, sid)
+    assert held.tokens.shape[0] == n and held.positions[0].tolist() == [n - 1]
