@@ -205,6 +205,7 @@ def write_tiny_lfm2(
     ff_dim: int = 160,
     conv_cache: int = 3,
     seed: int = 0,
+    vocab: int = 2048,
 ) -> Path:
     """A random Lfm2ForCausalLM (LFM2: gated short convolutions and GQA attention with q/k
     norms, tied embeddings of N(0, 0.15)) with write_tiny_llama's tokenizer. `ff_dim` 160 goes
@@ -213,7 +214,7 @@ def write_tiny_lfm2(
 
     folder, ids = _tokenizer_folder(folder)
     config = transformers.Lfm2Config(
-        vocab_size=2048,
+        vocab_size=vocab,
         hidden_size=dim,
         intermediate_size=ff_dim,
         num_hidden_layers=len(layer_types),
