@@ -122,7 +122,10 @@ def write_tiny_gguf(
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if config.get("head_dim", config["hidden_size"] // n_heads) != config["hidden_size"] // n_heads:
+    # (MixtralConfig writes head_dim: null)
+    if (config.get("head_dim") or config["hidden_size"] // n_heads) != config[
+        "hidden_size"
+    ] // n_heads:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     if spm_tokenizer:

@@ -1,5 +1,6 @@
 """Tiny random mixture-of-experts models built and saved by transformers (Qwen3-MoE, OLMoE,
-GraniteMoE), and their GGUFs in llama.cpp's layout (experts stacked into 3-D ffn_*_exps tensors)."""
+GraniteMoE, Mixtral), and their GGUFs in llama.cpp's layout (experts stacked into 3-D
+ffn_*_exps tensors)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ _EXPERT_TENSORS = {
     "up_proj": "ffn_up_exps",
     "down_proj": "ffn_down_exps",
 }
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def write_tiny_moe(
@@ -76,10 +78,13 @@ def write_tiny_moe(
         extra = dict(intermediate_size=expert_dim)
     if model_type == "granitemoe":
         extra |= GRANITE_MULTIPLIERS
+    if model_type == "mixtral":  # MixtralConfig calls them num_local_experts
+        common["num_local_experts"] = common.pop("num_experts")
     classes = {
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     if model_type not in classes:
         raise ValueError(f"model_type {model_type!r}: one of {', '.join(classes)}")
@@ -89,7 +94,7 @@ def write_tiny_moe(
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            router = name.endswith(("mlp.gate.weight", "router.layer.weight"))
+            router = name.endswith(("mlp.gate.weight", "router.layer.weight", "moe.gate.weight"))
             scale = ROUTER_SCALE if router else WEIGHT_SCALE
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
     model.save_pretrained(folder)
@@ -103,9 +108,12 @@ def write_tiny_moe_gguf(path: str | Path, folder: str | Path, qtype: str = "F32"
     write_tiny_gguf's."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    arch = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}[
-        config["model_type"]
-    ]
+    arch = {  # llama.cpp's converter writes Mixtral as `llama` with experts (LlamaModel)
+        "qwen3_moe": "qwen3moe",
+        "olmoe": "olmoe",
+        "granitemoe": "granitemoe",
+        "mixtral": "llama",
+    }[config["model_type"]]
     tensors = load_file(str(folder / "model.safetensors"))
     n_experts = config.get("num_experts") or config["num_local_experts"]
 
@@ -130,9 +138,11 @@ def write_tiny_moe_gguf(path: str | Path, folder: str | Path, qtype: str = "F32"
                 out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, f:]
                 out[f"blk.{i}.ffn_down_exps.weight"] = tensors[p + "output_linear.weight"].numpy()
                 continue
-            p = f"model.layers.{i}.mlp."
+            mixtral = config["model_type"] == "mixtral"
+            p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}."
             out[f"blk.{i}.ffn_gate_inp.weight"] = tensors[p + "gate.weight"].numpy()
             for proj, name in _EXPERT_TENSORS.items():
+                proj = _MIXTRAL_NAMES[proj] if mixtral else proj
                 stack = [tensors[f"{p}experts.{e}.{proj}.weight"] for e in range(n_experts)]
                 out[f"blk.{i}.{name}.weight"] = torch.stack(stack).numpy()
         return out

@@ -51,6 +51,9 @@ class Family:
     # load (the Mamba2 mixers read dense weights)
     file_blocks: bool = True
     moe_norm_topk: bool | None = None  # a mixture of experts: GGUF expert_weights_norm default
+    # a mixture of experts only where the file names experts (GGUF expert_count, config.json
+    # num_local_experts): llama's arch holds Mixtral too
+    moe_optional: bool = False
     # GGUF: q/k rows permuted by llama.cpp's converter (LlamaModel.undo_permute undoes it)
     gguf_permuted_qk: bool = False
     gguf_fused: frozenset[str] = frozenset()  # kinds stored fused (model/load/gguf.py _FUSED)
@@ -59,9 +62,9 @@ class Family:
     hf_fused: tuple[str, ...] = ()  # HF fused projections (model/load/hf.py _FUSED)
     hf_tied: bool = False  # tie_word_embeddings when config.json does not say
     # how its HF files store the experts (model/load/hf.py): one tensor per expert and projection
-    # (Qwen3-MoE, OLMoE), Granite-MoE's fused input_linear / output_linear, gpt-oss's stacked
-    # gate_up_proj with biases
-    hf_experts: Literal["per_expert", "granite", "gpt_oss"] = "per_expert"
+    # (Qwen3-MoE, OLMoE; Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2), Granite-MoE's
+    # fused input_linear / output_linear, gpt-oss's stacked gate_up_proj with biases
+    hf_experts: Literal["per_expert", "mixtral", "granite", "gpt_oss"] = "per_expert"
     from_gguf: Callable[[ModelArgs, GGUFMeta], None] | None = None
     from_hf: Callable[[ModelArgs, dict[str, Any]], None] | None = None
     # read whole (recurrent): ModelArgs from the metadata and the embedding's row count, from

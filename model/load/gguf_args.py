@@ -101,7 +101,9 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
         args.rope = linear_rope(args.rope, float(get("rope.scaling.factor", 1.0)))
     elif scaling not in ("none", "longrope", None):  # longrope: model/arch/phi3.py
         raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported.")
-    if family.moe_norm_topk is not None:  # every layer sparse, as llama.cpp builds them
+    moe = family.moe_norm_topk is not None
+    if moe and (not family.moe_optional or int(get("expert_count", 0)) > 0):
+        # every layer sparse, as llama.cpp builds them
         args.moe = MoEArgs(
             n_experts=int(get("expert_count")),
             n_used=int(get("expert_used_count")),

@@ -37,6 +37,7 @@ _FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
 _MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
+_MIXTRAL_PROJ = {"w1_exps": "w1", "w3_exps": "w3", "w2_exps": "w2"}  # block_sparse_moe.experts
 # gpt-oss: the experts stacked (_gptoss_experts)
 _GPTOSS_EXPERTS = ("w1_exps", "w3_exps", "w2_exps", "b1_exps", "b3_exps", "b2_exps")
 
@@ -121,6 +122,9 @@ def read_weights(
             if ours in _EXPERT_PROJ:
                 assert args.moe is not None
                 theirs = f"model.layers.{i}.mlp.experts.{{}}.{_EXPERT_PROJ[ours]}.weight"
+                if family.hf_experts == "mixtral":
+                    theirs = f"model.layers.{i}.block_sparse_moe.experts.{{}}."
+                    theirs += f"{_MIXTRAL_PROJ[ours]}.weight"
                 stacked = _stack_experts(raw, theirs, args.moe.n_experts, expected[ours], folder)
                 weights[f"layers.{i}.{ours}"] = stacked.to(dtype)
                 continue

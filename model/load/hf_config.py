@@ -57,7 +57,7 @@ def read_args(config: dict[str, Any], folder: Path, allow_bidirectional: bool = 
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{folder}/config.json: bad or unsupported field ({e}).") from e
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", model_type == "mistral")
+    uses_window = config.get("use_sliding_window", model_type in ("mistral", "mixtral"))
     if (
         not family.sliding
         and uses_window

@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (model/layers/moe.py): tiny random Qwen3-MoE, OLMoE and GraniteMoE
-built by transformers, against transformers (logits, greedy decoding), through their GGUFs
+"""Mixture-of-experts models (model/layers/moe.py): tiny random Qwen3-MoE, OLMoE, GraniteMoE and
+Mixtral built by transformers, against transformers (logits, greedy decoding), through their GGUFs
 (float, and on the file's own Q8_0 / Q4_0 blocks), int4 experts, the real scheduler, and the
 real server."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from model import load_model
+from model.errors import ModelLoadError
 from model.kernels import load_kernels
 from model.layers.ggml import BlockLinear, has_block_kernels
 from model.layers.moe import MoEFeedForward
@@ -27,7 +28,7 @@ from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
 from tests.tiny_moe import GRANITE_MULTIPLIERS, write_tiny_moe, write_tiny_moe_gguf
 
 PROMPT = "Hello world! How are you today? The quick brown fox"
-MOE_TYPES = ["qwen3_moe", "olmoe", "granitemoe"]
+MOE_TYPES = ["qwen3_moe", "olmoe", "granitemoe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=MOE_TYPES)
@@ -56,7 +57,7 @@ def test_description_read_from_the_config(folder):
     assert args.moe is not None and (args.moe.n_experts, args.moe.n_used) == (8, 2)
     assert args.moe.expert_dim == 32
     assert args.moe.norm_topk_prob == (args.arch != "olmoe")  # OLMoE does not renormalize
-    assert args.block.qk_norm == (args.arch != "granitemoe")
+    assert args.block.qk_norm == (args.arch not in ("granitemoe", "mixtral"))  # Llama's block
     assert args.block.qk_norm_full == (args.arch == "olmoe")
     assert all(args.layer_desc(i).moe for i in range(args.n_layers))
     if args.arch == "granitemoe":
@@ -72,6 +73,14 @@ def test_logits_match_transformers(folder, hf_model):
     layer = loaded.transformer.layers[0].feed_forward
     assert isinstance(layer, MoEFeedForward)
     assert int(layer.expert_rows.sum()) == len(ids) * 2  # every row took 2 experts
+
+
+def test_a_mixtral_with_a_sliding_window_is_refused(tmp_path):
+    """MixtralForCausalLM masks to sliding_window where the config sets one; cellserve runs
+    Llama's block with full attention, so such a config is refused, not served wrongly."""
+    folder = write_tiny_moe(tmp_path / "hf", "mixtral", sliding_window=16)
+    with pytest.raises(ModelLoadError, match="sliding-window attention"):
+        load_model(folder)
 
 
 def test_dense_layers_between_sparse_ones_match_transformers(tmp_path):

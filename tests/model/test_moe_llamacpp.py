@@ -22,8 +22,11 @@ from tests.tiny_moe import write_tiny_moe, write_tiny_moe_gguf
 
 pytestmark = pytest.mark.model
 
-# measured: F32 0.0023 (llama.cpp keeps K/V in float16), Q8_0 on the blocks 0.023 (olmoe)
-TOLERANCE = {"F32": 0.01, "Q8_0": 0.05}
+# measured: F32 0.0023 (llama.cpp keeps K/V in float16), Q8_0 on the blocks 0.023 (olmoe),
+# 0.059 (mixtral; llama.cpp's Q8_0 dot products take Q8_0-rounded activations: the dense
+# families' tolerance is 0.2, tests/model/test_dense_llamacpp.py). Other seeds than 1 give olmoe
+# and mixtral a near tie that Q8_0 rounding flips (2026-12-06: seed 3)
+TOLERANCE = {"F32": 0.01, "Q8_0": 0.1}
 # gpt-oss, measured: 0.002-0.005 but 0.018 on one prompt of 25 tokens (float16 K/V in llama.cpp,
 # the experts' gate_up ~ N(0, 1) for the clamp); a YaRN ramp not rounded as llama.cpp's is
 # 0.06-0.9 off
@@ -37,7 +40,7 @@ GPTOSS_TOLERANCE = {"F32": 0.03, "MXFP4": 0.3, "MXFP4-blocks": 0.2}
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "granitemoe", "mixtral"])
 def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtype):
     binary = require_llama_server()
     if qtype != "F32" and not has_block_kernels(load_kernels()):
@@ -46,6 +49,18 @@ def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtyp
     path = write_tiny_moe_gguf(tmp_path / f"{model_type}.gguf", folder, qtype=qtype)
     worker = make_worker(load_model(path, blocks=qtype != "F32"), n_cells=64)
     assert_same_logprobs(binary, path, worker, tmp_path, TOLERANCE[qtype])
+
+
+def test_llama_cpps_converter_writes_mixtral_as_cellserve_reads_it(tmp_path):
+    """Mixtral through llama.cpp's own convert_hf_to_gguf.py (LlamaModel: arch `llama` with
+    expert_count, Q/K permuted, the experts stacked): cellserve's logprobs are llama-server's."""
+    binary = require_llama_server()
+    folder = write_tiny_moe(tmp_path / "mixtral", "mixtral", seed=1)
+    path = convert_with_llamacpp(folder, tmp_path / "mixtral.gguf")
+    loaded = load_model(path)
+    assert loaded.config.moe is not None and loaded.config.moe.norm_topk_prob
+    worker = make_worker(loaded, n_cells=64)
+    assert_same_logprobs(binary, path, worker, tmp_path, TOLERANCE["F32"])
 
 
 @pytest.mark.parametrize("fmt", ["F32", "MXFP4", "MXFP4-blocks"])
