@@ -169,7 +169,7 @@ def write_tiny_gguf(
         if f"model.layers.{i}.self_attn.q_norm.weight" in tensors:
             names[f"model.layers.{i}.self_attn.q_norm.weight"] = f"blk.{i}.attn_q_norm.weight"
             names[f"model.layers.{i}.self_attn.k_norm.weight"] = f"blk.{i}.attn_k_norm.weight"
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for proj in "qkv":
                 names[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = f"blk.{i}.attn_{proj}.bias"
     arrays = {g: tensors[h].numpy().astype(np.float32) for h, g in names.items() if h in tensors}

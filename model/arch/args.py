@@ -107,6 +107,10 @@ class MoEArgs:
     # act = (up + 1) * gate * sigmoid(alpha * gate); llama.cpp fixes alpha 1.702 and limit 7.0
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    # Qwen2-MoE: a shared expert (a gated MLP of width shared_dim, 0: none) that every row takes
+    # beside its routed ones, its output times sigmoid(shared_gate . x) where `shared_gate`
+    shared_dim: int = 0
+    shared_gate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +157,8 @@ class LayerDesc:
     ffn: bool
     moe: bool
     moe_bias: bool  # router and expert biases (MoEArgs.bias)
+    moe_shared: bool  # a shared expert beside the routed ones (MoEArgs.shared_dim)
+    moe_shared_gate: bool  # its output gated by sigmoid(shexp_gate . x) (MoEArgs.shared_gate)
     activation: Activation
     norm_shift: float
     residual_mult: float
@@ -165,6 +171,10 @@ class LayerDesc:
             ffn = ["ffn_norm", "moe_router", "w1_exps", "w3_exps", "w2_exps"]
             if self.moe_bias:
                 ffn += ["moe_router_b", "b1_exps", "b3_exps", "b2_exps"]
+            if self.moe_shared:
+                ffn += ["w1_shexp", "w3_shexp", "w2_shexp"]
+            if self.moe_shared_gate:
+                ffn.append("shexp_gate")
         if not self.pre_norms:
             ffn = [k for k in ffn if k != "ffn_norm"]
         if self.mixer == "mamba2":
@@ -282,6 +292,8 @@ class ModelArgs:
             ffn=self.ffn,
             moe=self.is_moe(layer),
             moe_bias=self.is_moe(layer) and self.moe is not None and self.moe.bias,
+            moe_shared=self.is_moe(layer) and self.moe is not None and self.moe.shared_dim > 0,
+            moe_shared_gate=self.is_moe(layer) and self.moe is not None and self.moe.shared_gate,
             activation=block.activation,
             norm_shift=block.norm_shift,
             residual_mult=self.residual_mult,

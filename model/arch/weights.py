@@ -57,6 +57,10 @@ def _moe_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "b1_exps": (e, f),
         "b3_exps": (e, f),
         "b2_exps": (e, d),
+        "w1_shexp": (m.shared_dim, d),  # Qwen2-MoE's shared expert
+        "w3_shexp": (m.shared_dim, d),
+        "w2_shexp": (d, m.shared_dim),
+        "shexp_gate": (d,),  # its gate's weights (HF shared_expert_gate [1, d])
     }
 
 

@@ -173,6 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("router_bias", &StepLayer::router_bias)
       .def_readwrite("swiglu_limit", &StepLayer::swiglu_limit)
       .def_readwrite("swiglu_alpha", &StepLayer::swiglu_alpha)
+      .def_readwrite("shared_expert", &StepLayer::shared_expert)
+      .def_readwrite("shexp_gate", &StepLayer::shexp_gate)
       .def_readwrite("mamba2", &StepLayer::mamba2)
       .def_readwrite("ssm_state", &StepLayer::ssm_state)
       .def_readwrite("ffn", &StepLayer::ffn)

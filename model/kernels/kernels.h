@@ -280,6 +280,10 @@ struct StepLayer {
   // > 0: the experts' activation is gpt-oss's clamped SwiGLU (model/layers/blocks.py
   // swiglu_oai) with this limit and swiglu_alpha; 0: SiLU(gate) * up
   double swiglu_limit = 0.0, swiglu_alpha = 0.0;
+  // Qwen2-MoE: a shared expert after the routed ones, its gate|up and down in w13 / w2, its
+  // output times sigmoid(x . shexp_gate) where shexp_gate [1, dim] is set
+  bool shared_expert = false;
+  std::optional<at::Tensor> shexp_gate;
   // LFM2's short-convolution mixer instead of attention: wqkv its in_proj (B, C, x), wo its
   // out_proj, conv_w [dim, L], conv_state this layer's [n_slots, dim, L - 1] (short_conv)
   bool shortconv = false;

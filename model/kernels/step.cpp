@@ -456,6 +456,14 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     const at::Tensor& ffn_in = layer.ffn_norm ? normed : x;
     if (layer.router) {
       auto out = moe_ffn(ffn_in, layer, group_size);
+      if (layer.shared_expert) {  // model/layers/moe.py: the shared expert, added last
+        auto shared_gate_up = mm(ffn_in, layer.w13);
+        auto shared_hidden = at::empty({n, shared_gate_up.size(1) / 2}, x.options());
+        silu_mul_into(shared_gate_up, shared_hidden);
+        auto shared = mm(shared_hidden, layer.w2);
+        if (layer.shexp_gate) shared.mul_(at::sigmoid(at::linear(ffn_in, *layer.shexp_gate)));
+        out.add_(shared);
+      }
       add_residual_(x, out, layer.residual_mult);
       continue;
     }

@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP (model.arch.MoEArgs): Qwen3-MoE, OLMoE, Granite MoE, gpt-oss.
+"""The sparse mixture-of-experts MLP (model.arch.MoEArgs): Qwen3-MoE, OLMoE, Granite MoE, Mixtral,
+gpt-oss, Qwen2-MoE.
 
 Routing as transformers' Qwen3MoeTopKRouter and llama.cpp's build_moe_ffn (softmax gating):
 logits = router x in the model dtype, p = softmax(logits) in float32, the top n_used of p
@@ -11,6 +12,8 @@ llama.cpp's quantize keeps ffn_gate_inp unquantized too.
 A step's rows are grouped by expert: every (row, slot) pair is sorted by its expert, so each
 active expert runs once over all the rows routed to it (its weights read once per step), and
 the weighted outputs are added back per row in ascending expert order (transformers' order).
+A shared expert (Qwen2-MoE: transformers' Qwen2MoeSparseMoeBlock, llama.cpp's qwen2moe) runs on
+every row after them, its output times sigmoid(shexp_gate . x), added last.
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ class MoEFeedForward(nn.Module):
         self.register_buffer(
             "expert_rows", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False
         )
+        self.shared: FeedForward | None = None
+        self.shared_gate: nn.Parameter | None = None  # [1, d]
+        if moe.shared_dim:
+            shared = {k: weights[f"{prefix}{k}_shexp"] for k in ("w1", "w3", "w2")}
+            self.shared = FeedForward(shared, "", activation)
+        if moe.shared_gate:
+            gate = weights[prefix + "shexp_gate"].reshape(1, -1)
+            self.shared_gate = nn.Parameter(gate, requires_grad=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, d] -> (weights [n, k] in x's dtype, experts [n, k] int64)."""
@@ -83,7 +94,13 @@ class MoEFeedForward(nn.Module):
                 ys[start : start + count] = self.experts[e](xs[start : start + count], fused)
                 start += count
         ys *= top.reshape(-1).index_select(0, order)[:, None]
-        return x.new_zeros(n, x.shape[1]).index_add_(0, rows, ys)
+        out = x.new_zeros(n, x.shape[1]).index_add_(0, rows, ys)
+        if self.shared is not None:
+            shared = self.shared(x, fused)
+            if self.shared_gate is not None:
+                shared *= torch.sigmoid(F.linear(x, self.shared_gate.to(x.dtype)))
+            out += shared
+        return out
 
 
 def expert_load(model: nn.Module) -> list[list[int]]:

@@ -62,6 +62,10 @@ _LAYER_TENSORS = {
     "b1_exps": "ffn_gate_exps.bias",  # [n_expert, n_ff_exp]
     "b3_exps": "ffn_up_exps.bias",
     "b2_exps": "ffn_down_exps.bias",
+    "w1_shexp": "ffn_gate_shexp.weight",  # Qwen2-MoE's shared expert
+    "w3_shexp": "ffn_up_shexp.weight",
+    "w2_shexp": "ffn_down_shexp.weight",
+    "shexp_gate": "ffn_gate_inp_shexp.weight",  # [n_embd]
 }
 
 
@@ -78,6 +82,7 @@ BLOCK_ARCHS = tuple(f.arch for f in FAMILIES if f.file_blocks)
 BLOCK_KINDS = frozenset(
     ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings")
     + ("shortconv_in", "shortconv_out")
+    + ("w1_shexp", "w3_shexp", "w2_shexp")  # Qwen2-MoE's shared expert
 )
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert
 
@@ -139,6 +144,8 @@ def read_weights(
             except ValueError as e:
                 raise ModelLoadError(f"{path}: tensor {theirs} {e}.") from e
         want = expected[kind]
+        if kind == "shexp_gate" and w.size == want[0]:  # llama.cpp's converter: [1, n_embd]
+            w = w.reshape(want)
         if tuple(w.shape) != want:
             raise ModelLoadError(
                 f"{path}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."

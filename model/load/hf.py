@@ -33,9 +33,19 @@ _BIAS_TENSORS = {
 _QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # fused projections (Phi-3: both, GLM-4: gate|up; Family.hf_fused): the parts, in order, by our
 # name
-_FUSED = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w1", "w3")}
+_FUSED = {
+    "self_attn.qkv_proj": ("wq", "wk", "wv"),
+    "mlp.gate_up_proj": ("w1", "w3"),
+    "shared_mlp.input_linear": ("w1_shexp", "w3_shexp"),  # GraniteMoeShared's shared expert
+}
 # mixture of experts (Qwen3-MoE, OLMoE): the router, and per expert e mlp.experts.{e}.<proj>
-_MOE_TENSORS = {"moe_router": "mlp.gate.weight"}
+_MOE_TENSORS = {
+    "moe_router": "mlp.gate.weight",
+    "w1_shexp": "mlp.shared_expert.gate_proj.weight",  # Qwen2-MoE's shared expert
+    "w3_shexp": "mlp.shared_expert.up_proj.weight",
+    "w2_shexp": "mlp.shared_expert.down_proj.weight",
+    "shexp_gate": "mlp.shared_expert_gate.weight",  # [1, d]: read as [d]
+}
 _EXPERT_PROJ = {"w1_exps": "gate_proj", "w3_exps": "up_proj", "w2_exps": "down_proj"}
 _MIXTRAL_PROJ = {"w1_exps": "w1", "w3_exps": "w3", "w2_exps": "w2"}  # block_sparse_moe.experts
 # gpt-oss: the experts stacked (_gptoss_experts)
@@ -134,6 +144,8 @@ def read_weights(
             raise ModelLoadError(f"{folder}: tensor {theirs} is missing.")
         w = raw[theirs]
         want = expected[ours.rsplit(".", 1)[-1]]
+        if ours.endswith("shexp_gate") and w.dim() == 2 and w.shape[0] == 1:
+            w = w[0]
         if tuple(w.shape) != want:
             raise ModelLoadError(
                 f"{folder}: tensor {theirs} has shape {tuple(w.shape)}, expected {want}."
@@ -152,6 +164,8 @@ def _split_fused(
     for i in range(args.n_layers):
         for fused in names:
             parts = _FUSED[fused]
+            if not set(parts) & set(layer_weights(args, i)):
+                continue  # a layer without them (GraniteMoe: no shared expert)
             name = f"model.layers.{i}.{fused}.weight"
             if name not in raw:
                 raise ModelLoadError(f"{folder}: tensor {name} is missing.")
@@ -162,7 +176,7 @@ def _split_fused(
                     f"{folder}: tensor {name} has shape {tuple(raw[name].shape)}, expected {want}."
                 )
             for part, w in zip(parts, raw.pop(name).split(rows), strict=True):
-                raw[f"model.layers.{i}.{_LAYER_TENSORS[part]}"] = w
+                raw[f"model.layers.{i}.{(_LAYER_TENSORS | _MOE_TENSORS)[part]}"] = w
 
 
 def _stack_experts(

@@ -148,7 +148,13 @@ class NativeDecoder:
             if isinstance(ffn, MoEFeedForward):  # step.cpp moe_ffn
                 layer.router = ffn.router.detach().to(model.dtype)
                 layer.expert_rows = ffn.expert_rows
-                layer.experts_w13, layer.experts_w2 = linears[2::2], linears[3::2]
+                n = 2 + 2 * len(ffn.experts)
+                layer.experts_w13, layer.experts_w2 = linears[2:n:2], linears[3:n:2]
+                if ffn.shared is not None:  # step.cpp: w13 / w2 are the shared expert's
+                    layer.shared_expert = True
+                    layer.w13, layer.w2 = linears[n:]
+                if ffn.shared_gate is not None:
+                    layer.shexp_gate = ffn.shared_gate.detach().to(model.dtype)
                 layer.n_used, layer.norm_topk = ffn.n_used, ffn.norm_topk_prob
                 if ffn.router_bias is not None:
                     layer.router_bias = ffn.router_bias.detach().to(model.dtype)
@@ -260,7 +266,8 @@ _FROM_0 = torch.empty(0, dtype=torch.int64)  # step_layers: a chunk whose rows s
 
 def _linears(block: Block) -> tuple[Any, ...]:
     """The block's linears: the mixer's two (attention's wqkv and wo, a recurrent mixer's
-    in_proj and out_proj), then the MLP's (a MoE layer's: every expert's gate|up and down; none
+    in_proj and out_proj), then the MLP's (a MoE layer's: every expert's gate|up and down, then
+    its shared expert's; none
     without an MLP half); a LoRA-adapted one's base (steps with LoRA rows take the Python
     layers: NativeDecoder.runs)."""
     a, f = block.mixer, block.feed_forward
@@ -268,7 +275,8 @@ def _linears(block: Block) -> tuple[Any, ...]:
     if f is None:
         return tuple(map(unwrap, mixer))
     if isinstance(f, MoEFeedForward):
-        return (*map(unwrap, mixer), *(lin for e in f.experts for lin in (e.w13, e.w2)))
+        experts = (lin for e in [*f.experts, *filter(None, [f.shared])] for lin in (e.w13, e.w2))
+        return (*map(unwrap, mixer), *experts)
     return (*map(unwrap, mixer), unwrap(f.w13), unwrap(f.w2))
 
 

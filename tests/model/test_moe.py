@@ -28,7 +28,7 @@ from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
 from tests.tiny_moe import GRANITE_MULTIPLIERS, write_tiny_moe, write_tiny_moe_gguf
 
 PROMPT = "Hello world! How are you today? The quick brown fox"
-MOE_TYPES = ["qwen3_moe", "olmoe", "granitemoe", "mixtral"]
+MOE_TYPES = ["qwen3_moe", "olmoe", "granitemoe", "mixtral", "qwen2_moe", "granitemoeshared"]
 
 
 @pytest.fixture(scope="module", params=MOE_TYPES)
@@ -56,11 +56,16 @@ def test_description_read_from_the_config(folder):
     args = load_model(folder).config
     assert args.moe is not None and (args.moe.n_experts, args.moe.n_used) == (8, 2)
     assert args.moe.expert_dim == 32
-    assert args.moe.norm_topk_prob == (args.arch != "olmoe")  # OLMoE does not renormalize
-    assert args.block.qk_norm == (args.arch not in ("granitemoe", "mixtral"))  # Llama's block
+    # OLMoE does not renormalize, nor does Qwen2-MoE's config here (llama.cpp never does)
+    assert args.moe.norm_topk_prob == (args.arch not in ("olmoe", "qwen2_moe"))
+    assert args.moe.shared_dim == (64 if args.arch in ("qwen2_moe", "granitemoeshared") else 0)
+    assert args.moe.shared_gate == (args.arch == "qwen2_moe")
+    # Llama's and Qwen2's blocks: no q/k norms
+    llama_block = ("granitemoe", "granitemoeshared", "mixtral", "qwen2_moe")
+    assert args.block.qk_norm == (args.arch not in llama_block)
     assert args.block.qk_norm_full == (args.arch == "olmoe")
     assert all(args.layer_desc(i).moe for i in range(args.n_layers))
-    if args.arch == "granitemoe":
+    if args.arch.startswith("granitemoe"):
         got = (args.embed_mult, args.residual_mult, args.attn_scale, args.logits_scaling)
         assert got == tuple(GRANITE_MULTIPLIERS.values())
 
@@ -153,14 +158,26 @@ def test_quantized_gguf_blocks_match_its_dequantized_weights(folder, tmp_path, q
     assert_mostly_close(logits(load_model(path, blocks=True), ids), want)
 
 
-def naive_moe(layer: MoEFeedForward, x: torch.Tensor, experts: list) -> torch.Tensor:
-    """Row by row, slot by slot: sum_j w_j * expert_j(x) with `experts` callables."""
+def naive_moe(layer: MoEFeedForward, x: torch.Tensor, experts: list, shared=None) -> torch.Tensor:
+    """Row by row, slot by slot: sum_j w_j * expert_j(x) with `experts` callables, plus
+    shared(x) with a shared expert (`shared` its callable), times sigmoid(g . x) where it is
+    gated (Qwen2-MoE)."""
     top, idx = layer.route(x)
     out = torch.zeros_like(x)
     for r in range(x.shape[0]):
         for j in range(idx.shape[1]):
             out[r] += top[r, j] * experts[int(idx[r, j])](x[r : r + 1])[0]
+        if layer.shared is not None:  # gated (Qwen2-MoE) or not (GraniteMoeShared)
+            g = layer.shared_gate
+            gate = 1.0 if g is None else torch.sigmoid(x[r] @ g[0])
+            out[r] += gate * shared(x[r : r + 1])[0]
     return out
+
+
+def shared_of(layer: MoEFeedForward, weights=lambda w: w):
+    """The layer's shared expert as a dense callable (None without one)."""
+    s = layer.shared
+    return None if s is None else dense_expert(weights(s.w13.weight), weights(s.w2.weight))
 
 
 def dense_expert(w13: torch.Tensor, w2: torch.Tensor):
@@ -176,8 +193,9 @@ def test_rows_grouped_by_expert_equal_the_row_by_row_sum(folder, n_rows):
     layer = load_model(folder).transformer.layers[1].feed_forward
     x = torch.randn(n_rows, 64, generator=torch.Generator().manual_seed(n_rows))
     experts = [dense_expert(e.w13.weight, e.w2.weight) for e in layer.experts]
+    want = naive_moe(layer, x, experts, shared_of(layer))
     with torch.inference_mode():
-        torch.testing.assert_close(layer(x), naive_moe(layer, x, experts), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n_rows", [3, 40])  # int4_mm below small_rows, int4_gemm past it
@@ -194,13 +212,14 @@ def test_int4_experts_equal_their_dequantized_weights(folder, n_rows):
         return dequantize_int4(q, scales_zeros.bfloat16().float())
 
     grid = [dense_expert(on_grid(e.w13.weight), on_grid(e.w2.weight)) for e in float_layer.experts]
+    shared = shared_of(float_layer, on_grid)
     quantize(loaded.transformer, "int4")
     layer = loaded.transformer.layers[0].feed_forward
     assert isinstance(layer.experts[0].w13, QuantLinear)
     assert type(layer.router) is torch.nn.Parameter  # the router stays float
     x = torch.randn(n_rows, 64, generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
-        got, want = layer(x), naive_moe(layer, x, grid)
+        got, want = layer(x), naive_moe(layer, x, grid, shared)
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
 
 

@@ -40,7 +40,7 @@ GPTOSS_TOLERANCE = {"F32": 0.03, "MXFP4": 0.3, "MXFP4-blocks": 0.2}
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "granitemoe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "granitemoe", "mixtral", "qwen2_moe"])
 def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtype):
     binary = require_llama_server()
     if qtype != "F32" and not has_block_kernels(load_kernels()):
@@ -51,14 +51,19 @@ def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtyp
     assert_same_logprobs(binary, path, worker, tmp_path, TOLERANCE[qtype])
 
 
-def test_llama_cpps_converter_writes_mixtral_as_cellserve_reads_it(tmp_path):
-    """Mixtral through llama.cpp's own convert_hf_to_gguf.py (LlamaModel: arch `llama` with
-    expert_count, Q/K permuted, the experts stacked): cellserve's logprobs are llama-server's."""
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "granitemoeshared"])
+def test_llama_cpps_converter_writes_what_cellserve_reads(tmp_path, model_type):
+    """Through llama.cpp's own convert_hf_to_gguf.py: Mixtral (LlamaModel: arch `llama` with
+    expert_count, Q/K permuted, the experts stacked, top-k renormalized), Qwen2-MoE (its
+    shared expert, the shared gate written [1, n_embd]) and GraniteMoeShared (the shared
+    expert's gate|up split): cellserve's logprobs are llama-server's."""
     binary = require_llama_server()
-    folder = write_tiny_moe(tmp_path / "mixtral", "mixtral", seed=1)
-    path = convert_with_llamacpp(folder, tmp_path / "mixtral.gguf")
+    folder = write_tiny_moe(tmp_path / model_type, model_type, seed=1)
+    path = convert_with_llamacpp(folder, tmp_path / f"{model_type}.gguf")
     loaded = load_model(path)
-    assert loaded.config.moe is not None and loaded.config.moe.norm_topk_prob
+    moe = loaded.config.moe
+    assert moe is not None and moe.norm_topk_prob == (model_type != "qwen2_moe")
+    assert moe.shared_dim == (0 if model_type == "mixtral" else 64)
     worker = make_worker(loaded, n_cells=64)
     assert_same_logprobs(binary, path, worker, tmp_path, TOLERANCE["F32"])
 
