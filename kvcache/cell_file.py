@@ -172,6 +172,16 @@ def check_geometry(groups: list[GroupRows], geometry: list[dict[str, object]]) -
         )
 
 
+def check_last_rows(data: CellFile) -> None:
+    """CellFileError unless every layer group holds the row of the last position, which every
+    memory keeps (full attention, a window, a recurrent state): checked before a restore
+    touches the cache; place_rows checks the rest once the cells are placed."""
+    n = int(data.tokens.shape[0])
+    for i, g in enumerate(data.groups):
+        if g.positions.size == 0 or int(g.positions[-1]) != n - 1:
+            raise CellFileError(f"layer group {i} lacks the rows of its last position ({n - 1})")
+
+
 def place_rows(
     groups: list[GroupRows], cells: list[np.ndarray]
 ) -> tuple[list[np.ndarray], list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -87,6 +87,9 @@ class HybridMemory(Memory):
             return None
         return MemoryPlan(a.positions, a.seq_ids, a.cells + r.cells, r.captures, r.slot_step)
 
+    def seq_trim(self, seq_id: int) -> None:
+        self.attn.seq_trim(seq_id)
+
     def seq_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         return self._per_group(self.attn.seq_rows(seq_id, n), self.recr.seq_rows(seq_id, n))
 

@@ -196,6 +196,13 @@ class ISWAMemory(Memory):
 
     # -- internals ---------------------------------------------------------------------------
 
+    def seq_trim(self, seq_id: int) -> None:
+        for pool in self.swa:
+            cut = np.full(self.n_seq_max, -1, dtype=np.int64)
+            if pool.cells.seq_count[seq_id]:
+                cut[seq_id] = self.full.seq_pos_max(seq_id) - pool.window + 1
+            pool.cells.seq_rm_below(cut)
+
     def _prune(self) -> None:
         """Every sequence leaves its SWA cells out of its window (see the module NOTE)."""
         for pool in self.swa:

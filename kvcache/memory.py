@@ -139,8 +139,8 @@ class Memory(ABC):
     def seq_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer group: where seq_id keeps what a sequence that goes on at position n needs
         of its [0, n), as (cells, their positions ascending): what a slot file saves. A
-        sliding-window group the rows its window sees from position n - 1 (cells it still
-        owns further back are never read again); a recurrent group one state slot, the state
+        sliding-window group the rows its window sees from position n - 1 (it may own older
+        cells until its next step: seq_trim); a recurrent group one state slot, the state
         after the n positions, at position n - 1 (nothing where seq_id has no state there: see
         usable_prefix). Never mutates."""
         out = []
@@ -207,6 +207,14 @@ class Memory(ABC):
     def usable_prefix(self, seq_id: int, n: int) -> int:
         """The longest m <= n such that a sequence given seq_id's [0, m) by seq_cp can go on
         at position m with every cell its rows need; 0 if none."""
+
+    def seq_trim(self, seq_id: int) -> None:
+        """seq_id keeps no cell but seq_rows(seq_id, seq_pos_max + 1)'s: after rows written
+        from a saved copy (which holds only those), so that no cell the copy did not write
+        stays owned, where a shorter prefix (usable_prefix) could read it. Every cell a
+        sequence owns is needed, except a sliding window's older ones (their pool drops them
+        at the next step)."""
+        return None
 
     def prefix_lengths(self, seq_id: int, n: int) -> list[int]:
         """The lengths m <= n at which a copy of seq_id's [0, m) serves new sequences,

@@ -123,6 +123,7 @@ def restore_slot(
                 503, f"the cache has no room for the slot's {n} tokens while requests hold it"
             )
         mem.apply(plan)
+    mem.seq_trim(seq_id)  # a window's older rows: owned, but not in the file
     # what the sequence keeps: not a sliding window's older rows (their cells may be another
     # row's now), of a recurrent state only the state after the last position
     rows = []

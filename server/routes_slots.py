@@ -24,6 +24,7 @@ from kvcache.cell_file import (
     CellFile,
     CellFileError,
     check_geometry,
+    check_last_rows,
     copy_out,
     read_cell_file,
     write_back,
@@ -114,14 +115,17 @@ def _restore(backend: Backend, id_slot: int, path: Path) -> dict[str, Any]:
     def write(sched: Any, worker: Any) -> None:
         try:
             check_geometry(data.groups, worker.kv_geometry())  # before the slot is touched
+            check_last_rows(data)
         except CellFileError as e:
             raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
         cells = restore_slot(sched, id_slot, data.tokens, data.lora, data.lora_name)
         try:
             write_back(data, cells, worker)
-        except CellFileError as e:  # it lacks rows the cache keeps: hold nothing unwritten
+        except Exception as e:  # hold nothing unwritten
             sched.seq_ids.drop_holder(id_slot)
-            raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
+            if isinstance(e, CellFileError):  # it lacks rows the cache keeps (the slot is empty)
+                raise APIError(400, f"slot file {path.name!r} cannot be restored: {e}") from e
+            raise
 
     _call(backend, write)
     return {

@@ -13,9 +13,13 @@ from model.arch.family import Family, GGUFMeta, hf_moe
 
 
 def from_gguf(args: ModelArgs, meta: GGUFMeta) -> None:
-    assert args.moe is not None
-    shared = int(meta.get("expert_shared_feed_forward_length", 0))
-    args.moe = replace(args.moe, shared_dim=shared, shared_gate=shared > 0)
+    """llama.cpp's qwen2moe defaults where a (Qwen1.5-MoE) file lacks the sizes: experts
+    feed_forward_length / expert_used_count wide, the shared one feed_forward_length."""
+    moe = args.moe
+    assert moe is not None
+    expert = int(meta.get("expert_feed_forward_length", 0)) or args.hidden_dim // moe.n_used
+    shared = int(meta.get("expert_shared_feed_forward_length", 0)) or args.hidden_dim
+    args.moe = replace(moe, expert_dim=expert, shared_dim=shared, shared_gate=True)
 
 
 def from_hf(args: ModelArgs, config: dict[str, Any]) -> None:

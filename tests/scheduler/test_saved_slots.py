@@ -105,6 +105,25 @@ def test_a_restored_slot_is_a_prefix_hit_with_the_cold_output(kind: str) -> None
     assert out2.tokens[("b", 0)] == reference_output(follow, 400, windows=windows)[0]
 
 
+@pytest.mark.parametrize("cut", [1, 3, 20])
+def test_a_restored_window_serves_no_row_it_was_not_given(cut: int) -> None:
+    """The restore places its tokens in chunks, so the sliding-window pool still owns rows
+    from before the last chunk's window; the file has only the window's. A prompt that leaves
+    the conversation `cut` tokens before its end must not read those unwritten cells (the fake
+    worker asserts every row it reads holds its position's K): it gets the cold output."""
+    sched, worker = make("iswa", n_batch=64)
+    run(sched, worker, [request("a", PROMPT)])
+    (sid,) = sched.prefix.seq_ids
+    tokens, rows = save(sched, worker, sid)
+    erase_slot(sched, sid)
+    run(sched, worker, [request("other", make_prompt(200, seed=9))])  # reuse the freed cells
+    restore(sched, worker, sid, tokens, rows)
+    sched.memory.check()
+    follow = request("b", tokens[: tokens.shape[0] - cut].tolist() + [7], max_tokens=4)
+    out = run(sched, worker, [follow])
+    assert out.tokens[("b", 0)] == reference_output(follow, 400, windows=(0, W))[0]
+
+
 def test_restore_evicts_idle_holders_but_never_a_running_sequence() -> None:
     sched, worker = make("unified", n_cells=300, n_seq_max=4, n_ctx_seq=300)
     run(sched, worker, [request("a", PROMPT)])

@@ -129,7 +129,19 @@ def test_a_file_without_the_state_restores_nothing(tmp_path: Path) -> None:
         used = httpx.get(f"{server.url}/v1/cache/cells").json()["totals"]["used"]
         resp = slot(server.url, 3, "restore", "stateless.bin")
         assert resp.status_code == 400, resp.text
-        assert "lacks the rows" in resp.json()["error"]["message"]
+        assert "lacks the rows of its last position" in resp.json()["error"]["message"]
+        assert held(server.url) == before
+        assert httpx.get(f"{server.url}/v1/cache/cells").json()["totals"]["used"] == used
+        # an attention row missing in the middle: found once placed, the slot left empty
+        data, _ = read_cell_file(slots_dir / "good.bin", fingerprint)
+        for g in data.groups:
+            if g.k.shape[2] == n:
+                keep = [p for p in range(n) if p != n // 2]
+                g.positions, g.k, g.v = g.positions[keep], g.k[:, :, keep], g.v[:, :, keep]
+        write_cell_file(slots_dir / "holed.bin", data)
+        resp = slot(server.url, 3, "restore", "holed.bin")
+        assert resp.status_code == 400, resp.text
+        assert "lacks the rows of 1 positions" in resp.json()["error"]["message"]
         assert held(server.url) == before
         assert httpx.get(f"{server.url}/v1/cache/cells").json()["totals"]["used"] == used
     finally:
