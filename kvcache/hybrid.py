@@ -67,11 +67,7 @@ class HybridMemory(Memory):
         return self.attn.num_free()
 
     def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
-        a = self.attn.plan(positions, seq_ids)
-        r = self.recr.plan(positions, seq_ids)
-        if a is None or r is None:
-            return None
-        return MemoryPlan(a.positions, a.seq_ids, a.cells + r.cells, r.captures, r.slot_step)
+        return _both(self.attn.plan(positions, seq_ids), self.recr.plan(positions, seq_ids))
 
     def apply(self, plan: MemoryPlan) -> None:
         n = len(self.attn.pools)
@@ -82,10 +78,7 @@ class HybridMemory(Memory):
 
     def plan_written(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
         a = self.attn.plan_written(positions, seq_ids)
-        r = self.recr.plan_written(positions, seq_ids)
-        if a is None or r is None:
-            return None
-        return MemoryPlan(a.positions, a.seq_ids, a.cells + r.cells, r.captures, r.slot_step)
+        return _both(a, self.recr.plan_written(positions, seq_ids))
 
     def seq_trim(self, seq_id: int) -> None:
         self.attn.seq_trim(seq_id)
@@ -177,3 +170,10 @@ class HybridMemory(Memory):
             recr[0] if isinstance(g.spec, Recurrent) else attn[attn_groups[g.key]]
             for g in self.spec.groups
         ]
+
+
+def _both(a: MemoryPlan | None, r: MemoryPlan | None) -> MemoryPlan | None:
+    """The attention part's plan and the recurrent part's as one (None unless both fit)."""
+    if a is None or r is None:
+        return None
+    return MemoryPlan(a.positions, a.seq_ids, a.cells + r.cells, r.captures, r.slot_step)
