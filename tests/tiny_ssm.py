@@ -119,22 +119,25 @@ def write_tiny_granite_hybrid(
     seed: int = 0,
     tie: bool = True,
     long_memory: bool = False,
+    experts: int = 0,
 ) -> Path:
-    """A random dense GraniteMoeHybrid (Granite 4.0-H; `rope` True: Bamba-like rope attention)
-    with multipliers != 1 and write_tiny_llama's tokenizer. layer_types: "mamba" /
-    "attention"; `long_memory`: states that forget slowly (_long_memory)."""
+    """A random GraniteMoeHybrid (Granite 4.0-H; `rope` True: Bamba-like rope attention) with
+    multipliers != 1 and write_tiny_llama's tokenizer. layer_types: "mamba" / "attention";
+    `long_memory`: states that forget slowly (_long_memory); `experts` > 0: H-Tiny's shape,
+    every layer `experts` experts 32 wide (top 2) beside the shared MLP."""
     import transformers
 
     folder, ids = _tokenizer_folder(folder)
     config = transformers.GraniteMoeHybridConfig(
         vocab_size=vocab,
         hidden_size=dim,
-        intermediate_size=hidden_dim,
+        intermediate_size=32 if experts else hidden_dim,
         shared_intermediate_size=hidden_dim,
         num_hidden_layers=len(layer_types),
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
-        num_local_experts=0,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
         layer_types=list(layer_types),
         mamba_n_heads=mamba_heads,
         mamba_d_head=mamba_head_dim,

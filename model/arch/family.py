@@ -47,9 +47,6 @@ class Family:
     longrope: bool = False  # its HF config's LongRoPE scaling is read (by from_hf), not refused
     # a recurrent or hybrid family: ModelArgs read whole by gguf_args / hf_args (no hooks)
     recurrent: bool = False
-    # its linears can run on a GGUF's own blocks (model/layers/ggml.py); False: dequantized at
-    # load (the Mamba2 mixers read dense weights)
-    file_blocks: bool = True
     moe_norm_topk: bool | None = None  # a mixture of experts: GGUF expert_weights_norm default
     # a mixture of experts only where the file names experts (GGUF expert_count, config.json
     # num_local_experts): llama's arch holds Mixtral too

@@ -1,26 +1,37 @@
 """Granite 4.0-H and Bamba: Mamba2 mixers (model/arch/mamba2.py) with some attention layers, each
-layer with a SwiGLU MLP; Granite's multipliers (model/arch/granite.py's, on this hybrid). Dense
-only: the mixture-of-experts Granite 4.0-H models are refused by name.
+layer with a SwiGLU MLP; Granite's multipliers (model/arch/granite.py's, on this hybrid). The
+mixture-of-experts Granite 4.0-H models (H-Tiny, H-Small) give every layer GraniteMoe's experts (a
+softmax over the top-k router logits) plus the shared MLP as a shared expert (ungated).
 
 GGUF (llama.cpp's "granitehybrid", convert_hf_to_gguf GraniteHybridModel): attention.head_count_kv
 is a per-layer array where 0 marks a recurrent layer; rope.scaling.finetuned false means no
-position encoding; logit_scale divides the logits; Q/K rows permuted by the converter. HF
+position encoding; logit_scale divides the logits; Q/K rows permuted by the converter; with
+expert_count > 0 the experts are feed_forward_length wide (ffn_*_exps) and the shared MLP
+expert_shared_feed_forward_length (ffn_*_shexp). HF
 (`granitemoehybrid`, `bamba`): layer_types / layers_block_type "mamba" / "attention"
 (transformers 5: linear_attention / full_attention), Bamba's attn_layer_indices; Granite's
-shared_mlp.input_linear = gate || up.
+shared_mlp.input_linear = gate || up, block_sparse_moe.input_linear [E, 2 f, d] likewise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvcache.rope import RopeConfig
 from model.arch import mamba2
-from model.arch.args import LLAMA, Mixer, ModelArgs
-from model.arch.family import Family, GGUFMeta, check_hf_silu, gguf_per_layer, gguf_uniform
+from model.arch.args import LLAMA, Mixer, ModelArgs, MoEArgs
+from model.arch.family import (
+    Family,
+    GGUFMeta,
+    check_hf_silu,
+    gguf_per_layer,
+    gguf_uniform,
+    hf_moe,
+)
 from model.arch.weights import layer_weights
 from model.errors import ModelLoadError
 
@@ -40,7 +51,6 @@ HF_ATTN_NAMES = {
 
 
 def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
-    mamba2.refuse_gguf_experts(meta, "granitehybrid")
     n_layers = int(meta.get("block_count"))
     dim = int(meta.get("embedding_length"))
     eps = float(meta.get("attention.layer_norm_rms_epsilon"))
@@ -55,7 +65,7 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
     ff = gguf_per_layer(meta, "feed_forward_length", n_layers)
     recurrent = [i for i, m in enumerate(mixers) if m == "mamba2"]
     rope_on = bool(meta.get("rope.scaling.finetuned", True))
-    return ModelArgs(
+    args = ModelArgs(
         arch="granitehybrid",
         vocab_size=vocab_size,
         dim=dim,
@@ -80,15 +90,20 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
         residual_mult=float(meta.get("residual_scale", 0.0)) or 1.0,
         logits_scaling=float(meta.get("logit_scale", 0.0)) or 1.0,
     )
+    n_experts = int(meta.get("expert_count", 0))
+    if n_experts > 0:  # llama.cpp's granitehybrid: build_moe_ffn(softmax, norm_w) + the shared
+        args.moe = MoEArgs(
+            n_experts=n_experts,
+            n_used=int(meta.get("expert_used_count")),
+            expert_dim=int(meta.get("expert_feed_forward_length", args.hidden_dim)),
+            norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+            shared_dim=int(meta.get("expert_shared_feed_forward_length", 0)),
+        )
+    return args
 
 
 def hf_args(config: dict[str, Any]) -> ModelArgs:
     check_hf_silu(config)
-    if int(config.get("num_local_experts") or 0) > 0:
-        raise ValueError(
-            f"mixture-of-experts layers (num_local_experts {config['num_local_experts']}) are "
-            "not supported; the dense Granite 4.0-H models (H-350M, H-1B, H-Micro) are"
-        )
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("attention or MLP biases are not supported")
     model_type = str(config["model_type"])
@@ -127,6 +142,14 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
         args.embed_mult = float(config.get("embedding_multiplier", 1.0))
         args.residual_mult = float(config.get("residual_multiplier", 1.0))
         args.logits_scaling = float(config.get("logits_scaling", 1.0))
+        if int(config.get("num_local_experts") or 0) > 0:
+            # GraniteMoeHybridMoE: a softmax over the top-k logits (the top-k renormalized);
+            # shared_mlp, shared_intermediate_size wide, every row takes beside them
+            hf_moe(args, config, norm_topk=True)
+            assert args.moe is not None
+            args.moe = replace(args.moe, shared_dim=args.hidden_dim)
+    elif int(config.get("num_local_experts") or 0) > 0:
+        raise ValueError("a Bamba with experts is not a released model and not supported")
     return args
 
 
@@ -161,16 +184,32 @@ def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
     }
     table = {"attn_norm": "input_layernorm.weight"}
     table |= {k: "mamba." + v for k, v in mamba2.HF_MIXER_NAMES.items()} | HF_ATTN_NAMES | ffn
+    table |= _HF_MOE_NAMES
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{table[ours]}"
     return names
 
 
+# GraniteMoeHybridMoE's experts and the shared MLP beside them (a shared expert)
+_HF_MOE_NAMES = {
+    "moe_router": "block_sparse_moe.router.layer.weight",
+    "w1_exps": "block_sparse_moe.input_linear.weight",  # [E, 2 f, d]: gates || ups
+    "w3_exps": "block_sparse_moe.input_linear.weight",
+    "w2_exps": "block_sparse_moe.output_linear.weight",  # [E, d, f]
+    "w1_shexp": "shared_mlp.input_linear.weight",
+    "w3_shexp": "shared_mlp.input_linear.weight",
+    "w2_shexp": "shared_mlp.output_linear.weight",
+}
+_GATE_UP = {"w1": 0, "w3": 1, "w1_shexp": 0, "w3_shexp": 1}  # input_linear = gate || up (dim 0)
+_EXPERTS_GATE_UP = {"w1_exps": 0, "w3_exps": 1}  # [E, 2 f, d] (dim 1)
+
+
 def hf_convert(kind: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    if args.arch == "granitemoehybrid" and kind in ("w1", "w3"):
-        gate, up = w.chunk(2, dim=0)  # input_linear = gate || up
-        return gate if kind == "w1" else up
+    if args.arch == "granitemoehybrid" and kind in _GATE_UP:
+        return w.chunk(2, dim=0)[_GATE_UP[kind]]
+    if kind in _EXPERTS_GATE_UP:
+        return w.chunk(2, dim=1)[_EXPERTS_GATE_UP[kind]]
     return mamba2.hf_convert(kind, w, args)
 
 
@@ -178,7 +217,6 @@ FAMILY = Family(
     arch="granitehybrid",
     model_types=("granitemoehybrid", "bamba"),
     recurrent=True,
-    file_blocks=False,  # the mixers read dense weights
     gguf_permuted_qk=True,
     gguf_names=mamba2.GGUF_NAMES,
     gguf_args=gguf_args,

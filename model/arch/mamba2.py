@@ -47,15 +47,6 @@ HF_MIXER_NAMES = {
 }
 
 
-def refuse_gguf_experts(meta: GGUFMeta, arch: str) -> None:
-    expert_count = int(meta.get("expert_count", 0))
-    if expert_count > 0:
-        raise ModelLoadError(
-            f"{meta.path}: a mixture-of-experts {arch} model ({expert_count} experts) is not "
-            "supported; the dense Granite 4.0-H models (no experts) are."
-        )
-
-
 def gguf_ssm(meta: GGUFMeta, eps: float, layers: list[int]) -> SSMArgs:
     """The mixer's sizes, and from the tensors of its `layers` whether the conv has a bias
     (llama.cpp's granitehybrid makes it optional)."""
@@ -96,7 +87,12 @@ def _gguf_conv_bias(meta: GGUFMeta, layers: list[int]) -> bool:
 
 
 def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
-    refuse_gguf_experts(meta, "mamba2")
+    expert_count = int(meta.get("expert_count", 0))
+    if expert_count > 0:  # a Mamba2 has no MLP: experts are another architecture's
+        raise ModelLoadError(
+            f"{meta.path}: a mamba2 model with {expert_count} experts is not a Mamba2 (no MLP "
+            "layers); not supported."
+        )
     n_layers = int(meta.get("block_count"))
     eps = float(meta.get("attention.layer_norm_rms_epsilon"))
     mixers: tuple[Mixer, ...] = ("mamba2",) * n_layers
@@ -214,7 +210,6 @@ FAMILY = Family(
     arch="mamba2",
     model_types=("mamba2",),
     recurrent=True,
-    file_blocks=False,  # the mixers read dense weights
     gguf_names=GGUF_NAMES,
     gguf_args=gguf_args,
     hf_args=hf_args,

@@ -25,6 +25,7 @@ from kvcache.state_storage import RecurrentStorage
 from model.arch import ModelArgs, SSMArgs
 from model.layers.batch import ForwardBatch, StatePrompt
 from model.layers.blocks import Linear
+from model.layers.ggml import BlockWeight, make_linear
 
 # Rows per SSD chunk: the intra-chunk part costs H * T^2 * (N + P), the state part
 # H * T * P * N per chunk; 64 balances them for P = 64, N = 128 (Granite 4.0-H, Mamba2-2.7B).
@@ -103,16 +104,19 @@ class Mamba2Mixer(nn.Module):
         def param(name: str) -> nn.Parameter:
             return nn.Parameter(weights[prefix + name], requires_grad=False)
 
-        self.in_proj = Linear(
-            *_pad_rows(weights[prefix + "ssm_in"], weights.get(prefix + "ssm_in_b"))
-        )
+        w_in, b_in = weights[prefix + "ssm_in"], weights.get(prefix + "ssm_in_b")
+        # a GGUF's own blocks (BlockLinear) take any row count: no padding
+        dense = not isinstance(w_in, BlockWeight)
+        self.in_proj = Linear(*_pad_rows(w_in, b_in)) if dense else make_linear([w_in], b_in)
         self.conv_w = param("ssm_conv")  # [conv_dim, K]: column K-1 multiplies the newest row
         self.conv_b = param("ssm_conv_b") if s.conv_bias else None
         self.dt_bias = param("ssm_dt_b")
         self.a = param("ssm_a")
         self.d = param("ssm_d")
         self.norm_w = param("ssm_norm")
-        self.out_proj = Linear(weights[prefix + "ssm_out"], weights.get(prefix + "ssm_out_b"))
+        self.out_proj = make_linear(
+            [weights[prefix + "ssm_out"]], weights.get(prefix + "ssm_out_b")
+        )
         self._native: Any | None = None  # native_params' StepMamba2
 
     def native_params(self, kernels: Any) -> Any:

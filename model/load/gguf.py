@@ -75,13 +75,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# the architectures whose attention/FFN blocks take BlockLinears (the Mamba2 mixers read
-# dense weights; LFM2's short convs are two linears around a conv, which stays dense)
-BLOCK_ARCHS = tuple(f.arch for f in FAMILIES if f.file_blocks)
+# the architectures whose linears take BlockLinears: every generative family (the recurrent
+# mixers' projections too; their small conv, SSM and norm tensors are dequantized); not the
+# encoders (model/load/encoder.py)
+BLOCK_ARCHS = tuple(f.arch for f in FAMILIES)
 # the weights a BlockLinear / BlockEmbedding takes on the file's own blocks
 BLOCK_KINDS = frozenset(
     ("wq", "wk", "wv", "wo", "w1", "w3", "w2", "output", "tok_embeddings")
-    + ("shortconv_in", "shortconv_out")
+    + ("shortconv_in", "shortconv_out", "ssm_in", "ssm_out")  # the recurrent mixers' linears
     + ("w1_shexp", "w3_shexp", "w2_shexp")  # Qwen2-MoE's shared expert
 )
 EXPERT_KINDS = frozenset(("w1_exps", "w3_exps", "w2_exps"))  # one BlockWeight per expert

@@ -60,7 +60,7 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
             args = family.gguf_args(meta, vocab_size)
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: bad {arch} metadata ({e}).") from e
-        _refuse_unsupported(reader, arch, path)
+        _refuse_unsupported(reader, arch, path, args.moe is not None)
         return args
     dim = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
@@ -116,10 +116,13 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
 
 
 # tensors llama.cpp reads for the recurrent and hybrid archs that their forward does not implement
-_UNSUPPORTED = {
+# (the experts' only where the metadata names none)
+_EXPERT_MARKERS = {
     "ffn_gate_inp": "a mixture-of-experts FFN",
     "_exps": "a mixture-of-experts FFN",
     "_shexp": "a mixture-of-experts FFN (shared expert)",
+}
+_UNSUPPORTED = {
     "attn_q.bias": "attention biases",
     "attn_k.bias": "attention biases",
     "attn_v.bias": "attention biases",
@@ -130,10 +133,11 @@ _UNSUPPORTED = {
 }
 
 
-def _refuse_unsupported(reader: GGUFFile, arch: str, path: Path) -> None:
+def _refuse_unsupported(reader: GGUFFile, arch: str, path: Path, moe: bool) -> None:
     """A recurrent family's file with tensors of features we do not run: refused, named."""
+    markers = _UNSUPPORTED if moe else _EXPERT_MARKERS | _UNSUPPORTED
     for name in sorted(t.name for t in reader.tensors):
-        for marker, what in _UNSUPPORTED.items():
+        for marker, what in markers.items():
             if marker in name:
                 raise ModelLoadError(
                     f"{path}: tensor {name} means {what}, which is not supported for {arch}."

@@ -6,7 +6,8 @@ a BERT folder goes to model/load/bert_to_gguf.py (llama.cpp's "bert").
 
 Follows llama.cpp's convert_hf_to_gguf (Mamba2Model, GraniteHybridModel) with two deliberate
 differences: a dense Granite's feed_forward_length is shared_intermediate_size (the FFN it runs;
-llama.cpp writes intermediate_size, the experts' width), and RoPE is on when the config says
+llama.cpp writes intermediate_size, the experts' width, which is what a Granite with experts
+writes here too: its shared MLP goes to ffn_*_shexp), and RoPE is on when the config says
 position_embedding_type "rope" (llama.cpp decides by the Bamba architecture name). Only byte-level
 BPE tokenizers (tokenizer.json) are written, as llama.cpp's "gpt2" model.
 """
@@ -110,11 +111,6 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def _granite_layers(config: dict[str, Any], folder: Path) -> list[str]:
-    if config.get("num_local_experts"):
-        raise ModelLoadError(
-            f"{folder}: a mixture-of-experts Granite ({config['num_local_experts']} experts) "
-            "is not supported; the dense Granite 4.0-H models are."
-        )
     if config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{folder}: hidden_act {config['hidden_act']!r} (silu only).")
     # NOTE: transformers 5 saves "linear_attention"/"full_attention", published configs
@@ -186,9 +182,14 @@ def _write_params(
     theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     w.add_vocab_size(n_vocab)
     w.add_context_length(int(config.get("max_position_embeddings", 2048)) if rope else NOPE_CONTEXT)
-    w.add_feed_forward_length(int(config["shared_intermediate_size"]))
+    n_experts = int(config.get("num_local_experts") or 0)
+    if n_experts:  # llama.cpp's granitehybrid: ffn_*_exps n_ff wide, ffn_*_shexp n_ff_shexp
+        w.add_feed_forward_length(int(config["intermediate_size"]))
+        w.add_expert_used_count(int(config["num_experts_per_tok"]))
+    else:
+        w.add_feed_forward_length(int(config["shared_intermediate_size"]))
     w.add_expert_shared_feed_forward_length(int(config["shared_intermediate_size"]))
-    w.add_expert_count(0)
+    w.add_expert_count(n_experts)
     w.add_head_count(n_heads)
     kv = int(config.get("num_key_value_heads") or n_heads)
     w.add_head_count_kv([kv if t == "attention" else 0 for t in layers])
@@ -244,7 +245,6 @@ def _gguf_tensors(
     n_groups = int(config["mamba_n_groups" if granite else "n_groups"])
     n_heads = int(config.get("num_attention_heads", 0))
     n_kv = int(config.get("num_key_value_heads") or n_heads)
-    f = int(config.get("shared_intermediate_size", 0))
     for i, kind in enumerate(layers):
         hf, blk = f"{base}.layers.{i}.", f"blk.{i}."
         yield (
@@ -269,15 +269,34 @@ def _gguf_tensors(
                     w = _permute(w, n_kv)
                 yield blk + gguf_name, w
         if granite:
-            gate_up = take(hf + "shared_mlp.input_linear.weight")
-            if gate_up.shape[0] != 2 * f:
-                raise ModelLoadError(
-                    f"{folder}: {hf}shared_mlp.input_linear.weight is not [2 x {f}, dim]."
-                )
             yield blk + "ffn_norm.weight", take(hf + "post_attention_layernorm.weight")
-            yield blk + "ffn_gate.weight", gate_up[:f]
-            yield blk + "ffn_up.weight", gate_up[f:]
-            yield blk + "ffn_down.weight", take(hf + "shared_mlp.output_linear.weight")
+            yield from _granite_ffn(config, hf, blk, take, folder)
+
+
+def _granite_ffn(
+    config: dict[str, Any], hf: str, blk: str, take: Any, folder: Path
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The shared MLP (the FFN, or with experts the shared expert beside them) and the experts:
+    input_linear holds the gates then the ups (split as llama.cpp's converter splits them)."""
+    f = int(config["shared_intermediate_size"])
+    gate_up = take(hf + "shared_mlp.input_linear.weight")
+    if gate_up.shape[0] != 2 * f:
+        raise ModelLoadError(f"{folder}: {hf}shared_mlp.input_linear.weight is not [2 x {f}, dim].")
+    suffix = "_shexp" if config.get("num_local_experts") else ""
+    yield blk + f"ffn_gate{suffix}.weight", gate_up[:f]
+    yield blk + f"ffn_up{suffix}.weight", gate_up[f:]
+    yield blk + f"ffn_down{suffix}.weight", take(hf + "shared_mlp.output_linear.weight")
+    if not suffix:
+        return
+    f_exp = int(config["intermediate_size"])
+    moe = hf + "block_sparse_moe."
+    experts = take(moe + "input_linear.weight")  # [E, 2 f, d]
+    if experts.ndim != 3 or experts.shape[1] != 2 * f_exp:
+        raise ModelLoadError(f"{folder}: {moe}input_linear.weight is not [E, 2 x {f_exp}, dim].")
+    yield blk + "ffn_gate_inp.weight", take(moe + "router.layer.weight")
+    yield blk + "ffn_gate_exps.weight", np.ascontiguousarray(experts[:, :f_exp])
+    yield blk + "ffn_up_exps.weight", np.ascontiguousarray(experts[:, f_exp:])
+    yield blk + "ffn_down_exps.weight", take(moe + "output_linear.weight")
 
 
 def _to_gguf_layout(name: str, w: np.ndarray, n_groups: int) -> np.ndarray:

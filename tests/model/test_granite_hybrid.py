@@ -1,25 +1,35 @@
-"""Granite 4.0-H (GraniteMoeHybrid, dense) over attention cells + state slots against
-transformers: NoPE and a rope (Bamba-like) variant, multipliers != 1, layer patterns starting
-with mamba and with attention; a random model with every weight redrawn."""
+"""Granite 4.0-H (GraniteMoeHybrid) over attention cells + state slots against transformers:
+NoPE and a rope (Bamba-like) variant, multipliers != 1, layer patterns starting with mamba and
+with attention, and H-Tiny's mixture of experts beside the shared MLP (from the HF folder, our
+GGUF and llama.cpp's, against llama-server too); a random model with every weight redrawn."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 
 import model.runner.worker
+from bench.server_proc import llama_server, llamacpp_default
 from model import load_model
+from model.arch.args import MoEArgs
 from model.errors import ModelLoadError
+from model.kernels import load_kernels
+from model.layers.ggml import BlockLinear, has_block_kernels
+from model.load.hf_to_gguf import convert
 from model.runner.worker import make_worker
+from tests.llamacpp_convert import convert_with_llamacpp
 from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
 from tests.tiny_ssm import write_tiny_bamba, write_tiny_granite_hybrid
 
 VARIANTS = {
     "nope": dict(layer_types=("mamba", "attention", "mamba", "mamba", "attention")),
     "rope": dict(layer_types=("attention", "mamba", "mamba", "attention", "mamba"), rope=True),
+    "moe": dict(layer_types=("mamba", "attention", "mamba", "mamba", "attention"), experts=4),
 }
+LLAMA_CPP_F32 = 0.01
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -39,9 +49,9 @@ def driver(tiny, n_cells: int = 4200, n_slots: int = 8) -> StateDriver:
 def test_description_read_from_the_config(variant):
     name, _, tiny, _ = variant
     args = tiny.config
-    assert args.nope == (name == "nope") and args.ffn
+    assert args.nope == (name != "rope") and args.ffn
     attn = args.layer_desc(args.mixers.index("attn"))
-    assert (attn.rope is None) == (name == "nope") and attn.residual_mult == 0.5
+    assert (attn.rope is None) == (name != "rope") and attn.residual_mult == 0.5
     assert (args.embed_mult, args.residual_mult, args.logits_scaling) == (2.0, 0.5, 4.0)
     assert args.attn_scale == pytest.approx(0.3)
     mixers = VARIANTS[name]["layer_types"]
@@ -50,6 +60,11 @@ def test_description_read_from_the_config(variant):
     worker = make_worker(tiny, n_cells=32, group_cells=[32, 4])
     assert worker.kv_bytes_per_cell == 2 * 2 * 2 * 16 * 4  # 2 attention layers, K and V
     assert worker.state_bytes_per_slot == 3 * (192 * 3 + 8 * 16 * 16) * 4
+    if name == "moe":  # every layer: 4 experts 32 wide (top 2, renormalized) + the shared MLP
+        assert args.moe == MoEArgs(4, 2, 32, norm_topk_prob=True, shared_dim=96)
+        assert all(args.is_moe(i) for i in range(args.n_layers))
+    else:
+        assert args.moe is None
 
 
 @pytest.mark.parametrize("n", [4, 60, 2500])
@@ -126,21 +141,79 @@ def test_capture_resumes_like_a_prefix_prefill(variant):
     assert_close(d.logits([Chunk(1, nxt, all_rows=True)]), ref.logits([Chunk(0, nxt, True)]))
 
 
-def test_mixture_of_experts_is_refused(variant, tmp_path):
+def test_unknown_layer_types_and_a_bamba_with_experts_are_refused(variant, tmp_path):
     _, folder, _, _ = variant
     config = json.loads((folder / "config.json").read_text())
-    moe = tmp_path / "moe"
-    moe.mkdir()
+    bad = tmp_path / "bad"
+    bad.mkdir()
     for f in folder.iterdir():
-        (moe / f.name).write_bytes(f.read_bytes())
-    (moe / "config.json").write_text(json.dumps(config | {"num_local_experts": 4}))
-    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
-        load_model(moe)
-    (moe / "config.json").write_text(
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text(
         json.dumps(config | {"layer_types": ["mamba", "moe", "mamba", "mamba", "attention"]})
     )
     with pytest.raises(ModelLoadError, match="layer types"):
-        load_model(moe)
+        load_model(bad)
+    (bad / "config.json").write_text(
+        json.dumps(config | {"model_type": "bamba", "num_local_experts": 4})
+    )
+    with pytest.raises(ModelLoadError, match="Bamba with experts"):
+        load_model(bad)
+
+
+def test_moe_ggufs_compute_the_folders_logits(variant, tmp_path):
+    """H-Tiny's layout in a GGUF, as our converter (model/load/hf_to_gguf.py) and llama.cpp's
+    (convert_hf_to_gguf.py GraniteHybridModel) write it: ffn_{gate,up,down}_exps split from
+    input_linear, ffn_*_shexp from the shared MLP, feed_forward_length the experts' width;
+    both give transformers' logits, and llama-server (where built) our next-token logprobs."""
+    name, folder, tiny, hf = variant
+    if name != "moe":
+        pytest.skip("the dense variants' GGUFs: tests/model/test_gguf_ssm.py")
+    ids = prompt(300, seed=4)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = convert(folder, tmp_path / "ours.gguf")
+    # llama.cpp's converter finds the attention layers by the released names only
+    released = tmp_path / "released"
+    released.mkdir()
+    for f in folder.iterdir():
+        (released / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    kinds = {"linear_attention": "mamba", "full_attention": "attention"}
+    config["layer_types"] = [kinds.get(t, t) for t in config["layer_types"]]
+    (released / "config.json").write_text(json.dumps(config))
+    theirs = convert_with_llamacpp(released, tmp_path / "llamacpp.gguf")
+    for path in (ours, theirs):
+        loaded = load_model(path)
+        assert loaded.config.moe == tiny.config.moe and loaded.config.mixers == tiny.config.mixers
+        assert_close(driver(loaded, n_cells=512).logits([Chunk(0, ids, all_rows=True)]), ref)
+    if has_block_kernels(load_kernels()):  # on an F16 file's own blocks, the mixers' too
+        f16 = convert(folder, tmp_path / "f16.gguf", "f16")
+        blocks = load_model(f16, blocks=True)
+        layer = blocks.transformer.layers[0]
+        assert isinstance(layer.mixer.in_proj, BlockLinear)
+        assert isinstance(layer.feed_forward.shared.w13, BlockLinear)
+        dense = driver(load_model(f16), n_cells=512).logits([Chunk(0, ids, all_rows=True)])
+        assert_close(driver(blocks, n_cells=512).logits([Chunk(0, ids, all_rows=True)]), dense)
+    binary = llamacpp_default()
+    if not binary.is_file():
+        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    loaded, compared = load_model(theirs), 0
+    with llama_server(binary, theirs, tmp_path / "llama.log", n_threads=1) as served:
+        for seed in range(6):
+            ids = prompt(5 + 7 * seed, seed=30 + seed)
+            body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
+            body |= {"temperature": 0, "ignore_eos": True}
+            out = httpx.post(f"{served.url}/completion", json=body, timeout=60).json()
+            if "completion_probabilities" not in out:  # a partial UTF-8 token: held back
+                continue
+            top = out["completion_probabilities"][0]["top_logprobs"]
+            logits = driver(loaded, n_cells=64).logits([Chunk(0, ids)])[0]
+            mine = torch.log_softmax(logits.double(), -1)
+            assert top[0]["id"] == int(logits.argmax()), seed
+            for t in top:  # measured: within LLAMA_CPP_F32 (llama.cpp's float16 K/V)
+                assert abs(float(mine[t["id"]]) - t["logprob"]) < LLAMA_CPP_F32, (seed, t)
+            compared += 1
+    assert compared >= 4
 
 
 def test_bamba_matches_transformers(tmp_path):

@@ -303,17 +303,20 @@ def _states(model, gen):
     return SimpleNamespace(state=st)
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "granite"])
+@pytest.mark.parametrize("arch", ["mamba2", "granite", "granite_moe"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
 def test_the_one_call_step_runs_mamba2_as_the_python_layers(
     tmp_path_factory, arch, dtype, quant, monkeypatch
 ):
-    """Mamba2 and Granite 4.0-H (Mamba2 mixers beside attention, every layer an MLP) in
-    step.cpp: mamba2_mix between the linears, the op the Python layers call too. Sequences
+    """Mamba2 and Granite 4.0-H (Mamba2 mixers beside attention, every layer an MLP; H-Tiny's
+    experts and shared expert through moe_ffn) in step.cpp: mamba2_mix between the linears,
+    the op the Python layers call too. Sequences
     batched together (prompt chunks beside decode rows, a fork, a capture mid-chunk resumed
     by a new sequence): every step in one call, bit for bit the Python layers' logits."""
     from model.kernels import load_kernels
+    from model.layers.ggml import has_block_kernels
+    from model.load.hf_to_gguf import convert
     from model.runner.native import NativeDecoder
     from tests.tiny_ssm import write_tiny_granite_hybrid
 
@@ -323,9 +326,19 @@ def test_the_one_call_step_runs_mamba2_as_the_python_layers(
     if arch == "mamba2":
         path = write_tiny_mamba2(where, dim=128, head_dim=32, seed=3)
     else:
-        path = write_tiny_granite_hybrid(where, dim=128, hidden_dim=256, mamba_head_dim=32)
-    loaded = load_model(path, dtype=dtype)
-    quantize(loaded.transformer, quant)
+        experts = 4 if arch == "granite_moe" else 0
+        path = write_tiny_granite_hybrid(
+            where, dim=128, hidden_dim=256, mamba_head_dim=32, experts=experts
+        )
+    if quant == "gguf":  # an F16 file's own blocks (BlockLinear), the mixers' projections too
+        if not has_block_kernels(load_kernels()):
+            pytest.skip("a build without ggml_linear")
+        loaded = load_model(
+            convert(path, where.parent / "f16.gguf", "f16"), dtype=dtype, blocks=True
+        )
+    else:
+        loaded = load_model(path, dtype=dtype)
+        quantize(loaded.transformer, quant)
     worker = make_worker(loaded, n_cells=512, group_cells=[512, 8] if arch != "mamba2" else [8])
     assert worker.paths.native is not None, worker.paths.describe()
     calls: list[int] = []
