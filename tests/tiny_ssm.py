@@ -240,3 +240,59 @@ def write_tiny_lfm2(
         model.model.embed_tokens.weight.mul_(0.15)
     model.tie_weights()
     return _save(folder, model)
+
+
+def write_tiny_lfm2_moe(
+    folder: str | Path,
+    layer_types: tuple[str, ...] = LFM2_LAYERS,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    ff_dim: int = 96,
+    expert_dim: int = 32,
+    n_experts: int = 8,
+    n_used: int = 2,
+    dense_layers: int = 1,
+    scale: float = 1.5,
+    seed: int = 0,
+    vocab: int = 2048,
+) -> Path:
+    """A random Lfm2MoeForCausalLM (LFM2-8B-A1B's shape: LFM2's layers, the first
+    `dense_layers` with a dense MLP `ff_dim` wide, the others `n_experts` experts `expert_dim`
+    wide routed by sigmoid scores, chosen with a selection bias ~ N(0, 0.1) that does not weigh
+    them, the top `n_used` renormalized and times the routed scaling `scale`)."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.Lfm2MoeConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=ff_dim,
+        moe_intermediate_size=expert_dim,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        layer_types=list(layer_types),
+        conv_L_cache=3,
+        num_dense_layers=dense_layers,
+        num_experts=n_experts,
+        num_experts_per_tok=n_used,
+        use_expert_bias=True,
+        routed_scaling_factor=scale,
+        norm_topk_prob=True,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        **ids,
+    )
+    model = transformers.Lfm2MoeForCausalLM(config)
+    _redraw(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.15)
+        for layer in model.model.layers[dense_layers:]:
+            bias = layer.feed_forward.expert_bias
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+    model.tie_weights()
+    return _save(folder, model)

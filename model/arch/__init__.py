@@ -74,6 +74,7 @@ FAMILIES: tuple[Family, ...] = (
     mamba2.FAMILY,
     granite_hybrid.FAMILY,
     lfm2.FAMILY,
+    lfm2.MOE_FAMILY,
     qwen3moe.FAMILY,
     qwen2moe.FAMILY,
     olmoe.FAMILY,

@@ -111,6 +111,13 @@ class MoEArgs:
     # beside its routed ones, its output times sigmoid(shared_gate . x) where `shared_gate`
     shared_dim: int = 0
     shared_gate: bool = False
+    # LFM2-MoE (llama.cpp's SIGMOID gating with exp_probs_b): "sigmoid" scores each expert
+    # sigmoid(router x) instead of the softmax; with `selection_bias` the top-k is chosen on
+    # scores + a per-expert bias (moe_sel_b) but weighted by the scores alone; the weights (after
+    # norm_topk_prob) times `weights_scale` (routed_scaling_factor, expert_weights_scale)
+    gating: Literal["softmax", "sigmoid"] = "softmax"
+    selection_bias: bool = False
+    weights_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,7 @@ class LayerDesc:
     moe_bias: bool  # router and expert biases (MoEArgs.bias)
     moe_shared: bool  # a shared expert beside the routed ones (MoEArgs.shared_dim)
     moe_shared_gate: bool  # its output gated by sigmoid(shexp_gate . x) (MoEArgs.shared_gate)
+    moe_selection_bias: bool  # the experts chosen on scores + moe_sel_b (MoEArgs.selection_bias)
     activation: Activation
     norm_shift: float
     residual_mult: float
@@ -175,6 +183,8 @@ class LayerDesc:
                 ffn += ["w1_shexp", "w3_shexp", "w2_shexp"]
             if self.moe_shared_gate:
                 ffn.append("shexp_gate")
+            if self.moe_selection_bias:
+                ffn.append("moe_sel_b")
         if not self.pre_norms:
             ffn = [k for k in ffn if k != "ffn_norm"]
         if self.mixer == "mamba2":
@@ -294,6 +304,9 @@ class ModelArgs:
             moe_bias=self.is_moe(layer) and self.moe is not None and self.moe.bias,
             moe_shared=self.is_moe(layer) and self.moe is not None and self.moe.shared_dim > 0,
             moe_shared_gate=self.is_moe(layer) and self.moe is not None and self.moe.shared_gate,
+            moe_selection_bias=self.is_moe(layer)
+            and self.moe is not None
+            and self.moe.selection_bias,
             activation=block.activation,
             norm_shift=block.norm_shift,
             residual_mult=self.residual_mult,

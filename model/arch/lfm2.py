@@ -6,18 +6,25 @@ GGUF (llama.cpp's "lfm2", LFM2Model): attention.head_count_kv 0 marks a short-co
 shortconv.l_cache its kernel length, shortconv.conv.weight [dim, L]; the final norm is
 token_embd_norm (model/load/gguf.py). HF (Lfm2Config): layer_types "conv" / "full_attention" (or
 full_attn_idxs), the MLP width as Lfm2MLP adjusts it, embeddings tied unless it says otherwise.
+
+LFM2-MoE (LFM2-8B-A1B; llama.cpp's "lfm2moe", HF "lfm2_moe"): the same layers, the first
+leading_dense_block_count / num_dense_layers with a dense MLP (intermediate_size, not adjusted),
+the others a mixture of experts with sigmoid gating: chosen on sigmoid(router x) + expert_bias
+(exp_probs_b), weighted by the sigmoid scores renormalized, times routed_scaling_factor
+(model.arch.MoEArgs). HF stores each expert's w1 / w3 / w2 (feed_forward.experts.{e}.w1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvcache.rope import RopeConfig
 from model.arch import qwen3
-from model.arch.args import Mixer, ModelArgs
+from model.arch.args import Mixer, ModelArgs, MoEArgs
 from model.arch.family import Family, GGUFMeta, check_hf_silu, gguf_per_layer, gguf_uniform
 from model.arch.weights import layer_weights
 
@@ -41,11 +48,16 @@ _HF_NAMES = {
     "shortconv_in": "conv.in_proj.weight",
     "shortconv_conv": "conv.conv.weight",
     "shortconv_out": "conv.out_proj.weight",
+    "moe_router": "feed_forward.gate.weight",
+    "moe_sel_b": "feed_forward.expert_bias",
+    "w1_exps": "feed_forward.experts.{}.w1.weight",  # one per expert: stacked (model/load/hf.py)
+    "w3_exps": "feed_forward.experts.{}.w3.weight",
+    "w2_exps": "feed_forward.experts.{}.w2.weight",
 }
 _LAYER_KINDS: dict[str, Mixer] = {"conv": "shortconv", "full_attention": "attn"}
 
 
-def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
+def gguf_args(meta: GGUFMeta, vocab_size: int, arch: str = "lfm2") -> ModelArgs:
     n_layers = int(meta.get("block_count"))
     dim = int(meta.get("embedding_length"))
     kv = gguf_per_layer(meta, "attention.head_count_kv", n_layers)
@@ -55,8 +67,8 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
     n_heads = gguf_uniform(meta, attn_heads, "attention.head_count")
     head_dim = int(meta.get("attention.key_length", dim // n_heads if n_heads else 0))
     ff = gguf_per_layer(meta, "feed_forward_length", n_layers)
-    return ModelArgs(
-        arch="lfm2",
+    args = ModelArgs(
+        arch=arch,
         vocab_size=vocab_size,
         dim=dim,
         n_layers=n_layers,
@@ -75,6 +87,26 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
         mixers=tuple(mixers),
         short_conv=int(meta.get("shortconv.l_cache")),
     )
+    if args.arch == "lfm2moe":  # llama.cpp's LLM_ARCH_LFM2MOE
+        gating = int(meta.get("expert_gating_func", 2))
+        if gating != 2:  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+            raise ValueError(f"expert_gating_func {gating} (LFM2-MoE's is 2, sigmoid)")
+        args.moe = MoEArgs(
+            n_experts=int(meta.get("expert_count")),
+            n_used=int(meta.get("expert_used_count")),
+            expert_dim=int(meta.get("expert_feed_forward_length")),
+            norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+            gating="sigmoid",
+            selection_bias=meta.has(f"blk.{n_layers - 1}.exp_probs_b.bias"),
+            weights_scale=float(meta.get("expert_weights_scale", 0.0)) or 1.0,
+        )
+        dense = int(meta.get("leading_dense_block_count", 0))
+        args.moe_layers = tuple(i >= dense for i in range(n_layers))
+    return args
+
+
+def moe_gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
+    return gguf_args(meta, vocab_size, "lfm2moe")
 
 
 def hf_args(config: dict[str, Any]) -> ModelArgs:
@@ -95,15 +127,16 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
     if params.get("rope_type", "default") != "default":
         raise ValueError(f"rope scaling {params['rope_type']!r} is not supported")
     theta = float(config.get("rope_theta", params.get("rope_theta", 1000000.0)))
-    return ModelArgs(
-        arch="lfm2",
+    moe = config["model_type"] == "lfm2_moe"
+    args = ModelArgs(
+        arch=str(config["model_type"]),
         vocab_size=int(config["vocab_size"]),
         dim=dim,
         n_layers=n,
         n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
         head_dim=dim // n_heads,
-        hidden_dim=_hf_ff_dim(config),
+        hidden_dim=int(config["intermediate_size"]) if moe else _hf_ff_dim(config),
         norm_eps=float(config.get("norm_eps", 1e-5)),
         rope=RopeConfig(theta, dim // n_heads, "neox"),
         n_ctx_train=int(config.get("max_position_embeddings", 0)),
@@ -111,6 +144,19 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
         mixers=tuple(_LAYER_KINDS[t] for t in types),
         short_conv=int(config.get("conv_L_cache", 3)),
     )
+    if moe:  # transformers' Lfm2MoeTopKRouter
+        args.moe = MoEArgs(
+            n_experts=int(config["num_experts"]),
+            n_used=int(config["num_experts_per_tok"]),
+            expert_dim=int(config["moe_intermediate_size"]),
+            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+            gating="sigmoid",
+            selection_bias=bool(config.get("use_expert_bias", True)),
+            weights_scale=float(config.get("routed_scaling_factor", 1.0)),
+        )
+        dense = int(config.get("num_dense_layers", 2))
+        args.moe_layers = tuple(i >= dense for i in range(n))
+    return args
 
 
 def _hf_ff_dim(config: dict[str, Any]) -> int:
@@ -156,4 +202,11 @@ FAMILY = Family(
     hf_args=hf_args,
     hf_tensors=hf_tensors,
     hf_convert=hf_convert,
+)
+MOE_FAMILY = replace(
+    FAMILY,
+    arch="lfm2moe",
+    model_types=("lfm2_moe",),
+    gguf_names=GGUF_NAMES | {"moe_sel_b": "exp_probs_b.bias"},
+    gguf_args=moe_gguf_args,
 )

@@ -61,6 +61,7 @@ def _moe_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "w3_shexp": (m.shared_dim, d),
         "w2_shexp": (d, m.shared_dim),
         "shexp_gate": (d,),  # its gate's weights (HF shared_expert_gate [1, d])
+        "moe_sel_b": (e,),  # LFM2-MoE's expert_bias: chooses, does not weigh
     }
 
 

@@ -277,6 +277,12 @@ struct StepLayer {
   std::vector<StepLinear> experts_w13, experts_w2;
   int64_t n_used = 0;  // experts per row
   bool norm_topk = false;
+  // LFM2-MoE: scores sigmoid(logits) instead of the softmax; the top n_used chosen on scores +
+  // selection_bias [n_experts] float32 where set, weighted by the scores; the weights (after
+  // norm_topk) times weights_scale
+  bool sigmoid_gating = false;
+  std::optional<at::Tensor> selection_bias;
+  double weights_scale = 1.0;
   // > 0: the experts' activation is gpt-oss's clamped SwiGLU (model/layers/blocks.py
   // swiglu_oai) with this limit and swiglu_alpha; 0: SiLU(gate) * up
   double swiglu_limit = 0.0, swiglu_alpha = 0.0;

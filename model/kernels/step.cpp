@@ -209,9 +209,13 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                       layer.expert_rows->numel() == n_experts &&
                       static_cast<int64_t>(layer.experts_w13.size()) == n_experts &&
                       static_cast<int64_t>(layer.experts_w2.size()) == n_experts &&
-                      0 < layer.n_used && layer.n_used <= n_experts,
+                      0 < layer.n_used && layer.n_used <= n_experts &&
+                      (!layer.selection_bias ||
+                       (layer.selection_bias->scalar_type() == at::kFloat &&
+                        layer.selection_bias->numel() == n_experts)),
                   "step_layers: a MoE layer needs a router [n_experts, dim] in x's dtype, "
-                  "expert_rows, n_experts gate|up and down linears, 0 < n_used <= n_experts");
+                  "expert_rows, n_experts gate|up and down linears, 0 < n_used <= n_experts, "
+                  "a float32 selection_bias [n_experts] where set");
     }
   }
   for (int64_t i = 0; i < n_groups; ++i) {
@@ -283,8 +287,9 @@ at::Tensor ggml_experts(const at::Tensor& xs, const StepLayer& layer,
                     layer.experts_w2);
 }
 
-// model/layers/moe.py MoEFeedForward.forward on h [n, dim] (SwiGLU experts): softmax routing
-// in float32, the top n_used (renormalized with norm_topk) in h's dtype; the (row, slot) pairs
+// model/layers/moe.py MoEFeedForward.forward on h [n, dim] (SwiGLU experts): softmax (or
+// sigmoid, with a selection bias) routing in float32, the top n_used (renormalized with
+// norm_topk, times weights_scale) in h's dtype; the (row, slot) pairs
 // grouped by expert in a stable counting sort (the permutation of the Python layer's stable
 // argsort), each chosen expert once over all its rows, the weighted outputs added back per row
 // in ascending expert order (index_add_); layer.expert_rows counts the pairs.
@@ -294,9 +299,17 @@ at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_si
   c10::optional<at::Tensor> router_bias;
   if (layer.router_bias) router_bias = *layer.router_bias;
   auto logits = at::linear(h, *layer.router, router_bias);  // [n, n_experts]
-  auto probs = at::softmax(logits, -1, at::kFloat);
-  auto [top, idx] = at::topk(probs, k, -1);
+  auto probs = layer.sigmoid_gating ? at::sigmoid(logits.to(at::kFloat))
+                                    : at::softmax(logits, -1, at::kFloat);
+  at::Tensor top, idx;
+  if (layer.selection_bias) {  // chosen on the biased scores, weighted by the scores
+    idx = std::get<1>(at::topk(probs + *layer.selection_bias, k, -1));
+    top = probs.gather(1, idx);
+  } else {
+    std::tie(top, idx) = at::topk(probs, k, -1);
+  }
   if (layer.norm_topk) top = top / top.sum(-1, true);
+  if (layer.weights_scale != 1.0) top = top * layer.weights_scale;
   top = top.to(h.scalar_type());
   idx = idx.contiguous();
   const int64_t* e_of = idx.data_ptr<int64_t>();

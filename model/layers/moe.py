@@ -1,9 +1,11 @@
 """The sparse mixture-of-experts MLP (model.arch.MoEArgs): Qwen3-MoE, OLMoE, Granite MoE, Mixtral,
-gpt-oss, Qwen2-MoE.
+gpt-oss, Qwen2-MoE, Granite 4.0-H's, LFM2-MoE.
 
 Routing as transformers' Qwen3MoeTopKRouter and llama.cpp's build_moe_ffn (softmax gating):
 logits = router x in the model dtype, p = softmax(logits) in float32, the top n_used of p
-(divided by their sum with norm_topk_prob), cast back to the model dtype. Each expert is a gated
+(divided by their sum with norm_topk_prob), cast back to the model dtype. LFM2-MoE (sigmoid
+gating): p = sigmoid(logits) in float32, the top n_used of p + a selection bias, weighted by
+their p (renormalized) times the routed scaling factor. Each expert is a gated
 MLP w2(act(w1 x) * w3 x) on the shared Linear kinds (model/layers/ggml.py make_linear): float
 weights, model/layers/quant.py's QuantLinear after `quantize`, or a GGUF's own blocks (one
 expert's rows of the 3-D ffn_*_exps tensor, a view of the mapping). The router stays float:
@@ -51,6 +53,12 @@ class MoEFeedForward(nn.Module):
         if moe.bias:
             bias = weights[prefix + "moe_router_b"]
             self.router_bias = nn.Parameter(bias, requires_grad=False)
+        self.sigmoid = moe.gating == "sigmoid"
+        self.weights_scale = moe.weights_scale
+        self.selection_bias: nn.Parameter | None = None  # [E] float32 (LFM2-MoE's expert_bias)
+        if moe.selection_bias:
+            sel = weights[prefix + "moe_sel_b"].float()
+            self.selection_bias = nn.Parameter(sel, requires_grad=False)
         swiglu = (moe.swiglu_alpha, moe.swiglu_limit)
         self.experts = nn.ModuleList(
             FeedForward({k: w[e] for k, w in stacks.items()}, "", activation, swiglu)
@@ -72,10 +80,19 @@ class MoEFeedForward(nn.Module):
         """x [n, d] -> (weights [n, k] in x's dtype, experts [n, k] int64)."""
         bias = None if self.router_bias is None else self.router_bias.to(x.dtype)
         logits = F.linear(x, self.router.to(x.dtype), bias)  # [n, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, experts = torch.topk(probs, self.n_used, dim=-1)
+        if self.sigmoid:
+            probs = torch.sigmoid(logits.float())
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.selection_bias is None:
+            top, experts = torch.topk(probs, self.n_used, dim=-1)
+        else:  # chosen on the biased scores, weighted by the scores
+            experts = torch.topk(probs + self.selection_bias, self.n_used, dim=-1).indices
+            top = probs.gather(1, experts)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
+        if self.weights_scale != 1.0:
+            top = top * self.weights_scale
         return top.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:

@@ -95,7 +95,7 @@ def read_weights(
     and the embedding table as BlockWeights (the file's bytes; a row permutation copies)."""
     names: dict[str, str] = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight"}
     present = {t.name for t in reader.tensors}
-    if args.arch == "lfm2" and "token_embd_norm.weight" in present:
+    if args.arch in ("lfm2", "lfm2moe") and "token_embd_norm.weight" in present:
         names["norm"] = "token_embd_norm.weight"  # llama.cpp's lfm2: the final norm's name
     if "output.weight" in present:
         names["output"] = "output.weight"

@@ -85,9 +85,14 @@ def _read_whole(
     expected = weight_shapes(args)
     weights: dict[str, torch.Tensor] = {}
     for ours, theirs in names.items():
+        kind = ours.rsplit(".", 1)[-1]
+        if "{}" in theirs:  # one tensor per expert (LFM2-MoE): stacked [E, out, in]
+            assert args.moe is not None
+            stacked = _stack_experts(raw, theirs, args.moe.n_experts, expected[kind], folder)
+            weights[ours] = stacked.to(dtype)
+            continue
         if theirs not in raw:
             raise ModelLoadError(f"{folder}: tensor {theirs} is missing.")
-        kind = ours.rsplit(".", 1)[-1]
         w = raw[theirs] if family.hf_convert is None else family.hf_convert(kind, raw[theirs], args)
         if tuple(w.shape) != expected[kind]:
             raise ModelLoadError(

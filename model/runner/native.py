@@ -156,6 +156,9 @@ class NativeDecoder:
                 if ffn.shared_gate is not None:
                     layer.shexp_gate = ffn.shared_gate.detach().to(model.dtype)
                 layer.n_used, layer.norm_topk = ffn.n_used, ffn.norm_topk_prob
+                layer.sigmoid_gating, layer.weights_scale = ffn.sigmoid, ffn.weights_scale
+                if ffn.selection_bias is not None:
+                    layer.selection_bias = ffn.selection_bias.detach()
                 if ffn.router_bias is not None:
                     layer.router_bias = ffn.router_bias.detach().to(model.dtype)
                 if desc.activation == "swiglu_oai":
