@@ -96,7 +96,7 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
             n_experts=n_experts,
             n_used=int(meta.get("expert_used_count")),
             expert_dim=int(meta.get("expert_feed_forward_length", args.hidden_dim)),
-            norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+            norm_topk_prob=True,  # llama.cpp's granitehybrid graph, whatever the file says
             shared_dim=int(meta.get("expert_shared_feed_forward_length", 0)),
         )
     return args

@@ -95,10 +95,10 @@ def gguf_args(meta: GGUFMeta, vocab_size: int, arch: str = "lfm2") -> ModelArgs:
             n_experts=int(meta.get("expert_count")),
             n_used=int(meta.get("expert_used_count")),
             expert_dim=int(meta.get("expert_feed_forward_length")),
-            norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+            # llama.cpp's lfm2moe graph renormalizes and does not scale, whatever the file says
+            norm_topk_prob=True,
             gating="sigmoid",
             selection_bias=meta.has(f"blk.{n_layers - 1}.exp_probs_b.bias"),
-            weights_scale=float(meta.get("expert_weights_scale", 0.0)) or 1.0,
         )
         dense = int(meta.get("leading_dense_block_count", 0))
         args.moe_layers = tuple(i >= dense for i in range(n_layers))

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from model.arch.args import ModelArgs
 
+# kept in float32 whatever the model's dtype: LFM2-MoE's selection bias only picks the top-k
+# among scores in [0, 1] (transformers keeps it a float32 buffer, llama.cpp's exp_probs_b F32)
+FLOAT32_KINDS = frozenset(("moe_sel_b",))
+
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Expected shape of each weight kind (the last part of its name)."""

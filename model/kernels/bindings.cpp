@@ -93,6 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_f32", &rms_norm_f32, kNoGil, "RMSNorm of float32 rows in one pass");
   m.def("silu_mul_f32", &silu_mul_f32, kNoGil, "silu(gate) * up of float32 rows");
   m.def("rms_norm", &rms_norm_of, kNoGil, "RMSNorm of bfloat16 or float32 rows, in one pass");
+  m.def("moe_route", &moe_route, kNoGil, py::arg("logits"), py::arg("k"), py::arg("norm_topk"),
+        py::arg("sigmoid"), py::arg("selection_bias"), py::arg("scale"),
+        "a mixture of experts' routing: (weights [n, k] float32, experts [n, k] int64)");
   m.def("silu_mul", &silu_mul_of, kNoGil,
         "silu(gate) * up of bfloat16 or float32 rows, in one pass");
   m.def("rope_neox_", &rope_neox_, kNoGil, "rotate-half RoPE of [n, heads, head_dim] in place");

@@ -317,6 +317,16 @@ struct StepGroups {
 // Rows in no group get 0.
 at::Tensor short_conv(const at::Tensor& v, at::Tensor conv, const at::Tensor& weight,
                       const StepState& state);
+// A mixture of experts' routing (model/layers/moe.py MoEFeedForward.route, step.cpp moe_ffn: both
+// call it, so that both choose the same experts with the same weights): logits [n, n_experts]
+// -> (weights [n, k] float32, experts [n, k] int64). Scores softmax(logits) (or sigmoid) in
+// float32; the k largest scores (+ selection_bias [n_experts] float32 where given), largest
+// first, ties to the lower expert; weighted by their scores, divided by their sum with
+// norm_topk, times scale.
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool norm_topk,
+                                             bool sigmoid,
+                                             const std::optional<at::Tensor>& selection_bias,
+                                             double scale);
 at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
                        const std::vector<StepGroups>& groups,
                        const std::vector<at::Tensor>& rope_tables, int64_t n_heads, double eps,

@@ -169,6 +169,23 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
   // per group, the fewest cells of a pool its layers write into
   std::vector<int64_t> n_cells(n_groups, INT64_MAX);
   for (const auto& layer : layers) {
+    if (layer.router) {  // every mixer's layer may have experts
+      const int64_t n_experts = layer.router->size(0);
+      TORCH_CHECK(layer.router->scalar_type() == x.scalar_type() && layer.router->dim() == 2 &&
+                      layer.router->size(1) == x.size(1) && layer.expert_rows &&
+                      layer.expert_rows->scalar_type() == at::kLong &&
+                      layer.expert_rows->is_contiguous() &&
+                      layer.expert_rows->numel() == n_experts &&
+                      static_cast<int64_t>(layer.experts_w13.size()) == n_experts &&
+                      static_cast<int64_t>(layer.experts_w2.size()) == n_experts &&
+                      0 < layer.n_used && layer.n_used <= n_experts &&
+                      (!layer.selection_bias ||
+                       (layer.selection_bias->scalar_type() == at::kFloat &&
+                        layer.selection_bias->numel() == n_experts)),
+                  "step_layers: a MoE layer needs a router [n_experts, dim] in x's dtype, "
+                  "expert_rows, n_experts gate|up and down linears, 0 < n_used <= n_experts, "
+                  "a float32 selection_bias [n_experts] where set");
+    }
     if (layer.mamba2) {  // mamba2_mix checks the rest
       TORCH_CHECK(layer.conv_state.dim() == 3 && layer.ssm_state.dim() == 4,
                   "step_layers: a Mamba2 layer needs conv_state and ssm_state");
@@ -200,23 +217,6 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
     cache_kind(k, layer.head_dim);  // rows of a cache type (else it throws)
     cache_kind(layer.v_cache, layer.head_dim);
     n_cells[layer.groups] = std::min(n_cells[layer.groups], k.size(1));
-    if (layer.router) {
-      const int64_t n_experts = layer.router->size(0);
-      TORCH_CHECK(layer.router->scalar_type() == x.scalar_type() && layer.router->dim() == 2 &&
-                      layer.router->size(1) == x.size(1) && layer.expert_rows &&
-                      layer.expert_rows->scalar_type() == at::kLong &&
-                      layer.expert_rows->is_contiguous() &&
-                      layer.expert_rows->numel() == n_experts &&
-                      static_cast<int64_t>(layer.experts_w13.size()) == n_experts &&
-                      static_cast<int64_t>(layer.experts_w2.size()) == n_experts &&
-                      0 < layer.n_used && layer.n_used <= n_experts &&
-                      (!layer.selection_bias ||
-                       (layer.selection_bias->scalar_type() == at::kFloat &&
-                        layer.selection_bias->numel() == n_experts)),
-                  "step_layers: a MoE layer needs a router [n_experts, dim] in x's dtype, "
-                  "expert_rows, n_experts gate|up and down linears, 0 < n_used <= n_experts, "
-                  "a float32 selection_bias [n_experts] where set");
-    }
   }
   for (int64_t i = 0; i < n_groups; ++i) {
     const int64_t* cp = groups[i].write_cells.data_ptr<int64_t>();
@@ -277,69 +277,97 @@ at::Tensor ggml_experts(const at::Tensor& xs, const StepLayer& layer,
   };
   auto gate_up = add_biases(ggml_linear_segments(xs, starts, p13, t13, xs.size(1)),
                             layer.experts_w13);
-  // the activation per expert, as the loop computes it (ATen's vectorized ops treat a
+  // the clamped SwiGLU per expert, as the loop computes it (ATen's vectorized ops treat a
   // tensor's tail elements apart: the same rows in a bigger tensor could round otherwise)
   auto gated = at::empty({gate_up.size(0), gate_up.size(1) / 2}, xs.options());
-  for (size_t i = 0; i < used.size(); ++i)
-    gated.slice(0, starts[i], starts[i + 1])
-        .copy_(expert_act(gate_up.slice(0, starts[i], starts[i + 1]), layer));
+  if (layer.swiglu_limit > 0.0) {
+    for (size_t i = 0; i < used.size(); ++i)
+      gated.slice(0, starts[i], starts[i + 1])
+          .copy_(expert_act(gate_up.slice(0, starts[i], starts[i + 1]), layer));
+  } else {  // silu_mul computes row by row: one call over every used expert's rows
+    silu_mul_into(gate_up.contiguous(), gated);
+  }
   return add_biases(ggml_linear_segments(gated, starts, p2, t2, gated.size(1)),
                     layer.experts_w2);
 }
 
-// model/layers/moe.py MoEFeedForward.forward on h [n, dim] (SwiGLU experts): softmax (or
-// sigmoid, with a selection bias) routing in float32, the top n_used (renormalized with
-// norm_topk, times weights_scale) in h's dtype; the (row, slot) pairs
-// grouped by expert in a stable counting sort (the permutation of the Python layer's stable
-// argsort), each chosen expert once over all its rows, the weighted outputs added back per row
-// in ascending expert order (index_add_); layer.expert_rows counts the pairs.
+// up to this many (row, expert) pairs a step (decode rows of a few sequences), moe_ffn adds the
+// weighted outputs back in one loop instead of four ATen calls
+constexpr int64_t kFewPairs = 64;
+
+// the weighted outputs ys [n k, dim] (pairs in `order`, pair i = row i / k) added back per row
+// in the order of the pairs: ys * w rounded to h's dtype, then added in float32 and rounded,
+// as the Python layer's ys.mul_(w) and index_add_ (a few rows: no ATen calls per op)
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void add_weighted(T* out, const T* ys,
+                                                               const T* w, const int64_t* order,
+                                                               int64_t nk, int64_t k, int64_t d) {
+  for (int64_t i = 0; i < nk; ++i) {
+    T* o = out + (order[i] / k) * d;
+    const T* y = ys + i * d;
+    const float wi = static_cast<float>(w[order[i]]);
+    for (int64_t c = 0; c < d; ++c)
+      o[c] = static_cast<T>(static_cast<float>(o[c]) +
+                            static_cast<float>(static_cast<T>(static_cast<float>(y[c]) * wi)));
+  }
+}
+
+// model/layers/moe.py MoEFeedForward.forward on h [n, dim] (SwiGLU experts): moe_route's
+// experts and weights (cast to h's dtype); the (row, slot) pairs grouped by expert in a
+// stable counting sort (the permutation of the Python layer's stable argsort), each chosen
+// expert once over all its rows, the weighted outputs added back per row in ascending expert
+// order (index_add_); layer.expert_rows counts the pairs.
 at::Tensor moe_ffn(const at::Tensor& h, const StepLayer& layer, int64_t group_size) {
   const int64_t n = h.size(0), k = layer.n_used;
   const int64_t n_experts = static_cast<int64_t>(layer.experts_w13.size());
   c10::optional<at::Tensor> router_bias;
   if (layer.router_bias) router_bias = *layer.router_bias;
   auto logits = at::linear(h, *layer.router, router_bias);  // [n, n_experts]
-  auto probs = layer.sigmoid_gating ? at::sigmoid(logits.to(at::kFloat))
-                                    : at::softmax(logits, -1, at::kFloat);
-  at::Tensor top, idx;
-  if (layer.selection_bias) {  // chosen on the biased scores, weighted by the scores
-    idx = std::get<1>(at::topk(probs + *layer.selection_bias, k, -1));
-    top = probs.gather(1, idx);
-  } else {
-    std::tie(top, idx) = at::topk(probs, k, -1);
-  }
-  if (layer.norm_topk) top = top / top.sum(-1, true);
-  if (layer.weights_scale != 1.0) top = top * layer.weights_scale;
-  top = top.to(h.scalar_type());
-  idx = idx.contiguous();
+  auto [weights, idx] = moe_route(logits, k, layer.norm_topk, layer.sigmoid_gating,
+                                  layer.selection_bias, layer.weights_scale);
+  auto top = weights.to(h.scalar_type()).contiguous();
   const int64_t* e_of = idx.data_ptr<int64_t>();
   std::vector<int64_t> counts(n_experts, 0), start(n_experts + 1, 0);
   for (int64_t i = 0; i < n * k; ++i) ++counts[e_of[i]];
   for (int64_t e = 0; e < n_experts; ++e) start[e + 1] = start[e] + counts[e];
   auto order = at::empty({n * k}, idx.options());
+  auto rows = at::empty({n * k}, idx.options());
   int64_t* op = order.data_ptr<int64_t>();
+  int64_t* rp = rows.data_ptr<int64_t>();
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < n * k; ++i) op[fill[e_of[i]]++] = i;
+  for (int64_t i = 0; i < n * k; ++i) rp[i] = op[i] / k;
   int64_t* load = layer.expert_rows->data_ptr<int64_t>();
   for (int64_t e = 0; e < n_experts; ++e) load[e] += counts[e];
-  auto rows = at::floor_divide(order, k);
   auto xs = h.index_select(0, rows);  // [n k, dim], expert by expert
+  at::Tensor ys;
   if (all_ggml(layer)) {
-    auto ys = ggml_experts(xs, layer, start, counts);
+    ys = ggml_experts(xs, layer, start, counts);
+  } else {
+    ys = at::empty_like(xs);
+    for (int64_t e = 0; e < n_experts; ++e) {
+      if (!counts[e]) continue;
+      auto gate_up = quant_linear(xs.slice(0, start[e], start[e + 1]), layer.experts_w13[e],
+                                  group_size)
+                         .contiguous();
+      auto gated = expert_act(gate_up, layer);
+      ys.slice(0, start[e], start[e + 1])
+          .copy_(quant_linear(gated, layer.experts_w2[e], group_size));
+    }
+  }
+  if (n * k > kFewPairs || !h.is_contiguous() || !ys.is_contiguous()) {
     ys.mul_(top.reshape(-1).index_select(0, order).unsqueeze(1));
     return at::zeros_like(h).index_add_(0, rows, ys);
   }
-  auto ys = at::empty_like(xs);
-  for (int64_t e = 0; e < n_experts; ++e) {
-    if (!counts[e]) continue;
-    auto gate_up = quant_linear(xs.slice(0, start[e], start[e + 1]), layer.experts_w13[e],
-                                group_size)
-                       .contiguous();
-    auto gated = expert_act(gate_up, layer);
-    ys.slice(0, start[e], start[e + 1]).copy_(quant_linear(gated, layer.experts_w2[e], group_size));
-  }
-  ys.mul_(top.reshape(-1).index_select(0, order).unsqueeze(1));
-  return at::zeros_like(h).index_add_(0, rows, ys);
+  auto out = at::zeros_like(h);
+  const int64_t d = h.size(1);
+  if (h.scalar_type() == at::kBFloat16)
+    add_weighted(out.data_ptr<at::BFloat16>(), ys.data_ptr<at::BFloat16>(),
+                 top.data_ptr<at::BFloat16>(), op, n * k, k, d);
+  else
+    add_weighted(out.data_ptr<float>(), ys.data_ptr<float>(), top.data_ptr<float>(), op, n * k,
+                 k, d);
+  return out;
 }
 
 }  // namespace
@@ -498,4 +526,63 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
     add_residual_(x, out, layer.residual_mult);
   }
   return x;
+}
+
+// the top-k scores' sum is divided by at least this (llama.cpp's clamp in build_moe_ffn): k
+// sigmoid scores can all underflow to 0
+constexpr float kMinWeightSum = 6.103515625e-5f;
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits_in, int64_t k, bool norm_topk,
+                                             bool sigmoid,
+                                             const std::optional<at::Tensor>& selection_bias,
+                                             double scale) {
+  TORCH_CHECK(logits_in.dim() == 2 && 0 < k && k <= logits_in.size(1),
+              "moe_route: logits [n, n_experts] and 0 < k <= n_experts");
+  auto logits = logits_in.to(at::kFloat).contiguous();
+  const int64_t n = logits.size(0), n_experts = logits.size(1);
+  at::Tensor bias;
+  if (selection_bias) {
+    TORCH_CHECK(selection_bias->scalar_type() == at::kFloat &&
+                    selection_bias->numel() == n_experts,
+                "moe_route: selection_bias must be float32 [n_experts]");
+    bias = selection_bias->contiguous();
+  }
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  auto weights = at::empty({n, k}, logits.options());
+  auto experts = at::empty({n, k}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* ep = experts.data_ptr<int64_t>();
+  std::vector<float> p(n_experts), q(n_experts);
+  std::vector<char> taken(n_experts);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* l = lp + r * n_experts;
+    if (sigmoid) {
+      for (int64_t e = 0; e < n_experts; ++e) {  // exp of a non-positive value: never inf
+        const float z = std::exp(-std::fabs(l[e]));   // (-ffast-math assumes no infinities)
+        p[e] = l[e] >= 0.0f ? 1.0f / (1.0f + z) : z / (1.0f + z);
+      }
+    } else {
+      float m = l[0], sum = 0.0f;
+      for (int64_t e = 1; e < n_experts; ++e) m = std::max(m, l[e]);
+      for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(l[e] - m));
+      for (int64_t e = 0; e < n_experts; ++e) p[e] /= sum;
+    }
+    for (int64_t e = 0; e < n_experts; ++e) q[e] = bp ? p[e] + bp[e] : p[e];
+    std::fill(taken.begin(), taken.end(), 0);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < n_experts; ++e)
+        if (!taken[e] && (best < 0 || q[e] > q[best])) best = e;
+      taken[best] = 1;
+      ep[r * k + j] = best;
+      sum += (wp[r * k + j] = p[best]);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      if (norm_topk) wp[r * k + j] /= std::max(sum, kMinWeightSum);
+      if (scale != 1.0) wp[r * k + j] *= static_cast<float>(scale);
+    }
+  }
+  return {weights, experts};
 }

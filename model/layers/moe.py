@@ -29,6 +29,10 @@ from torch import nn
 from model.arch import Activation, ModelArgs
 from model.layers.blocks import FeedForward
 
+# the top-k weights' sum is divided by at least this (llama.cpp's build_moe_ffn; the kernels'
+# moe_route the same)
+MIN_WEIGHT_SUM = 6.103515625e-5
+
 
 class MoEFeedForward(nn.Module):
     """sum over the row's top-k experts e of weight_e * expert_e(x); `expert_rows` counts the
@@ -76,10 +80,18 @@ class MoEFeedForward(nn.Module):
             gate = weights[prefix + "shexp_gate"].reshape(1, -1)
             self.shared_gate = nn.Parameter(gate, requires_grad=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, d] -> (weights [n, k] in x's dtype, experts [n, k] int64)."""
+    def route(self, x: torch.Tensor, fused: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, d] -> (weights [n, k] in x's dtype, experts [n, k] int64); with the C++
+        kernels their moe_route, which the one-call step calls too (the same experts and
+        weights, bit for bit)."""
         bias = None if self.router_bias is None else self.router_bias.to(x.dtype)
         logits = F.linear(x, self.router.to(x.dtype), bias)  # [n, E]
+        if fused is not None and hasattr(fused, "moe_route"):
+            sel = self.selection_bias
+            weights, experts = fused.moe_route(
+                logits, self.n_used, self.norm_topk_prob, self.sigmoid, sel, self.weights_scale
+            )
+            return weights.to(x.dtype), experts
         if self.sigmoid:
             probs = torch.sigmoid(logits.float())
         else:
@@ -89,15 +101,15 @@ class MoEFeedForward(nn.Module):
         else:  # chosen on the biased scores, weighted by the scores
             experts = torch.topk(probs + self.selection_bias, self.n_used, dim=-1).indices
             top = probs.gather(1, experts)
-        if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:  # llama.cpp's clamp: k sigmoid scores can all underflow to 0
+            top = top / top.sum(dim=-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
         if self.weights_scale != 1.0:
             top = top * self.weights_scale
         return top.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
         n, k = x.shape[0], self.n_used
-        top, experts = self.route(x)
+        top, experts = self.route(x, fused)
         flat = experts.reshape(-1)  # [n * k]
         order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
         rows = order // k

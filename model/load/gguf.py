@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from model.arch import FAMILIES, ModelArgs, family_of_gguf
-from model.arch.weights import layer_weights, weight_shapes
+from model.arch.weights import FLOAT32_KINDS, layer_weights, weight_shapes
 from model.errors import ModelLoadError
 from model.layers.ggml import GGML_TYPES, BlockWeight
 from model.load.gguf_args import (  # the metadata half, re-exported: the loaders' one import
@@ -155,7 +155,8 @@ def read_weights(
             w = _unpermute(w, args.n_heads if kind in ("wq", "bq") else args.n_kv_heads)
         if kind.endswith("norm") and args.block.norm_shift:
             w = w - args.block.norm_shift  # llama.cpp's converter stores Gemma's 1 + w
-        weights[ours] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+        as_float = torch.from_numpy(np.array(w, dtype=np.float32))
+        weights[ours] = as_float if kind in FLOAT32_KINDS else as_float.to(dtype)
     weights.setdefault("output", weights["tok_embeddings"])  # tied embeddings
     return weights
 

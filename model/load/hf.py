@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from model.arch import ModelArgs, family_of_hf
-from model.arch.weights import layer_weights, weight_shapes
+from model.arch.weights import FLOAT32_KINDS, layer_weights, weight_shapes
 from model.errors import ModelLoadError
 
 _LAYER_TENSORS = {
@@ -99,7 +99,7 @@ def _read_whole(
                 f"{folder}: tensor {theirs} has shape {tuple(raw[theirs].shape)}, which does not "
                 f"give the expected {expected[kind]}."
             )
-        weights[ours] = w.to(dtype)
+        weights[ours] = w.to(torch.float32 if kind in FLOAT32_KINDS else dtype)
     weights.setdefault("output", weights["tok_embeddings"])
     return weights
 

@@ -321,8 +321,10 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _tensor_type(name: str, w: np.ndarray, outtype: str) -> str:
-    """llama.cpp keeps 1-D tensors, tensors without a .weight suffix and the conv in F32."""
-    if outtype == "f32" or w.ndim < 2 or not name.endswith(".weight") or "ssm_conv1d" in name:
+    """llama.cpp keeps 1-D tensors, tensors without a .weight suffix, the conv, the norms and
+    the experts' router in F32."""
+    small = "ssm_conv1d" in name or "ffn_gate_inp" in name or name.endswith("norm.weight")
+    if outtype == "f32" or w.ndim < 2 or not name.endswith(".weight") or small:
         return "F32"
     return "F16"
 

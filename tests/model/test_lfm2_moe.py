@@ -110,6 +110,29 @@ def test_the_selection_bias_chooses_and_does_not_weigh(folder):
     torch.testing.assert_close(weights, 1.5 * chosen / chosen.sum(-1, keepdim=True))
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_routing_keeps_the_bias_in_float32_and_never_divides_by_zero(folder, hf, kernels):
+    """A bfloat16 model keeps the selection bias float32 (as transformers' buffer and llama.cpp's
+    exp_probs_b): it picks among scores in [0, 1], where bfloat16 keeps 8 bits. k sigmoid
+    scores that all underflow to 0 give zero weights, not NaN (llama.cpp's clamp of the sum),
+    through the kernels' moe_route and through torch."""
+    moe = load_model(folder, dtype="bfloat16").transformer.layers[1].feed_forward
+    assert isinstance(moe, MoEFeedForward) and moe.selection_bias is not None
+    assert moe.selection_bias.dtype == torch.float32
+    assert torch.equal(moe.selection_bias, hf.model.layers[1].feed_forward.expert_bias)
+    fused = load_kernels() if kernels else None
+    if kernels and fused is None:
+        pytest.skip("no C++ kernels built for this CPU")
+    moe = load_model(folder).transformer.layers[1].feed_forward
+    assert isinstance(moe, MoEFeedForward)
+    moe.router.data.fill_(0.0)
+    moe.router.data[:, 0] = 1.0
+    x = torch.zeros(2, 64)
+    x[:, 0] = -1000.0  # every logit -1000: every sigmoid score 0
+    weights, experts = moe.route(x, fused)
+    assert torch.equal(weights, torch.zeros(2, 2)) and experts.shape == (2, 2)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
 def test_the_one_call_step_runs_lfm2_moe_as_the_python_layers(
