@@ -119,6 +119,12 @@ class MoEArgs:
     selection_bias: bool = False
     weights_scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        if not 0 < self.n_used <= self.n_experts:
+            raise ValueError(
+                f"{self.n_used} experts used a token of {self.n_experts} (must be 1 to all)"
+            )
+
 
 @dataclass(frozen=True, slots=True)
 class LongRope:

@@ -104,12 +104,15 @@ def read_args(reader: GGUFFile, path: Path) -> ModelArgs:
     moe = family.moe_norm_topk is not None
     if moe and (not family.moe_optional or int(get("expert_count", 0)) > 0):
         # every layer sparse, as llama.cpp builds them
-        args.moe = MoEArgs(
-            n_experts=int(get("expert_count")),
-            n_used=int(get("expert_used_count")),
-            expert_dim=int(get("expert_feed_forward_length", args.hidden_dim)),
-            norm_topk_prob=bool(get("expert_weights_norm", family.moe_norm_topk)),
-        )
+        try:
+            args.moe = MoEArgs(
+                n_experts=int(get("expert_count")),
+                n_used=int(get("expert_used_count")),
+                expert_dim=int(get("expert_feed_forward_length", args.hidden_dim)),
+                norm_topk_prob=bool(get("expert_weights_norm", family.moe_norm_topk)),
+            )
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: bad {arch} metadata ({e}).") from e
     if family.from_gguf is not None:
         family.from_gguf(args, meta)
     return args

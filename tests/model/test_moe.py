@@ -88,6 +88,24 @@ def test_a_mixtral_with_a_sliding_window_is_refused(tmp_path):
         load_model(folder)
 
 
+def test_more_experts_a_token_than_experts_is_refused(tmp_path):
+    """num_experts_per_tok outside 1..num_experts: refused at load (torch.topk would raise at
+    the first request), from config.json and from a GGUF's expert_used_count."""
+    import json
+
+    from tests.model.test_gguf_ssm_refusals import rewrite
+
+    folder = write_tiny_moe(tmp_path / "hf", "qwen3_moe")
+    path = write_tiny_moe_gguf(tmp_path / "m.gguf", folder)
+    bad = rewrite(path, tmp_path / "bad.gguf", set_kv={"qwen3moe.expert_used_count": 9})
+    with pytest.raises(ModelLoadError, match="9 experts used a token of 8"):
+        load_model(bad)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_experts_per_tok": 0}))
+    with pytest.raises(ModelLoadError, match="0 experts used a token of 8"):
+        load_model(folder)
+
+
 def test_dense_layers_between_sparse_ones_match_transformers(tmp_path):
     """Qwen3-MoE's mlp_only_layers: layer 1 of 3 is a dense MLP of intermediate_size."""
     transformers = pytest.importorskip("transformers")
