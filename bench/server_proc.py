@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from model.kernels.isa import cpu_flags
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 LLAMACPP_DEFAULT = (
     pathlib.Path.home() / ".cache" / "cellserve" / "llama.cpp" / "bin" / "llama-server"
@@ -102,7 +104,7 @@ def served(
     port = free_port()
     cmd = command_for(port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **llamacpp_env()}
     with log_path.open("wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
@@ -134,6 +136,17 @@ def cellserve(
     """`cellserve_process` that yields (base URL, start-up seconds)."""
     with cellserve_process(log_path, extra_args, startup_timeout_s) as s:
         yield s.url, s.startup_s
+
+
+def llamacpp_env() -> dict[str, str]:
+    """What llama.cpp's servers need in their environment on this CPU: on a CPU with AMX its
+    native build crashed right after loading any model (SIGSEGV in its warm-up; 2-core Xeon VM,
+    2026-12-06, llama.cpp from llama-cpp-python 0.3.36) unless its weight repacking, and with it
+    its AMX buffers, was off, so LLAMA_ARG_REPACK=0 there (`--no-repack`); a value the caller set
+    wins."""
+    if "LLAMA_ARG_REPACK" in os.environ or "amx_int8" not in cpu_flags():
+        return {}
+    return {"LLAMA_ARG_REPACK": "0"}
 
 
 def llamacpp_command(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import bench.server_proc
 from bench.run import (
     DEFAULT_SERVER_ARGS,
     build_parser,
@@ -15,7 +16,7 @@ from bench.run import (
     run_llamacpp,
     run_micro,
 )
-from bench.server_proc import llamacpp_command
+from bench.server_proc import llamacpp_command, llamacpp_env
 from bench.summary import render_summary
 from bench.sweep import QUICK, Clock, sweep_budget_s, ttft_ratio
 
@@ -114,6 +115,19 @@ def test_llamacpp_command_serves_the_gguf_with_32_slots_on_a_32768_cell_context(
         "/bin/llama-server", "-m", "/m/x.gguf", "-t", "2", "-c", "32768", "-np", "32",
         "--host", "127.0.0.1", "--port", "8123",
     ]  # fmt: skip
+
+
+def test_llamacpp_runs_without_its_repacking_on_amx_cpus(monkeypatch) -> None:
+    """llama.cpp's native build crashed at start-up on an AMX Xeon unless --no-repack: its
+    servers get LLAMA_ARG_REPACK=0 there, nowhere else, and never over the caller's value."""
+    monkeypatch.delenv("LLAMA_ARG_REPACK", raising=False)
+    monkeypatch.setattr(bench.server_proc, "cpu_flags", lambda: frozenset({"avx512f", "amx_int8"}))
+    assert llamacpp_env() == {"LLAMA_ARG_REPACK": "0"}
+    monkeypatch.setenv("LLAMA_ARG_REPACK", "1")
+    assert llamacpp_env() == {}
+    monkeypatch.delenv("LLAMA_ARG_REPACK")
+    monkeypatch.setattr(bench.server_proc, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert llamacpp_env() == {}
 
 
 def test_default_server_args_are_the_fast_cpu_configuration_and_overridable() -> None:
