@@ -115,8 +115,10 @@ def test_f16_gguf_keeps_small_tensors_in_f32(mamba2_dir, tmp_path):
     reader = open_gguf(path)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.ssm_in.weight"] == types["token_embd.weight"] == "F16"
-    assert types["blk.0.ssm_norm.weight"] == "F16"  # 2-D [G, d_inner/G], as llama.cpp's
-    for name in ("ssm_conv1d.weight", "ssm_conv1d.bias", "ssm_a", "ssm_d", "attn_norm.weight"):
+    # every *_norm.weight F32, the 2-D ssm_norm [G, d_inner/G] too: llama.cpp's converter's
+    # rule (convert_hf_to_gguf's conversion/base.py, llama-cpp-python 0.3.36's llama.cpp)
+    names = ("ssm_conv1d.weight", "ssm_conv1d.bias", "ssm_a", "ssm_d", "attn_norm.weight")
+    for name in (*names, "ssm_norm.weight"):
         assert types[f"blk.0.{name}"] == "F32", name
     args, weights = load_gguf(path)
     sd = hf_state(mamba2_dir)

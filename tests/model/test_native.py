@@ -260,10 +260,12 @@ def test_a_prompt_past_the_window_takes_the_one_call_step(tiny_quantized, dtype,
         assert torch.equal(got, prefill(chunks)), chunks
         worker.paths.prompt_attention = None  # the masked torch path
         masked = prefill(chunks)
-        # float32: summation order; bfloat16: one step at the logits' scale (a missed window
-        # moves them 1.2-6)
+        # one bfloat16 step at the logits' scale (a missed window moves them 1.2-6); float32
+        # too: the int4 linears round their input rows to int8, and the masked torch path's
+        # summation order (torch's own kernels, CPU-dependent) flips one such rounding now and
+        # then (0.10 at a scale of 127 on an Intel Xeon, float32, chunks 13 / 4 / 13)
         scale = float(masked.float().abs().max())
-        tol = 1e-3 if dtype == "float32" else 2.0 ** (math.floor(math.log2(scale)) - 7)
+        tol = 2.0 ** (math.floor(math.log2(scale)) - 7)
         assert float((got.float() - masked.float()).abs().max()) <= tol, chunks
         assert torch.equal(got.argmax(-1), masked.argmax(-1)), chunks
     worker.paths.native, worker.paths.prompt_attention = native, kernel
