@@ -117,6 +117,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF blocks [n, row_bytes] dequantized to float32 [n, k]");
   m.def("ggml_repack_types", &ggml_repack_types,
         "the GGML types this build moves into a layout of its own at load (ggml_repack)");
+  m.def("ggml_amx", &ggml_amx, py::arg("mode") = -1,
+        "whether K-quant prompt chunks run on AMX tiles (mode 0 / 1 switches, -1 asks)");
   m.def("ggml_repack", &ggml_repack, kNoGil, py::arg("w"), py::arg("type"), py::arg("k"),
         py::arg("release"), "a weight's blocks moved 16 (8) rows a group -> (the copy, its type)");
   m.def("ggml_row_bytes", &ggml_row_bytes, py::arg("type"), py::arg("k"),

@@ -295,6 +295,9 @@ void k_part(int64_t type, const Q8K& X, int64_t m, int64_t k, int64_t n, float* 
 // the repacked Q4_K this build computes on (Q4_K_X16, Q4_K_X8; 0: none) and its outputs a group;
 // n Q4_K rows at src (row_bytes each, n a multiple of the group) moved into it at dst
 int64_t repack_type();
+// whether the K-quants' prompt chunks run on AMX (ggml_kamx.h); mode 0 / 1 switches it off / on
+// (on only where the CPU and the kernel allow it), -1 only asks
+bool amx_mode(int64_t mode);
 int64_t repack_lanes();
 void repack_q4k(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_bytes);
 

@@ -22,6 +22,7 @@
 #include "ggml_kgemv.h"
 #include "ggml_ktiles.h"
 #include "ggml_krepack.h"
+#include "ggml_kamx.h"
 
 #include <ATen/Parallel.h>
 
@@ -171,6 +172,9 @@ void k_part_t(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k
     }
     return;
   }
+#if defined(CELLSERVE_GGML_AMX)
+  if (m >= kAmxRows && amx_on()) return amx_task<T, false>(X, m, k, n, y, w, row_bytes, o0, o1, col0);
+#endif
   k_task<T, KTile>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
 #else
   k_task<T>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
@@ -185,6 +189,9 @@ void k_part_t(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k
 // 366 ms, the file's tiles 183 / 310, these 174 / 307)
 void repacked_part(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k_tile,
                    const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t col0) {
+#if defined(CELLSERVE_GGML_AMX)
+  if (m >= kAmxRows && amx_on()) return amx_task<Q4_K, true>(X, m, k, n, y, w, row_bytes, o0, o1, col0);
+#endif
 #if !(defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__))
   if (m > 2 * kRepackRows) return k_task<Q4_K, Tile8R>(X, m, k, n, y, k_tile, w, row_bytes, o0, o1, col0);
 #endif
@@ -231,6 +238,16 @@ void k_part(int64_t type, const Q8K& X, int64_t m, int64_t k, int64_t n, float* 
 #endif
     default: TORCH_CHECK_VALUE(false, "ggml k_part: GGML type ", type, " is not a K-quant");
   }
+}
+
+bool amx_mode(int64_t mode) {
+#if defined(CELLSERVE_GGML_AMX)
+  if (mode >= 0) amx_switch().store(mode != 0);
+  return amx_on();
+#else
+  (void)mode;
+  return false;
+#endif
 }
 
 int64_t repack_type() {

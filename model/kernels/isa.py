@@ -9,7 +9,8 @@ matching flags, never -march=native, so a build never runs on a CPU that lacks t
   avx512       x86-64-v4: AVX-512 F/BW/VL/DQ/CD (Skylake-SP.., Ice Lake; VNNI used by the
                libraries where present)
   avx512_bf16  avx512 + AVX-512 BF16 + VNNI (Cooper Lake, Sapphire Rapids.., Zen 4/5): the
-               native bfloat16 dot products (and AMX where present, through oneDNN)
+               native bfloat16 dot products (and AMX where present: the GGUF
+               K-quants' prompt chunks, ggml_kamx.h, detected at run time)
 
 CELLSERVE_ISA=generic|avx2|avx512|avx512_bf16 forces a lower level than the CPU has (a
 higher one is capped, with a warning): the kernels of that level, and the same cap on torch's

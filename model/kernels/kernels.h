@@ -373,4 +373,7 @@ at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t k);
 // the GGML types this build moves into a layout of its own at load (Q4_K on the AVX2 and AVX-512 builds), and
 // that move: the same bytes, 16 (8) rows a group -> (the copy, its type for ggml_linear)
 std::vector<int64_t> ggml_repack_types();
+// whether prompt chunks of K-quants run on AMX tiles: mode 0 / 1 switches (1: where the CPU and
+// Linux allow it), -1 asks
+bool ggml_amx(int64_t mode);
 std::tuple<at::Tensor, int64_t> ggml_repack(const at::Tensor& w, int64_t type, int64_t k, bool release);

@@ -44,6 +44,8 @@ class KernelPaths:
     why: dict[str, str] = field(default_factory=dict)
     # how many linears run each way, e.g. {"C++ ggml_linear Q4_K": 168, "torch": 1}
     linears: dict[str, int] = field(default_factory=dict)
+    # whether the K-quant linears' prompt chunks run on AMX tiles (model/kernels/ggml_kamx.h)
+    amx: bool = False
 
     def describe(self) -> str:
         """One line for the start-up log: each path, on or off, and why."""
@@ -60,6 +62,8 @@ class KernelPaths:
         if self.linears:
             counts = ", ".join(f"{way} x {n}" for way, n in sorted(self.linears.items()))
             parts.append(f"linears: {counts}")
+        if self.amx:
+            parts.append("K-quant prompt chunks: AMX tiles (from 32 rows)")
         return "; ".join(parts)
 
 
@@ -72,6 +76,9 @@ def decide_paths(
         why = dict.fromkeys(_NAMES, "no C++ kernels for this CPU")
         return KernelPaths(why=why, linears=linears)
     paths = KernelPaths(linears=linears)
+    paths.amx = any(k in way for way in linears for k in ("Q4_K", "Q5_K", "Q6_K")) and bool(
+        getattr(kernels, "ggml_amx", None) and kernels.ggml_amx()
+    )
     why = paths.why
     reads = _reads_cells(model, storage, kernels)
     paths.native, why["one-call step"] = NativeDecoder.build(model, storage, kernels)

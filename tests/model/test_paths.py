@@ -31,6 +31,7 @@ def test_a_gguf_files_blocks_run_on_ggml_linear(folder, tmp_path):
     assert sum(linears.values()) == N_LAYERS * PER_LAYER + 1, linears  # and the head
     assert all(way.startswith("C++ ggml_linear Q8_0") for way in linears), linears
     assert "linears: C++ ggml_linear Q8_0 x 9" in worker.paths.describe()
+    assert not worker.paths.amx  # the 32-value kinds stay on the vector units' tiles
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,9 @@ def test_the_default_serves_the_files_own_blocks_mapped(qwen_path):
     linears = worker.paths.linears
     assert sum(linears.values()) == 24 * 4 + 1, linears
     assert all(way.startswith("C++ ggml_linear ") for way in linears), linears
+    # its prompt chunks on AMX tiles exactly where the CPU has them (ggml_kamx.h)
+    amx = bool(getattr(load_kernels(), "ggml_amx", lambda: False)())
+    assert worker.paths.amx == amx and ("AMX tiles" in worker.paths.describe()) == amx
 
 
 @pytest.mark.parametrize(
