@@ -16,10 +16,11 @@
 // VNNI tiles (2-core Xeon with AMX, 16-512 rows).
 //
 // AMX runs where the CPU has AMX-INT8 and Linux grants the tiles' data (arch_prctl
-// ARCH_REQ_XCOMP_PERM, once a process), from 16 rows (kAmxRows); CELLSERVE_AMX=0 or
+// ARCH_REQ_XCOMP_PERM, once a process), from 32 rows (kAmxRows); CELLSERVE_AMX=0 or
 // ggml_amx(0) switch it off (A/B runs, tests). Each task loads its tile configuration and
 // releases the tiles at its end, so a library that uses AMX on the same thread (oneDNN) is not
-// disturbed.
+// disturbed. Where Linux refuses the permission (a thread's sigaltstack too small for the tiles'
+// signal frame) AMX stays off for the process and the VNNI tiles run.
 #pragma once
 
 #include "ggml_kdecode.h"
@@ -168,6 +169,9 @@ __attribute__((target("amx-tile,amx-int8"), noinline)) void amx_micro16(const KA
                                                                        const float* xd, int64_t nb,
                                                                        __m512* facc, bool first) {
   alignas(64) int32_t cs[3][16][16];
+  // NOTE: GCC 12's tile loads tell the compiler of no memory they read: the caller's stores of
+  // buf must not move past them (this function is noinline for that too)
+  asm volatile("" : : : "memory");
   for (int64_t b = 0; b < nkb; ++b) {
     const KAmx& w = buf[b];
     const int8_t* xb = x + 256 * b;

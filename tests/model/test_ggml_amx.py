@@ -1,4 +1,4 @@
-"""AMX for the K-quants' prompt chunks (model/kernels/ggml_kamx.h): from 16 rows, on CPUs with
+"""AMX for the K-quants' prompt chunks (model/kernels/ggml_kamx.h): from 32 rows, on CPUs with
 AMX-INT8 (Sapphire Rapids and later Xeons) and the AVX-512 BF16 build, one tile instruction per
 sub-block sums what the VNNI tiles sum, and the rest is their arithmetic. So every row's output
 is the VNNI tiles' to the bit, and a row alone (k_gemv) gives the bits it gets in a prompt chunk:
@@ -47,8 +47,9 @@ def test_the_switch(amx):
 @pytest.mark.parametrize("name", K_TYPES)
 @pytest.mark.parametrize("k", [256, 768, 2560])
 def test_amx_gives_the_vnni_tiles_bits(amx, name, k):
-    """16 rows and more (whole tiles of 16, the rest on the VNNI tile; several tiles of rows at
-    k = 2560), outputs a multiple of 16 and not, float32 and bfloat16 rows."""
+    """From 32 rows (whole tiles of 16, the rest on the VNNI tile; several tiles of rows at
+    k = 2560; 16-31 rows stay on the VNNI tiles), outputs a multiple of 16 and not, float32 and
+    bfloat16 rows."""
     rng = np.random.default_rng(k)
     t = int(TYPES[name][0])
     for n in (48, 45):
@@ -132,3 +133,15 @@ def test_fused_parts_and_segments_on_amx(amx):
         if starts[s + 1] > starts[s]:
             alone = amx.ggml_linear(x[starts[s] : starts[s + 1]], [e], [types[s]], k)
             assert torch.equal(on[starts[s] : starts[s + 1]], alone)
+
+
+def test_a_long_chunk_over_many_outputs_in_larger_tasks(amx):
+    """From 128 rows with AMX, tasks of more than 16 outputs (ggml_blocks.cpp), each passing its
+    tile of rows over all its columns: every output once, the bits of 16-output tasks."""
+    rng = np.random.default_rng(9)
+    k, n = 512, 784  # 784 / 16 = 49 columns: the tasks' split leaves a shorter last one
+    parts = [torch.from_numpy(make_weights(nm, n // 2, k, rng)) for nm in ("Q4_K", "Q6_K")]
+    types = [int(TYPES[nm][0]) for nm in ("Q4_K", "Q6_K")]
+    x = torch.from_numpy(rng.standard_normal((200, k)).astype(np.float32))
+    on, off = both(amx, amx.ggml_linear, x, parts, types, k)
+    assert torch.equal(on, off)

@@ -20,8 +20,11 @@ TEXTS = [
 ]
 # NOTE: without --batch-invariant a row's numbers depend slightly on how many rows share its
 # matmuls (CPU GEMM kernels pick paths by shape, see model/runner/worker.py MIN_ROWS), so the same
-# text alone and in a batch agree to float32 rounding, not bit for bit.
-ATOL = 2e-4
+# text alone and in a batch agree to rounding, not bit for bit: with bfloat16 activations (the
+# default on AVX-512 BF16 CPUs) 2.3e-4 to 3.3e-4 on an Intel Xeon (2026-12-06; components of
+# ~0.04, a bfloat16 step there is 1.2e-4), where dropping the last token
+# moves them by 0.27 (below)
+ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
