@@ -103,16 +103,8 @@ inline void kcol16_from_x16(const uint8_t* s, KCol16& col) {
     _mm512_store_si512(col.u[g], _mm512_and_si512(p, low4));
     _mm512_store_si512(col.u[g + 8], _mm512_and_si512(_mm512_srli_epi16(p, 4), low4));
   }
-  const __m512i m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f);
-  const __m512i m30 = _mm512_set1_epi32(0x30303030);
-  const __m512i a = _mm512_loadu_si512(s + 64), bq = _mm512_loadu_si512(s + 128);
-  const __m512i c = _mm512_loadu_si512(s + 192);
   __m512i w[4];
-  w[0] = _mm512_and_si512(a, m3f);
-  w[1] = _mm512_or_si512(_mm512_and_si512(c, m0f), _mm512_and_si512(_mm512_srli_epi32(a, 2), m30));
-  w[2] = _mm512_and_si512(bq, m3f);
-  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), m0f),
-                         _mm512_and_si512(_mm512_srli_epi32(bq, 2), m30));
+  scale_words16(s, w);
   for (int sb = 0; sb < 8; ++sb) {
     const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(w[sb / 4], 8 * (sb % 4)), ff);
     _mm512_store_si512(col.sc[2 * sb], sc);

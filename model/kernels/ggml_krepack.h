@@ -34,28 +34,33 @@ constexpr int kRepackRows = 8;  // rows a micro-kernel
 constexpr int64_t kRepackType = Q4_K_X16;
 constexpr int64_t kX16Bytes = 16 * 144;  // a group's super-block
 
+// k_scale_words in the 16 lanes of a group's super-block at s: w[0] scales 0-3, w[1] 4-7, w[2]
+// minimums 0-3, w[3] 4-7 (a byte each)
+inline void scale_words16(const uint8_t* s, __m512i* w) {
+  const __m512i m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f);
+  const __m512i m30 = _mm512_set1_epi32(0x30303030);
+  const __m512i a = _mm512_loadu_si512(s + 64), bq = _mm512_loadu_si512(s + 128);
+  const __m512i c = _mm512_loadu_si512(s + 192);
+  w[0] = _mm512_and_si512(a, m3f);
+  w[1] = _mm512_or_si512(_mm512_and_si512(c, m0f), _mm512_and_si512(_mm512_srli_epi32(a, 2), m30));
+  w[2] = _mm512_and_si512(bq, m3f);
+  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), m0f),
+                         _mm512_and_si512(_mm512_srli_epi32(bq, 2), m30));
+}
+
 // rows [0, MR) (x: row 0's int8 values, rows k apart; xd, xs: its d and s16, rows nb and k / 16
 // apart) times the group at g over nb super-blocks -> y (row r's 16 outputs at y + r * n)
 template <int MR>
 __attribute__((noinline)) void x16_micro(const uint8_t* g, int64_t nb, const int8_t* x, int64_t k,
                                          const float* xd, const int16_t* xs, float* y, int64_t n) {
-  const __m512i m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f);
-  const __m512i m30 = _mm512_set1_epi32(0x30303030), ff = _mm512_set1_epi32(0xff);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i ff = _mm512_set1_epi32(0xff), low4 = _mm512_set1_epi8(0x0F);
   __m512 f[MR];
   for (int r = 0; r < MR; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* s = g + b * kX16Bytes;
     const int8_t* xb = x + 256 * b;
-    // k_scale_words in the lanes: w[0] scales 0-3, w[1] 4-7, w[2] minimums 0-3, w[3] 4-7
-    const __m512i a = _mm512_loadu_si512(s + 64), bq = _mm512_loadu_si512(s + 128);
-    const __m512i c = _mm512_loadu_si512(s + 192);
     __m512i w[4];
-    w[0] = _mm512_and_si512(a, m3f);
-    w[1] = _mm512_or_si512(_mm512_and_si512(c, m0f), _mm512_and_si512(_mm512_srli_epi32(a, 2), m30));
-    w[2] = _mm512_and_si512(bq, m3f);
-    w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), m0f),
-                           _mm512_and_si512(_mm512_srli_epi32(bq, 2), m30));
+    scale_words16(s, w);
     const uint8_t* q = s + 256;
     __m512i acc[MR], t[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
