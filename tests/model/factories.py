@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from kvcache.cells import PendingOps
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
@@ -129,3 +130,11 @@ def require_kernels(level: str | None = None):
             pytest.fail(f"{reason} (CELLSERVE_REQUIRE_TOOLS=1)")
         pytest.skip(reason)
     return module
+
+
+# KNOWN BUG, open (tests/model/test_moe.py, NATIVE_CASES, says what was seen): on an Intel Xeon
+# the one-call step of a mixture of experts with int8 experts and float32 activations now and
+# then differs from the Python layers; the MoE one-call tests mark those cases non-strict
+MOE_INT8_F32 = pytest.mark.xfail(
+    strict=False, reason="intermittent float32 int8 MoE one-call mismatch on an Intel Xeon"
+)

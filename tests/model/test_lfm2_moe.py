@@ -20,6 +20,7 @@ from model.layers.quant import quantize
 from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
+from tests.model.factories import MOE_INT8_F32
 from tests.model.state_driver import (
     Chunk,
     StateDriver,
@@ -136,11 +137,13 @@ def test_routing_keeps_the_bias_in_float32_and_never_divides_by_zero(folder, hf,
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
 def test_the_one_call_step_runs_lfm2_moe_as_the_python_layers(
-    tmp_path_factory, dtype, quant, monkeypatch
+    tmp_path_factory, dtype, quant, monkeypatch, request
 ):
     """moe_ffn's sigmoid routing with the selection bias and the scale in step.cpp: every step
     of sequences batched together (prompt chunks beside decode rows, a fork, a capture resumed
     by a new sequence) runs in one call and gives the Python layers' logits bit for bit."""
+    if (dtype, quant) == ("float32", "int8"):
+        request.applymarker(MOE_INT8_F32)
     kernels = load_kernels()
     if kernels is None:
         pytest.skip("no C++ kernels built for this CPU")
