@@ -7,15 +7,14 @@ bench/build_llamacpp.sh builds; skips without it."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
-import torch
 
-from bench.server_proc import llama_server, llamacpp_command, llamacpp_default
+from bench.server_proc import llamacpp_command, llamacpp_default
 from model import load_model
 from model.kernels import load_kernels
 from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
+from tests.llamacpp_server import assert_same_next_token_logprobs
 from tests.model.factories import Driver
 from tests.scheduler.fakes import make_prompt
 from tests.tiny_dense import DENSE_TYPES, write_tiny_dense, write_tiny_dense_gguf
@@ -51,22 +50,10 @@ def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtyp
     loaded = load_model(path, blocks=qtype != "F32")
     loaded.config.use_context(N_CTX_SEQ)
     worker = make_worker(loaded, n_cells=64)
-    compared, worst = 0, 0.0
-    with llama_server(binary, path, tmp_path / "llama.log", n_threads=1) as served:
-        for seed in range(10):
-            ids = make_prompt(5 + 4 * seed, seed=20 + seed)  # up to 41 tokens: past the window
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
-            body |= {"temperature": 0, "ignore_eos": True}
-            out = httpx.post(f"{served.url}/completion", json=body, timeout=60).json()
-            if "completion_probabilities" not in out:  # a partial UTF-8 token: held back
-                continue
-            top = out["completion_probabilities"][0]["top_logprobs"]
-            driver = Driver(worker, 64, seed=seed)
-            logits = driver.logits([driver.chunk(seed, ids)])[0]
-            ours = torch.log_softmax(logits.double(), -1)
-            # llama.cpp's top token is ours, or (rounded weights) within the tolerance of it
-            assert float(ours.max() - ours[top[0]["id"]]) < TOLERANCE[qtype], seed
-            worst = max(worst, *(abs(float(ours[t["id"]]) - t["logprob"]) for t in top))
-            compared += 1
-    assert worst < TOLERANCE[qtype]
-    assert compared >= 5
+    prompts = [make_prompt(5 + 4 * seed, seed=20 + seed) for seed in range(10)]  # past windows
+    # llama.cpp's top token is ours, or (rounded weights) within the tolerance of it
+    assert_same_next_token_logprobs(
+        binary, path, tmp_path / "llama.log", prompts,
+        lambda seed, ids: (d := Driver(worker, 64, seed=seed)).logits([d.chunk(seed, ids)])[0],
+        TOLERANCE[qtype], exact_argmax=False,
+    )  # fmt: skip

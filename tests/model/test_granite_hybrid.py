@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
 
 import model.runner.worker
-from bench.server_proc import llama_server, llamacpp_default
+from bench.server_proc import llamacpp_default
 from model import load_model
 from model.arch.args import MoEArgs
 from model.errors import ModelLoadError
@@ -21,6 +20,7 @@ from model.layers.ggml import BlockLinear, has_block_kernels
 from model.load.hf_to_gguf import convert
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
+from tests.llamacpp_server import assert_same_next_token_logprobs
 from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
 from tests.tiny_ssm import write_tiny_bamba, write_tiny_granite_hybrid
 
@@ -197,23 +197,14 @@ def test_moe_ggufs_compute_the_folders_logits(variant, tmp_path):
     binary = llamacpp_default()
     if not binary.is_file():
         pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
-    loaded, compared = load_model(theirs), 0
-    with llama_server(binary, theirs, tmp_path / "llama.log", n_threads=1) as served:
-        for seed in range(6):
-            ids = prompt(5 + 7 * seed, seed=30 + seed)
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
-            body |= {"temperature": 0, "ignore_eos": True}
-            out = httpx.post(f"{served.url}/completion", json=body, timeout=60).json()
-            if "completion_probabilities" not in out:  # a partial UTF-8 token: held back
-                continue
-            top = out["completion_probabilities"][0]["top_logprobs"]
-            logits = driver(loaded, n_cells=64).logits([Chunk(0, ids)])[0]
-            mine = torch.log_softmax(logits.double(), -1)
-            assert top[0]["id"] == int(logits.argmax()), seed
-            for t in top:  # measured: within LLAMA_CPP_F32 (llama.cpp's float16 K/V)
-                assert abs(float(mine[t["id"]]) - t["logprob"]) < LLAMA_CPP_F32, (seed, t)
-            compared += 1
-    assert compared >= 4
+    loaded = load_model(theirs)
+    prompts = [prompt(5 + 7 * seed, seed=30 + seed) for seed in range(6)]
+    # measured: within LLAMA_CPP_F32 (llama.cpp's float16 K/V)
+    assert_same_next_token_logprobs(
+        binary, theirs, tmp_path / "llama.log", prompts,
+        lambda _, ids: driver(loaded, n_cells=64).logits([Chunk(0, ids)])[0],
+        LLAMA_CPP_F32, least=4,
+    )  # fmt: skip
 
 
 def test_bamba_matches_transformers(tmp_path):

@@ -6,11 +6,10 @@ the Python layers; a random model with every weight redrawn (tests/tiny_ssm.py).
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
-from bench.server_proc import llama_server, llamacpp_default
+from bench.server_proc import llamacpp_default
 from model import load_model
 from model.arch.args import MoEArgs
 from model.kernels import load_kernels
@@ -20,6 +19,7 @@ from model.layers.quant import quantize
 from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
+from tests.llamacpp_server import assert_same_next_token_logprobs
 from tests.model.factories import MOE_INT8_F32
 from tests.model.state_driver import (
     Chunk,
@@ -185,20 +185,9 @@ def test_llama_cpps_converter_and_server_agree(tmp_path, hf):
     binary = llamacpp_default()
     if not binary.is_file():
         pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
-    compared = 0
-    with llama_server(binary, path, tmp_path / "llama.log", n_threads=1) as served:
-        for seed in range(6):
-            ids = prompt(5 + 7 * seed, seed=40 + seed)
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
-            body |= {"temperature": 0, "ignore_eos": True}
-            out = httpx.post(f"{served.url}/completion", json=body, timeout=60).json()
-            if "completion_probabilities" not in out:  # a partial UTF-8 token: held back
-                continue
-            top = out["completion_probabilities"][0]["top_logprobs"]
-            logits = driver(tiny, n_cells=64).logits([Chunk(0, ids)])[0]
-            ours = torch.log_softmax(logits.double(), -1)
-            assert top[0]["id"] == int(logits.argmax()), seed
-            for t in top:
-                assert abs(float(ours[t["id"]]) - t["logprob"]) < LLAMA_CPP_F32, (seed, t)
-            compared += 1
-    assert compared >= 4
+    prompts = [prompt(5 + 7 * seed, seed=40 + seed) for seed in range(6)]
+    assert_same_next_token_logprobs(
+        binary, path, tmp_path / "llama.log", prompts,
+        lambda _, ids: driver(tiny, n_cells=64).logits([Chunk(0, ids)])[0],
+        LLAMA_CPP_F32, least=4,
+    )  # fmt: skip

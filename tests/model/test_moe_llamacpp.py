@@ -5,16 +5,15 @@ routing. Needs the llama-server that bench/build_llamacpp.sh builds; skips witho
 
 from __future__ import annotations
 
-import httpx
 import pytest
-import torch
 
-from bench.server_proc import llama_server, llamacpp_default
+from bench.server_proc import llamacpp_default
 from model import load_model
 from model.kernels import load_kernels
 from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
+from tests.llamacpp_server import assert_same_next_token_logprobs
 from tests.model.factories import Driver
 from tests.scheduler.fakes import make_prompt
 from tests.tiny_gptoss import write_tiny_gptoss, write_tiny_gptoss_mxfp4
@@ -100,24 +99,9 @@ def assert_same_logprobs(
     """Ten prompts of 5 to 41 tokens: llama-server's greedy next token and top-5 logprobs are
     cellserve's, within `tolerance` (without `exact_argmax`, its greedy token may be another
     within `tolerance` of cellserve's best)."""
-    compared = 0
-    with llama_server(binary, path, tmp_path / "llama.log", n_threads=1) as served:
-        for seed in range(10):
-            ids = make_prompt(5 + 4 * seed, seed=20 + seed)
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 5, "cache_prompt": False}
-            body |= {"temperature": 0, "ignore_eos": True}
-            out = httpx.post(f"{served.url}/completion", json=body, timeout=60).json()
-            if "completion_probabilities" not in out:  # a partial UTF-8 token: held back
-                continue
-            top = out["completion_probabilities"][0]["top_logprobs"]
-            driver = Driver(worker, 64, seed=seed)
-            logits = driver.logits([driver.chunk(seed, ids)])[0]
-            ours = torch.log_softmax(logits.double(), -1)
-            best = float(ours.max())
-            if exact_argmax:
-                assert top[0]["id"] == int(logits.argmax()), seed
-            assert float(ours[top[0]["id"]]) > best - tolerance, seed
-            for t in top:
-                assert abs(float(ours[t["id"]]) - t["logprob"]) < tolerance, (seed, t)
-            compared += 1
-    assert compared >= 5
+    prompts = [make_prompt(5 + 4 * seed, seed=20 + seed) for seed in range(10)]
+    assert_same_next_token_logprobs(
+        binary, path, tmp_path / "llama.log", prompts,
+        lambda seed, ids: (d := Driver(worker, 64, seed=seed)).logits([d.chunk(seed, ids)])[0],
+        tolerance, exact_argmax=exact_argmax,
+    )  # fmt: skip
