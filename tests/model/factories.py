@@ -132,9 +132,16 @@ def require_kernels(level: str | None = None):
     return module
 
 
-# KNOWN BUG, open (tests/model/test_moe.py, NATIVE_CASES, says what was seen): on an Intel Xeon
-# the one-call step of a mixture of experts with int8 experts and float32 activations now and
-# then differs from the Python layers; the MoE one-call tests mark those cases non-strict
-MOE_INT8_F32 = pytest.mark.xfail(
-    strict=False, reason="intermittent float32 int8 MoE one-call mismatch on an Intel Xeon"
+# KNOWN BUG, open: on an Intel Xeon (AMX) a mixture of experts with float32 activations and
+# int4 or int8 experts now and then gives logits a few ulps off (2e-7 to 8e-7, another value each
+# time) in one decode step of one run. Seen (2026-12-06, test_moe.py's one-call cases run 8
+# times per test over 10 file runs): the one-call step's first or a later run, or the Python
+# layers' 3rd / 4th run, of the same worker on the same prompts: not one path, not the first
+# call. Each time only that step's logits moved (the next steps' did not), so it lies after the
+# last layer's attention (its MoE FFN, the final norm, the head). Still there with
+# OMP_NUM_THREADS=1, MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (no oneDNN AMX),
+# MALLOC_PERTURB_=165, and not tied to PYTHONHASHSEED. The MoE one-call tests mark those cases
+# non-strict; every other case must be bit for bit.
+MOE_F32_ONE_CALL = pytest.mark.xfail(
+    strict=False, reason="intermittent float32 int4/int8 MoE mismatch on an Intel Xeon"
 )
