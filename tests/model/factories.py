@@ -137,8 +137,8 @@ def require_kernels(level: str | None = None):
 # time) in one decode step of one run. Seen (2026-12-06, test_moe.py's one-call cases run 8
 # times per test over 10 file runs): the one-call step's first or a later run, or the Python
 # layers' 3rd / 4th run, of the same worker on the same prompts: not one path, not the first
-# call. Each time only that step's logits moved (the next steps' did not), so it lies after the
-# last layer's attention (its MoE FFN, the final norm, the head). Still there with
+# call. The steps (of 0..6) whose logits moved: 5; 2 and 5; 3, 4 and 6; 4, 5 and 6: mostly not
+# carried on to the next step, as a K/V row written off would be. Still there with
 # OMP_NUM_THREADS=1, MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (no oneDNN AMX),
 # MALLOC_PERTURB_=165, and not tied to PYTHONHASHSEED. The MoE one-call tests mark those cases
 # non-strict; every other case must be bit for bit.
