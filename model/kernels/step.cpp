@@ -532,6 +532,13 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
 // sigmoid scores can all underflow to 0
 constexpr float kMinWeightSum = 6.103515625e-5f;
 
+// NOTE: not vectorized. GCC vectorized the exp loops (libmvec's vector expf, then scalar expf
+// for the rest) behind a run-time check that `p` (heap) does not overlap the logits row; where
+// the heap put `p` just past the logits tensor, that row took the scalar expf and its weights
+// moved by an ulp: the same logits routed to other bits now and then (the one-call step against
+// the Python layers, both calling this, differed in ~1 of 6 runs on an Intel Xeon). Scalar expf
+// everywhere gives a row the same bits wherever its buffers lie (tests/model/test_moe.py).
+__attribute__((optimize("no-tree-vectorize")))
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits_in, int64_t k, bool norm_topk,
                                              bool sigmoid,
                                              const std::optional<at::Tensor>& selection_bias,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import pytest
 
 from kvcache.cells import PendingOps
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, full_group
@@ -130,18 +129,3 @@ def require_kernels(level: str | None = None):
             pytest.fail(f"{reason} (CELLSERVE_REQUIRE_TOOLS=1)")
         pytest.skip(reason)
     return module
-
-
-# KNOWN BUG, open: on an Intel Xeon (AMX) a mixture of experts with float32 activations and
-# int4 or int8 experts now and then gives logits a few ulps off (2e-7 to 8e-7, another value each
-# time) in one decode step of one run. Seen (2026-12-06, test_moe.py's one-call cases run 8
-# times per test over 10 file runs): the one-call step's first or a later run, or the Python
-# layers' 3rd / 4th run, of the same worker on the same prompts: not one path, not the first
-# call. The steps (of 0..6) whose logits moved: 5; 2 and 5; 3, 4 and 6; 4, 5 and 6: mostly not
-# carried on to the next step, as a K/V row written off would be. Still there with
-# OMP_NUM_THREADS=1, MKL_CBWR=COMPATIBLE, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (no oneDNN AMX),
-# MALLOC_PERTURB_=165, and not tied to PYTHONHASHSEED. The MoE one-call tests mark those cases
-# non-strict; every other case must be bit for bit.
-MOE_F32_ONE_CALL = pytest.mark.xfail(
-    strict=False, reason="intermittent float32 int4/int8 MoE mismatch on an Intel Xeon"
-)

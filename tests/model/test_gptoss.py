@@ -23,7 +23,7 @@ from model.load.gguf_file import GGUFTensor
 from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
-from tests.model.factories import MOE_F32_ONE_CALL, Driver, require_kernels
+from tests.model.factories import Driver, require_kernels
 from tests.model.test_dense_families import (
     check_together_equals_alone,
     greedy,
@@ -120,13 +120,11 @@ def test_concurrent_requests_through_the_scheduler_each_equal_alone(folder):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quant, n_seq", [("int4", 1), ("int4", 10), ("int8", 3)])
 def test_the_one_call_step_runs_gptoss_as_the_python_layers(
-    folder, dtype, quant, n_seq, monkeypatch, request
+    folder, dtype, quant, n_seq, monkeypatch
 ):
     """step.cpp with the sinks, the wo / router / expert biases and the clamped SwiGLU: bit for
     bit the Python layers' logits over prompts longer than the window (the prompt kernel
     reading each row's window) and decode steps past it."""
-    if dtype == "float32":
-        request.applymarker(MOE_F32_ONE_CALL)
     require_kernels()
     loaded = load_model(folder, dtype=dtype)
     quantize(loaded.transformer, quant)

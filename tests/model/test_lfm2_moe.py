@@ -20,7 +20,6 @@ from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
 from tests.llamacpp_server import assert_same_next_token_logprobs
-from tests.model.factories import MOE_F32_ONE_CALL
 from tests.model.state_driver import (
     Chunk,
     StateDriver,
@@ -137,13 +136,11 @@ def test_routing_keeps_the_bias_in_float32_and_never_divides_by_zero(folder, hf,
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
 def test_the_one_call_step_runs_lfm2_moe_as_the_python_layers(
-    tmp_path_factory, dtype, quant, monkeypatch, request
+    tmp_path_factory, dtype, quant, monkeypatch
 ):
     """moe_ffn's sigmoid routing with the selection bias and the scale in step.cpp: every step
     of sequences batched together (prompt chunks beside decode rows, a fork, a capture resumed
     by a new sequence) runs in one call and gives the Python layers' logits bit for bit."""
-    if dtype == "float32" and quant != "gguf":
-        request.applymarker(MOE_F32_ONE_CALL)
     kernels = load_kernels()
     if kernels is None:
         pytest.skip("no C++ kernels built for this CPU")

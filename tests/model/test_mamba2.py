@@ -11,7 +11,6 @@ from model import load_model
 from model.layers.mamba2 import ssd_scan
 from model.layers.quant import quantize
 from model.runner.worker import make_worker
-from tests.model.factories import MOE_F32_ONE_CALL
 from tests.model.state_driver import (
     Chunk,
     StateDriver,
@@ -308,15 +307,13 @@ def _states(model, gen):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
 def test_the_one_call_step_runs_mamba2_as_the_python_layers(
-    tmp_path_factory, arch, dtype, quant, monkeypatch, request
+    tmp_path_factory, arch, dtype, quant, monkeypatch
 ):
     """Mamba2 and Granite 4.0-H (Mamba2 mixers beside attention, every layer an MLP; H-Tiny's
     experts and shared expert through moe_ffn) in step.cpp: mamba2_mix between the linears,
     the op the Python layers call too. Sequences
     batched together (prompt chunks beside decode rows, a fork, a capture mid-chunk resumed
     by a new sequence): every step in one call, bit for bit the Python layers' logits."""
-    if (arch, dtype) == ("granite_moe", "float32") and quant in ("int4", "int8"):
-        request.applymarker(MOE_F32_ONE_CALL)
     from model.kernels import load_kernels
     from model.layers.ggml import has_block_kernels
     from model.load.hf_to_gguf import convert
