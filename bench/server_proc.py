@@ -104,7 +104,7 @@ def served(
     port = free_port()
     cmd = command_for(port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **llamacpp_env()}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **llamacpp_env(pathlib.Path(cmd[0]))}
     with log_path.open("wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
@@ -138,13 +138,21 @@ def cellserve(
         yield s.url, s.startup_s
 
 
-def llamacpp_env() -> dict[str, str]:
-    """What llama.cpp's servers need in their environment on this CPU: on a CPU with AMX its
-    native build crashed right after loading any model (SIGSEGV in its warm-up; 2-core Xeon VM,
-    2026-12-06, llama.cpp from llama-cpp-python 0.3.36) unless its weight repacking, and with it
-    its AMX buffers, was off, so LLAMA_ARG_REPACK=0 there (`--no-repack`); a value the caller set
-    wins."""
+def llamacpp_env(binary: pathlib.Path) -> dict[str, str]:
+    """What llama.cpp's server `binary` needs in its environment on this CPU: on a CPU with AMX
+    its native build crashed right after loading any model (SIGSEGV in its warm-up; 2-core Xeon
+    VM, 2026-12-06, llama.cpp from llama-cpp-python 0.3.36) unless its weight repacking, and with
+    it its AMX buffers, was off, so LLAMA_ARG_REPACK=0 there (`--no-repack`). A build without
+    AMX (bench/build_llamacpp.sh's LLAMA_ISA builds: -DGGML_AMX_INT8=OFF in the BUILD_INFO
+    beside its bin/) ran with repacking on that CPU and keeps it: repacking is llama.cpp's
+    default and faster. A value the caller set wins."""
     if "LLAMA_ARG_REPACK" in os.environ or "amx_int8" not in cpu_flags():
+        return {}
+    try:
+        info = (binary.resolve().parents[1] / "BUILD_INFO").read_text()
+    except (OSError, IndexError):
+        info = ""
+    if "-DGGML_AMX_INT8=OFF" in info:
         return {}
     return {"LLAMA_ARG_REPACK": "0"}
 

@@ -117,17 +117,25 @@ def test_llamacpp_command_serves_the_gguf_with_32_slots_on_a_32768_cell_context(
     ]  # fmt: skip
 
 
-def test_llamacpp_runs_without_its_repacking_on_amx_cpus(monkeypatch) -> None:
+def test_llamacpp_runs_without_its_repacking_on_amx_cpus(monkeypatch, tmp_path) -> None:
     """llama.cpp's native build crashed at start-up on an AMX Xeon unless --no-repack: its
-    servers get LLAMA_ARG_REPACK=0 there, nowhere else, and never over the caller's value."""
+    servers get LLAMA_ARG_REPACK=0 there, nowhere else, not for a build without AMX (an
+    LLAMA_ISA build, by its BUILD_INFO), and never over the caller's value."""
+    native, avx2 = tmp_path / "llama.cpp", tmp_path / "llama.cpp-avx2"
+    for prefix, args in ((native, "-DGGML_NATIVE=ON"), (avx2, "-DGGML_AMX_INT8=OFF -DX=ON")):
+        (prefix / "bin").mkdir(parents=True)
+        (prefix / "BUILD_INFO").write_text(f"isa x\ncmake_args {args}\n")
+    native_bin, avx2_bin = native / "bin" / "llama-server", avx2 / "bin" / "llama-server"
     monkeypatch.delenv("LLAMA_ARG_REPACK", raising=False)
     monkeypatch.setattr(bench.server_proc, "cpu_flags", lambda: frozenset({"avx512f", "amx_int8"}))
-    assert llamacpp_env() == {"LLAMA_ARG_REPACK": "0"}
+    assert llamacpp_env(native_bin) == {"LLAMA_ARG_REPACK": "0"}
+    assert llamacpp_env(tmp_path / "elsewhere" / "llama-server") == {"LLAMA_ARG_REPACK": "0"}
+    assert llamacpp_env(avx2_bin) == {}
     monkeypatch.setenv("LLAMA_ARG_REPACK", "1")
-    assert llamacpp_env() == {}
+    assert llamacpp_env(native_bin) == {}
     monkeypatch.delenv("LLAMA_ARG_REPACK")
     monkeypatch.setattr(bench.server_proc, "cpu_flags", lambda: frozenset({"avx512f"}))
-    assert llamacpp_env() == {}
+    assert llamacpp_env(native_bin) == {}
 
 
 def test_default_server_args_are_the_fast_cpu_configuration_and_overridable() -> None:
