@@ -102,6 +102,55 @@ def write_tiny_mamba2(
     return _save(folder, model)
 
 
+def write_tiny_mamba(
+    folder: str | Path,
+    n_layers: int = 3,
+    dim: int = 64,
+    d_state: int = 16,
+    d_conv: int = 4,
+    dt_rank: int = 6,
+    vocab: int = 2048,
+    seed: int = 0,
+    falcon: bool = False,
+    conv_bias: bool = True,
+    proj_bias: bool = False,
+    tie: bool = True,
+    long_memory: bool = False,
+) -> Path:
+    """A random Mamba (1) (expand 2; `falcon`: Falcon-Mamba, its dt / B / C normed) with
+    write_tiny_llama's tokenizer; `long_memory`: states that forget slowly (_long_memory, and
+    dt_proj's bias for Mamba's dt)."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    kind = transformers.FalconMambaConfig if falcon else transformers.MambaConfig
+    config = kind(
+        vocab_size=vocab,
+        hidden_size=dim,
+        expand=2,
+        state_size=d_state,
+        conv_kernel=d_conv,
+        time_step_rank=dt_rank,
+        num_hidden_layers=n_layers,
+        use_conv_bias=conv_bias,
+        use_bias=proj_bias,
+        tie_word_embeddings=tie,
+        **ids,
+    )
+    cls = transformers.FalconMambaForCausalLM if falcon else transformers.MambaForCausalLM
+    model = cls(config)
+    _redraw(model, seed)
+    if long_memory:
+        _long_memory(model, seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("dt_proj.bias"):
+                    p.copy_(torch.full(p.shape, -2.0))
+    if tie:
+        model.tie_weights()
+    return _save(folder, model)
+
+
 def write_tiny_granite_hybrid(
     folder: str | Path,
     layer_types: tuple[str, ...] = ("mamba", "attention", "mamba", "mamba", "attention"),

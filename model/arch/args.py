@@ -21,7 +21,7 @@ from kvcache.spec import Recurrent as RecurrentSpec
 
 # "swiglu_oai": gpt-oss's clamped SwiGLU over the experts (MoEArgs.swiglu_limit, swiglu_alpha)
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
-Mixer = Literal["attn", "mamba2", "shortconv"]
+Mixer = Literal["attn", "mamba", "mamba2", "shortconv"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,33 @@ class SSMArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class MambaArgs:
+    """Sizes of a Mamba (1) mixer (transformers' MambaMixer, FalconMambaMixer and JambaMambaMixer,
+    llama.cpp's build_mamba_layer).
+
+    Per token u: x, z = split(ssm_in u, [d_inner, d_inner]); x goes through the causal
+    depthwise conv (kernel d_conv) and SiLU; dt, B, C = split(ssm_x x, [dt_rank, N, N]), each
+    RMS-normed where `dt_b_c_norm` says (Falcon-Mamba: without weights; Jamba: with ssm_dt_norm,
+    ssm_b_norm, ssm_c_norm); dt = softplus(ssm_dt dt + ssm_dt_b) [d_inner]; per channel d and
+    state n: S[d, n] = exp(dt[d] A[d, n]) S[d, n] + dt[d] x[d] B[n]; y = S C + D x;
+    out = ssm_out(y * silu(z)). State per sequence: conv [d_inner, d_conv - 1], ssm [d_inner,
+    d_state] (float32). Unlike Mamba2, A is per channel and state, not a scalar per head."""
+
+    d_inner: int
+    d_state: int  # N
+    d_conv: int  # K
+    dt_rank: int
+    conv_bias: bool = True
+    proj_bias: bool = False  # bias on ssm_in and ssm_out (MambaConfig.use_bias)
+    dt_b_c_norm: Literal["none", "plain", "weighted"] = "none"
+    norm_eps: float = 1e-6  # of the dt / B / C norms
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.d_inner, self.d_conv - 1), (self.d_inner, self.d_state))
+
+
+@dataclass(frozen=True, slots=True)
 class MoEArgs:
     """A sparse mixture-of-experts MLP (model/layers/moe.py; transformers' Qwen3MoeSparseMoeBlock,
     llama.cpp's build_moe_ffn with softmax gating): p = softmax(router x) over n_experts; the
@@ -150,7 +177,8 @@ class LayerDesc:
     over the cells the row may see (p - W, p], softmax of the scores s = scale q.k, capped to
     softcap * tanh(s / softcap) where softcap > 0 (Gemma 2), with `sinks` one more logit per
     head in the softmax's denominator that attends to nothing (gpt-oss); then wo [+ bo].
-    mixer "mamba2": model/layers/mamba2.py over the sequence's state slot; "shortconv": LFM2's
+    mixer "mamba2": model/layers/mamba2.py over the sequence's state slot, "mamba" (Mamba 1)
+    model/layers/mamba.py over it; "shortconv": LFM2's
     gated short convolution (model/layers/shortconv.py) over it. m = residual_mult. Without
     `pre_norms` attn_norm and ffn_norm are the identity (OLMo 2, EXAONE 4.0)."""
 
@@ -196,6 +224,9 @@ class LayerDesc:
         if self.mixer == "mamba2":
             kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
             return tuple([*kinds, "ssm_out", *ffn])
+        if self.mixer == "mamba":
+            kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_x", "ssm_dt", "ssm_dt_b", "ssm_a"]
+            return tuple([*kinds, "ssm_d", "ssm_out", *ffn])
         if self.mixer == "shortconv":
             return ("attn_norm", "shortconv_in", "shortconv_conv", "shortconv_out", *ffn)
         kinds = ["attn_norm", "wq", "wk", "wv", "wo", *ffn][0 if self.pre_norms else 1 :]
@@ -237,10 +268,12 @@ class ModelArgs:
     final_softcap: float = 0.0
     # LongRoPE (Phi-3): `rope` is longrope.short until use_context picks the long factors
     longrope: LongRope | None = None
-    # recurrent and hybrid models (Mamba2, Granite 4.0-H, LFM2): per layer "attn", "mamba2" or
-    # "shortconv" (() every layer attention), the Mamba2 sizes, and whether blocks have an MLP
+    # recurrent and hybrid models (Mamba, Mamba2, Granite 4.0-H, LFM2): per layer "attn",
+    # "mamba", "mamba2" or "shortconv" (() every layer attention), the Mamba2 or Mamba sizes,
+    # and whether blocks have an MLP
     mixers: tuple[Mixer, ...] = ()
     ssm: SSMArgs | None = None
+    mamba: MambaArgs | None = None
     ffn: bool = True  # False: Mamba2 (the block is h = x + mixer(norm(x)))
     short_conv: int = 0  # LFM2's "shortconv" layers: the kernel length L (conv_L_cache)
     nope: bool = False  # attention without any position encoding (Granite 4.0-H)
@@ -333,8 +366,11 @@ class ModelArgs:
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """One sequence's (conv, ssm) state in a recurrent layer (kvcache/state_storage.py):
-        Mamba2's, or LFM2's short conv: conv [dim, L - 1], oldest column first, and no ssm."""
+        Mamba2's, Mamba's, or LFM2's short conv: conv [dim, L - 1], oldest column first, and no
+        ssm."""
         if self.ssm is not None:
             return self.ssm.state_shapes
+        if self.mamba is not None:
+            return self.mamba.state_shapes
         assert self.short_conv > 1, "a recurrent layer needs ModelArgs.ssm or short_conv"
         return ((self.dim, self.short_conv - 1), (0,))

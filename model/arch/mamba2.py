@@ -95,7 +95,8 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
         )
     n_layers = int(meta.get("block_count"))
     eps = float(meta.get("attention.layer_norm_rms_epsilon"))
-    mixers: tuple[Mixer, ...] = ("mamba2",) * n_layers
+    mixer: Mixer = "mamba2"
+    mixers = (mixer,) * n_layers
     return ModelArgs(
         arch="mamba2",
         vocab_size=vocab_size,
@@ -163,7 +164,8 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
     dim = int(config["hidden_size"])
     n = int(config["num_hidden_layers"])
     eps = float(config.get("layer_norm_epsilon", 1e-5))
-    mixers: tuple[Mixer, ...] = ("mamba2",) * n
+    mixer: Mixer = "mamba2"
+    mixers = (mixer,) * n
     return ModelArgs(
         arch="mamba2",
         vocab_size=int(config["vocab_size"]),

@@ -69,11 +69,37 @@ def _moe_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _mamba_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """A Mamba (1) layer's weights (HF layout; A = -exp(A_log) [d_inner, N] as llama.cpp's
+    ssm_a)."""
+    m = args.mamba
+    if m is None:
+        return {}
+    d_inner, n = m.d_inner, m.d_state
+    return {
+        "ssm_in": (2 * d_inner, args.dim),  # rows: x, z
+        "ssm_in_b": (2 * d_inner,),
+        "ssm_conv": (d_inner, m.d_conv),  # conv1d.weight [d_inner, 1, K] squeezed
+        "ssm_conv_b": (d_inner,),
+        "ssm_x": (m.dt_rank + 2 * n, d_inner),  # x_proj: rows dt, B, C
+        "ssm_dt": (d_inner, m.dt_rank),  # dt_proj.weight
+        "ssm_dt_b": (d_inner,),  # dt_proj.bias
+        "ssm_a": (d_inner, n),
+        "ssm_d": (d_inner,),
+        "ssm_out": (args.dim, d_inner),
+        "ssm_out_b": (args.dim,),
+        "ssm_dt_norm": (m.dt_rank,),  # Jamba's dt_layernorm, b_layernorm, c_layernorm
+        "ssm_b_norm": (n,),
+        "ssm_c_norm": (n,),
+    }
+
+
 def _ssm_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """A Mamba2 layer's weights (HF layout; A = -exp(A_log) as llama.cpp's ssm_a)."""
+    """A Mamba2 layer's weights (HF layout; A = -exp(A_log) as llama.cpp's ssm_a), or a Mamba
+    one's (_mamba_shapes)."""
     s = args.ssm
     if s is None:
-        return {}
+        return _mamba_shapes(args)
     return {
         "ssm_in": (s.d_in_proj, args.dim),  # rows: z, xBC, dt
         "ssm_in_b": (s.d_in_proj,),
@@ -89,12 +115,17 @@ def _ssm_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def layer_weights(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
-    """The weight kinds block `layer` of `args` needs (its LayerDesc, and the Mamba2 biases)."""
+    """The weight kinds block `layer` of `args` needs (its LayerDesc, the Mamba / Mamba2
+    biases and Jamba's dt / B / C norms)."""
     kinds = list(args.layer_desc(layer).weights)
-    if args.mixer(layer) == "mamba2":
-        assert args.ssm is not None
-        if args.ssm.conv_bias:
+    mixer = args.mixer(layer)
+    if mixer in ("mamba2", "mamba"):
+        s = args.ssm if mixer == "mamba2" else args.mamba
+        assert s is not None
+        if s.conv_bias:
             kinds.append("ssm_conv_b")
-        if args.ssm.proj_bias:
+        if s.proj_bias:
             kinds += ["ssm_in_b", "ssm_out_b"]
+    if mixer == "mamba" and args.mamba is not None and args.mamba.dt_b_c_norm == "weighted":
+        kinds += ["ssm_dt_norm", "ssm_b_norm", "ssm_c_norm"]
     return tuple(kinds)

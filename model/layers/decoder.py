@@ -25,6 +25,7 @@ from model.kernels import DecodeAttention, PromptAttention
 from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
 from model.layers.blocks import FeedForward, Linear, RMSNorm
 from model.layers.ggml import BlockEmbedding, BlockWeight, make_linear
+from model.layers.mamba import MambaMixer
 from model.layers.mamba2 import Mamba2Mixer
 from model.layers.moe import MoEFeedForward
 from model.layers.shortconv import ShortConvMixer
@@ -239,7 +240,8 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """One layer as its model.arch.LayerDesc describes it: h = x + m * [post_attn_norm](mixer(
     attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
-    mixer is Attention, Mamba2Mixer on a "mamba2" layer, ShortConvMixer on a "shortconv" one;
+    mixer is Attention, Mamba2Mixer on a "mamba2" layer, MambaMixer on a "mamba" one,
+    ShortConvMixer on a "shortconv" one;
     no MLP half without `ffn` (Mamba2); the MLP is MoEFeedForward on a `moe` layer
     (model/layers/moe.py).
     model/runner/native.py's C++ step reads the same desc and the same modules' weights."""
@@ -254,9 +256,11 @@ class Block(nn.Module):
         self.attention_norm = None  # no pre-norms (OLMo 2): the sublayers read x and h as they are
         if desc.pre_norms:
             self.attention_norm = RMSNorm(weights[prefix + "attn_norm"], eps, desc.norm_shift)
-        self.mixer: Attention | Mamba2Mixer | ShortConvMixer
+        self.mixer: Attention | MambaMixer | Mamba2Mixer | ShortConvMixer
         if desc.mixer == "mamba2":
             self.mixer = Mamba2Mixer(args, weights, prefix)
+        elif desc.mixer == "mamba":
+            self.mixer = MambaMixer(args, weights, prefix)
         elif desc.mixer == "shortconv":
             self.mixer = ShortConvMixer(args, weights, prefix)
         else:

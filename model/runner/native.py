@@ -77,6 +77,9 @@ def step_gil_rows(args: ModelArgs) -> int:
         elif desc.mixer == "mamba2":
             assert args.ssm is not None
             mixer = args.dim * (args.ssm.d_in_proj + args.ssm.d_inner)
+        elif desc.mixer == "mamba":
+            assert args.mamba is not None
+            mixer = args.dim * 3 * args.mamba.d_inner
         mlp = 3 * args.dim * args.hidden_dim if desc.ffn else 0
         if args.is_moe(i):
             assert args.moe is not None
@@ -122,6 +125,8 @@ class NativeDecoder:
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
+        if any(d.mixer == "mamba" for d in descs):
+            return None, "Mamba (1) layers: no C++ op yet (the Python layers)"
         if any(d.mixer != "attn" for d in descs):
             op = "mamba2_mix" if any(d.mixer == "mamba2" for d in descs) else "short_conv"
             if not hasattr(kernels, op):

@@ -1,0 +1,225 @@
+"""Mamba (1) and Falcon-Mamba over state slots against transformers (random models: every weight
+redrawn) and llama.cpp (its converter's GGUF, llama-server's logprobs), and the slot contract
+of scheduler.plan.GroupBatch: chunked prefill, captures, copies, mixed steps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bench.server_proc import llamacpp_default
+from model import load_model
+from model.kernels import load_kernels
+from model.layers.ggml import BlockLinear, has_block_kernels
+from model.layers.mamba import selective_scan
+from model.layers.quant import quantize
+from model.runner.worker import make_worker
+from tests.llamacpp_convert import convert_with_llamacpp
+from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
+from tests.tiny_ssm import write_tiny_mamba
+
+transformers = pytest.importorskip("transformers")
+# llama-server's logprobs on the converter's float32 GGUF: measured worst 7.6e-6 (Mamba) and
+# 2.6e-5 (Falcon-Mamba)
+LLAMA_CPP_F32 = 0.001
+
+
+@pytest.fixture(scope="module", params=["mamba", "falcon"])
+def variant(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param) / "tiny"
+    write_tiny_mamba(folder, falcon=request.param == "falcon", long_memory=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return request.param, folder, load_model(folder), hf
+
+
+def driver(tiny, n_slots: int = 8, **kw) -> StateDriver:
+    return StateDriver(make_worker(tiny, n_cells=16, group_cells=[n_slots], **kw), 16, n_slots)
+
+
+def state_of(d: StateDriver, seq: int) -> list[torch.Tensor]:
+    st, slot = d.worker.state, d.slot[seq]
+    return [t for layer in st.layers for t in (st.conv(layer)[slot], st.ssm(layer)[slot])]
+
+
+def test_description_read_from_the_config(variant):
+    name, _, tiny, _ = variant
+    args = tiny.config
+    assert args.mixers == ("mamba",) * 3 and not args.ffn
+    desc = args.layer_desc(0)
+    assert desc.mixer == "mamba" and desc.rope is None and "ffn_norm" not in desc.weights
+    m = args.mamba
+    assert (m.d_inner, m.d_state, m.d_conv, m.dt_rank) == (128, 16, 4, 6)
+    assert m.dt_b_c_norm == ("plain" if name == "falcon" else "none")
+    assert [g.key for g in args.memory_spec.groups] == ["recurrent"]
+    worker = make_worker(tiny, n_cells=16, group_cells=[4])
+    # per layer: conv 128 x 3 float32 + ssm 128 x 16 float32
+    assert worker.state_bytes_per_slot == 3 * (128 * 3 + 128 * 16) * 4
+    assert worker.paths.native is None  # no C++ op for Mamba layers: the Python layers
+
+
+@pytest.mark.parametrize("rows", [1, 5, 256])
+def test_selective_scan_is_the_token_recurrence(rows):
+    g = torch.Generator().manual_seed(rows)
+    L, D, N = 37, 12, 6
+    x, dt = torch.randn(L, D, generator=g), torch.rand(L, D, generator=g)
+    b, c = torch.randn(L, N, generator=g), torch.randn(L, N, generator=g)
+    a = -torch.rand(D, N, generator=g) * 2
+    state = torch.randn(D, N, generator=g)
+    before = state.clone()
+    y, final = selective_scan(x, dt, a, b, c, state, rows)
+    s, ys = before, []
+    for t in range(L):
+        s = torch.exp(dt[t][:, None] * a) * s + (dt[t] * x[t])[:, None] * b[t][None, :]
+        ys.append(s @ c[t])
+    torch.testing.assert_close(y, torch.stack(ys), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, s, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state, before), "the starting state is read, not written"
+
+
+@pytest.mark.parametrize("n", [3, 40, 700])
+def test_prompt_logits_match_transformers(variant, n):
+    _, _, tiny, hf = variant
+    ids = prompt(n, seed=n)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert_close(driver(tiny).logits([Chunk(0, ids, all_rows=True)]), ref)
+
+
+@pytest.mark.parametrize("n", [5, 300])
+def test_greedy_decode_matches_transformers(variant, n):
+    _, _, tiny, hf = variant
+    ids = prompt(n, seed=n + 1)
+    ref_tokens, ref = hf_greedy(hf, ids, 16)
+    tokens, ours = greedy(driver(tiny), 0, ids, 16)
+    assert_close(ours, ref)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("size", [1, 7, 300])
+def test_prefill_in_chunks_gives_the_same_state(variant, size):
+    tiny = variant[2]
+    n = 60 if size == 1 else 700
+    ids = prompt(n, seed=2)
+    whole = driver(tiny)
+    ref = whole.logits([Chunk(0, ids)])
+    parts = driver(tiny)
+    for lo in range(0, n, size):
+        ours = parts.logits([Chunk(0, ids[lo : lo + size])])
+    assert_close(ours, ref)
+    for a, b in zip(state_of(parts, 0), state_of(whole, 0), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_captures_hold_the_state_of_the_prefix(variant):
+    """Capture(seq, m, slot): the slot gets the state after positions < m; resuming from it
+    gives what a prefill of the first m tokens gives."""
+    tiny = variant[2]
+    ids = prompt(100, seed=3)
+    d = driver(tiny)
+    d.free_slots = [0, 1, 2, 3]
+    d.logits([Chunk(0, ids[:20])])
+    d.logits([Chunk(0, ids[20:], captures=[(37, 0), (64, 1), (100, 2)])])
+    for m, slot in [(37, 0), (64, 1), (100, 2)]:
+        ref = driver(tiny)
+        ref.logits([Chunk(0, ids[:m])])
+        captured = StateDriver(d.worker, 16, 8)
+        captured.resume(5, slot, m, [])
+        for a, b in zip(state_of(captured, 5), state_of(ref, 0), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        nxt = [ids[m] if m < 100 else 11, 23]
+        assert_close(captured.logits([Chunk(5, nxt)]), ref.logits([Chunk(0, nxt)]))
+
+
+def test_mixed_step_and_fork_equal_each_sequence_alone(variant):
+    """Decode rows over scattered slots beside a prompt chunk, then a forked state."""
+    tiny = variant[2]
+    lengths = [3, 30, 9, 50]
+    d = driver(tiny)
+    d.logits([Chunk(s, prompt(n, s)) for s, n in enumerate(lengths[:3])])
+    chunks = [Chunk(s, [40 + s]) for s in range(3)] + [Chunk(3, prompt(50, 3))]
+    together = d.logits(chunks)
+    for s, n in enumerate(lengths):
+        alone = driver(tiny)
+        if s < 3:
+            alone.logits([Chunk(0, prompt(n, s))])
+            ref = alone.logits([Chunk(0, [40 + s])])
+        else:
+            ref = alone.logits([Chunk(0, prompt(n, s))])
+        assert_close(together[s : s + 1], ref)
+    d.fork(3, 4)
+    both = d.logits([Chunk(3, [5]), Chunk(4, [6])])
+    for row, tok in ((0, 5), (1, 6)):
+        alone = driver(tiny)
+        alone.logits([Chunk(0, prompt(50, 3))])
+        assert_close(both[row : row + 1], alone.logits([Chunk(0, [tok])]))
+
+
+@pytest.mark.parametrize(("mode", "rel"), [("int8", 0.03), ("int4", 0.2)])
+def test_quantized_weights_keep_working(variant, mode, rel):
+    """quantize() swaps ssm_in / ssm_out like any Linear; ssm_x and ssm_dt stay float32. A
+    prompt (dense path) and one token a step (quantized kernels) both stay near float32, as a
+    share of the logits' spread (a KL says little here: these random models' next-token
+    distributions are nearly one-hot, spreads of ~100). Measured: int8 0.003 (Mamba) and 0.013
+    (Falcon-Mamba, whose dt / B / C norms enlarge the error), int4 0.017 and 0.10."""
+    _, folder, tiny, _ = variant
+    q = load_model(folder)
+    quantize(q.transformer, mode)
+    assert type(q.transformer.layers[0].mixer.in_proj).__name__ == "QuantLinear"
+    ids = prompt(40, seed=6)
+    ref = driver(tiny).logits([Chunk(0, ids, all_rows=True)])
+    stepped = driver(q)
+    for ours in (
+        driver(q).logits([Chunk(0, ids, all_rows=True)]),
+        torch.cat([stepped.logits([Chunk(0, [t])]) for t in ids]),
+    ):
+        diff = float((ours - ref).abs().max()) / float(ref.max() - ref.min())
+        assert 0 < diff < rel, diff
+
+
+def test_bfloat16_stays_close(variant):
+    _, folder, tiny, _ = variant
+    b = load_model(folder, dtype="bfloat16")
+    ids = prompt(200, seed=7)
+    ref = driver(tiny).logits([Chunk(0, ids)])
+    ours = driver(b).logits([Chunk(0, ids)])
+    assert b.transformer.dtype == torch.bfloat16
+    assert float((ours - ref).abs().max()) < 0.05 * float(ref.max() - ref.min())
+
+
+def test_llamacpp_gguf_and_llama_server(variant, tmp_path):
+    """llama.cpp's converter (MambaModel: A = -exp(A_log), the conv squeezed, ssm.dt_b_c_rms
+    for Falcon-Mamba) writes a GGUF that loads as the folder's model; llama-server's next-token
+    logprobs on it are ours. Falcon-Mamba's GGUF norms dt / B / C with the model's rms epsilon
+    (1e-5: llama.cpp has no key for the config's mixer_rms_eps, 1e-6), so its logits are
+    llama.cpp's, a little off transformers'. A Q8_0 file runs on its own blocks."""
+    name, _, tiny, hf = variant
+    folder = variant[1]
+    path = convert_with_llamacpp(folder, tmp_path / "f32.gguf")
+    loaded = load_model(path)
+    # the GGUF's dt / B / C norms take the rms epsilon (Falcon-Mamba's is not the config's)
+    assert loaded.config.mamba == replace(tiny.config.mamba, norm_eps=loaded.config.norm_eps)
+    ids = prompt(120, seed=1)
+    ours = driver(loaded).logits([Chunk(0, ids, all_rows=True)])
+    if name == "mamba":
+        with torch.inference_mode():
+            assert_close(ours, hf(torch.tensor([ids])).logits[0])
+    if has_block_kernels(load_kernels()):
+        q8 = convert_with_llamacpp(folder, tmp_path / "q8.gguf", "q8_0")
+        blocks = load_model(q8, blocks=True)
+        assert isinstance(blocks.transformer.layers[0].mixer.in_proj, BlockLinear)
+        got = driver(blocks).logits([Chunk(0, ids)]).log_softmax(-1)[0]
+        ref = ours[-1].log_softmax(-1)
+        kl = float((ref.exp() * (ref - got)).sum())
+        assert kl < 0.05, kl
+    binary = llamacpp_default()
+    if not binary.is_file():
+        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    prompts = [prompt(5 + 7 * seed, seed=30 + seed) for seed in range(6)]
+    assert_same_next_token_logprobs(
+        binary, path, tmp_path / "llama.log", prompts,
+        lambda _, ids: driver(loaded).logits([Chunk(0, ids)])[0],
+        LLAMA_CPP_F32, least=4,
+    )  # fmt: skip
