@@ -16,11 +16,14 @@ from pathlib import Path
 from bench.server_proc import llamacpp_default
 
 _RUN = """
-import runpy, sys
-convert, out, outtype, folder, pre = sys.argv[1:6]
+import importlib, runpy, sys
+convert, out, outtype, folder, pre, bpe_for = sys.argv[1:7]
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [convert, folder, "--outfile", out, "--outtype", outtype, *sys.argv[6:]]
+if bpe_for:
+    module, cls = bpe_for.split(":")
+    setattr(getattr(importlib.import_module(module), cls), "set_vocab", TextModel._set_vocab_gpt2)
+sys.argv = [convert, folder, "--outfile", out, "--outtype", outtype, *sys.argv[7:]]
 runpy.run_path(convert, run_name="__main__")
 """
 
@@ -43,14 +46,23 @@ def require_llamacpp(path: Path) -> Path:
 
 
 def convert_with_llamacpp(
-    folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2", flags: tuple[str, ...] = ()
+    folder: Path,
+    out: Path,
+    outtype: str = "f32",
+    pre: str = "gpt-2",
+    flags: tuple[str, ...] = (),
+    bpe_for: str = "",
 ) -> Path:
     """folder -> out (a GGUF) by convert_hf_to_gguf.py with its own gguf-py; `pre`: the
-    tokenizer.ggml.pre it writes; `flags`: more of its command-line options."""
+    tokenizer.ggml.pre it writes; `flags`: more of its command-line options; `bpe_for`
+    ("conversion.jamba:JambaModel"): a converter class whose own set_vocab expects another
+    tokenizer (Jamba's: a Llama one) writes the tiny byte-level BPE as GPT-2's instead (the
+    tensors and parameters are still its own)."""
     script = require_llamacpp(converter())
     paths = [str(script.parent), str(script.parent / "gguf-py")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    cmd = [sys.executable, "-c", _RUN, str(script), str(out), outtype, str(folder), pre, *flags]
+    cmd = [sys.executable, "-c", _RUN, str(script), str(out), outtype, str(folder), pre, bpe_for]
+    cmd += flags
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

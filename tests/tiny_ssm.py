@@ -151,6 +151,59 @@ def write_tiny_mamba(
     return _save(folder, model)
 
 
+def write_tiny_jamba(
+    folder: str | Path,
+    n_layers: int = 5,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    hidden_dim: int = 96,
+    experts: int = 4,
+    attn_period: int = 3,
+    attn_offset: int = 1,
+    expert_period: int = 2,
+    expert_offset: int = 1,
+    seed: int = 0,
+    long_memory: bool = False,
+) -> Path:
+    """A random Jamba (NoPE attention on layers i % attn_period == attn_offset, Mamba elsewhere;
+    `experts` experts (top 2) on i % expert_period == expert_offset, a dense MLP elsewhere)
+    with write_tiny_llama's tokenizer."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.JambaConfig(
+        vocab_size=2048,
+        hidden_size=dim,
+        intermediate_size=hidden_dim,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        expert_layer_period=expert_period,
+        expert_layer_offset=expert_offset,
+        attn_layer_period=attn_period,
+        attn_layer_offset=attn_offset,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=6,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    model = transformers.JambaForCausalLM(config)
+    _redraw(model, seed)
+    if long_memory:
+        _long_memory(model, seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("dt_proj.bias"):
+                    p.copy_(torch.full(p.shape, -2.0))
+    return _save(folder, model)
+
+
 def write_tiny_granite_hybrid(
     folder: str | Path,
     layer_types: tuple[str, ...] = ("mamba", "attention", "mamba", "mamba", "attention"),
