@@ -1,6 +1,6 @@
 """Optional C++ CPU kernels (attention*.cpp, gemm.cpp, ggml_blocks.cpp, ggml_kquants.cpp,
-int4.cpp, int8.cpp, kv_rows.cpp, layers.cpp, mamba2.cpp, step.cpp; their Python bindings in
-bindings.cpp): one build per ISA level,
+int4.cpp, int8.cpp, kv_rows.cpp, layers.cpp, mamba.cpp, mamba2.cpp, step.cpp; their Python
+bindings in bindings.cpp): one build per ISA level,
 chosen at run time from cpuid (model/kernels/isa.py).
 
 `build_kernels()` compiles them ahead of time (`cellserve build-kernels`; `make install` and
@@ -60,6 +60,7 @@ _SOURCE_NAMES = (
     "int8.cpp",
     "kv_rows.cpp",
     "layers.cpp",
+    "mamba.cpp",
     "mamba2.cpp",
     "step.cpp",
 )

@@ -131,6 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("state"), "LFM2's short convolution over state slots, in place");
   m.def("mamba2_mix", &mamba2_mix, kNoGil, py::arg("zxbcdt"), py::arg("conv"), py::arg("ssm"),
         py::arg("params"), py::arg("state"), "the Mamba2 mixer between its linears, in place");
+  m.def("mamba_mix", &mamba_mix, kNoGil, py::arg("xz"), py::arg("conv"), py::arg("ssm"),
+        py::arg("params"), py::arg("state"), "the Mamba (1) mixer between its linears, in place");
   // quant_linear's and step_layers' arguments (kernels.h), built field by field from Python
   // (StepLinear: model/layers/quant.py and ggml.py step_linear; the rest model/runner/native.py);
   // module_local: every level's build is its own module, and a process may load several
@@ -184,6 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("shared_expert", &StepLayer::shared_expert)
       .def_readwrite("shexp_gate", &StepLayer::shexp_gate)
       .def_readwrite("mamba2", &StepLayer::mamba2)
+      .def_readwrite("mamba", &StepLayer::mamba)
       .def_readwrite("ssm_state", &StepLayer::ssm_state)
       .def_readwrite("ffn", &StepLayer::ffn)
       .def_readwrite("shortconv", &StepLayer::shortconv)
@@ -215,6 +218,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("d_conv", &StepMamba2::d_conv)
       .def_readwrite("scan_chunk", &StepMamba2::scan_chunk)
       .def_readwrite("eps", &StepMamba2::eps);
+  py::class_<StepMamba>(m, "StepMamba", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("conv_w", &StepMamba::conv_w)
+      .def_readwrite("conv_b", &StepMamba::conv_b)
+      .def_readwrite("x_w", &StepMamba::x_w)
+      .def_readwrite("dt_w", &StepMamba::dt_w)
+      .def_readwrite("dt_b", &StepMamba::dt_b)
+      .def_readwrite("a", &StepMamba::a)
+      .def_readwrite("d", &StepMamba::d)
+      .def_readwrite("dt_norm", &StepMamba::dt_norm)
+      .def_readwrite("b_norm", &StepMamba::b_norm)
+      .def_readwrite("c_norm", &StepMamba::c_norm)
+      .def_readwrite("norm", &StepMamba::norm)
+      .def_readwrite("d_inner", &StepMamba::d_inner)
+      .def_readwrite("d_state", &StepMamba::d_state)
+      .def_readwrite("d_conv", &StepMamba::d_conv)
+      .def_readwrite("dt_rank", &StepMamba::dt_rank)
+      .def_readwrite("scan_rows", &StepMamba::scan_rows)
+      .def_readwrite("eps", &StepMamba::eps);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())
       .def_readwrite("write_cells", &StepGroups::write_cells)

@@ -253,6 +253,21 @@ struct StepMamba2 {
 // and float32 ssm [n_slots, H, P, N] move in place (the Python layers call it too)
 at::Tensor mamba2_mix(const at::Tensor& zxbcdt, at::Tensor conv, at::Tensor ssm,
                       const StepMamba2& m, const StepState& state);
+// A Mamba (1) mixer's parameters (model/layers/mamba.py MambaMixer; model.arch.MambaArgs sizes)
+struct StepMamba {
+  // [d_inner, K] (model dtype); float32 [dt_rank + 2 N, d_inner], [d_inner, dt_rank],
+  // [d_inner], [d_inner, N], [d_inner]
+  at::Tensor conv_w, x_w, dt_w, dt_b, a, d;
+  std::optional<at::Tensor> conv_b, dt_norm, b_norm, c_norm;  // the norms' weights (Jamba)
+  bool norm = false;  // dt, B and C RMS-normed (with the weights that are set)
+  int64_t d_inner = 0, d_state = 0, d_conv = 0, dt_rank = 0, scan_rows = 256;
+  double eps = 1e-6;
+};
+// mamba.cpp: the mixer between its linears, xz [n, >= 2 d_inner] (in_proj's rows) -> the gated
+// scan output [n, d_inner] in xz's dtype; conv [n_slots, d_inner, K - 1] and float32 ssm
+// [n_slots, d_inner, N] move in place (the Python layers call it too)
+at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, const StepMamba& m,
+                     const StepState& state);
 // One block: the parts model/layers/decoder.py's Block has for the layer's LayerDesc, by its names
 // (absent optionals: the description has no such part).
 struct StepLayer {
@@ -297,6 +312,7 @@ struct StepLayer {
   // a Mamba2 mixer instead: wqkv its in_proj, wo its out_proj, conv_state and ssm_state this
   // layer's slots (mamba2_mix); ffn false: no MLP half (Mamba2's blocks)
   std::optional<StepMamba2> mamba2;
+  std::optional<StepMamba> mamba;  // a Mamba (1) mixer likewise (mamba_mix)
   at::Tensor ssm_state;
   bool ffn = true;
 };

@@ -191,6 +191,11 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
                   "step_layers: a Mamba2 layer needs conv_state and ssm_state");
       continue;
     }
+    if (layer.mamba) {  // mamba_mix checks the rest
+      TORCH_CHECK(layer.conv_state.dim() == 3 && layer.ssm_state.dim() == 3,
+                  "step_layers: a Mamba layer needs conv_state and ssm_state");
+      continue;
+    }
     if (layer.shortconv) {  // short_conv checks the state's rows and slots
       const auto& c = layer.conv_state;
       TORCH_CHECK(c.dim() == 3 && c.is_contiguous() && c.scalar_type() == x.scalar_type() &&
@@ -483,6 +488,9 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
       auto zxbcdt = mm(layer.attn_norm ? normed : x, layer.wqkv);
       a = mm(mamba2_mix(zxbcdt, layer.conv_state, layer.ssm_state, *layer.mamba2, state),
              layer.wo);
+    } else if (layer.mamba) {  // model/layers/mamba.py: out_proj(mixer(in_proj(x)))
+      auto xz = mm(layer.attn_norm ? normed : x, layer.wqkv);
+      a = mm(mamba_mix(xz, layer.conv_state, layer.ssm_state, *layer.mamba, state), layer.wo);
     } else {
       a = attention(x, layer.attn_norm ? normed : x, layer, groups, rope_tables, n_heads, eps,
                     scale, mm);

@@ -8,11 +8,15 @@ Mamba2's chunked SSD form does not apply), split at its captures. The discretize
 a whole chunk are computed at once; the loop is one fused multiply-add over [d_inner, N] a row.
 The SSM runs in float32 whatever the model dtype; the conv state is kept in the model dtype.
 
-NOTE: no C++ op yet: a model with Mamba layers runs the Python layers (model/runner/native.py
-says so), the state-space part in these torch ops.
+With the C++ kernels (ForwardBatch.fused) the mixer between its two linears is their
+mamba_mix (model/kernels/mamba.cpp: these torch ops, one for one, in ATen), the op the
+one-call step (model/runner/native.py) calls too, so both paths give the same bits; without
+them, the torch ops below (the float32 reference).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +93,26 @@ class MambaMixer(nn.Module):
         self.out_proj = make_linear(
             [weights[prefix + "ssm_out"]], weights.get(prefix + "ssm_out_b")
         )
+        self._native: Any | None = None  # native_params' StepMamba
+
+    def native_params(self, kernels: Any) -> Any:
+        """This mixer's parameters and sizes as `kernels`' StepMamba (mamba_mix)."""
+        if self._native is None:
+            m, p = self.m, kernels.StepMamba()
+            p.conv_w, p.conv_b = self.conv_w.detach(), None
+            if self.conv_b is not None:
+                p.conv_b = self.conv_b.detach()
+            p.x_w, p.dt_w, p.dt_b = self.x_w.detach(), self.dt_w.detach(), self.dt_b.detach()
+            p.a, p.d = self.a.detach(), self.d.detach()
+            p.norm = self.norms is not None
+            if self.norms is not None:
+                p.dt_norm, p.b_norm, p.c_norm = (
+                    None if w is None else w.detach() for w in self.norms
+                )
+            p.d_inner, p.d_state, p.d_conv, p.dt_rank = m.d_inner, m.d_state, m.d_conv, m.dt_rank
+            p.scan_rows, p.eps = SCAN_ROWS, m.norm_eps
+            self._native = p
+        return self._native
 
     def forward(
         self, u: torch.Tensor, batch: ForwardBatch, storage: object, layer: int
@@ -100,8 +124,12 @@ class MambaMixer(nn.Module):
         sb = batch.state
         assert sb is not None, "the worker builds ForwardBatch.state for recurrent layers"
         d_inner = self.m.d_inner
-        x, z = self.in_proj(u)[:, : 2 * d_inner].split(d_inner, dim=-1)
         conv, ssm = state.conv(layer), state.ssm(layer)
+        kernels = batch.fused
+        if kernels is not None and hasattr(kernels, "mamba_mix"):
+            params, st = self.native_params(kernels), sb.native_state(kernels)
+            return self.out_proj(kernels.mamba_mix(self.in_proj(u), conv, ssm, params, st))
+        x, z = self.in_proj(u)[:, : 2 * d_inner].split(d_inner, dim=-1)
         y = torch.zeros(u.shape[0], d_inner, dtype=torch.float32, device=u.device)
         if sb.decode_slots.numel():
             rows = sb.decode_rows

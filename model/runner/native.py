@@ -17,7 +17,8 @@ the attention kernels), OLMo 2 and EXAONE 4.0 (no pre-norms: StepLayer's attn_no
 None), GLM-4 and partial Phi-3 (RoPE on part of each head, GLM's pairs interleaved:
 step.cpp rope_partial_, the Python layers' ATen ops). An architecture described in
 model/arch/ runs here without C++ of its own; the recurrent mixers through the C++ ops the
-Python layers call too (LFM2's short_conv, Mamba2's mamba2_mix, over ForwardBatch.state). It
+Python layers call too (LFM2's short_conv, Mamba2's mamba2_mix, Mamba's mamba_mix, over
+ForwardBatch.state). It
 takes decode steps, prompt chunks and steps that mix both, wherever every attention group of
 every window has the C++ kernels' cells and lens (the prompt kernel: float32 with AVX2,
 bfloat16 with AVX-512 BF16; a window's prompt chunks with each row's first cell) and covers
@@ -49,6 +50,7 @@ from model.layers.batch import DecodeGroup, PromptGroup
 from model.layers.decoder import Attention, Block, ForwardBatch, Transformer
 from model.layers.ggml import BlockLinear
 from model.layers.lora import unwrap
+from model.layers.mamba import MambaMixer
 from model.layers.mamba2 import Mamba2Mixer
 from model.layers.moe import MoEFeedForward
 from model.layers.quant import INT4_GROUP, QuantLinear
@@ -125,12 +127,11 @@ class NativeDecoder:
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
-        if any(d.mixer == "mamba" for d in descs):
-            return None, "Mamba (1) layers: no C++ op yet (the Python layers)"
+        ops = {"mamba": "mamba_mix", "mamba2": "mamba2_mix", "shortconv": "short_conv"}
         if any(d.mixer != "attn" for d in descs):
-            op = "mamba2_mix" if any(d.mixer == "mamba2" for d in descs) else "short_conv"
-            if not hasattr(kernels, op):
-                return None, f"recurrent layers: a build without {op}"
+            for op in sorted({ops[d.mixer] for d in descs if d.mixer != "attn"}):
+                if not hasattr(kernels, op):
+                    return None, f"recurrent layers: a build without {op}"
             held = getattr(storage, "state", None)
             if held is None or held.dtype != model.dtype:
                 return None, "recurrent layers over a conv state of another dtype"
@@ -179,6 +180,9 @@ class NativeDecoder:
                 layer.conv_state = state.conv(i)
             elif isinstance(mixer, Mamba2Mixer):  # step.cpp: mamba2_mix between the linears
                 layer.mamba2 = mixer.native_params(kernels)
+                layer.conv_state, layer.ssm_state = state.conv(i), state.ssm(i)
+            elif isinstance(mixer, MambaMixer):  # step.cpp: mamba_mix between the linears
+                layer.mamba = mixer.native_params(kernels)
                 layer.conv_state, layer.ssm_state = state.conv(i), state.ssm(i)
             else:
                 assert isinstance(mixer, Attention)

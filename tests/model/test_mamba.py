@@ -18,13 +18,22 @@ from model.layers.quant import quantize
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
 from tests.llamacpp_server import assert_same_next_token_logprobs
-from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
-from tests.tiny_ssm import write_tiny_mamba
+from tests.model.state_driver import (
+    Chunk,
+    StateDriver,
+    assert_close,
+    greedy,
+    hf_greedy,
+    mixed_steps,
+    prompt,
+)
+from tests.tiny_ssm import write_tiny_jamba, write_tiny_mamba
 
 transformers = pytest.importorskip("transformers")
 # llama-server's logprobs on the converter's float32 GGUF: measured worst 7.6e-6 (Mamba) and
 # 2.6e-5 (Falcon-Mamba)
 LLAMA_CPP_F32 = 0.001
+JAMBA_BPE = "conversion.jamba:JambaModel"  # its converter writes the tiny BPE as GPT-2's
 
 
 @pytest.fixture(scope="module", params=["mamba", "falcon"])
@@ -57,7 +66,6 @@ def test_description_read_from_the_config(variant):
     worker = make_worker(tiny, n_cells=16, group_cells=[4])
     # per layer: conv 128 x 3 float32 + ssm 128 x 16 float32
     assert worker.state_bytes_per_slot == 3 * (128 * 3 + 128 * 16) * 4
-    assert worker.paths.native is None  # no C++ op for Mamba layers: the Python layers
 
 
 @pytest.mark.parametrize("rows", [1, 5, 256])
@@ -223,3 +231,89 @@ def test_llamacpp_gguf_and_llama_server(variant, tmp_path):
         lambda _, ids: driver(loaded).logits([Chunk(0, ids)])[0],
         LLAMA_CPP_F32, least=4,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("norm", ["none", "plain", "weighted"])
+def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, tmp_path):
+    """kernels.mamba_mix (model/kernels/mamba.cpp) against MambaMixer's torch ops on the same
+    states: decode rows over a range of slots (updated in place) and over scattered ones
+    (gathered), and a prompt chunk with a capture: the outputs and every state up to float32
+    rounding (ATen's ops, one for one, with another build's vectorization). "weighted":
+    Jamba's mixer (its dt / B / C norms' weights)."""
+    from types import SimpleNamespace
+
+    from kvcache.state_storage import RecurrentStorage
+    from model.layers.batch import ForwardBatch, StateBatch, StatePrompt
+
+    kernels = load_kernels()
+    if kernels is None or not hasattr(kernels, "mamba_mix"):
+        pytest.skip("no C++ kernels built for this CPU")
+    name, folder = variant[0], variant[1]
+    if (norm == "plain") != (name == "falcon"):
+        pytest.skip("plain norms: Falcon-Mamba's")
+    if norm == "weighted":
+        folder = write_tiny_jamba(tmp_path / "jamba", attn_period=2, attn_offset=1, seed=4)
+    model = load_model(folder)
+    mixer = model.transformer.layers[0].mixer
+    assert (mixer.norms is not None) == (norm != "none")
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(12, model.config.dim, generator=gen)
+    conv_shape, ssm_shape = model.config.state_shapes
+    for decode_slots, run in ((torch.tensor([2, 3, 4]), (2, 5)), (torch.tensor([6, 0, 3]), None)):
+        sb = StateBatch(torch.tensor([0, 5, 11]), decode_slots, [StatePrompt(1, 5, 1, [(2, 7)])])
+        sb.decode_run = run
+        results = []
+        for fused in (None, kernels):
+            sb.native = None
+            st = RecurrentStorage((0,), 8, conv_shape, ssm_shape)
+            g = torch.Generator().manual_seed(1)
+            st.conv(0).copy_(torch.randn(st.conv(0).shape, generator=g))
+            st.ssm(0).copy_(torch.randn(st.ssm(0).shape, generator=g) * 0.1)
+            batch = ForwardBatch.__new__(ForwardBatch)
+            batch.fused, batch.state = fused, sb
+            out = mixer(u, batch, SimpleNamespace(state=st), 0)
+            results.append((out, st.conv(0).clone(), st.ssm(0).clone()))
+        for want, got in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon", "jamba"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quant", ["int4", "int8", "gguf"])
+def test_the_one_call_step_runs_mamba_as_the_python_layers(
+    tmp_path_factory, arch, dtype, quant, monkeypatch
+):
+    """Mamba, Falcon-Mamba and Jamba (Mamba mixers beside NoPE attention and experts) in
+    step.cpp: mamba_mix between the linears, the op the Python layers call too. Sequences
+    batched together (prompt chunks beside decode rows, a fork, a capture mid-chunk resumed by
+    a new sequence): every step in one call, bit for bit the Python layers' logits."""
+    from model.runner.native import NativeDecoder
+
+    if load_kernels() is None:
+        pytest.skip("no C++ kernels built for this CPU")
+    where = tmp_path_factory.mktemp(arch) / "hf"
+    if arch == "jamba":
+        path = write_tiny_jamba(where, dim=128, hidden_dim=256, seed=3)
+    else:
+        path = write_tiny_mamba(where, dim=128, falcon=arch == "falcon", seed=3)
+    if quant == "gguf":  # an F16 file's own blocks (BlockLinear), the mixers' projections too
+        if not has_block_kernels(load_kernels()):
+            pytest.skip("a build without ggml_linear")
+        bpe_for = JAMBA_BPE if arch == "jamba" else ""
+        f16 = convert_with_llamacpp(path, where.parent / "f16.gguf", "f16", bpe_for=bpe_for)
+        loaded = load_model(f16, dtype=dtype, blocks=True)
+        assert isinstance(loaded.transformer.layers[0].mixer.in_proj, BlockLinear)
+    else:
+        loaded = load_model(path, dtype=dtype)
+        quantize(loaded.transformer, quant)
+    cells = [512, 8] if arch == "jamba" else [8]
+    worker = make_worker(loaded, n_cells=512, group_cells=cells)
+    assert worker.paths.native is not None, worker.paths.describe()
+    calls: list[int] = []
+    layers = NativeDecoder.layers
+    monkeypatch.setattr(NativeDecoder, "layers", lambda *a: calls.append(1) or layers(*a))
+    native = mixed_steps(worker, (3, 30, 9, 70, 20))
+    prompt_steps = 3 if arch != "jamba" or worker.paths.prompt_attention is not None else 0
+    assert len(calls) == 4 + prompt_steps
+    worker.paths.native = None
+    assert torch.equal(native, mixed_steps(worker, (3, 30, 9, 70, 20)))

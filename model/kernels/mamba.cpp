@@ -1,0 +1,157 @@
+// mamba_mix: the Mamba (1) mixer between its two linears (model/layers/mamba.py's MambaMixer,
+// whose torch ops it follows one for one): the depthwise causal conv over the conv state, dt /
+// B / C from x_proj (RMS-normed where the model says: Falcon-Mamba, Jamba) and dt_proj, the
+// selective scan over the ssm state (one recurrence step per decode row; a prompt chunk row
+// after row, split at its captures), the D skip and the SiLU gate. The Python layers call it
+// where the kernels are loaded and step_layers calls it in the one-call step, so both give the
+// same bits; without the kernels the Python torch ops are the float32 reference (the same ops:
+// the same bits there too, up to another build's vectorization).
+#include "kernels.h"
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using at::indexing::None;
+using at::indexing::Slice;
+
+// window [.., d_inner, K] (oldest first) -> silu(depthwise conv) [.., d_inner], float32
+at::Tensor conv_out(const at::Tensor& window, const StepMamba& m) {
+  auto out = (window * m.conv_w).sum(-1);
+  return at::silu(m.conv_b ? out + *m.conv_b : out).to(at::kFloat);
+}
+
+at::Tensor rms(const at::Tensor& t, const std::optional<at::Tensor>& w, double eps) {
+  auto r = t * at::rsqrt(t.pow(2).mean(-1, true) + eps);
+  return w ? r * *w : r;
+}
+
+struct SsmInputs {
+  at::Tensor dt, b, c;  // [L, d_inner] (softplus'd), [L, N], [L, N]: float32
+};
+
+SsmInputs ssm_inputs(const at::Tensor& xc, const StepMamba& m) {
+  auto parts = at::linear(xc, m.x_w).split_with_sizes({m.dt_rank, m.d_state, m.d_state}, -1);
+  at::Tensor dt = parts[0], b = parts[1], c = parts[2];
+  if (m.norm) {
+    dt = rms(dt, m.dt_norm, m.eps);
+    b = rms(b, m.b_norm, m.eps);
+    c = rms(c, m.c_norm, m.eps);
+  }
+  return {at::softplus(at::linear(dt, m.dt_w, m.dt_b)), b, c};
+}
+
+// mamba.py selective_scan: x, dt [L, D], a [D, N], b, c [L, N], state [D, N] -> y [L, D]
+// (without the D skip) and the state after the L rows (a new tensor)
+std::pair<at::Tensor, at::Tensor> selective_scan(const at::Tensor& x, const at::Tensor& dt,
+                                                 const at::Tensor& a, const at::Tensor& b,
+                                                 const at::Tensor& c, at::Tensor state,
+                                                 int64_t rows) {
+  std::vector<at::Tensor> ys;
+  const int64_t n_rows = x.size(0);
+  for (int64_t lo = 0; lo < n_rows; lo += rows) {
+    const int64_t hi = std::min(lo + rows, n_rows);
+    const auto s = Slice(lo, hi);
+    auto dts = dt.index({s});
+    auto decay = at::exp(dts.unsqueeze(2) * a);                                    // [T, D, N]
+    auto states = (dts * x.index({s})).unsqueeze(2) * b.index({s}).unsqueeze(1);  // B x, then S
+    for (int64_t t = 0; t < hi - lo; ++t) {
+      auto out = states[t];
+      state = at::addcmul_out(out, out, decay[t], state);
+    }
+    ys.push_back(at::bmm(states, c.index({s}).unsqueeze(2)).select(2, 0));
+    state = state.clone();  // not a view of `states`, which goes with the chunk
+  }
+  return {at::cat(ys), state};
+}
+
+// decode rows: one token per sequence, their slots' states move one step (mamba.py _step)
+at::Tensor step(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, const at::Tensor& slots,
+                int64_t run_lo, int64_t run_hi, const StepMamba& m) {
+  auto window = at::cat({conv.index_select(0, slots), x.to(conv.scalar_type()).unsqueeze(2)}, 2);
+  conv.index_copy_(0, slots, window.index({Slice(), Slice(), Slice(1, None)}));
+  auto xc = conv_out(window, m);
+  auto in = ssm_inputs(xc, m);
+  auto st = run_lo >= 0 ? ssm.index({Slice(run_lo, run_hi)}) : ssm.index_select(0, slots);
+  st.mul_(at::exp(in.dt.unsqueeze(2) * m.a));  // [B, D, N]
+  st.add_((in.dt * xc).unsqueeze(2) * in.b.unsqueeze(1));
+  if (run_lo < 0) ssm.index_copy_(0, slots, st);
+  return at::bmm(st, in.c.unsqueeze(2)).select(2, 0) + m.d * xc;
+}
+
+// a prompt chunk from its slot's state, split at its captures (mamba.py _scan)
+at::Tensor scan(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, int64_t slot,
+                const std::vector<std::pair<int64_t, int64_t>>& captures, const StepMamba& m) {
+  const int64_t k1 = m.d_conv - 1, n = x.size(0);
+  auto raw = at::cat({conv[slot], x.to(conv.scalar_type()).t()}, 1);  // [d_inner, K-1 + L]
+  const int64_t one = 1, zero = 0;
+  auto out = at::conv1d(raw.unsqueeze(0), m.conv_w.unsqueeze(1), m.conv_b, at::IntArrayRef(one),
+                        at::IntArrayRef(zero), at::IntArrayRef(one), raw.size(0));
+  auto xc = at::silu(out[0]).t().to(at::kFloat);
+  auto in = ssm_inputs(xc, m);
+  at::Tensor st = ssm[slot];
+  std::vector<at::Tensor> ys;
+  int64_t lo = 0;
+  auto cuts = captures;
+  cuts.emplace_back(n, slot);
+  for (const auto& [r, to] : cuts) {
+    if (r > lo) {
+      const auto rows = Slice(lo, r);
+      auto [y, next] = selective_scan(xc.index({rows}), in.dt.index({rows}), m.a,
+                                      in.b.index({rows}), in.c.index({rows}), st, m.scan_rows);
+      ys.push_back(y);
+      st = next;
+    }
+    conv[to].copy_(raw.index({Slice(), Slice(r, r + k1)}));  // the last K-1 raw rows at r
+    ssm[to].copy_(st);
+    lo = r;
+  }
+  return at::cat(ys) + m.d * xc;
+}
+
+}  // namespace
+
+at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, const StepMamba& m,
+                     const StepState& state) {
+  const int64_t n = xz.size(0), d = m.d_inner;
+  const auto f32 = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; };
+  TORCH_CHECK(xz.dim() == 2 && xz.size(1) >= 2 * d, "mamba_mix: xz [n, >= 2 d_inner]");
+  TORCH_CHECK(conv.dim() == 3 && conv.size(1) == d && conv.size(2) == m.d_conv - 1 &&
+                  ssm.dim() == 3 && f32(ssm) && ssm.size(0) == conv.size(0) &&
+                  ssm.size(1) == d && ssm.size(2) == m.d_state,
+              "mamba_mix: conv [n_slots, d_inner, d_conv - 1] and float32 ssm [n_slots, d_inner, "
+              "d_state] must match the mixer's sizes");
+  TORCH_CHECK(f32(m.x_w) && m.x_w.dim() == 2 && m.x_w.size(0) == m.dt_rank + 2 * m.d_state &&
+                  m.x_w.size(1) == d && f32(m.dt_w) && m.dt_w.dim() == 2 &&
+                  m.dt_w.size(0) == d && m.dt_w.size(1) == m.dt_rank && f32(m.dt_b) &&
+                  f32(m.a) && m.a.dim() == 2 && m.a.size(0) == d && m.a.size(1) == m.d_state &&
+                  f32(m.d) && m.d.numel() == d && m.scan_rows > 0,
+              "mamba_mix: float32 x_w [dt_rank + 2 N, d_inner], dt_w [d_inner, dt_rank], dt_b, "
+              "a [d_inner, N] and d [d_inner]");
+  check_state(state, n, conv.size(0), "mamba_mix");
+  auto parts = xz.index({Slice(), Slice(0, 2 * d)}).split(d, -1);
+  const at::Tensor &x = parts[0], &z = parts[1];
+  auto y = at::zeros({n, d}, xz.options().dtype(at::kFloat));
+  const int64_t n_dec = state.decode_slots.defined() ? state.decode_slots.numel() : 0;
+  if (n_dec) {
+    const bool all_rows = !state.decode_rows.defined() || state.decode_rows.numel() == 0;
+    if (all_rows) {
+      y = step(x, conv, ssm, state.decode_slots, state.decode_run_lo, state.decode_run_hi, m);
+    } else {
+      const auto& rows = state.decode_rows;
+      auto part = step(x.index_select(0, rows), conv, ssm, state.decode_slots,
+                       state.decode_run_lo, state.decode_run_hi, m);
+      y.index_copy_(0, rows, part);
+    }
+  }
+  const int64_t n_prompt = static_cast<int64_t>(state.prompt_slots.size());
+  for (int64_t p = 0; p < n_prompt; ++p) {
+    const auto caps = captures_of(state, p);
+    const auto rows = Slice(state.prompt_bounds[2 * p], state.prompt_bounds[2 * p + 1]);
+    y.index_put_({rows}, scan(x.index({rows}), conv, ssm, state.prompt_slots[p], caps, m));
+  }
+  return (y * at::silu(z.to(at::kFloat))).to(xz.scalar_type());
+}
