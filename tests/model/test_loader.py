@@ -169,7 +169,7 @@ def assert_one_sentence(err: pytest.ExceptionInfo, *words: str) -> None:
 
 
 def test_unknown_architecture(tiny_dir, tmp_path):
-    path = write_tiny_gguf(tmp_path / "mamba.gguf", tiny_dir, arch="rwkv6")
+    path = write_tiny_gguf(tmp_path / "rwkv6.gguf", tiny_dir, arch="rwkv6")
     with pytest.raises(ModelLoadError) as err:
         load_model(path)
     assert_one_sentence(err, str(path), "'rwkv6'", "not supported")
