@@ -4,13 +4,16 @@
 // selective scan over the ssm state (one recurrence step per decode row; a prompt chunk row
 // after row, split at its captures), the D skip and the SiLU gate. The Python layers call it
 // where the kernels are loaded and step_layers calls it in the one-call step, so both give the
-// same bits; without the kernels the Python torch ops are the float32 reference (the same ops:
-// the same bits there too, up to another build's vectorization).
+// same bits; without the kernels the Python torch ops are the float32 reference (the same ops
+// for a prompt chunk; a decode row's state update is fused here: see step).
 #include "kernels.h"
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -68,18 +71,59 @@ std::pair<at::Tensor, at::Tensor> selective_scan(const at::Tensor& x, const at::
   return {at::cat(ys), state};
 }
 
-// decode rows: one token per sequence, their slots' states move one step (mamba.py _step)
+constexpr int64_t kMaxState = 256;  // d_state of the fused decode recurrence (Mamba's: 16)
+
+// One channel's recurrence step on local, 64-byte-aligned copies (mamba.py _step's math for one
+// (sequence, channel)): e = exp(dt a), S = e S + dt x B, y = S . C. The arrays are the function's
+// own, so GCC's vectorization of these loops (libmvec's expf, a reduction for y) takes the same
+// path on every call: no alias or alignment check that an address could flip (moe_route's
+// lesson, step.cpp), so a row's bits never depend on where its tensors lie.
+float channel_step(const float* a_row, float* s_row, const float* b, const float* c, float dt,
+                   float x, int64_t n) {
+  alignas(64) float e[kMaxState], s[kMaxState];
+  for (int64_t i = 0; i < n; ++i) e[i] = dt * a_row[i];
+  for (int64_t i = 0; i < n; ++i) e[i] = std::exp(e[i]);
+  std::memcpy(s, s_row, n * sizeof(float));
+  const float xdt = dt * x;
+  float y = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = e[i] * s[i] + xdt * b[i];
+    y += s[i] * c[i];
+  }
+  std::memcpy(s_row, s, n * sizeof(float));
+  return y;
+}
+
+// decode rows: one token per sequence, their slots' states move one step (mamba.py _step). The
+// conv and dt / B / C in ATen; the state update and S . C fused in one pass over each slot's
+// state in place (its largest operand: [d_inner, N] float32 a sequence and layer), channels
+// split over the threads. NOTE: the same math as the torch ops, not their rounding (their exp
+// and op order): the torch path (no kernels) is the reference within float32 rounding.
 at::Tensor step(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, const at::Tensor& slots,
-                int64_t run_lo, int64_t run_hi, const StepMamba& m) {
+                const StepMamba& m) {
   auto window = at::cat({conv.index_select(0, slots), x.to(conv.scalar_type()).unsqueeze(2)}, 2);
   conv.index_copy_(0, slots, window.index({Slice(), Slice(), Slice(1, None)}));
-  auto xc = conv_out(window, m);
+  auto xc = conv_out(window, m).contiguous();
   auto in = ssm_inputs(xc, m);
-  auto st = run_lo >= 0 ? ssm.index({Slice(run_lo, run_hi)}) : ssm.index_select(0, slots);
-  st.mul_(at::exp(in.dt.unsqueeze(2) * m.a));  // [B, D, N]
-  st.add_((in.dt * xc).unsqueeze(2) * in.b.unsqueeze(1));
-  if (run_lo < 0) ssm.index_copy_(0, slots, st);
-  return at::bmm(st, in.c.unsqueeze(2)).select(2, 0) + m.d * xc;
+  const int64_t n_seq = xc.size(0), d = m.d_inner, n = m.d_state;
+  auto dt = in.dt.contiguous(), b = in.b.contiguous(), c = in.c.contiguous();
+  auto slot_of = slots.to(at::kLong).contiguous();
+  auto y = at::empty({n_seq, d}, xc.options());
+  const float *dt_p = dt.data_ptr<float>(), *x_p = xc.data_ptr<float>();
+  const float *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
+  const float *a_p = m.a.data_ptr<float>(), *skip = m.d.data_ptr<float>();
+  const int64_t* slot_p = slot_of.data_ptr<int64_t>();
+  float *s_p = ssm.data_ptr<float>(), *y_p = y.data_ptr<float>();
+  at::parallel_for(0, n_seq * d, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t q = i / d, ch = i % d;
+      float* s_row = s_p + (slot_p[q] * d + ch) * n;
+      const float v = channel_step(a_p + ch * n, s_row, b_p + q * n, c_p + q * n, dt_p[i],
+                                   x_p[i], n);
+      y_p[i] = v + skip[ch] * x_p[i];
+    }
+  });
+  return y;
 }
 
 // a prompt chunk from its slot's state, split at its captures (mamba.py _scan)
@@ -124,6 +168,9 @@ at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, cons
                   ssm.size(1) == d && ssm.size(2) == m.d_state,
               "mamba_mix: conv [n_slots, d_inner, d_conv - 1] and float32 ssm [n_slots, d_inner, "
               "d_state] must match the mixer's sizes");
+  TORCH_CHECK(ssm.is_contiguous() && m.a.is_contiguous() && m.d.is_contiguous() &&
+                  m.d_state <= kMaxState,
+              "mamba_mix: a contiguous ssm state, a and d, d_state <= 256");
   TORCH_CHECK(f32(m.x_w) && m.x_w.dim() == 2 && m.x_w.size(0) == m.dt_rank + 2 * m.d_state &&
                   m.x_w.size(1) == d && f32(m.dt_w) && m.dt_w.dim() == 2 &&
                   m.dt_w.size(0) == d && m.dt_w.size(1) == m.dt_rank && f32(m.dt_b) &&
@@ -139,12 +186,10 @@ at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, cons
   if (n_dec) {
     const bool all_rows = !state.decode_rows.defined() || state.decode_rows.numel() == 0;
     if (all_rows) {
-      y = step(x, conv, ssm, state.decode_slots, state.decode_run_lo, state.decode_run_hi, m);
+      y = step(x, conv, ssm, state.decode_slots, m);
     } else {
       const auto& rows = state.decode_rows;
-      auto part = step(x.index_select(0, rows), conv, ssm, state.decode_slots,
-                       state.decode_run_lo, state.decode_run_hi, m);
-      y.index_copy_(0, rows, part);
+      y.index_copy_(0, rows, step(x.index_select(0, rows), conv, ssm, state.decode_slots, m));
     }
   }
   const int64_t n_prompt = static_cast<int64_t>(state.prompt_slots.size());

@@ -46,10 +46,10 @@ def test_missing_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path, tiny_gguf):
     folder = write_tiny_llama(tmp_path / "hf")
-    path = write_tiny_gguf(tmp_path / "mamba.gguf", folder, arch="mamba")
+    path = write_tiny_gguf(tmp_path / "rwkv6.gguf", folder, arch="rwkv6")
     code, err, _ = serve(path)
     assert code == 1, err
-    assert "architecture 'mamba' is not supported" in err
+    assert "architecture 'rwkv6' is not supported" in err
 
 
 def test_truncated_gguf(tmp_path, tiny_gguf):
