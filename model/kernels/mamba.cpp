@@ -21,12 +21,6 @@ namespace {
 using at::indexing::None;
 using at::indexing::Slice;
 
-// window [.., d_inner, K] (oldest first) -> silu(depthwise conv) [.., d_inner], float32
-at::Tensor conv_out(const at::Tensor& window, const StepMamba& m) {
-  auto out = (window * m.conv_w).sum(-1);
-  return at::silu(m.conv_b ? out + *m.conv_b : out).to(at::kFloat);
-}
-
 at::Tensor rms(const at::Tensor& t, const std::optional<at::Tensor>& w, double eps) {
   auto r = t * at::rsqrt(t.pow(2).mean(-1, true) + eps);
   return w ? r * *w : r;
@@ -94,25 +88,59 @@ float channel_step(const float* a_row, float* s_row, const float* b, const float
   return y;
 }
 
-// decode rows: one token per sequence, their slots' states move one step (mamba.py _step). The
-// conv and dt / B / C in ATen; the state update and S . C fused in one pass over each slot's
-// state in place (its largest operand: [d_inner, N] float32 a sequence and layer), channels
-// split over the threads. NOTE: the same math as the torch ops, not their rounding (their exp
-// and op order): the torch path (no kernels) is the reference within float32 rounding.
+// The decode rows' causal conv before its SiLU, in float32: each (sequence, channel) reads its
+// slot's last K - 1 inputs and the new one (oldest first) against conv_w's row, adds the bias,
+// and shifts the new input into the state, in place. T: the conv state's dtype (the model's).
+template <typename T>
+at::Tensor conv_step(const at::Tensor& x, at::Tensor& conv, const int64_t* slot_p,
+                     const StepMamba& m) {
+  const int64_t n_seq = x.size(0), d = m.d_inner, k = m.d_conv;
+  auto xs = x.to(conv.scalar_type()).contiguous();
+  auto out = at::empty({n_seq, d}, x.options().dtype(at::kFloat));
+  const T *x_p = xs.data_ptr<T>(), *w_p = m.conv_w.data_ptr<T>();
+  const T* b_p = m.conv_b ? m.conv_b->data_ptr<T>() : nullptr;
+  T* c_p = conv.data_ptr<T>();
+  float* o_p = out.data_ptr<float>();
+  at::parallel_for(0, n_seq * d, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t q = i / d, ch = i % d;
+      T* st = c_p + (slot_p[q] * d + ch) * (k - 1);
+      const T* w = w_p + ch * k;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < k - 1; ++j) acc += static_cast<float>(st[j]) * static_cast<float>(w[j]);
+      acc += static_cast<float>(x_p[i]) * static_cast<float>(w[k - 1]);
+      o_p[i] = b_p ? acc + static_cast<float>(b_p[ch]) : acc;
+      for (int64_t j = 0; j + 1 < k - 1; ++j) st[j] = st[j + 1];
+      st[k - 2] = x_p[i];
+    }
+  });
+  return out;
+}
+
+// decode rows: one token per sequence, their slots' states move one step (mamba.py _step): the
+// conv (conv_step, then ATen's SiLU) and the state update with S . C (channel_step) in one pass
+// over each slot's states in place, channels split over the threads; dt / B / C in ATen.
+// NOTE: the same math as the torch ops, not their rounding (float32 conv sums, exp, op order):
+// the torch path (no kernels) is the reference within rounding. Measured (Mamba-130M shape,
+// Q4_K_M re-quantized to int4, bfloat16, 32 rows, 2-core Xeon): see docs/models.md.
 at::Tensor step(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, const at::Tensor& slots,
                 const StepMamba& m) {
-  auto window = at::cat({conv.index_select(0, slots), x.to(conv.scalar_type()).unsqueeze(2)}, 2);
-  conv.index_copy_(0, slots, window.index({Slice(), Slice(), Slice(1, None)}));
-  auto xc = conv_out(window, m).contiguous();
+  auto slot_of = slots.to(at::kLong).contiguous();
+  const int64_t* slot_p = slot_of.data_ptr<int64_t>();
+  at::Tensor pre;
+  if (conv.scalar_type() == at::kBFloat16) {
+    pre = conv_step<at::BFloat16>(x, conv, slot_p, m);
+  } else {
+    pre = conv_step<float>(x, conv, slot_p, m);
+  }
+  auto xc = at::silu(pre);
   auto in = ssm_inputs(xc, m);
   const int64_t n_seq = xc.size(0), d = m.d_inner, n = m.d_state;
   auto dt = in.dt.contiguous(), b = in.b.contiguous(), c = in.c.contiguous();
-  auto slot_of = slots.to(at::kLong).contiguous();
   auto y = at::empty({n_seq, d}, xc.options());
   const float *dt_p = dt.data_ptr<float>(), *x_p = xc.data_ptr<float>();
   const float *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
   const float *a_p = m.a.data_ptr<float>(), *skip = m.d.data_ptr<float>();
-  const int64_t* slot_p = slot_of.data_ptr<int64_t>();
   float *s_p = ssm.data_ptr<float>(), *y_p = y.data_ptr<float>();
   at::parallel_for(0, n_seq * d, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -168,9 +196,15 @@ at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, cons
                   ssm.size(1) == d && ssm.size(2) == m.d_state,
               "mamba_mix: conv [n_slots, d_inner, d_conv - 1] and float32 ssm [n_slots, d_inner, "
               "d_state] must match the mixer's sizes");
-  TORCH_CHECK(ssm.is_contiguous() && m.a.is_contiguous() && m.d.is_contiguous() &&
-                  m.d_state <= kMaxState,
-              "mamba_mix: a contiguous ssm state, a and d, d_state <= 256");
+  TORCH_CHECK(ssm.is_contiguous() && conv.is_contiguous() && m.a.is_contiguous() &&
+                  m.d.is_contiguous() && m.conv_w.is_contiguous() &&
+                  m.conv_w.scalar_type() == conv.scalar_type() &&
+                  (!m.conv_b || (m.conv_b->is_contiguous() &&
+                                 m.conv_b->scalar_type() == conv.scalar_type())) &&
+                  (conv.scalar_type() == at::kFloat || conv.scalar_type() == at::kBFloat16) &&
+                  m.d_conv >= 2 && m.d_state <= kMaxState,
+              "mamba_mix: contiguous states, a, d and conv weights in the conv state's dtype "
+              "(float32 or bfloat16), d_conv >= 2, d_state <= 256");
   TORCH_CHECK(f32(m.x_w) && m.x_w.dim() == 2 && m.x_w.size(0) == m.dt_rank + 2 * m.d_state &&
                   m.x_w.size(1) == d && f32(m.dt_w) && m.dt_w.dim() == 2 &&
                   m.dt_w.size(0) == d && m.dt_w.size(1) == m.dt_rank && f32(m.dt_b) &&

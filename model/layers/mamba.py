@@ -126,7 +126,11 @@ class MambaMixer(nn.Module):
         d_inner = self.m.d_inner
         conv, ssm = state.conv(layer), state.ssm(layer)
         kernels = batch.fused
-        if kernels is not None and hasattr(kernels, "mamba_mix"):
+        if (
+            kernels is not None
+            and hasattr(kernels, "mamba_mix")
+            and conv.dtype in (torch.bfloat16, torch.float32)
+        ):
             params, st = self.native_params(kernels), sb.native_state(kernels)
             return self.out_proj(kernels.mamba_mix(self.in_proj(u), conv, ssm, params, st))
         x, z = self.in_proj(u)[:, : 2 * d_inner].split(d_inner, dim=-1)
