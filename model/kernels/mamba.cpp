@@ -122,7 +122,7 @@ at::Tensor conv_step(const at::Tensor& x, at::Tensor& conv, const int64_t* slot_
 // over each slot's states in place, channels split over the threads; dt / B / C in ATen.
 // NOTE: the same math as the torch ops, not their rounding (float32 conv sums, exp, op order):
 // the torch path (no kernels) is the reference within rounding. Measured (Mamba-130M shape,
-// Q4_K_M re-quantized to int4, bfloat16, 32 rows, 2-core Xeon): see docs/models.md.
+// Q4_K_M re-quantized to int4, bfloat16, 2-core Xeon): docs/performance.md.
 at::Tensor step(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, const at::Tensor& slots,
                 const StepMamba& m) {
   auto slot_of = slots.to(at::kLong).contiguous();
