@@ -131,7 +131,7 @@ def gguf_convert(kind: str, w: Any, args: ModelArgs) -> Any:
 
 def hf_mamba(config: dict[str, Any], dim: int, pre: str, norm: str, norm_eps: float) -> MambaArgs:
     """MambaConfig's fields, or Jamba's mamba_* ones (pre "mamba_"); `norm` of dt / B / C."""
-    expand = int(config.get(pre + "expand", 2)) * dim
+    expand = int(float(config.get(pre + "expand", 2)) * dim)  # transformers': int(expand * dim)
     d_inner = expand if pre else int(config.get("intermediate_size") or expand)
     rank = config.get(pre + ("dt_rank" if pre else "time_step_rank"), "auto")
     dt_rank = -(dim // -16) if rank in (None, "auto") else int(rank)

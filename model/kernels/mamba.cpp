@@ -127,6 +127,17 @@ at::Tensor step(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, const at
                 const StepMamba& m) {
   auto slot_of = slots.to(at::kLong).contiguous();
   const int64_t* slot_p = slot_of.data_ptr<int64_t>();
+  // one row a slot, each slot once: the loops below write the slots' states from several
+  // threads in place
+  TORCH_CHECK(slot_of.dim() == 1 && slot_of.numel() == x.size(0),
+              "mamba_mix: one decode slot for each decode row");
+  std::vector<bool> seen(static_cast<size_t>(conv.size(0)), false);
+  for (int64_t q = 0; q < slot_of.numel(); ++q) {
+    const int64_t s = slot_p[q];
+    TORCH_CHECK(0 <= s && s < conv.size(0) && !seen[s], "mamba_mix: decode slots distinct and "
+                "in range");
+    seen[s] = true;
+  }
   at::Tensor pre;
   if (conv.scalar_type() == at::kBFloat16) {
     pre = conv_step<at::BFloat16>(x, conv, slot_p, m);
@@ -219,8 +230,13 @@ at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, cons
   const int64_t n_dec = state.decode_slots.defined() ? state.decode_slots.numel() : 0;
   if (n_dec) {
     const bool all_rows = !state.decode_rows.defined() || state.decode_rows.numel() == 0;
-    if (all_rows) {
-      y = step(x, conv, ssm, state.decode_slots, m);
+    if (all_rows) {  // the first n_dec rows (check_state), as short_conv reads them
+      auto part = step(x.narrow(0, 0, n_dec), conv, ssm, state.decode_slots, m);
+      if (n_dec == n) {
+        y = part;
+      } else {
+        y.narrow(0, 0, n_dec).copy_(part);
+      }
     } else {
       const auto& rows = state.decode_rows;
       y.index_copy_(0, rows, step(x.index_select(0, rows), conv, ssm, state.decode_slots, m));

@@ -9,9 +9,10 @@ a whole chunk are computed at once; the loop is one fused multiply-add over [d_i
 The SSM runs in float32 whatever the model dtype; the conv state is kept in the model dtype.
 
 With the C++ kernels (ForwardBatch.fused) the mixer between its two linears is their
-mamba_mix (model/kernels/mamba.cpp: these torch ops, one for one, in ATen), the op the
-one-call step (model/runner/native.py) calls too, so both paths give the same bits; without
-them, the torch ops below (the float32 reference).
+mamba_mix (model/kernels/mamba.cpp: a prompt chunk's scan these torch ops one for one in ATen;
+decode rows' conv and state update fused, the conv summed in float32), the op the one-call
+step (model/runner/native.py) calls too, so both paths give the same bits; without them, the
+torch ops below (the float32 reference).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from model.layers.ggml import BlockWeight, make_linear
 from model.layers.mamba2 import _pad_rows
 
 # Rows of a prompt chunk whose discretized A and B x ([rows, d_inner, N] float32 each) are
-# held at once: 256 x 4096 x 16 x 4 B = 64 MiB each for a 2.8B's d_inner
+# held at once: 256 x 8192 x 16 x 4 B = 128 MiB each at Falcon-Mamba-7B's and Jamba's d_inner
 SCAN_ROWS = 256
+# mamba_mix's limits (model/kernels/mamba.cpp): a model past them keeps the torch ops
+KERNEL_MAX_STATE = 256
 
 
 def selective_scan(
@@ -95,6 +98,17 @@ class MambaMixer(nn.Module):
         )
         self._native: Any | None = None  # native_params' StepMamba
 
+    def kernel_takes(self, kernels: Any, state_dtype: torch.dtype) -> bool:
+        """Whether `kernels`' mamba_mix runs this mixer over conv states of `state_dtype`."""
+        m = self.m
+        return (
+            hasattr(kernels, "mamba_mix")
+            and state_dtype in (torch.bfloat16, torch.float32)
+            and self.conv_w.dtype == state_dtype
+            and m.d_conv >= 2
+            and m.d_state <= KERNEL_MAX_STATE
+        )
+
     def native_params(self, kernels: Any) -> Any:
         """This mixer's parameters and sizes as `kernels`' StepMamba (mamba_mix)."""
         if self._native is None:
@@ -126,11 +140,7 @@ class MambaMixer(nn.Module):
         d_inner = self.m.d_inner
         conv, ssm = state.conv(layer), state.ssm(layer)
         kernels = batch.fused
-        if (
-            kernels is not None
-            and hasattr(kernels, "mamba_mix")
-            and conv.dtype in (torch.bfloat16, torch.float32)
-        ):
+        if kernels is not None and self.kernel_takes(kernels, conv.dtype):
             params, st = self.native_params(kernels), sb.native_state(kernels)
             return self.out_proj(kernels.mamba_mix(self.in_proj(u), conv, ssm, params, st))
         x, z = self.in_proj(u)[:, : 2 * d_inner].split(d_inner, dim=-1)

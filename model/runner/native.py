@@ -135,6 +135,9 @@ class NativeDecoder:
             held = getattr(storage, "state", None)
             if held is None or held.dtype != model.dtype:
                 return None, "recurrent layers over a conv state of another dtype"
+            mambas = [b.mixer for b in blocks if isinstance(b.mixer, MambaMixer)]
+            if not all(m.kernel_takes(kernels, held.dtype) for m in mambas):
+                return None, "Mamba layers past mamba_mix's limits (d_conv >= 2, d_state <= 256)"
         windows = sorted({d.window for d in descs if d.mixer == "attn"})
         layers = []
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):

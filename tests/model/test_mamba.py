@@ -233,13 +233,15 @@ def test_llamacpp_gguf_and_llama_server(variant, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("norm", ["none", "plain", "weighted"])
-def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, tmp_path):
+def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, dtype, tmp_path):
     """kernels.mamba_mix (model/kernels/mamba.cpp) against MambaMixer's torch ops on the same
-    states: decode rows over a range of slots (updated in place) and over scattered ones
-    (gathered), and a prompt chunk with a capture: the outputs and every state up to float32
-    rounding (ATen's ops, one for one, with another build's vectorization). "weighted":
-    Jamba's mixer (its dt / B / C norms' weights)."""
+    states: decode rows over a range of slots and over scattered ones (both updated in place
+    by the fused decode), and a prompt chunk with a capture: the outputs and every state, up to
+    float32 rounding (the prompt scan: ATen's ops one for one; the decode: the same math fused,
+    another exp and op order), and in bfloat16 up to the torch path's bfloat16 conv sums (the
+    kernel sums in float32). "weighted": Jamba's mixer (its dt / B / C norms' weights)."""
     from types import SimpleNamespace
 
     from kvcache.state_storage import RecurrentStorage
@@ -253,11 +255,13 @@ def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, tmp_path):
         pytest.skip("plain norms: Falcon-Mamba's")
     if norm == "weighted":
         folder = write_tiny_jamba(tmp_path / "jamba", attn_period=2, attn_offset=1, seed=4)
-    model = load_model(folder)
+    model = load_model(folder, dtype=dtype)
     mixer = model.transformer.layers[0].mixer
     assert (mixer.norms is not None) == (norm != "none")
+    assert mixer.kernel_takes(kernels, model.transformer.dtype)
     gen = torch.Generator().manual_seed(0)
-    u = torch.randn(12, model.config.dim, generator=gen)
+    u = torch.randn(12, model.config.dim, generator=gen).to(model.transformer.dtype)
+    tol = 1e-5 if dtype == "float32" else 3e-2
     conv_shape, ssm_shape = model.config.state_shapes
     for decode_slots, run in ((torch.tensor([2, 3, 4]), (2, 5)), (torch.tensor([6, 0, 3]), None)):
         sb = StateBatch(torch.tensor([0, 5, 11]), decode_slots, [StatePrompt(1, 5, 1, [(2, 7)])])
@@ -265,7 +269,7 @@ def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, tmp_path):
         results = []
         for fused in (None, kernels):
             sb.native = None
-            st = RecurrentStorage((0,), 8, conv_shape, ssm_shape)
+            st = RecurrentStorage((0,), 8, conv_shape, ssm_shape, model.transformer.dtype)
             g = torch.Generator().manual_seed(1)
             st.conv(0).copy_(torch.randn(st.conv(0).shape, generator=g))
             st.ssm(0).copy_(torch.randn(st.ssm(0).shape, generator=g) * 0.1)
@@ -274,7 +278,7 @@ def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, tmp_path):
             out = mixer(u, batch, SimpleNamespace(state=st), 0)
             results.append((out, st.conv(0).clone(), st.ssm(0).clone()))
         for want, got in zip(*results, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("arch", ["mamba", "falcon", "jamba"])
