@@ -120,6 +120,30 @@ def gguf_uniform(meta: GGUFMeta, values: list[int], key: str) -> int:
     return nonzero.pop() if nonzero else 0
 
 
+@dataclass(frozen=True, slots=True)
+class HybridAttention:
+    layers: tuple[bool, ...]  # per layer: attention (True) or a recurrent mixer
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+def gguf_hybrid_attention(meta: GGUFMeta, n_layers: int, dim: int) -> HybridAttention:
+    """A hybrid's attention layers and sizes from llama.cpp's per-layer head counts
+    (granitehybrid, jamba): attention.head_count_kv 0 marks a recurrent layer; the attention
+    layers share one head count, kv head count and head size (key_length = value_length)."""
+    kv_per_layer = gguf_per_layer(meta, "attention.head_count_kv", n_layers)
+    layers = tuple(kv > 0 for kv in kv_per_layer)
+    heads = gguf_per_layer(meta, "attention.head_count", n_layers)
+    n_heads = gguf_uniform(meta, [h for h, a in zip(heads, layers, strict=True) if a],
+                           "attention.head_count")  # fmt: skip
+    head_dim = int(meta.get("attention.key_length", dim // n_heads if n_heads else 0))
+    if int(meta.get("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{meta.path}: attention key and value lengths differ; not supported.")
+    n_kv = gguf_uniform(meta, kv_per_layer, "attention.head_count_kv")
+    return HybridAttention(layers, n_heads, n_kv, head_dim)
+
+
 def check_hf_silu(config: dict[str, Any]) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")

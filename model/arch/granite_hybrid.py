@@ -28,12 +28,12 @@ from model.arch.family import (
     Family,
     GGUFMeta,
     check_hf_silu,
+    gguf_hybrid_attention,
     gguf_per_layer,
     gguf_uniform,
     hf_moe,
 )
 from model.arch.weights import layer_weights
-from model.errors import ModelLoadError
 
 # transformers 5 writes linear_attention / full_attention; released configs say mamba / attention
 _LAYER_KINDS: dict[str, Mixer] = {
@@ -54,14 +54,9 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
     n_layers = int(meta.get("block_count"))
     dim = int(meta.get("embedding_length"))
     eps = float(meta.get("attention.layer_norm_rms_epsilon"))
-    kv_per_layer = gguf_per_layer(meta, "attention.head_count_kv", n_layers)
-    mixers: list[Mixer] = ["attn" if kv else "mamba2" for kv in kv_per_layer]  # 0 = recurrent
-    heads = gguf_per_layer(meta, "attention.head_count", n_layers)
-    attn_heads = [h for h, m in zip(heads, mixers, strict=True) if m == "attn"]
-    n_heads = gguf_uniform(meta, attn_heads, "attention.head_count")
-    head_dim = int(meta.get("attention.key_length", dim // n_heads if n_heads else 0))
-    if int(meta.get("attention.value_length", head_dim)) != head_dim:
-        raise ModelLoadError(f"{meta.path}: attention key and value lengths differ; not supported.")
+    att = gguf_hybrid_attention(meta, n_layers, dim)
+    mixers: list[Mixer] = ["attn" if a else "mamba2" for a in att.layers]
+    head_dim = att.head_dim
     ff = gguf_per_layer(meta, "feed_forward_length", n_layers)
     recurrent = [i for i, m in enumerate(mixers) if m == "mamba2"]
     rope_on = bool(meta.get("rope.scaling.finetuned", True))
@@ -70,8 +65,8 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
         vocab_size=vocab_size,
         dim=dim,
         n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=gguf_uniform(meta, kv_per_layer, "attention.head_count_kv"),
+        n_heads=att.n_heads,
+        n_kv_heads=att.n_kv_heads,
         head_dim=head_dim,
         hidden_dim=gguf_uniform(meta, ff, "feed_forward_length"),
         norm_eps=eps,

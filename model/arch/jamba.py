@@ -19,12 +19,17 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-import torch
-
 from kvcache.rope import RopeConfig
-from model.arch import mamba
+from model.arch import mamba, mamba2
 from model.arch.args import LLAMA, Mixer, ModelArgs, MoEArgs
-from model.arch.family import Family, GGUFMeta, check_hf_silu, gguf_per_layer, gguf_uniform
+from model.arch.family import (
+    Family,
+    GGUFMeta,
+    check_hf_silu,
+    gguf_hybrid_attention,
+    gguf_per_layer,
+    gguf_uniform,
+)
 from model.arch.weights import layer_weights
 from model.errors import ModelLoadError
 
@@ -33,14 +38,8 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
     n_layers = int(meta.get("block_count"))
     dim = int(meta.get("embedding_length"))
     eps = float(meta.get("attention.layer_norm_rms_epsilon"))
-    kv_per_layer = gguf_per_layer(meta, "attention.head_count_kv", n_layers)
-    mixers: list[Mixer] = ["attn" if kv else "mamba" for kv in kv_per_layer]  # 0 = recurrent
-    heads = gguf_per_layer(meta, "attention.head_count", n_layers)
-    attn_heads = [h for h, m in zip(heads, mixers, strict=True) if m == "attn"]
-    n_heads = gguf_uniform(meta, attn_heads, "attention.head_count")
-    head_dim = int(meta.get("attention.key_length", dim // n_heads if n_heads else 0))
-    if int(meta.get("attention.value_length", head_dim)) != head_dim:
-        raise ModelLoadError(f"{meta.path}: attention key and value lengths differ; not supported.")
+    att = gguf_hybrid_attention(meta, n_layers, dim)
+    mixers: list[Mixer] = ["attn" if a else "mamba" for a in att.layers]
     recurrent = [i for i, m in enumerate(mixers) if m == "mamba"]
     ff = gguf_per_layer(meta, "feed_forward_length", n_layers)
     args = ModelArgs(
@@ -48,12 +47,12 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
         vocab_size=vocab_size,
         dim=dim,
         n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=gguf_uniform(meta, kv_per_layer, "attention.head_count_kv"),
-        head_dim=head_dim,
+        n_heads=att.n_heads,
+        n_kv_heads=att.n_kv_heads,
+        head_dim=att.head_dim,
         hidden_dim=gguf_uniform(meta, ff, "feed_forward_length"),
         norm_eps=eps,
-        rope=RopeConfig(10000.0, head_dim),
+        rope=RopeConfig(10000.0, att.head_dim),
         n_ctx_train=int(meta.get("context_length", 0)),
         mixers=tuple(mixers),
         mamba=mamba.gguf_mamba(meta, eps, recurrent) if recurrent else None,
@@ -150,10 +149,6 @@ def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
     return names
 
 
-def hf_convert(kind: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    return mamba.hf_convert(kind, w, args)
-
-
 FAMILY = Family(
     arch="jamba",
     model_types=("jamba",),
@@ -162,6 +157,6 @@ FAMILY = Family(
     gguf_args=gguf_args,
     hf_args=hf_args,
     hf_tensors=hf_tensors,
-    hf_convert=hf_convert,
+    hf_convert=mamba2.hf_convert,
     gguf_convert=mamba.gguf_convert,
 )

@@ -16,12 +16,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Literal
 
-import torch
-
 from kvcache.rope import RopeConfig
+from model.arch import mamba2
 from model.arch.args import LLAMA, MambaArgs, Mixer, ModelArgs
 from model.arch.family import Family, GGUFMeta, check_hf_silu
-from model.arch.weights import layer_weights
 from model.errors import ModelLoadError
 
 GGUF_NAMES = {
@@ -180,26 +178,7 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
 
 
 def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
-    # older checkpoints name the embedding backbone.embedding (transformers' load_hook)
-    old = "backbone.embedding.weight" in present and "backbone.embeddings.weight" not in present
-    names = {
-        "tok_embeddings": "backbone.embedding.weight" if old else "backbone.embeddings.weight",
-        "norm": "backbone.norm_f.weight",
-        "output": "lm_head.weight",
-    }
-    table = {"attn_norm": "norm.weight"} | {k: "mixer." + v for k, v in HF_MIXER_NAMES.items()}
-    for i in range(args.n_layers):
-        for ours in layer_weights(args, i):
-            names[f"layers.{i}.{ours}"] = f"backbone.layers.{i}.{table[ours]}"
-    return names
-
-
-def hf_convert(kind: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    if kind == "ssm_conv":
-        return w.reshape(w.shape[0], w.shape[-1])  # [d_inner, 1, K]
-    if kind == "ssm_a":
-        return -torch.exp(w.float())  # A_log -> A
-    return w
+    return mamba2.backbone_tensors(args, present, HF_MIXER_NAMES)
 
 
 FAMILY = Family(
@@ -211,6 +190,6 @@ FAMILY = Family(
     gguf_args=gguf_args,
     hf_args=hf_args,
     hf_tensors=hf_tensors,
-    hf_convert=hf_convert,
+    hf_convert=mamba2.hf_convert,
     gguf_convert=gguf_convert,
 )

@@ -186,6 +186,14 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
 
 
 def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
+    return backbone_tensors(args, present, HF_MIXER_NAMES)
+
+
+def backbone_tensors(
+    args: ModelArgs, present: Collection[str], mixer_names: dict[str, str]
+) -> dict[str, str]:
+    """transformers' MambaForCausalLM / Mamba2ForCausalLM names: backbone.layers.{i}.norm and
+    .mixer.<mixer_names>, the embedding, norm_f and lm_head (model/arch/mamba.py's too)."""
     # older checkpoints name the embedding backbone.embedding (transformers' load_hook)
     old = "backbone.embedding.weight" in present and "backbone.embeddings.weight" not in present
     names = {
@@ -193,7 +201,7 @@ def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
         "norm": "backbone.norm_f.weight",
         "output": "lm_head.weight",
     }
-    table = {"attn_norm": "norm.weight"} | {k: "mixer." + v for k, v in HF_MIXER_NAMES.items()}
+    table = {"attn_norm": "norm.weight"} | {k: "mixer." + v for k, v in mixer_names.items()}
     for i in range(args.n_layers):
         for ours in layer_weights(args, i):
             names[f"layers.{i}.{ours}"] = f"backbone.layers.{i}.{table[ours]}"
@@ -201,6 +209,7 @@ def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
 
 
 def hf_convert(kind: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """conv1d.weight [channels, 1, K] squeezed, A_log -> A (Mamba's [d_inner, N] likewise)."""
     if kind == "ssm_conv":
         return w.reshape(w.shape[0], w.shape[-1])  # [channels, 1, K]
     if kind == "ssm_a":
