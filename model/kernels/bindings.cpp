@@ -235,7 +235,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("d_state", &StepMamba::d_state)
       .def_readwrite("d_conv", &StepMamba::d_conv)
       .def_readwrite("dt_rank", &StepMamba::dt_rank)
-      .def_readwrite("scan_rows", &StepMamba::scan_rows)
       .def_readwrite("eps", &StepMamba::eps);
   py::class_<StepGroups>(m, "StepGroups", py::module_local())
       .def(py::init<>())

@@ -260,7 +260,7 @@ struct StepMamba {
   at::Tensor conv_w, x_w, dt_w, dt_b, a, d;
   std::optional<at::Tensor> conv_b, dt_norm, b_norm, c_norm;  // the norms' weights (Jamba)
   bool norm = false;  // dt, B and C RMS-normed (with the weights that are set)
-  int64_t d_inner = 0, d_state = 0, d_conv = 0, dt_rank = 0, scan_rows = 256;
+  int64_t d_inner = 0, d_state = 0, d_conv = 0, dt_rank = 0;
   double eps = 1e-6;
 };
 // mamba.cpp: the mixer between its linears, xz [n, >= 2 d_inner] (in_proj's rows) -> the gated

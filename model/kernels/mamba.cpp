@@ -2,10 +2,10 @@
 // whose torch ops it follows one for one): the depthwise causal conv over the conv state, dt /
 // B / C from x_proj (RMS-normed where the model says: Falcon-Mamba, Jamba) and dt_proj, the
 // selective scan over the ssm state (one recurrence step per decode row; a prompt chunk row
-// after row, split at its captures), the D skip and the SiLU gate. The Python layers call it
+// after row, channel by channel, copied into its captures' slots), the D skip and the SiLU gate. The Python layers call it
 // where the kernels are loaded and step_layers calls it in the one-call step, so both give the
-// same bits; without the kernels the Python torch ops are the float32 reference (the same ops
-// for a prompt chunk; a decode row's state update is fused here: see step).
+// same bits; without the kernels the Python torch ops are the float32 reference (the same math:
+// the scans here are fused loops, see step and scan).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -41,50 +41,27 @@ SsmInputs ssm_inputs(const at::Tensor& xc, const StepMamba& m) {
   return {at::softplus(at::linear(dt, m.dt_w, m.dt_b)), b, c};
 }
 
-// mamba.py selective_scan: x, dt [L, D], a [D, N], b, c [L, N], state [D, N] -> y [L, D]
-// (without the D skip) and the state after the L rows (a new tensor)
-std::pair<at::Tensor, at::Tensor> selective_scan(const at::Tensor& x, const at::Tensor& dt,
-                                                 const at::Tensor& a, const at::Tensor& b,
-                                                 const at::Tensor& c, at::Tensor state,
-                                                 int64_t rows) {
-  std::vector<at::Tensor> ys;
-  const int64_t n_rows = x.size(0);
-  for (int64_t lo = 0; lo < n_rows; lo += rows) {
-    const int64_t hi = std::min(lo + rows, n_rows);
-    const auto s = Slice(lo, hi);
-    auto dts = dt.index({s});
-    auto decay = at::exp(dts.unsqueeze(2) * a);                                    // [T, D, N]
-    auto states = (dts * x.index({s})).unsqueeze(2) * b.index({s}).unsqueeze(1);  // B x, then S
-    for (int64_t t = 0; t < hi - lo; ++t) {
-      auto out = states[t];
-      state = at::addcmul_out(out, out, decay[t], state);
-    }
-    ys.push_back(at::bmm(states, c.index({s}).unsqueeze(2)).select(2, 0));
-    state = state.clone();  // not a view of `states`, which goes with the chunk
-  }
-  return {at::cat(ys), state};
-}
-
 constexpr int64_t kMaxState = 256;  // d_state of the fused decode recurrence (Mamba's: 16)
 
-// One channel's recurrence step on local, 64-byte-aligned copies (mamba.py _step's math for one
-// (sequence, channel)): e = exp(dt a), S = e S + dt x B, y = S . C. The arrays are the function's
-// own, so GCC's vectorization of these loops (libmvec's expf, a reduction for y) takes the same
-// path on every call: no alias or alignment check that an address could flip (moe_route's
-// lesson, step.cpp), so a row's bits never depend on where its tensors lie.
-float channel_step(const float* a_row, float* s_row, const float* b, const float* c, float dt,
-                   float x, int64_t n) {
-  alignas(64) float e[kMaxState], s[kMaxState];
+// One row of one channel's recurrence (mamba.py's math for one (row, channel)): e = exp(dt a),
+// s = e s + dt x B, returns s . C; `s` is the caller's local state row. Every array the loops
+// touch but a_row (read elementwise) is local and 64-byte aligned, so GCC's vectorization of
+// them (libmvec's expf, the reduction for y) takes the same path on every call: no alias or
+// alignment check that an address could flip (moe_route's lesson, step.cpp), so a row's bits
+// never depend on where its tensors lie.
+float channel_row(const float* a_row, float* s, const float* b_row, const float* c_row, float dt,
+                  float x, int64_t n) {
+  alignas(64) float e[kMaxState], b[kMaxState], c[kMaxState];
+  std::memcpy(b, b_row, n * sizeof(float));
+  std::memcpy(c, c_row, n * sizeof(float));
   for (int64_t i = 0; i < n; ++i) e[i] = dt * a_row[i];
   for (int64_t i = 0; i < n; ++i) e[i] = std::exp(e[i]);
-  std::memcpy(s, s_row, n * sizeof(float));
   const float xdt = dt * x;
   float y = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     s[i] = e[i] * s[i] + xdt * b[i];
     y += s[i] * c[i];
   }
-  std::memcpy(s_row, s, n * sizeof(float));
   return y;
 }
 
@@ -118,7 +95,7 @@ at::Tensor conv_step(const at::Tensor& x, at::Tensor& conv, const int64_t* slot_
 }
 
 // decode rows: one token per sequence, their slots' states move one step (mamba.py _step): the
-// conv (conv_step, then ATen's SiLU) and the state update with S . C (channel_step) in one pass
+// conv (conv_step, then ATen's SiLU) and the state update with S . C (channel_row) in one pass
 // over each slot's states in place, channels split over the threads; dt / B / C in ATen.
 // NOTE: the same math as the torch ops, not their rounding (float32 conv sums, exp, op order):
 // the torch path (no kernels) is the reference within rounding. Measured (Mamba-130M shape,
@@ -157,42 +134,63 @@ at::Tensor step(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, const at
     for (int64_t i = begin; i < end; ++i) {
       const int64_t q = i / d, ch = i % d;
       float* s_row = s_p + (slot_p[q] * d + ch) * n;
-      const float v = channel_step(a_p + ch * n, s_row, b_p + q * n, c_p + q * n, dt_p[i],
-                                   x_p[i], n);
+      alignas(64) float st[kMaxState];
+      std::memcpy(st, s_row, n * sizeof(float));
+      const float v = channel_row(a_p + ch * n, st, b_p + q * n, c_p + q * n, dt_p[i], x_p[i], n);
+      std::memcpy(s_row, st, n * sizeof(float));
       y_p[i] = v + skip[ch] * x_p[i];
     }
   });
   return y;
 }
 
-// a prompt chunk from its slot's state, split at its captures (mamba.py _scan)
+// a prompt chunk from its slot's state, split at its captures (mamba.py _scan): the conv and
+// dt / B / C in ATen; the scan channel by channel (split over the threads), each channel's state
+// kept in a local row over all the chunk's rows (read and written once, not once a row), and
+// copied into a capture's slot once the capture's rows are consumed. NOTE: the same math as
+// the torch row loop, not its rounding (exp, op order): the torch path is the reference.
 at::Tensor scan(const at::Tensor& x, at::Tensor& conv, at::Tensor& ssm, int64_t slot,
                 const std::vector<std::pair<int64_t, int64_t>>& captures, const StepMamba& m) {
-  const int64_t k1 = m.d_conv - 1, n = x.size(0);
+  const int64_t k1 = m.d_conv - 1, rows = x.size(0), d = m.d_inner, n = m.d_state;
   auto raw = at::cat({conv[slot], x.to(conv.scalar_type()).t()}, 1);  // [d_inner, K-1 + L]
   const int64_t one = 1, zero = 0;
   auto out = at::conv1d(raw.unsqueeze(0), m.conv_w.unsqueeze(1), m.conv_b, at::IntArrayRef(one),
                         at::IntArrayRef(zero), at::IntArrayRef(one), raw.size(0));
-  auto xc = at::silu(out[0]).t().to(at::kFloat);
+  auto xc = at::silu(out[0]).t().to(at::kFloat).contiguous();
   auto in = ssm_inputs(xc, m);
-  at::Tensor st = ssm[slot];
-  std::vector<at::Tensor> ys;
-  int64_t lo = 0;
-  auto cuts = captures;
-  cuts.emplace_back(n, slot);
-  for (const auto& [r, to] : cuts) {
-    if (r > lo) {
-      const auto rows = Slice(lo, r);
-      auto [y, next] = selective_scan(xc.index({rows}), in.dt.index({rows}), m.a,
-                                      in.b.index({rows}), in.c.index({rows}), st, m.scan_rows);
-      ys.push_back(y);
-      st = next;
-    }
+  auto dt = in.dt.contiguous(), b = in.b.contiguous(), c = in.c.contiguous();
+  int64_t last = 1;
+  for (const auto& [r, to] : captures) {
+    TORCH_CHECK(last <= r && r <= rows && 0 <= to && to < ssm.size(0),
+                "mamba_mix: captures after 1..rows rows, ascending, into slots in range");
     conv[to].copy_(raw.index({Slice(), Slice(r, r + k1)}));  // the last K-1 raw rows at r
-    ssm[to].copy_(st);
-    lo = r;
+    last = r;
   }
-  return at::cat(ys) + m.d * xc;
+  conv[slot].copy_(raw.index({Slice(), Slice(rows, rows + k1)}));
+  auto y = at::empty({rows, d}, xc.options());
+  const float *dt_p = dt.data_ptr<float>(), *x_p = xc.data_ptr<float>();
+  const float *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
+  const float *a_p = m.a.data_ptr<float>(), *skip = m.d.data_ptr<float>();
+  float *s_p = ssm.data_ptr<float>(), *y_p = y.data_ptr<float>();
+  const int64_t slot_stride = d * n;
+  at::parallel_for(0, d, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float st[kMaxState];
+    for (int64_t ch = begin; ch < end; ++ch) {
+      std::memcpy(st, s_p + slot * slot_stride + ch * n, n * sizeof(float));
+      size_t next = 0;  // captures ascend by row
+      for (int64_t t = 0; t < rows; ++t) {
+        const int64_t i = t * d + ch;
+        const float v = channel_row(a_p + ch * n, st, b_p + t * n, c_p + t * n, dt_p[i],
+                                    x_p[i], n);
+        y_p[i] = v + skip[ch] * x_p[i];
+        for (; next < captures.size() && captures[next].first == t + 1; ++next) {
+          std::memcpy(s_p + captures[next].second * slot_stride + ch * n, st, n * sizeof(float));
+        }
+      }
+      std::memcpy(s_p + slot * slot_stride + ch * n, st, n * sizeof(float));
+    }
+  });
+  return y;
 }
 
 }  // namespace
@@ -220,7 +218,7 @@ at::Tensor mamba_mix(const at::Tensor& xz, at::Tensor conv, at::Tensor ssm, cons
                   m.x_w.size(1) == d && f32(m.dt_w) && m.dt_w.dim() == 2 &&
                   m.dt_w.size(0) == d && m.dt_w.size(1) == m.dt_rank && f32(m.dt_b) &&
                   f32(m.a) && m.a.dim() == 2 && m.a.size(0) == d && m.a.size(1) == m.d_state &&
-                  f32(m.d) && m.d.numel() == d && m.scan_rows > 0,
+                  f32(m.d) && m.d.numel() == d,
               "mamba_mix: float32 x_w [dt_rank + 2 N, d_inner], dt_w [d_inner, dt_rank], dt_b, "
               "a [d_inner, N] and d [d_inner]");
   check_state(state, n, conv.size(0), "mamba_mix");

@@ -9,10 +9,10 @@ a whole chunk are computed at once; the loop is one fused multiply-add over [d_i
 The SSM runs in float32 whatever the model dtype; the conv state is kept in the model dtype.
 
 With the C++ kernels (ForwardBatch.fused) the mixer between its two linears is their
-mamba_mix (model/kernels/mamba.cpp: a prompt chunk's scan these torch ops one for one in ATen;
-decode rows' conv and state update fused, the conv summed in float32), the op the one-call
-step (model/runner/native.py) calls too, so both paths give the same bits; without them, the
-torch ops below (the float32 reference).
+mamba_mix (model/kernels/mamba.cpp: the same math with the scans fused, a prompt chunk's
+channel by channel with each state kept local over its rows, decode rows' conv summed in
+float32), the op the one-call step (model/runner/native.py) calls too, so both paths give the
+same bits; without them, the torch ops below (the float32 reference).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class MambaMixer(nn.Module):
                     None if w is None else w.detach() for w in self.norms
                 )
             p.d_inner, p.d_state, p.d_conv, p.dt_rank = m.d_inner, m.d_state, m.d_conv, m.dt_rank
-            p.scan_rows, p.eps = SCAN_ROWS, m.norm_eps
+            p.eps = m.norm_eps
             self._native = p
         return self._native
 

@@ -238,10 +238,10 @@ def test_llamacpp_gguf_and_llama_server(variant, tmp_path):
 def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, dtype, tmp_path):
     """kernels.mamba_mix (model/kernels/mamba.cpp) against MambaMixer's torch ops on the same
     states: decode rows over a range of slots and over scattered ones (both updated in place
-    by the fused decode), and a prompt chunk with a capture: the outputs and every state, up to
-    float32 rounding (the prompt scan: ATen's ops one for one; the decode: the same math fused,
-    another exp and op order), and in bfloat16 up to the torch path's bfloat16 conv sums (the
-    kernel sums in float32). "weighted": Jamba's mixer (its dt / B / C norms' weights)."""
+    by the fused decode), and prompt chunks with captures: the outputs and every state, up to
+    float32 rounding (the same math fused: another exp and op order), and in bfloat16 up to
+    the torch path's bfloat16 conv sums (the kernel sums in float32). "weighted": Jamba's
+    mixer (its dt / B / C norms' weights)."""
     from types import SimpleNamespace
 
     from kvcache.state_storage import RecurrentStorage
@@ -260,11 +260,15 @@ def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, dtype, tmp_path):
     assert (mixer.norms is not None) == (norm != "none")
     assert mixer.kernel_takes(kernels, model.transformer.dtype)
     gen = torch.Generator().manual_seed(0)
-    u = torch.randn(12, model.config.dim, generator=gen).to(model.transformer.dtype)
+    u = torch.randn(80, model.config.dim, generator=gen).to(model.transformer.dtype)
     tol = 1e-5 if dtype == "float32" else 3e-2
     conv_shape, ssm_shape = model.config.state_shapes
-    for decode_slots, run in ((torch.tensor([2, 3, 4]), (2, 5)), (torch.tensor([6, 0, 3]), None)):
-        sb = StateBatch(torch.tensor([0, 5, 11]), decode_slots, [StatePrompt(1, 5, 1, [(2, 7)])])
+    # decode rows 0, 5, 11; a 4-row chunk from slot 1 captured into 7 after 2 rows; a 68-row
+    # chunk captured mid-way and at its end (every slot of the 8 used once)
+    cases = (([2, 3, 4], (2, 5), 6, [(30, 5), (68, 0)]), ([6, 0, 3], None, 2, [(30, 5), (68, 4)]))
+    for decode, run, slot, captures in cases:
+        chunks = [StatePrompt(1, 5, 1, [(2, 7)]), StatePrompt(12, 80, slot, captures)]
+        sb = StateBatch(torch.tensor([0, 5, 11]), torch.tensor(decode), chunks)
         sb.decode_run = run
         results = []
         for fused in (None, kernels):
