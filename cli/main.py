@@ -174,6 +174,12 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("stream_buffer", int, "unsent tokens a stream may hold before a slow reader is cut off"),
     ("batch_invariant", None, "logits independent of the rest of the batch (slower at batch < 16)"),
     ("drain_timeout", float, "seconds running requests get to finish on SIGTERM"),
+    (
+        "drain_grace",
+        float,
+        "seconds after SIGTERM during which /health answers 503 but new requests are still "
+        "served, so a router polling /health moves traffic away before admission stops (default 0)",
+    ),
     ("protect_metrics", None, "require the API key on /metrics too"),
     ("log_level", str, "critical | error | warning | info | debug"),
     ("log_prompts", None, "log prompts (off: prompts are never logged)"),

@@ -217,7 +217,8 @@ def create_app(settings: Settings, backend_factory: BackendFactory | None = None
     app.state.drain_task = None
     app.state.kv_events = None  # server.kv_events.KVEventPublisher when enabled
     app.state.router = None  # server.model_router.ModelRouter with several models
-    app.state.draining = False
+    app.state.draining = False  # admission stopped (SIGTERM, after --drain-grace)
+    app.state.leaving = False  # SIGTERM received: /health answers 503 from now on
     app.state.num_in_flight = 0
     app.state.started_at = int(time.time())
     install_error_handlers(app)

@@ -102,7 +102,7 @@ async def slots(engine: EngineDep) -> list[dict[str, Any]]:
 @open_router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = request.app.state
-    if state.draining:
+    if state.draining or state.leaving:
         return JSONResponse({"status": "draining"}, 503)
     if state.router is not None:  # several models, each loaded on demand (routes_models.py)
         return JSONResponse({"status": "ok"})

@@ -14,8 +14,10 @@ from server.settings import Settings
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains first: admission stops (503), running
-    requests finish (bounded by drain_timeout), then uvicorn exits normally (status 0)."""
+    """uvicorn, except that the first SIGTERM/SIGINT drains first: /health answers 503 at once,
+    new requests are still served for `drain_grace` seconds (the time a router polling /health
+    needs to stop sending any), then admission stops (503), running requests finish (bounded by
+    drain_timeout), and uvicorn exits normally (status 0). A second signal exits at once."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -36,8 +38,15 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         from server.app import drain
 
-        logging.getLogger("cellserve.server").info("draining before exit")
-        await drain(self.config.app)  # type: ignore[arg-type]
+        app = self.config.app
+        settings = app.state.settings  # type: ignore[attr-defined]
+        app.state.leaving = True  # type: ignore[attr-defined]
+        log = logging.getLogger("cellserve.server")
+        if settings.drain_grace > 0:
+            log.info("/health is 503; serving new requests for %.1f s more", settings.drain_grace)
+            await asyncio.sleep(settings.drain_grace)
+        log.info("draining before exit")
+        await drain(app)  # type: ignore[arg-type]
         self.should_exit = True
         from sse_starlette.sse import AppStatus
 

@@ -99,6 +99,7 @@ class Settings(BaseSettings):
     stream_buffer: int = Field(1024, ge=1)  # unsent tokens before a slow reader is cut off
     batch_invariant: bool = False  # a sequence's logits do not depend on the rest of its batch
     drain_timeout: float = Field(30.0, ge=0)
+    drain_grace: float = Field(0.0, ge=0)  # after SIGTERM: /health 503, new requests still served
     protect_metrics: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_prompts: bool = False  # prompts are never logged unless this is on

@@ -18,6 +18,7 @@ import httpx
 
 from tests.deploy.test_router_replicas import (
     QUESTIONS,
+    REPLICA_FLAGS,
     SYSTEMS,
     _chat,
     _counter,
@@ -142,7 +143,9 @@ def _stream_direct(url: str, started: threading.Event, out: list[dict]) -> None:
 
 
 def test_sigterm_drains_while_the_router_moves_new_requests_away() -> None:
-    with sglang_fleet() as fleet:
+    # --drain-grace 2.5: the router's health check (every 1 s, plus its timeout) sees the 503
+    # before the replica stops admitting; without it a request routed in that second gets 503
+    with sglang_fleet(replica_flags=[*REPLICA_FLAGS, "--drain-grace", "2.5"]) as fleet:
         victim = fleet.replicas[1]
         streams: list[dict] = []
         started = [threading.Event() for _ in range(3)]
