@@ -398,3 +398,65 @@ def write_tiny_lfm2_moe(
             bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
     model.tie_weights()
     return _save(folder, model)
+
+
+def write_tiny_falcon_h1(
+    folder: str | Path,
+    n_layers: int = 3,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 24,
+    hidden_dim: int = 96,
+    mamba_heads: int = 8,
+    mamba_head_dim: int = 12,
+    n_groups: int = 2,
+    d_state: int = 16,
+    rms_norm: bool = True,
+    norm_before_gate: bool = False,
+    vocab: int = 2048,
+    seed: int = 0,
+    long_memory: bool = False,
+) -> Path:
+    """A random Falcon-H1 (attention and a Mamba2 mixer in every layer) with every muP
+    multiplier away from 1, head sizes that are not dim / heads and a mamba_d_ssm that is not
+    expand x dim; write_tiny_llama's tokenizer."""
+    import transformers
+
+    folder, ids = _tokenizer_folder(folder)
+    config = transformers.FalconH1Config(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=hidden_dim,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        mamba_n_heads=mamba_heads,
+        mamba_d_head=mamba_head_dim,
+        mamba_d_ssm=mamba_heads * mamba_head_dim,
+        mamba_n_groups=n_groups,
+        mamba_d_state=d_state,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        mamba_rms_norm=rms_norm,
+        mamba_norm_before_gate=norm_before_gate,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=8192,
+        embedding_multiplier=2.0,
+        lm_head_multiplier=0.5,
+        attention_in_multiplier=0.8,
+        key_multiplier=1.3,
+        attention_out_multiplier=0.7,
+        ssm_in_multiplier=1.2,
+        ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.6],
+        ssm_out_multiplier=0.75,
+        mlp_multipliers=[1.1, 0.9],
+        tie_word_embeddings=False,
+        **ids,
+    )
+    model = transformers.FalconH1ForCausalLM(config)
+    _redraw(model, seed)
+    if long_memory:
+        _long_memory(model, seed)
+    return _save(folder, model)

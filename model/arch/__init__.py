@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from model.arch import (
     exaone4,
+    falcon_h1,
     gemma2,
     gemma3,
     glm4,
@@ -78,6 +79,7 @@ FAMILIES: tuple[Family, ...] = (
     mamba.FAMILY,
     mamba2.FAMILY,
     granite_hybrid.FAMILY,
+    falcon_h1.FAMILY,
     jamba.FAMILY,
     lfm2.FAMILY,
     lfm2.MOE_FAMILY,

@@ -21,7 +21,9 @@ from kvcache.spec import Recurrent as RecurrentSpec
 
 # "swiglu_oai": gpt-oss's clamped SwiGLU over the experts (MoEArgs.swiglu_limit, swiglu_alpha)
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
-Mixer = Literal["attn", "mamba", "mamba2", "shortconv"]
+# "attn_mamba2": attention and a Mamba2 mixer side by side on the same normed input, their
+# outputs summed (Falcon-H1's parallel hybrid)
+Mixer = Literal["attn", "mamba", "mamba2", "shortconv", "attn_mamba2"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,9 @@ class SSMArgs:
     conv_bias: bool = True
     proj_bias: bool = False  # bias on ssm_in and ssm_out (Mamba2Config.use_bias)
     norm_eps: float = 1e-5  # of the gated group RMSNorm
+    # where the group RMSNorm (ssm_norm) goes: Mamba2's norm(y * silu(z)); Falcon-H1's
+    # mamba_norm_before_gate norm(y) * silu(z); "none": y * silu(z) (no mamba_rms_norm)
+    norm: Literal["after_gate", "before_gate", "none"] = "after_gate"
 
     @property
     def d_inner(self) -> int:
@@ -154,6 +159,24 @@ class MoEArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class MuP:
+    """Falcon-H1's muP multipliers, folded into the weights when an HF folder is read (llama.cpp's
+    converter folds the same into a GGUF): the attention input (wq, wk, wv) and wk again by `key`;
+    wo by `attn_out`; ssm_in by `ssm_in` and its row blocks z, x, B, C, dt by `ssm_rows`; ssm_out
+    by `ssm_out`; the MLP gate w1 by `gate` and w2 by `down`. The embedding and logit multipliers
+    are ModelArgs.embed_mult and logits_scaling."""
+
+    attn_in: float = 1.0
+    key: float = 1.0
+    attn_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_rows: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    ssm_out: float = 1.0
+    gate: float = 1.0
+    down: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class LongRope:
     """Phi-3's LongRoPE: per rotated pair, divisors of the inverse frequencies for contexts up to
     the original training context `n_ctx_orig` (short) and past it (long); both with the
@@ -221,9 +244,9 @@ class LayerDesc:
                 ffn.append("moe_sel_b")
         if not self.pre_norms:
             ffn = [k for k in ffn if k != "ffn_norm"]
+        mamba2 = ["ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm", "ssm_out"]
         if self.mixer == "mamba2":
-            kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"]
-            return tuple([*kinds, "ssm_out", *ffn])
+            return tuple(["attn_norm", *mamba2, *ffn])
         if self.mixer == "mamba":
             kinds = ["attn_norm", "ssm_in", "ssm_conv", "ssm_x", "ssm_dt", "ssm_dt_b", "ssm_a"]
             return tuple([*kinds, "ssm_d", "ssm_out", *ffn])
@@ -240,6 +263,8 @@ class LayerDesc:
             kinds += ["q_norm", "k_norm"]
         if self.post_norms:
             kinds += ["post_attn_norm", "post_ffn_norm"]
+        if self.mixer == "attn_mamba2":
+            kinds += mamba2
         return tuple(kinds)
 
 
@@ -283,6 +308,7 @@ class ModelArgs:
     embed_mult: float = 1.0
     residual_mult: float = 1.0
     logits_scaling: float = 1.0
+    mup: MuP | None = None  # Falcon-H1's multipliers (folded into an HF folder's weights)
     # mixture of experts: the experts' sizes, and per layer whether its MLP is the mixture
     # (() every layer; Qwen3-MoE's mlp_only_layers and decoder_sparse_step make dense ones)
     moe: MoEArgs | None = None
@@ -301,6 +327,16 @@ class ModelArgs:
 
     def mixer(self, layer: int) -> Mixer:
         return self.mixers[layer] if self.mixers else "attn"
+
+    def has_attention(self, layer: int) -> bool:
+        return self.mixer(layer) in ("attn", "attn_mamba2")
+
+    def state_layer(self, layer: int) -> int:
+        """Where a layer's recurrent state lives in the memory spec: its own index, or for the
+        k-th parallel "attn_mamba2" layer (its K/V at its own index) n_layers + k."""
+        if self.mixer(layer) != "attn_mamba2":
+            return layer
+        return self.n_layers + sum(self.mixer(i) == "attn_mamba2" for i in range(layer))
 
     def nope_layer(self, layer: int) -> bool:
         return bool(self.nope_layers) and self.nope_layers[layer]
@@ -327,9 +363,12 @@ class ModelArgs:
         return LayerDesc(
             mixer=mixer,
             window=self.window(layer),
-            rope=None if self.nope or mixer != "attn" or self.nope_layer(layer) else rope,
+            rope=None
+            if self.nope or not self.has_attention(layer) or self.nope_layer(layer)
+            else rope,
             swa_rope=rope is not self.rope,
-            scale=self.scale if mixer == "attn" else 0.0,  # a Mamba2 model has no head_dim
+            # a Mamba2 model has no head_dim
+            scale=self.scale if self.has_attention(layer) else 0.0,
             softcap=self.attn_softcap,
             qkv_bias=self.qkv_bias,
             out_bias=self.out_bias,
@@ -354,13 +393,17 @@ class ModelArgs:
     @property
     def memory_spec(self) -> MemorySpec:
         """What each layer keeps per sequence (kvcache/spec.py): K/V of every token, read
-        through the layer's window."""
+        through the layer's window, or a recurrent state; a parallel "attn_mamba2" layer i keeps
+        both, its state after the n_layers entries (state_layer)."""
         specs: list[AttentionSpec | RecurrentSpec] = []
         for i in range(self.n_layers):
-            if self.mixer(i) == "attn":
+            if self.has_attention(i):
                 specs.append(AttentionSpec(self.n_kv_heads, self.head_dim, self.window(i)))
             else:
                 specs.append(RecurrentSpec(self.state_shapes))
+        parallel = sum(self.mixer(i) == "attn_mamba2" for i in range(self.n_layers))
+        if parallel:
+            specs += [RecurrentSpec(self.state_shapes)] * parallel
         return MemorySpec.of(specs)
 
     @property

@@ -85,6 +85,26 @@ GEMMA_HF_NAMES = {
 }
 
 
+# transformers' hybrids that keep Jamba's tensor names (Jamba, Falcon-H1): the model's own and,
+# under model.layers.{i}., a layer's norms, attention and dense MLP
+HF_HYBRID_NAMES = {
+    "tok_embeddings": "model.embed_tokens.weight",
+    "norm": "model.final_layernorm.weight",
+    "output": "lm_head.weight",
+}
+HF_HYBRID_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "pre_ff_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "w1": "feed_forward.gate_proj.weight",
+    "w3": "feed_forward.up_proj.weight",
+    "w2": "feed_forward.down_proj.weight",
+}
+
+
 def hf_layer_windows(
     config: dict[str, Any], n_layers: int, window: int, period: int
 ) -> tuple[int, ...]:

@@ -23,6 +23,8 @@ from kvcache.rope import RopeConfig
 from model.arch import mamba, mamba2
 from model.arch.args import LLAMA, Mixer, ModelArgs, MoEArgs
 from model.arch.family import (
+    HF_HYBRID_LAYER_NAMES,
+    HF_HYBRID_NAMES,
     Family,
     GGUFMeta,
     check_hf_silu,
@@ -112,16 +114,7 @@ def hf_args(config: dict[str, Any]) -> ModelArgs:
     return args
 
 
-_HF_NAMES = {
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "pre_ff_layernorm.weight",
-    "wq": "self_attn.q_proj.weight",
-    "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight",
-    "w1": "feed_forward.gate_proj.weight",
-    "w3": "feed_forward.up_proj.weight",
-    "w2": "feed_forward.down_proj.weight",
+_HF_NAMES = HF_HYBRID_LAYER_NAMES | {
     "moe_router": "feed_forward.router.weight",
     "w1_exps": "feed_forward.experts.{}.gate_proj.weight",  # one per expert: stacked
     "w3_exps": "feed_forward.experts.{}.up_proj.weight",
@@ -130,11 +123,7 @@ _HF_NAMES = {
 
 
 def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:
-    names = {
-        "tok_embeddings": "model.embed_tokens.weight",
-        "norm": "model.final_layernorm.weight",
-        "output": "lm_head.weight",
-    }
+    names = dict(HF_HYBRID_NAMES)
     table = _HF_NAMES | {k: "mamba." + v for k, v in mamba.HF_MIXER_NAMES.items()}
     for i in range(args.n_layers):
         p = f"model.layers.{i}."

@@ -119,8 +119,10 @@ def layer_weights(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
     biases and Jamba's dt / B / C norms)."""
     kinds = list(args.layer_desc(layer).weights)
     mixer = args.mixer(layer)
-    if mixer in ("mamba2", "mamba"):
-        s = args.ssm if mixer == "mamba2" else args.mamba
+    if mixer in ("mamba2", "attn_mamba2") and args.ssm is not None and args.ssm.norm == "none":
+        kinds.remove("ssm_norm")
+    if mixer in ("mamba2", "mamba", "attn_mamba2"):
+        s = args.mamba if mixer == "mamba" else args.ssm
         assert s is not None
         if s.conv_bias:
             kinds.append("ssm_conv_b")

@@ -247,6 +247,9 @@ struct StepMamba2 {
   int64_t n_heads = 0, head_dim = 0, n_groups = 0, d_state = 0, d_inner = 0, conv_dim = 0;
   int64_t d_conv = 0, scan_chunk = 64;
   double eps = 1e-5;
+  // where the group RMSNorm goes (model.arch.SSMArgs.norm): 0 norm(y * silu(z)) (Mamba2),
+  // 1 norm(y) * silu(z) (Falcon-H1's norm_before_gate), 2 none: y * silu(z) (norm_w unread)
+  int64_t norm = 0;
 };
 // mamba2.cpp: the mixer between its linears, zxbcdt [n, >= d_in_proj] (in_proj's rows) ->
 // the gated RMSNorm's output [n, d_inner] in zxbcdt's dtype; conv [n_slots, conv_dim, K - 1]
@@ -314,6 +317,9 @@ struct StepLayer {
   std::optional<StepMamba2> mamba2;
   std::optional<StepMamba> mamba;  // a Mamba (1) mixer likewise (mamba_mix)
   at::Tensor ssm_state;
+  // Falcon-H1: mamba2 runs BESIDE the attention (wqkv / wo the attention's), on the same normed
+  // input, through these in_proj / out_proj; its output is added to the attention's
+  std::optional<StepLinear> ssm_in, ssm_out;
   bool ffn = true;
 };
 // model/layers/batch.py AttnGroups, kernel-ready: where the rows' K/V go, per decode group its rows

@@ -163,9 +163,14 @@ at::Tensor mamba2_mix(const at::Tensor& zxbcdt, at::Tensor conv, at::Tensor ssm,
     y.index_put_({rows}, scan(xbc.index({rows}), dt.index({rows}), conv, ssm,
                               state.prompt_slots[p], caps, m));
   }
-  // the gated RMSNorm over each of the G groups of y * silu(z) (norm_before_gate=False)
-  auto g = (y.view({n, m.d_inner}) * at::silu(z.to(at::kFloat)))
-               .unflatten(-1, {m.n_groups, m.d_inner / m.n_groups});
+  // the gated RMSNorm over each of the G groups of y * silu(z) (norm_before_gate=False), of y
+  // then gated (norm 1), or the gate alone (norm 2)
+  const auto gate = at::silu(z.to(at::kFloat));
+  auto g = y.view({n, m.d_inner});
+  if (m.norm == 2) return (g * gate).to(zxbcdt.scalar_type());
+  if (m.norm == 0) g = g * gate;
+  g = g.unflatten(-1, {m.n_groups, m.d_inner / m.n_groups});
   g = g * at::rsqrt(g.pow(2).mean(-1, true) + m.eps);
-  return (g.flatten(-2) * m.norm_w.to(at::kFloat)).to(zxbcdt.scalar_type());
+  g = g.flatten(-2) * m.norm_w.to(at::kFloat);
+  return (m.norm == 1 ? g * gate : g).to(zxbcdt.scalar_type());
 }

@@ -189,7 +189,9 @@ void check_step(const at::Tensor& x, const std::vector<StepLayer>& layers,
     if (layer.mamba2) {  // mamba2_mix checks the rest
       TORCH_CHECK(layer.conv_state.dim() == 3 && layer.ssm_state.dim() == 4,
                   "step_layers: a Mamba2 layer needs conv_state and ssm_state");
-      continue;
+      TORCH_CHECK(layer.ssm_in.has_value() == layer.ssm_out.has_value(),
+                  "step_layers: a parallel Mamba2 mixer needs both ssm_in and ssm_out");
+      if (!layer.ssm_in) continue;  // else (Falcon-H1) the attention beside it is checked too
     }
     if (layer.mamba) {  // mamba_mix checks the rest
       TORCH_CHECK(layer.conv_state.dim() == 3 && layer.ssm_state.dim() == 3,
@@ -484,13 +486,20 @@ at::Tensor step_layers(at::Tensor x, const std::vector<StepLayer>& layers,
       auto v = at::mul(bcx.slice(1, 0, d), bcx.slice(1, 2 * d));
       auto w = short_conv(v, layer.conv_state, layer.conv_w, state);
       a = mm(at::mul(bcx.slice(1, d, 2 * d), w), layer.wo);
-    } else if (layer.mamba2) {  // model/layers/mamba2.py: out_proj(mixer(in_proj(x)))
+    } else if (layer.mamba2 && !layer.ssm_in) {  // mamba2.py: out_proj(mixer(in_proj(x)))
       auto zxbcdt = mm(layer.attn_norm ? normed : x, layer.wqkv);
       a = mm(mamba2_mix(zxbcdt, layer.conv_state, layer.ssm_state, *layer.mamba2, state),
              layer.wo);
     } else if (layer.mamba) {  // model/layers/mamba.py: out_proj(mixer(in_proj(x)))
       auto xz = mm(layer.attn_norm ? normed : x, layer.wqkv);
       a = mm(mamba_mix(xz, layer.conv_state, layer.ssm_state, *layer.mamba, state), layer.wo);
+    } else if (layer.ssm_in) {  // Falcon-H1 (decoder.py Block): the Mamba2 mixer, then the
+      // attention on the same input, their sum
+      const at::Tensor& in = layer.attn_norm ? normed : x;
+      auto mixed = mamba2_mix(mm(in, *layer.ssm_in), layer.conv_state, layer.ssm_state,
+                              *layer.mamba2, state);
+      auto s = mm(mixed, *layer.ssm_out);
+      a = at::add(attention(x, in, layer, groups, rope_tables, n_heads, eps, scale, mm), s);
     } else {
       a = attention(x, layer.attn_norm ? normed : x, layer, groups, rope_tables, n_heads, eps,
                     scale, mm);

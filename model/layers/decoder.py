@@ -241,7 +241,7 @@ class Block(nn.Module):
     """One layer as its model.arch.LayerDesc describes it: h = x + m * [post_attn_norm](mixer(
     attn_norm(x))); out = h + m * [post_ffn_norm](mlp(ffn_norm(h))), m = residual_mult; the
     mixer is Attention, Mamba2Mixer on a "mamba2" layer, MambaMixer on a "mamba" one,
-    ShortConvMixer on a "shortconv" one;
+    ShortConvMixer on a "shortconv" one, Attention + Mamba2Mixer summed on an "attn_mamba2" one;
     no MLP half without `ffn` (Mamba2); the MLP is MoEFeedForward on a `moe` layer
     (model/layers/moe.py).
     model/runner/native.py's C++ step reads the same desc and the same modules' weights."""
@@ -265,6 +265,12 @@ class Block(nn.Module):
             self.mixer = ShortConvMixer(args, weights, prefix)
         else:
             self.mixer = Attention(args, weights, prefix, layer)
+        # Falcon-H1 ("attn_mamba2"): a Mamba2 mixer beside the attention, its state at the
+        # memory's state_layer, its output added to the attention's
+        self.ssm_mixer: Mamba2Mixer | None = None
+        self.state_layer = args.state_layer(layer)
+        if desc.mixer == "attn_mamba2":
+            self.ssm_mixer = Mamba2Mixer(args, weights, prefix)
         self.ffn_norm = None
         self.feed_forward: FeedForward | MoEFeedForward | None = None
         if desc.ffn and desc.pre_norms:
@@ -285,7 +291,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
         fused, m = batch.fused, self.residual_mult
         a = x if self.attention_norm is None else self.attention_norm(x, fused)
-        a = self.mixer(a, batch, storage, self.layer)
+        if self.ssm_mixer is not None:
+            s = self.ssm_mixer(a, batch, storage, self.state_layer)
+            a = self.mixer(a, batch, storage, self.layer) + s
+        else:
+            a = self.mixer(a, batch, storage, self.layer)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a, fused)
         h = x + a if m == 1.0 else x + a * m

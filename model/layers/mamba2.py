@@ -91,7 +91,8 @@ def _pad_rows(
 
 class Mamba2Mixer(nn.Module):
     """`weights` prefix + ssm_in [d_in_proj, dim] (rows z, xBC, dt), ssm_conv [conv_dim, K],
-    ssm_dt_b, ssm_a (= -exp(A_log)), ssm_d [H], ssm_norm [d_inner], ssm_out [dim, d_inner],
+    ssm_dt_b, ssm_a (= -exp(A_log)), ssm_d [H], ssm_norm [d_inner] (not with SSMArgs.norm
+    "none"), ssm_out [dim, d_inner],
     and the optional biases ssm_in_b, ssm_conv_b, ssm_out_b (model.arch.weights.layer_weights)."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], prefix: str) -> None:
@@ -113,7 +114,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = param("ssm_dt_b")
         self.a = param("ssm_a")
         self.d = param("ssm_d")
-        self.norm_w = param("ssm_norm")
+        self.norm_w = None if s.norm == "none" else param("ssm_norm")
         self.out_proj = make_linear(
             [weights[prefix + "ssm_out"]], weights.get(prefix + "ssm_out_b")
         )
@@ -127,12 +128,22 @@ class Mamba2Mixer(nn.Module):
             if self.conv_b is not None:
                 m.conv_b = self.conv_b.detach()
             m.dt_bias, m.a, m.d = self.dt_bias.detach(), self.a.detach(), self.d.detach()
-            m.norm_w = self.norm_w.detach()
+            if self.norm_w is not None:
+                m.norm_w = self.norm_w.detach()
+            if s.norm != "after_gate":  # kernel_takes checked that the build has the field
+                m.norm = ("after_gate", "before_gate", "none").index(s.norm)
             m.n_heads, m.head_dim, m.n_groups = s.n_heads, s.head_dim, s.n_groups
             m.d_state, m.d_inner, m.conv_dim, m.d_conv = s.d_state, s.d_inner, s.conv_dim, s.d_conv
             m.scan_chunk, m.eps = SCAN_CHUNK, s.norm_eps
             self._native = m
         return self._native
+
+    def kernel_takes(self, kernels: Any) -> bool:
+        """Whether `kernels`' mamba2_mix computes this mixer (a build from before the norm
+        variants does Mamba2's gated norm only)."""
+        if not hasattr(kernels, "mamba2_mix"):
+            return False
+        return self.ssm.norm == "after_gate" or hasattr(kernels.StepMamba2(), "norm")
 
     def forward(
         self, u: torch.Tensor, batch: ForwardBatch, storage: object, layer: int
@@ -144,7 +155,7 @@ class Mamba2Mixer(nn.Module):
         assert batch.state is not None, "the worker builds ForwardBatch.state for mamba2 layers"
         s, n = self.ssm, u.shape[0]
         kernels = batch.fused
-        if kernels is not None and hasattr(kernels, "mamba2_mix"):
+        if kernels is not None and self.kernel_takes(kernels):
             conv, ssm = state.conv(layer), state.ssm(layer)
             params, st = self.native_params(kernels), batch.state.native_state(kernels)
             mixed = kernels.mamba2_mix(self.in_proj(u), conv, ssm, params, st)
@@ -240,8 +251,13 @@ class Mamba2Mixer(nn.Module):
         return torch.cat(ys) + self.d.float()[:, None] * x
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over each of the G groups of y * silu(z) (norm_before_gate=False), float32."""
-        s = self.ssm
-        g = (y * F.silu(z.float())).unflatten(-1, (s.n_groups, s.d_inner // s.n_groups))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)
-        return g.flatten(-2) * self.norm_w.float()
+        """RMSNorm over each of the G groups of y * silu(z) (norm_before_gate=False), of y then
+        gated (Falcon-H1's norm_before_gate), or the gate alone (no norm); float32."""
+        s, gate = self.ssm, F.silu(z.float())
+        if self.norm_w is None:
+            return y * gate
+        g = y * gate if s.norm == "after_gate" else y
+        g = g.unflatten(-1, (s.n_groups, s.d_inner // s.n_groups))
+        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)).flatten(-2)
+        g = g * self.norm_w.float()
+        return g * gate if s.norm == "before_gate" else g

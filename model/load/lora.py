@@ -199,7 +199,7 @@ def _check(adapter: LoraAdapter, args: ModelArgs) -> None:
         if layer >= args.n_layers:
             raise ModelLoadError(f"{where}: the base model has {args.n_layers} layers")
         desc = args.layer_desc(layer)
-        if kind in ("wq", "wk", "wv", "wo") and desc.mixer != "attn":
+        if kind in ("wq", "wk", "wv", "wo") and not args.has_attention(layer):
             raise ModelLoadError(f"{where}: layer {layer} has no attention projections")
         if kind in ("w1", "w3", "w2") and (desc.moe or not desc.ffn):
             raise ModelLoadError(f"{where}: layer {layer} has no dense MLP (experts take none)")

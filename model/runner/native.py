@@ -76,9 +76,10 @@ def step_gil_rows(args: ModelArgs) -> int:
         mixer = attn
         if desc.mixer == "shortconv":
             mixer = 4 * args.dim * args.dim
-        elif desc.mixer == "mamba2":
+        elif desc.mixer in ("mamba2", "attn_mamba2"):
             assert args.ssm is not None
-            mixer = args.dim * (args.ssm.d_in_proj + args.ssm.d_inner)
+            mamba2 = args.dim * (args.ssm.d_in_proj + args.ssm.d_inner)
+            mixer = mamba2 if desc.mixer == "mamba2" else attn + mamba2
         elif desc.mixer == "mamba":
             assert args.mamba is not None
             mixer = args.dim * 3 * args.mamba.d_inner
@@ -120,6 +121,9 @@ class NativeDecoder:
             return None, "cells of another cache type (a build without cache types)"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
+        parallel = any(d.mixer == "attn_mamba2" for d in descs)
+        if parallel and not hasattr(kernels.StepLayer(), "ssm_in"):
+            return None, "parallel attention + Mamba2 layers (Falcon-H1): a build without them"
         if any(d.activation == "swiglu_oai" and not d.moe for d in descs):
             return None, "a dense MLP with the clamped SwiGLU (step.cpp: the experts' only)"
         if any(d.rope is not None and d.rope.dim % 2 for d in descs):
@@ -128,6 +132,7 @@ class NativeDecoder:
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
         ops = {"mamba": "mamba_mix", "mamba2": "mamba2_mix", "shortconv": "short_conv"}
+        ops["attn_mamba2"] = "mamba2_mix"
         if any(d.mixer != "attn" for d in descs):
             for op in sorted({ops[d.mixer] for d in descs if d.mixer != "attn"}):
                 if not hasattr(kernels, op):
@@ -135,11 +140,16 @@ class NativeDecoder:
             held = getattr(storage, "state", None)
             if held is None or held.dtype != model.dtype:
                 return None, "recurrent layers over a conv state of another dtype"
+            mamba2s = [b.mixer for b in blocks if isinstance(b.mixer, Mamba2Mixer)]
+            mamba2s += [b.ssm_mixer for b in blocks if b.ssm_mixer is not None]
+            if not all(m.kernel_takes(kernels) for m in mamba2s):
+                return None, "a Mamba2 norm variant this build's mamba2_mix lacks"
             mambas = [b.mixer for b in blocks if isinstance(b.mixer, MambaMixer)]
             if not all(m.kernel_takes(kernels, held.dtype) for m in mambas):
                 return None, "Mamba layers past mamba_mix's limits (d_conv >= 2, d_state <= 256)"
-        windows = sorted({d.window for d in descs if d.mixer == "attn"})
+        windows = sorted({d.window for d in descs if d.mixer in ("attn", "attn_mamba2")})
         layers = []
+        state: Any = getattr(storage, "state", None)  # checked above (recurrent models)
         for i, (block, desc) in enumerate(zip(blocks, descs, strict=True)):
             layer = kernels.StepLayer()
             mixer, ffn = block.mixer, block.feed_forward
@@ -153,12 +163,19 @@ class NativeDecoder:
             layer.residual_mult = desc.residual_mult
             linears = [_step_linear(kernels, lin, model.dtype) for lin in _linears(block)]
             layer.wqkv, layer.wo = linears[:2]  # the mixer's two linears
+            first = 2  # the MLP's linears start after the mixers'
+            if block.ssm_mixer is not None:  # step.cpp: mamba2_mix beside the attention
+                layer.ssm_in, layer.ssm_out = linears[2:4]
+                layer.mamba2 = block.ssm_mixer.native_params(kernels)
+                slot = block.state_layer
+                layer.conv_state, layer.ssm_state = state.conv(slot), state.ssm(slot)
+                first = 4
             layer.ffn = ffn is not None
             if isinstance(ffn, MoEFeedForward):  # step.cpp moe_ffn
                 layer.router = ffn.router.detach().to(model.dtype)
                 layer.expert_rows = ffn.expert_rows
-                n = 2 + 2 * len(ffn.experts)
-                layer.experts_w13, layer.experts_w2 = linears[2:n:2], linears[3:n:2]
+                n = first + 2 * len(ffn.experts)
+                layer.experts_w13, layer.experts_w2 = linears[first:n:2], linears[first + 1 : n : 2]
                 if ffn.shared is not None:  # step.cpp: w13 / w2 are the shared expert's
                     layer.shared_expert = True
                     layer.w13, layer.w2 = linears[n:]
@@ -174,9 +191,8 @@ class NativeDecoder:
                     expert: Any = ffn.experts[0]
                     layer.swiglu_alpha, layer.swiglu_limit = expert.swiglu
             elif ffn is not None:
-                layer.w13, layer.w2 = linears[2:]
+                layer.w13, layer.w2 = linears[first:]
             layer.gelu = desc.activation == "gelu_tanh"
-            state: Any = getattr(storage, "state", None)  # checked above (recurrent models)
             if isinstance(mixer, ShortConvMixer):  # step.cpp: short_conv between the linears
                 layer.shortconv = True
                 layer.conv_w = mixer.conv_w.detach()
@@ -281,12 +297,15 @@ _FROM_0 = torch.empty(0, dtype=torch.int64)  # step_layers: a chunk whose rows s
 
 def _linears(block: Block) -> tuple[Any, ...]:
     """The block's linears: the mixer's two (attention's wqkv and wo, a recurrent mixer's
-    in_proj and out_proj), then the MLP's (a MoE layer's: every expert's gate|up and down, then
+    in_proj and out_proj; a parallel layer's Mamba2 in_proj and out_proj after its attention's),
+    then the MLP's (a MoE layer's: every expert's gate|up and down, then
     its shared expert's; none
     without an MLP half); a LoRA-adapted one's base (steps with LoRA rows take the Python
     layers: NativeDecoder.runs)."""
     a, f = block.mixer, block.feed_forward
-    mixer = (a.wqkv, a.wo) if isinstance(a, Attention) else (a.in_proj, a.out_proj)
+    mixer: tuple[Any, ...] = (a.wqkv, a.wo) if isinstance(a, Attention) else (a.in_proj, a.out_proj)
+    if block.ssm_mixer is not None:  # Falcon-H1: the Mamba2 mixer's two after the attention's
+        mixer = (*mixer, block.ssm_mixer.in_proj, block.ssm_mixer.out_proj)
     if f is None:
         return tuple(map(unwrap, mixer))
     if isinstance(f, MoEFeedForward):

@@ -102,7 +102,7 @@ class ModelWorker:
         self.rope_swa = model.args.rope_swa
         self._inv_freq_swa = None if self.rope_swa is None else self.rope_swa.inv_freq()
         self.windows = sorted({w for w in model.args.windows if w > 0})
-        self.has_attention = any(m == "attn" for m in map(args.mixer, range(args.n_layers)))
+        self.has_attention = any(map(args.has_attention, range(args.n_layers)))
 
     def set_lora(self, lora: LoraSet | None) -> None:
         """The adapters attached to the model now (runtime loads: server/lora_runtime.py);

@@ -4,6 +4,7 @@ attention cells and state slots that emits BatchPlans following scheduler.plan's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,3 +170,32 @@ def mixed_steps(worker, lengths: tuple[int, ...] = (3, 30, 9, 50, 20)) -> torch.
     for t in range(4):
         out.append(d.logits([Chunk(s, [60 + t]) for s in (0, 1, 2, 4, 5)]))
     return torch.cat(out)
+
+
+def check_chunks_mixed_steps_and_captures(new: Callable[[], StateDriver]) -> None:
+    """Over fresh drivers from `new`: a prompt in chunks equals one prefill; decode rows beside
+    a prompt chunk equal each sequence alone; a captured state resumes like a prefill of its
+    prefix (its cells too). For hybrids (attention cells + state slots)."""
+    ids = prompt(300, seed=2)
+    ref = new().logits([Chunk(0, ids)])
+    parts = new()
+    for lo in range(0, 300, 70):
+        ours = parts.logits([Chunk(0, ids[lo : lo + 70])])
+    assert_close(ours, ref)
+    d = new()
+    d.logits([Chunk(s, prompt(9 + s, s)) for s in range(3)])
+    together = d.logits([Chunk(s, [40 + s]) for s in range(3)] + [Chunk(3, prompt(50, 3))])
+    for s in range(4):
+        alone = new()
+        if s < 3:
+            alone.logits([Chunk(0, prompt(9 + s, s))])
+        want = alone.logits([Chunk(0, [40 + s] if s < 3 else prompt(50, 3))])
+        assert_close(together[s : s + 1], want)
+    d = new()
+    d.free_slots = [0, 1]  # the sequence takes slot 1; the capture goes to slot 0
+    d.logits([Chunk(0, ids[:100], captures=[(37, 0)])])
+    ref = new()
+    ref.logits([Chunk(0, ids[:37])])
+    d.resume(5, 0, 37, d.cells[0][:37])  # over the first 37 cells of sequence 0
+    nxt = ids[37:45]
+    assert_close(d.logits([Chunk(5, nxt, all_rows=True)]), ref.logits([Chunk(0, nxt, True)]))

@@ -18,7 +18,15 @@ from model.layers.moe import MoEFeedForward
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
 from tests.llamacpp_server import assert_same_next_token_logprobs
-from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
+from tests.model.state_driver import (
+    Chunk,
+    StateDriver,
+    assert_close,
+    check_chunks_mixed_steps_and_captures,
+    greedy,
+    hf_greedy,
+    prompt,
+)
 from tests.tiny_ssm import write_tiny_jamba
 
 transformers = pytest.importorskip("transformers")
@@ -79,32 +87,7 @@ def test_greedy_decode_matches_transformers(tiny, hf_tiny, n):
 
 
 def test_chunks_mixed_steps_and_captures(tiny):
-    """A prompt in chunks equals one prefill; decode rows beside a prompt chunk equal each
-    sequence alone; a captured state resumes like a prefill of its prefix (its cells too)."""
-    ids = prompt(300, seed=2)
-    whole = driver(tiny)
-    ref = whole.logits([Chunk(0, ids)])
-    parts = driver(tiny)
-    for lo in range(0, 300, 70):
-        ours = parts.logits([Chunk(0, ids[lo : lo + 70])])
-    assert_close(ours, ref)
-    d = driver(tiny)
-    d.logits([Chunk(s, prompt(9 + s, s)) for s in range(3)])
-    together = d.logits([Chunk(s, [40 + s]) for s in range(3)] + [Chunk(3, prompt(50, 3))])
-    for s in range(4):
-        alone = driver(tiny)
-        if s < 3:
-            alone.logits([Chunk(0, prompt(9 + s, s))])
-        want = alone.logits([Chunk(0, [40 + s] if s < 3 else prompt(50, 3))])
-        assert_close(together[s : s + 1], want)
-    d = driver(tiny)
-    d.free_slots = [0, 1]  # the sequence takes slot 1; the capture goes to slot 0
-    d.logits([Chunk(0, ids[:100], captures=[(37, 0)])])
-    ref = driver(tiny)
-    ref.logits([Chunk(0, ids[:37])])
-    d.resume(5, 0, 37, d.cells[0][:37])  # over the first 37 cells of sequence 0
-    nxt = ids[37:45]
-    assert_close(d.logits([Chunk(5, nxt, all_rows=True)]), ref.logits([Chunk(0, nxt, True)]))
+    check_chunks_mixed_steps_and_captures(lambda: driver(tiny))
 
 
 def test_a_dense_mlp_kept_as_the_only_expert_loads(folder, tiny, tmp_path):

@@ -1,5 +1,6 @@
 """The real scheduler and memory (recurrent / hybrid) driving the real worker on a random Mamba2,
-a random Granite 4.0-H and a random LFM2 (short-conv states): batching, forks, the prefix cache
+a random Granite 4.0-H, a random LFM2 (short-conv states) and a random Falcon-H1 (attention and
+Mamba2 in every layer): batching, forks, the prefix cache
 through state checkpoints and preemption give what each request gives alone; and
 `python -m cli` serves a Mamba2 folder."""
 
@@ -17,18 +18,25 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.live_server import start_server_process
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
-from tests.tiny_ssm import write_tiny_granite_hybrid, write_tiny_lfm2, write_tiny_mamba2
+from tests.tiny_ssm import (
+    write_tiny_falcon_h1,
+    write_tiny_granite_hybrid,
+    write_tiny_lfm2,
+    write_tiny_mamba2,
+)
 
 CFG = dict(n_cells=1024, n_seq_max=10, n_batch=64, n_ctx_seq=512)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "granite", "lfm2"])
+@pytest.fixture(scope="module", params=["mamba2", "granite", "lfm2", "falcon_h1"])
 def tiny(request, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     folder = Path(tmp_path_factory.mktemp(request.param)) / "tiny"
     if request.param == "mamba2":
         return load_model(write_tiny_mamba2(folder))
     if request.param == "lfm2":
         return load_model(write_tiny_lfm2(folder))
+    if request.param == "falcon_h1":
+        return load_model(write_tiny_falcon_h1(folder, long_memory=True))
     return load_model(write_tiny_granite_hybrid(folder))
 
 
