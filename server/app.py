@@ -123,7 +123,10 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
     if backend.loras is not None:
         metrics.set_lora_names(backend.loras.names())
     parts = MemoryParts(
-        backend.weights_mapped_bytes, backend.weights_owned_bytes, backend.cache_bytes
+        backend.weights_mapped_bytes,
+        backend.weights_owned_bytes,
+        backend.cache_bytes,
+        backend.state_bytes,
     )
     metrics.set_memory(parts)
     if backend.cache_bytes_per_cell:

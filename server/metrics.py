@@ -162,7 +162,8 @@ class _MemoryCollector(Collector):
         g = GaugeMetricFamily(
             "cellserve_memory_bytes",
             "Process memory by part: weights mapped from the model file (size; resident file "
-            "pages), weights and KV cache in process memory, other anonymous memory, RSS",
+            "pages), weights, KV cache and recurrent state slots in process memory, other "
+            "anonymous memory, RSS",
             labels=["part"],
         )
         for part, value in memory_breakdown(self.parts).items():

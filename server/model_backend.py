@@ -260,6 +260,7 @@ def load_backend(
         n_cells=settings.n_cells,
         cache_bytes=kv_bytes,
         cache_bytes_per_cell=worker.kv_bytes_per_cell,
+        state_bytes=0 if real_worker.state is None else real_worker.state.num_bytes,
         embedding_dim=loaded.config.dim,
         grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
         runtime={

@@ -1,6 +1,6 @@
 """Where the process's memory goes (logged at start-up, exported by server/metrics.py as
-cellserve_memory_bytes): the weights mapped from the model file, the weights and the KV cache
-in process memory, and the rest."""
+cellserve_memory_bytes): the weights mapped from the model file, the weights, the KV cache and
+the recurrent state slots in process memory, and the rest."""
 
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ class MemoryParts:
     weights_mapped: int = 0  # bytes of weights that are views of the model file's mapping
     weights_owned: int = 0  # bytes of weights in process memory
     kv_cache: int = 0
+    state_slots: int = 0  # a recurrent or hybrid model's state slots
 
 
 def memory_breakdown(parts: MemoryParts) -> dict[str, int]:
     """Where the process's memory goes: the weights mapped from the file (their size, and the
-    resident file pages, mostly theirs), the weights and the KV cache in process memory, the
-    rest of the anonymous memory (activations, Python, torch), and the total RSS."""
+    resident file pages, mostly theirs), the weights, the KV cache and the recurrent state slots
+    in process memory, the rest of the anonymous memory (activations, Python, torch), and the
+    total RSS."""
     proc = process_memory()
     anon = proc.get("RssAnon", 0)
     return {
@@ -39,6 +41,7 @@ def memory_breakdown(parts: MemoryParts) -> dict[str, int]:
         "weights_mapped_resident": proc.get("RssFile", 0),
         "weights_owned": parts.weights_owned,
         "kv_cache": parts.kv_cache,
-        "other": max(0, anon - parts.weights_owned - parts.kv_cache),
+        "state_slots": parts.state_slots,
+        "other": max(0, anon - parts.weights_owned - parts.kv_cache - parts.state_slots),
         "rss": proc.get("VmRSS", 0),
     }

@@ -135,6 +135,12 @@ def test_cli_serves_a_mamba2_folder(tmp_path) -> None:
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         per_slot = 3 * (192 * 3 + 8 * 16 * 16) * 4  # 3 layers: conv + ssm, float32
         assert f'cellserve_state_slot_bytes{{pool="recurrent"}} {per_slot}.0' in metrics
+
+        def value(name: str) -> float:
+            return float(metrics.split(name + " ")[1].split()[0])
+
+        slots = value('cellserve_state_slots_total{pool="recurrent"}')
+        assert value('cellserve_memory_bytes{part="state_slots"}') == per_slot * slots > 0
     finally:
         server.stop()
         server.log.close()
