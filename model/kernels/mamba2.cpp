@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -75,12 +76,77 @@ std::pair<at::Tensor, at::Tensor> ssd_scan(const at::Tensor& x, const at::Tensor
   return {at::cat(ys, 1).transpose(0, 1), state};
 }
 
-// decode rows: one token per sequence, their slots' states move one step (mamba2.py _step)
+constexpr int64_t kMaxState = 256;  // d_state of the fused decode recurrence (Falcon-H1's 256)
+
+// The decode rows' state update in place, one pass over each slot's [H, P, N] state: per
+// (row, head) the decay exp(dt a) once, then per head row p: s = decay s + (dt x_p) B, y_p =
+// s . C + D x_p (mamba2.py _step's math). The state row, B and C are worked on in local
+// 64-byte-aligned copies, so that GCC's vectorization of the loops (the reduction for y) takes
+// the same path on every call whatever the tensors' addresses (mamba.cpp channel_row's NOTE).
+// Against the ATen ops it replaces (mul_, baddbmm_, vecdot over the states, plus a gather and a
+// scatter where the slots are not one run) it reads and writes each state once: Falcon-H1-0.5B's
+// shape, 32 decode rows, one layer (25 MB of states), Xeon: docs/performance.md.
+at::Tensor fused_ssm_step(const SsmInputs& in, at::Tensor& ssm, const int64_t* slot_p,
+                          const StepMamba2& m) {
+  const int64_t n_seq = in.x.size(0), h = m.n_heads, p = m.head_dim, n = m.d_state;
+  const int64_t g = m.n_groups, hg = h / g;
+  auto x = in.x.contiguous(), dt = in.dt.contiguous(), b = in.b.contiguous();
+  auto c = in.c.contiguous();
+  auto a = m.a.to(at::kFloat).contiguous(), skip = m.d.to(at::kFloat).contiguous();
+  auto y = at::empty({n_seq, h, p}, x.options());
+  const float *x_p = x.data_ptr<float>(), *dt_p = dt.data_ptr<float>();
+  const float *b_p = b.data_ptr<float>(), *c_p = c.data_ptr<float>();
+  const float *a_p = a.data_ptr<float>(), *d_p = skip.data_ptr<float>();
+  float *s_p = ssm.data_ptr<float>(), *y_p = y.data_ptr<float>();
+  at::parallel_for(0, n_seq * h, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) float bl[kMaxState], cl[kMaxState], st[kMaxState];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t q = i / h, head = i % h, grp = head / hg;
+      const float step_dt = dt_p[i], decay = std::exp(step_dt * a_p[head]);
+      std::memcpy(bl, b_p + (q * g + grp) * n, n * sizeof(float));
+      std::memcpy(cl, c_p + (q * g + grp) * n, n * sizeof(float));
+      const float* xs = x_p + i * p;
+      float* rows = s_p + (slot_p[q] * h + head) * p * n;
+      for (int64_t r = 0; r < p; ++r) {
+        std::memcpy(st, rows + r * n, n * sizeof(float));
+        const float xdt = step_dt * xs[r];
+        float acc = 0.0f;
+        for (int64_t k = 0; k < n; ++k) {
+          st[k] = st[k] * decay + xdt * bl[k];
+          acc += st[k] * cl[k];
+        }
+        std::memcpy(rows + r * n, st, n * sizeof(float));
+        y_p[i * p + r] = acc + d_p[head] * xs[r];
+      }
+    }
+  });
+  return y;
+}
+
+// decode rows: one token per sequence, their slots' states move one step (mamba2.py _step): the
+// conv in ATen, the SSM fused in place (fused_ssm_step) where d_state <= kMaxState (and the
+// states are contiguous), else ATen
 at::Tensor step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, at::Tensor& ssm,
                 const at::Tensor& slots, int64_t run_lo, int64_t run_hi, const StepMamba2& m) {
   auto window = at::cat({conv.index_select(0, slots), xbc.to(conv.scalar_type()).unsqueeze(2)}, 2);
   conv.index_copy_(0, slots, window.index({Slice(), Slice(), Slice(1, at::indexing::None)}));
   auto in = ssm_inputs(conv_out(window, m), dt, m);
+  if (m.d_state <= kMaxState && ssm.is_contiguous()) {
+    // one row a slot, each slot once: fused_ssm_step writes the slots' states from several
+    // threads in place
+    auto slot_of = slots.to(at::kLong).contiguous();
+    const int64_t* slot_p = slot_of.data_ptr<int64_t>();
+    TORCH_CHECK(slot_of.dim() == 1 && slot_of.numel() == xbc.size(0),
+                "mamba2_mix: one decode slot for each decode row");
+    std::vector<bool> seen(static_cast<size_t>(ssm.size(0)), false);
+    for (int64_t q = 0; q < slot_of.numel(); ++q) {
+      const int64_t s = slot_p[q];
+      TORCH_CHECK(0 <= s && s < ssm.size(0) && !seen[s],
+                  "mamba2_mix: decode slots distinct and in range");
+      seen[s] = true;
+    }
+    return fused_ssm_step(in, ssm, slot_p, m);
+  }
   const int64_t n_seq = in.x.size(0), g = m.n_groups, hgp = m.d_inner / m.n_groups;
   auto st = run_lo >= 0 ? ssm.index({Slice(run_lo, run_hi)}) : ssm.index_select(0, slots);
   st.mul_(at::exp(in.dt * m.a.to(at::kFloat)).unsqueeze(2).unsqueeze(3));

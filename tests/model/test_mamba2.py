@@ -288,6 +288,26 @@ def test_mamba2_mix_kernel_is_the_torch_mixer(folder):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_mamba2_mix_refuses_a_slot_twice_or_out_of_range(folder):
+    """The fused decode rows update their slots' states in place from several threads: two rows
+    on one slot, or a slot past the storage, is an error, not a race."""
+    from model.kernels import load_kernels
+    from model.layers.batch import ForwardBatch, StateBatch
+
+    kernels = load_kernels()
+    if kernels is None or not hasattr(kernels, "mamba2_mix"):
+        pytest.skip("no C++ kernels built for this CPU")
+    model = load_model(folder)
+    mixer = model.transformer.layers[1].mixer
+    u = torch.randn(3, model.config.dim, generator=torch.Generator().manual_seed(0))
+    for slots in ([2, 5, 2], [2, 5, 8]):
+        batch = ForwardBatch.__new__(ForwardBatch)
+        batch.fused = kernels
+        batch.state = StateBatch(torch.tensor([0, 1, 2]), torch.tensor(slots), [])
+        with pytest.raises(RuntimeError, match=r"distinct and in range|is not in \[0, 8\)"):
+            mixer(u, batch, _states(model, torch.Generator().manual_seed(1)), 1)
+
+
 def _states(model, gen):
     """A GroupedKVStorage-like holder of random states for every layer (slots 0..7)."""
     from types import SimpleNamespace
