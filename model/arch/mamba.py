@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Literal
 
-from kvcache.rope import RopeConfig
 from model.arch import mamba2
-from model.arch.args import LLAMA, MambaArgs, Mixer, ModelArgs
+from model.arch.args import MambaArgs, ModelArgs
 from model.arch.family import Family, GGUFMeta, check_hf_silu
 from model.errors import ModelLoadError
 
@@ -95,32 +94,13 @@ def _all_or_none(meta: GGUFMeta, layers: list[int], name: str) -> bool:
 
 
 def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
-    expert_count = int(meta.get("expert_count", 0))
-    if expert_count > 0:  # a Mamba has no MLP: experts are another architecture's
-        raise ModelLoadError(
-            f"{meta.path}: a mamba model with {expert_count} experts is not a Mamba (no MLP "
-            "layers); not supported."
-        )
     n_layers = int(meta.get("block_count"))
     eps = float(meta.get("attention.layer_norm_rms_epsilon"))
-    mixer: Mixer = "mamba"
-    mixers = (mixer,) * n_layers
-    return ModelArgs(
-        arch="mamba",
-        vocab_size=vocab_size,
-        dim=int(meta.get("embedding_length")),
-        n_layers=n_layers,
-        n_heads=0,
-        n_kv_heads=0,
-        head_dim=0,
-        hidden_dim=0,
-        norm_eps=eps,
-        rope=RopeConfig(10000.0, 0),
-        n_ctx_train=0,  # llama.cpp's converter writes 2**20: no trained limit
-        mixers=mixers,
+    # n_ctx_train 0: llama.cpp's converter writes 2**20, no trained limit
+    return mamba2.recurrent_args(
+        meta, "mamba", "mamba", vocab_size, int(meta.get("embedding_length")), n_layers, eps,
         mamba=gguf_mamba(meta, eps, list(range(n_layers))),
-        ffn=False,
-    )
+    )  # fmt: skip
 
 
 def gguf_convert(kind: str, w: Any, args: ModelArgs) -> Any:
@@ -152,29 +132,13 @@ def hf_mamba(config: dict[str, Any], dim: int, pre: str, norm: str, norm_eps: fl
 def hf_args(config: dict[str, Any]) -> ModelArgs:
     check_hf_silu(config)
     dim = int(config["hidden_size"])
-    n = int(config["num_hidden_layers"])
-    eps = float(config.get("layer_norm_epsilon", 1e-5))
     falcon = config.get("model_type") == "falcon_mamba"
     norm_eps = float(config.get("mixer_rms_eps", 1e-6))
-    mixer: Mixer = "mamba"
-    mixers = (mixer,) * n
-    return ModelArgs(
-        arch="mamba",
-        vocab_size=int(config["vocab_size"]),
-        dim=dim,
-        n_layers=n,
-        n_heads=0,
-        n_kv_heads=0,
-        head_dim=0,
-        hidden_dim=0,
-        norm_eps=eps,
-        rope=RopeConfig(10000.0, 0),
-        n_ctx_train=0,  # no trained context limit
-        block=LLAMA,
-        mixers=mixers,
-        mamba=hf_mamba(config, dim, "", "plain" if falcon else "none", norm_eps),
-        ffn=False,
-    )
+    mamba = hf_mamba(config, dim, "", "plain" if falcon else "none", norm_eps)
+    return mamba2.recurrent_args(
+        None, "mamba", "mamba", int(config["vocab_size"]), dim, int(config["num_hidden_layers"]),
+        float(config.get("layer_norm_epsilon", 1e-5)), mamba=mamba,
+    )  # fmt: skip
 
 
 def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:

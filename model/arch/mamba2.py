@@ -86,27 +86,48 @@ def _gguf_conv_bias(meta: GGUFMeta, layers: list[int]) -> bool:
     return bool(with_bias)
 
 
-def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
-    expert_count = int(meta.get("expert_count", 0))
-    if expert_count > 0:  # a Mamba2 has no MLP: experts are another architecture's
+def recurrent_args(
+    meta: GGUFMeta | None,
+    arch: str,
+    mixer: Mixer,
+    vocab_size: int,
+    dim: int,
+    n_layers: int,
+    eps: float,
+    **fields: Any,
+) -> ModelArgs:
+    """A model whose every layer is one recurrent mixer and no MLP (Mamba, Mamba2): no attention
+    sizes; `fields` the mixer's (ssm=, mamba=) and what else differs. From a GGUF (`meta`),
+    experts are refused: a model without MLP layers has none."""
+    if meta is not None and int(meta.get("expert_count", 0)) > 0:
         raise ModelLoadError(
-            f"{meta.path}: a mamba2 model with {expert_count} experts is not a Mamba2 (no MLP "
-            "layers); not supported."
+            f"{meta.path}: a {arch} model with {meta.get('expert_count')} experts is not a "
+            f"{arch} (no MLP layers); not supported."
         )
-    n_layers = int(meta.get("block_count"))
-    eps = float(meta.get("attention.layer_norm_rms_epsilon"))
-    mixer: Mixer = "mamba2"
-    mixers = (mixer,) * n_layers
+    fields.setdefault("rope", RopeConfig(10000.0, 0))
+    fields.setdefault("n_ctx_train", 0)  # no trained context limit
     return ModelArgs(
-        arch="mamba2",
+        arch=arch,
         vocab_size=vocab_size,
-        dim=int(meta.get("embedding_length")),
+        dim=dim,
         n_layers=n_layers,
         n_heads=0,
         n_kv_heads=0,
         head_dim=0,
         hidden_dim=0,
         norm_eps=eps,
+        block=LLAMA,
+        mixers=(mixer,) * n_layers,
+        ffn=False,
+        **fields,
+    )  # fmt: skip
+
+
+def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
+    n_layers = int(meta.get("block_count"))
+    eps = float(meta.get("attention.layer_norm_rms_epsilon"))
+    return recurrent_args(
+        meta, "mamba2", "mamba2", vocab_size, int(meta.get("embedding_length")), n_layers, eps,
         rope=RopeConfig(
             theta=float(meta.get("rope.freq_base", 10000.0)),
             dim=int(meta.get("rope.dimension_count", 0)),
@@ -114,10 +135,8 @@ def gguf_args(meta: GGUFMeta, vocab_size: int) -> ModelArgs:
         ),
         n_ctx_train=int(meta.get("context_length", 2048)),
         attn_scale=float(meta.get("attention.scale", 0.0)) or None,
-        mixers=mixers,
         ssm=gguf_ssm(meta, eps, list(range(n_layers))),
-        ffn=False,
-    )
+    )  # fmt: skip
 
 
 def gguf_convert(kind: str, w: Any, args: ModelArgs) -> Any:
@@ -162,27 +181,11 @@ def hf_ssm(config: dict[str, Any], dim: int, eps: float, pre: str) -> SSMArgs:
 def hf_args(config: dict[str, Any]) -> ModelArgs:
     check_hf_silu(config)
     dim = int(config["hidden_size"])
-    n = int(config["num_hidden_layers"])
     eps = float(config.get("layer_norm_epsilon", 1e-5))
-    mixer: Mixer = "mamba2"
-    mixers = (mixer,) * n
-    return ModelArgs(
-        arch="mamba2",
-        vocab_size=int(config["vocab_size"]),
-        dim=dim,
-        n_layers=n,
-        n_heads=0,
-        n_kv_heads=0,
-        head_dim=0,
-        hidden_dim=0,
-        norm_eps=eps,
-        rope=RopeConfig(10000.0, 0),
-        n_ctx_train=0,  # no trained context limit
-        block=LLAMA,
-        mixers=mixers,
-        ssm=hf_ssm(config, dim, eps, ""),
-        ffn=False,
-    )
+    return recurrent_args(
+        None, "mamba2", "mamba2", int(config["vocab_size"]), dim,
+        int(config["num_hidden_layers"]), eps, ssm=hf_ssm(config, dim, eps, ""),
+    )  # fmt: skip
 
 
 def hf_tensors(args: ModelArgs, present: Collection[str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ Recurrent layers read `ForwardBatch.state`: each sequence's state slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,26 @@ class StateBatch:
                 st.decode_run_lo, st.decode_run_hi = self.decode_run
             self.native = st
         return self.native
+
+    def run(
+        self,
+        out: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
+        step: Callable[..., torch.Tensor],
+        scan: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """A recurrent mixer's torch path over this batch: the decode rows of `inputs` (each
+        [n, ...]) through `step(*rows)` at once, each prompt chunk through `scan(*rows, p)`,
+        into `out` [n, ...] (rows in neither keep out's values); returns out, or step's
+        output where the decode rows are every row."""
+        if self.decode_slots.numel():
+            if self.decode_rows is None:
+                out = step(*inputs)
+            else:
+                out.index_copy_(0, self.decode_rows, step(*(t[self.decode_rows] for t in inputs)))
+        for p in self.prompts:
+            out[p.start : p.end] = scan(*(t[p.start : p.end] for t in inputs), p)
+        return out
 
 
 _EVERY_ROW = torch.empty(0, dtype=torch.int64)  # StepState: the decode rows are every row

@@ -144,16 +144,12 @@ class MambaMixer(nn.Module):
             params, st = self.native_params(kernels), sb.native_state(kernels)
             return self.out_proj(kernels.mamba_mix(self.in_proj(u), conv, ssm, params, st))
         x, z = self.in_proj(u)[:, : 2 * d_inner].split(d_inner, dim=-1)
-        y = torch.zeros(u.shape[0], d_inner, dtype=torch.float32, device=u.device)
-        if sb.decode_slots.numel():
-            rows = sb.decode_rows
-            if rows is None:
-                y = self._step(x, conv, ssm, sb.decode_slots, sb.decode_run)
-            else:
-                part = self._step(x[rows], conv, ssm, sb.decode_slots, sb.decode_run)
-                y.index_copy_(0, rows, part)
-        for p in sb.prompts:
-            y[p.start : p.end] = self._scan(x[p.start : p.end], conv, ssm, p)
+        y = sb.run(
+            torch.zeros(u.shape[0], d_inner, dtype=torch.float32, device=u.device),
+            (x,),
+            lambda xs: self._step(xs, conv, ssm, sb.decode_slots, sb.decode_run),
+            lambda xs, p: self._scan(xs, conv, ssm, p),
+        )
         return self.out_proj((y * F.silu(z.float())).to(u.dtype))
 
     def _ssm_inputs(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -163,18 +163,13 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(u)[:, : s.d_in_proj]
         z, xbc, dt = zxbcdt.split((s.d_inner, s.conv_dim, s.n_heads), dim=-1)
         conv, ssm = state.conv(layer), state.ssm(layer)
-        y = torch.zeros(n, s.n_heads, s.head_dim, dtype=torch.float32, device=u.device)
         sb = batch.state
-        if sb.decode_slots.numel():
-            rows = sb.decode_rows
-            run = sb.decode_run
-            if rows is None:
-                y = self._step(xbc, dt, conv, ssm, sb.decode_slots, run)
-            else:
-                part = self._step(xbc[rows], dt[rows], conv, ssm, sb.decode_slots, run)
-                y.index_copy_(0, rows, part)
-        for p in sb.prompts:
-            y[p.start : p.end] = self._scan(xbc[p.start : p.end], dt[p.start : p.end], conv, ssm, p)
+        y = sb.run(
+            torch.zeros(n, s.n_heads, s.head_dim, dtype=torch.float32, device=u.device),
+            (xbc, dt),
+            lambda xs, dts: self._step(xs, dts, conv, ssm, sb.decode_slots, sb.decode_run),
+            lambda xs, dts, p: self._scan(xs, dts, conv, ssm, p),
+        )
         return self.out_proj(self._gated_norm(y.view(n, s.d_inner), z).to(u.dtype))
 
     def _conv_out(self, window: torch.Tensor) -> torch.Tensor:

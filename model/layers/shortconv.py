@@ -49,15 +49,12 @@ class ShortConvMixer(nn.Module):
         if kernels is not None and v.dtype in (torch.bfloat16, torch.float32):
             w = kernels.short_conv(v, conv, self.conv_w, sb.native_state(kernels))
             return self.out_proj(c * w.to(c.dtype))
-        w = torch.zeros_like(v)  # rows in no group (batch-invariant padding) stay 0
-        if sb.decode_slots.numel():
-            rows = sb.decode_rows
-            if rows is None:
-                w = self._step(v, conv, sb.decode_slots)
-            else:
-                w.index_copy_(0, rows, self._step(v[rows], conv, sb.decode_slots))
-        for p in sb.prompts:
-            w[p.start : p.end] = self._scan(v[p.start : p.end], conv, p)
+        w = sb.run(  # rows in no group (batch-invariant padding) stay 0
+            torch.zeros_like(v),
+            (v,),
+            lambda vs: self._step(vs, conv, sb.decode_slots),
+            lambda vs, p: self._scan(vs, conv, p),
+        )
         return self.out_proj(c * w.to(c.dtype))
 
     def _step(self, v: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
