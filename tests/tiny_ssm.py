@@ -417,10 +417,12 @@ def write_tiny_falcon_h1(
     vocab: int = 2048,
     seed: int = 0,
     long_memory: bool = False,
+    tied: bool = False,
 ) -> Path:
     """A random Falcon-H1 (attention and a Mamba2 mixer in every layer) with every muP
     multiplier away from 1, head sizes that are not dim / heads and a mamba_d_ssm that is not
-    expand x dim; write_tiny_llama's tokenizer."""
+    expand x dim; write_tiny_llama's tokenizer. `tied`: the output head is the embedding table
+    (read unscaled: embedding_multiplier scales the inputs only)."""
     import transformers
 
     folder, ids = _tokenizer_folder(folder)
@@ -452,7 +454,7 @@ def write_tiny_falcon_h1(
         ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.6],
         ssm_out_multiplier=0.75,
         mlp_multipliers=[1.1, 0.9],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         **ids,
     )
     model = transformers.FalconH1ForCausalLM(config)

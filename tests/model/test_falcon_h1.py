@@ -232,3 +232,32 @@ def test_llamacpp_gguf_and_llama_server(folders, models, hf_models, tmp_path):
         lambda _, ids: driver(loaded, n_cells=64).logits([Chunk(0, ids)])[0],
         LLAMA_CPP_F32, least=4,
     )  # fmt: skip
+
+
+def test_a_tied_head_reads_the_unscaled_embedding_table(tmp_path):
+    """tie_word_embeddings: the head is the embedding table as stored (embedding_multiplier
+    scales the inputs, lm_head_multiplier the logits), as transformers computes it. llama.cpp's
+    converter folds embedding_multiplier into token_embd and writes no output tensor for a tied
+    model, so its GGUF's head is the scaled table without lm_head_multiplier: logits
+    embedding_multiplier / lm_head_multiplier (4) times transformers'. The GGUF is read as
+    llama.cpp reads it (llama-server's logprobs on it are ours)."""
+    folder = write_tiny_falcon_h1(tmp_path / "tied", seed=2, long_memory=True, tied=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    model = load_model(folder)
+    ids = prompt(60, seed=3)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert_close(driver(model).logits([Chunk(0, ids, all_rows=True)]), ref)
+    path = convert_with_llamacpp(folder, tmp_path / "tied.gguf")
+    loaded = load_model(path)
+    assert_close(driver(loaded).logits([Chunk(0, ids, all_rows=True)]), ref * 4.0)
+    binary = llamacpp_default()
+    if not binary.is_file():
+        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    prompts = [prompt(5 + 9 * seed, seed=40 + seed) for seed in range(4)]
+    assert_same_next_token_logprobs(
+        binary, path, tmp_path / "llama.log", prompts,
+        lambda _, ids: driver(loaded, n_cells=64).logits([Chunk(0, ids)])[0],
+        4 * LLAMA_CPP_F32, least=3,  # logits 4x as spread: its float16 K/V errors 4x as large
+    )  # fmt: skip

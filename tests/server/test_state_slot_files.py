@@ -1,11 +1,12 @@
 """Slot files and the disk tier on recurrent and hybrid models, through the real server on tiny
-random Mamba2 and Granite 4.0-H (Mamba2 + attention) folders: a conversation saved by one
-process (`POST /slots/{id}?action=save`, or `--cache-dir` as it finishes) is restored by
-another, and its continuation is a prefix hit over the whole conversation with the same greedy
-text and log-probabilities as on the process that computed it; the disk tier keeps the states
-the prompt steps checkpointed too, so a repeated prompt is a hit after a restart. The file
-holds the recurrent layers' state after the last token beside the attention layers' K/V rows;
-a file without that state is refused with nothing restored."""
+random Mamba2, Granite 4.0-H (Mamba2 layers beside attention layers), LFM2 and Falcon-H1
+(attention and Mamba2 in every layer) folders: a conversation saved by one process (`POST
+/slots/{id}?action=save`, or `--cache-dir` as it finishes) is restored by another, and its
+continuation is a prefix hit over the whole conversation with the same greedy text and
+log-probabilities as on the process that computed it; the disk tier keeps the states the prompt
+steps checkpointed too, so a repeated prompt is a hit after a restart. The file holds the
+recurrent layers' state after the last token beside the attention layers' K/V rows; a file
+without that state is refused with nothing restored."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ import pytest
 
 from kvcache.cell_file import read_cell_file, write_cell_file
 from tests.live_server import start_server
-from tests.tiny_ssm import write_tiny_granite_hybrid, write_tiny_lfm2, write_tiny_mamba2
+from tests.tiny_ssm import (
+    write_tiny_falcon_h1,
+    write_tiny_granite_hybrid,
+    write_tiny_lfm2,
+    write_tiny_mamba2,
+)
 
 PROMPT = [(7 * i) % 280 + 20 for i in range(90)]  # the tiny tokenizer has 320 tokens
 MORE = [(11 * i) % 280 + 30 for i in range(12)]
@@ -26,6 +32,8 @@ WRITERS = {
     "mamba2": lambda folder: write_tiny_mamba2(folder, vocab=320, long_memory=True),
     "granite_hybrid": lambda folder: write_tiny_granite_hybrid(folder, vocab=320, long_memory=True),
     "lfm2": lambda folder: write_tiny_lfm2(folder, vocab=320),  # short convolutions: no ssm
+    # attention and Mamba2 in every layer: each layer's K/V rows and its state in one file
+    "falcon_h1": lambda folder: write_tiny_falcon_h1(folder, vocab=320, long_memory=True),
 }
 
 
