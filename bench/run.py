@@ -112,6 +112,7 @@ def run_llamacpp(
             report["startup_s"] = srv.startup_s
             report["rss_after_start"] = srv.rss_bytes()
             report["sweep"] = run_sweep(srv.url, sizes, Clock(budget_s))
+            report["rss_peak"] = srv.peak_rss_bytes()
     except Exception as exc:  # noqa: BLE001  (the comparison is optional; cellserve's run goes on)
         report["error"] = f"llama.cpp: {type(exc).__name__}: {exc}; see {log}"
         return report
@@ -140,6 +141,7 @@ def run_serving(
             report["rss_after_start"] = srv.rss_bytes()
             report["command"] = srv.command
             report["sweep"] = run_sweep(srv.url, sizes, Clock(budget_s))
+            report["rss_peak"] = srv.peak_rss_bytes()
     except Exception as exc:  # noqa: BLE001  (report it; the server is stopped already)
         report["error"] = f"cellserve: {type(exc).__name__}: {exc}; see {out_dir / 'server.log'}"
         return report

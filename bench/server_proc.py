@@ -48,10 +48,18 @@ class Served:
 
     def rss_bytes(self) -> int | None:
         """The server process's resident memory now (Linux /proc; None elsewhere)."""
+        return self._status_bytes("VmRSS:")
+
+    def peak_rss_bytes(self) -> int | None:
+        """The most it was resident at any moment so far (the high-water mark): after a load,
+        the KV pages and state slots it touched, which right after start may not be yet."""
+        return self._status_bytes("VmHWM:")
+
+    def _status_bytes(self, field: str) -> int | None:
         try:
             with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith(field):
                         return int(line.split()[1]) * 1024
         except OSError:
             return None

@@ -122,8 +122,12 @@ def _llamacpp_section(serving: dict[str, Any]) -> list[str]:
 
 
 def _rss(report: dict[str, Any]) -> str:
-    rss = report.get("rss_after_start")
-    return "" if not rss else f", RSS {rss / 2**30:.2f} GiB after start"
+    """Resident memory after start and its peak over the sweep: a server that touches its KV
+    pages (or state slots) only when it writes them looks small at start; the peak is what the
+    load made resident."""
+    rss, peak = report.get("rss_after_start"), report.get("rss_peak")
+    out = "" if not rss else f", RSS {rss / 2**30:.2f} GiB after start"
+    return out + ("" if not peak else f", {peak / 2**30:.2f} GiB at its peak over the load")
 
 
 def _serving_section(serving: dict[str, Any]) -> list[str]:

@@ -217,6 +217,32 @@ def test_summary_puts_cellserve_and_llamacpp_side_by_side() -> None:
     assert "**llama.cpp error:** llama.cpp: OSError: boom" in render_summary(report)
 
 
+def test_summary_gives_resident_memory_after_start_and_at_its_peak() -> None:
+    gib = 2**30
+    report = {
+        "environment": {},
+        "serving": {
+            "startup_s": 3.0, "rss_after_start": int(1.5 * gib), "rss_peak": int(2.25 * gib),
+            "llamacpp": {"command": ["llama-server"], "startup_s": 2.0,  # its sweep failed:
+                         "rss_after_start": 2 * gib, "error": "llama.cpp: boom"},  # no peak
+        },
+    }  # fmt: skip
+    text = render_summary(report)
+    assert "healthy in 3.0 s, RSS 1.50 GiB after start, 2.25 GiB at its peak over the load" in text
+    assert "llama.cpp became healthy in 2.0 s, RSS 2.00 GiB after start.\n" in text
+
+
+def test_a_served_process_reports_its_resident_memory_and_peak() -> None:
+    import os
+
+    from bench.server_proc import Served
+
+    me = Served("http://x", 0.0, [], pid=os.getpid())
+    rss, peak = me.rss_bytes(), me.peak_rss_bytes()
+    assert rss is not None and peak is not None and 0 < rss <= peak
+    assert Served("http://x", 0.0, [], pid=2**22 + 1).peak_rss_bytes() is None  # no such pid
+
+
 def test_llamacpp_gets_the_cache_size_it_is_compared_at(tmp_path: pathlib.Path) -> None:
     binary = write_script(tmp_path / "dies", 'echo "args: $*"; exit 3', 0o755)
     result = run_llamacpp(tmp_path, QUICK, binary, 30.0, tmp_path / "m.gguf", 10.0, n_ctx=16384)
@@ -235,7 +261,9 @@ def test_skip_prefix_leaves_out_the_shared_prefix_pair(
 
     @contextlib.contextmanager
     def fake_server(log, args, startup_s):
-        yield SimpleNamespace(url="http://x", startup_s=1.0, command="cellserve", rss_bytes=int)
+        yield SimpleNamespace(
+            url="http://x", startup_s=1.0, command="cellserve", rss_bytes=int, peak_rss_bytes=int
+        )
 
     pairs: list[list[str]] = []
     monkeypatch.setattr(run, "cellserve_process", fake_server)
