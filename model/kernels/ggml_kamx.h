@@ -215,6 +215,8 @@ void amx_task(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, const uin
     const int64_t nr = std::min(m, r0 + row_tile) - r0, n16 = nr / 16 * 16;
     for (int64_t og = o0; og < o1; og += 16) {
       const int no = static_cast<int>(std::min<int64_t>(16, o1 - og));
+      // the column's lines loaded back to back before it is packed (ggml_kdecode.h)
+      if (r0 == 0 && no * row_bytes <= kColumnLoad) load_lines(w + og * row_bytes, no * row_bytes);
       for (int64_t b0 = 0; b0 < nb; b0 += kAmxKB) {
         const int64_t nkb = std::min(kAmxKB, nb - b0);
         for (int64_t b = 0; b < nkb; ++b) {
