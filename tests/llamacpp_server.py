@@ -50,3 +50,15 @@ def assert_same_next_token_logprobs(
             compared += 1
     assert compared >= least, f"{compared} of {len(prompts)} prompts compared"
     return worst
+
+
+def llama_server_or_skip() -> Path:
+    """bench/build_llamacpp.sh's llama-server; the calling test is skipped where it is not built."""
+    import pytest
+
+    from bench.server_proc import llamacpp_default
+
+    binary = llamacpp_default()
+    if not binary.is_file():
+        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    return binary

@@ -131,8 +131,12 @@ class NativeDecoder:
         linears = [m for b in blocks for m in _linears(b)]
         if not all(_step_kind(m, model.dtype) for m in linears):
             return None, "a linear without a C++ kind (float weights: the float32 reference)"
-        ops = {"mamba": "mamba_mix", "mamba2": "mamba2_mix", "shortconv": "short_conv"}
-        ops["attn_mamba2"] = "mamba2_mix"
+        ops = {
+            "mamba": "mamba_mix",
+            "mamba2": "mamba2_mix",
+            "attn_mamba2": "mamba2_mix",
+            "shortconv": "short_conv",
+        }
         if any(d.mixer != "attn" for d in descs):
             for op in sorted({ops[d.mixer] for d in descs if d.mixer != "attn"}):
                 if not hasattr(kernels, op):

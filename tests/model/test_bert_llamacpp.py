@@ -9,10 +9,11 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.server_proc import llamacpp_default, served
+from bench.server_proc import served
 from model.load.encoder import load_encoder
 from model.load.hf_to_gguf import convert
 from model.load.packaged import ALL_MINILM_L6_V2
+from tests.llamacpp_server import llama_server_or_skip
 from tests.tiny_bert import write_tiny_bert
 
 TEXTS = [
@@ -27,9 +28,7 @@ TEXTS = [
 def llama_embed(gguf_path, log_path, inputs) -> tuple[np.ndarray, list[list[int]]]:
     """llama-server --embedding: /v1/embeddings of `inputs` (texts or token lists), and the
     token ids its tokenizer gives each text (with [CLS] / [SEP])."""
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
 
     def command(port: int) -> list[str]:
         return [

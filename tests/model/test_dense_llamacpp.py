@@ -14,7 +14,7 @@ from model import load_model
 from model.kernels import load_kernels
 from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
-from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.llamacpp_server import assert_same_next_token_logprobs, llama_server_or_skip
 from tests.model.factories import Driver
 from tests.scheduler.fakes import make_prompt
 from tests.tiny_dense import DENSE_TYPES, write_tiny_dense, write_tiny_dense_gguf
@@ -39,9 +39,7 @@ N_CTX_SEQ = int(_CMD[_CMD.index("-c") + 1]) // int(_CMD[_CMD.index("-np") + 1])
 @pytest.mark.parametrize("model_type", [*DENSE_TYPES, "phi3-partial"])
 def test_llama_cpp_gives_the_same_next_token_logprobs(tmp_path, model_type, qtype):
     """ "phi3-partial": Phi-4-mini's shape, RoPE on half of each head."""
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
     if qtype != "F32" and not has_block_kernels(load_kernels()):
         pytest.skip("the C++ block kernels are not built")
     kw = {"partial_rotary_factor": 0.5} if model_type == "phi3-partial" else {}

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import model.runner.worker
-from bench.server_proc import llamacpp_default
 from model import load_model
 from model.arch.args import MoEArgs
 from model.errors import ModelLoadError
@@ -20,7 +19,7 @@ from model.layers.ggml import BlockLinear, has_block_kernels
 from model.load.hf_to_gguf import convert
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
-from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.llamacpp_server import assert_same_next_token_logprobs, llama_server_or_skip
 from tests.model.state_driver import Chunk, StateDriver, assert_close, greedy, hf_greedy, prompt
 from tests.tiny_ssm import write_tiny_bamba, write_tiny_granite_hybrid
 
@@ -194,9 +193,7 @@ def test_moe_ggufs_compute_the_folders_logits(variant, tmp_path):
         assert isinstance(layer.feed_forward.shared.w13, BlockLinear)
         dense = driver(load_model(f16), n_cells=512).logits([Chunk(0, ids, all_rows=True)])
         assert_close(driver(blocks, n_cells=512).logits([Chunk(0, ids, all_rows=True)]), dense)
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
     loaded = load_model(theirs)
     prompts = [prompt(5 + 7 * seed, seed=30 + seed) for seed in range(6)]
     # measured: within LLAMA_CPP_F32 (llama.cpp's float16 K/V)

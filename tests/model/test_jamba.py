@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from bench.server_proc import llamacpp_default
 from model import load_model
 from model.errors import ModelLoadError
 from model.kernels import load_kernels
@@ -17,7 +16,7 @@ from model.layers.ggml import BlockLinear, has_block_kernels
 from model.layers.moe import MoEFeedForward
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
-from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.llamacpp_server import assert_same_next_token_logprobs, llama_server_or_skip
 from tests.model.state_driver import (
     Chunk,
     StateDriver,
@@ -142,9 +141,7 @@ def test_llamacpp_gguf_and_llama_server(folder, tiny, hf_tiny, tmp_path):
         assert isinstance(blocks.transformer.layers[1].mixer.wqkv, BlockLinear)
         got = driver(blocks).logits([Chunk(0, ids)])[0]
         assert float((got - ours[-1]).abs().max()) < 0.05 * float(ours[-1].max() - ours[-1].min())
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
     prompts = [prompt(5 + 7 * seed, seed=30 + seed) for seed in range(6)]
     assert_same_next_token_logprobs(
         binary, path, tmp_path / "llama.log", prompts,

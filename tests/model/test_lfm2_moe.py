@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.server_proc import llamacpp_default
 from model import load_model
 from model.arch.args import MoEArgs
 from model.kernels import load_kernels
@@ -19,7 +18,7 @@ from model.layers.quant import quantize
 from model.runner.native import NativeDecoder
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
-from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.llamacpp_server import assert_same_next_token_logprobs, llama_server_or_skip
 from tests.model.state_driver import (
     Chunk,
     StateDriver,
@@ -179,9 +178,7 @@ def test_llama_cpps_converter_and_server_agree(tmp_path, hf):
     with torch.inference_mode():
         ref = model(torch.tensor([ids])).logits[0]
     assert_close(driver(tiny).logits([Chunk(0, ids, all_rows=True)]), ref)
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
     prompts = [prompt(5 + 7 * seed, seed=40 + seed) for seed in range(6)]
     assert_same_next_token_logprobs(
         binary, path, tmp_path / "llama.log", prompts,

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.server_proc import llamacpp_default
 from model import load_model
 from model.kernels import load_kernels
 from model.layers.ggml import BlockLinear, has_block_kernels
@@ -17,7 +16,7 @@ from model.layers.mamba import selective_scan
 from model.layers.quant import quantize
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
-from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.llamacpp_server import assert_same_next_token_logprobs, llama_server_or_skip
 from tests.model.state_driver import (
     Chunk,
     StateDriver,
@@ -222,9 +221,7 @@ def test_llamacpp_gguf_and_llama_server(variant, tmp_path):
         ref = ours[-1].log_softmax(-1)
         kl = float((ref.exp() * (ref - got)).sum())
         assert kl < 0.05, kl
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
     prompts = [prompt(5 + 7 * seed, seed=30 + seed) for seed in range(6)]
     assert_same_next_token_logprobs(
         binary, path, tmp_path / "llama.log", prompts,

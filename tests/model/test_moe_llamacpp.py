@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.server_proc import llamacpp_default
 from model import load_model
 from model.kernels import load_kernels
 from model.layers.ggml import has_block_kernels
 from model.runner.worker import make_worker
 from tests.llamacpp_convert import convert_with_llamacpp
-from tests.llamacpp_server import assert_same_next_token_logprobs
+from tests.llamacpp_server import assert_same_next_token_logprobs, llama_server_or_skip
 from tests.model.factories import Driver
 from tests.scheduler.fakes import make_prompt
 from tests.tiny_gptoss import write_tiny_gptoss, write_tiny_gptoss_mxfp4
@@ -87,9 +86,7 @@ def test_llama_cpp_gives_gptoss_the_same_next_token_logprobs(tmp_path, fmt):
 
 
 def require_llama_server():
-    binary = llamacpp_default()
-    if not binary.is_file():
-        pytest.skip(f"no llama-server at {binary} (bench/build_llamacpp.sh builds it)")
+    binary = llama_server_or_skip()
     return binary
 
 
