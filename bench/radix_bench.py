@@ -6,6 +6,9 @@ index over held cells (scheduler/radix.py), measured on the scheduler with a sta
    tokens) after all have been seen, with `--n-seq-max` seq ids and `--n-cells` enough for all.
    Reported per setting (prefix index on / off: off is the holders-only cache of before):
    continuations whose cached tokens are >= 90% of their history, and the mean hit ratio.
+   `--window W` gives the model a sliding-window layer beside a full one (the iSWA memory, as
+   Gemma 3's): the index also keeps each conversation's window, within `--swa-index-cells`
+   (0: enough for every conversation's).
 2. Matching cost: RadixCache.match (what runs on the engine thread at every admission) against
    a tree of N conversations (`--match-sizes`), distinct or under one shared system prompt,
    next to the flat holder scan (PrefixCache.match) over N holders.
@@ -25,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcache.spec import Attention, MemorySpec
 from scheduler.config import EngineConfig
 from scheduler.plan import BatchPlan, SamplingParams, StepOutput
 from scheduler.prefix_cache import PrefixCache
@@ -71,6 +75,10 @@ def recall(args: argparse.Namespace, index: bool) -> dict[str, Any]:
     # a conversation after its continuation: prompt, answer, turn, answer (+1 unfed token each)
     per_conv = n_prompt + 2 * args.answer_len + args.turn_len + 2
     n_cells = args.n_cells or (n_conv + args.n_seq_max) * per_conv
+    spec, index_cells = None, None
+    if args.window:
+        spec = MemorySpec.of([Attention(1, 4), Attention(1, 4, args.window)])
+        index_cells = args.swa_index_cells or 2 * n_conv * min(per_conv, args.window)
     config = EngineConfig(
         n_cells=n_cells,
         n_seq_max=args.n_seq_max,
@@ -78,6 +86,8 @@ def recall(args: argparse.Namespace, index: bool) -> dict[str, Any]:
         n_ctx_seq=2 * per_conv,
         seed=0,
         prefix_index=index,
+        memory_spec=spec,
+        swa_index_cells=index_cells,
     )
     sched, worker = Scheduler(config), HashWorker()
     prompts = [[rng.randrange(1, VOCAB) for _ in range(n_prompt)] for _ in range(n_conv)]
@@ -98,6 +108,8 @@ def recall(args: argparse.Namespace, index: bool) -> dict[str, Any]:
         "prefix_index": index,
         "n_cells": n_cells,
         "n_seq_max": args.n_seq_max,
+        "window": args.window,
+        "swa_pool_cells": sched.memory.pools[1].cells.n_cells if args.window else 0,
         "conversations": n_conv,
         "continuations_hit_ge_90pct": sum(r >= 0.9 for r in ratios),
         "mean_hit_ratio": round(float(np.mean(ratios)), 4),
@@ -109,9 +121,13 @@ def recall(args: argparse.Namespace, index: bool) -> dict[str, Any]:
 
 
 class _NoCells:
-    """A memory stand-in for the matching benchmark: holds nothing."""
+    """A memory stand-in for the matching benchmark: holds nothing, has no window pools."""
 
-    def cells_hold(self, cells: np.ndarray) -> None:
+    index_windows: tuple[int, ...] = ()
+    index_budget: tuple[int, ...] = ()
+    pools: list[Any] = []
+
+    def cells_hold(self, cells: np.ndarray, pool: int = 0) -> None:
         pass
 
 
@@ -159,6 +175,8 @@ def main() -> None:
     ap.add_argument("--turn-len", type=int, default=20)
     ap.add_argument("--n-seq-max", type=int, default=8)
     ap.add_argument("--n-cells", type=int, default=0, help="0: enough for every conversation")
+    ap.add_argument("--window", type=int, default=0, help="a sliding-window layer of W (iSWA)")
+    ap.add_argument("--swa-index-cells", type=int, default=0, help="0: enough for all")
     ap.add_argument("--match-sizes", default="1000,10000")
     ap.add_argument("--skip-off", action="store_true", help="skip the holders-only run")
     ap.add_argument("--out", type=pathlib.Path, default=None)

@@ -48,8 +48,15 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     (
         "prefix_index",
         None,
-        "full-attention models: remember finished conversations past the n_seq_max holders in "
-        "a radix index over cells (default on; off: only the holders)",
+        "remember finished conversations past the n_seq_max holders in a radix index over "
+        "cells (default on; off: only the holders)",
+    ),
+    (
+        "swa_index_cells",
+        int,
+        "models with sliding-window layers (Gemma 2/3, gpt-oss): cells each window pool gets for "
+        "the prefix index, which keeps a conversation's last window-size positions there "
+        "(default: n_cells / 4; 0: only the n_seq_max holders are remembered)",
     ),
     (
         "state_checkpoints",

@@ -22,6 +22,13 @@ match is reused only at lengths whose window the holder still has (usable_prefix
 holder's length (or m - 1), or any m when the holder is no longer than W. A cached prefix
 thus gives exactly the cold output: every row reads the same positions as a cold run.
 
+Prefix index (scheduler/radix.py): with `index_cells` > 0 each SWA pool has that many cells more,
+for the index to hold: a demoted holder leaves its full-pool cells AND its window (the SWA cells
+of its last W positions) in the index, which serves a length m only where a held window covers
+[m - W + 1, m). The index keeps its SWA cells within index_cells a pool (evicting its least
+recently used leaves), so the bound above still holds for everything else and no step lacks a
+window cell.
+
 Context shift: seq_rm + seq_add in every pool, each group's K re-rotated by the storage with
 its own RoPE. When n_keep sits inside the window of the next row, positions the shifted
 context needs may have been pruned already: can_shift says so, and the scheduler recomputes.
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache import held_cells
 from kvcache.cells import KVCells, PendingOps
 from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells, seq_cells_view
 from kvcache.spec import Attention, MemorySpec
@@ -38,7 +46,9 @@ from kvcache.unified import shared_from
 
 
 class ISWAMemory(Memory):
-    def __init__(self, spec: MemorySpec, n_cells: int, n_seq_max: int, n_batch: int) -> None:
+    def __init__(
+        self, spec: MemorySpec, n_cells: int, n_seq_max: int, n_batch: int, index_cells: int = 0
+    ) -> None:
         if spec.has_recurrent:
             raise ValueError("the iSWA memory holds attention layers only")
         windows = sorted({g.spec.window for g in spec.groups if isinstance(g.spec, Attention)})
@@ -48,10 +58,13 @@ class ISWAMemory(Memory):
         self.spec = spec
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
+        if index_cells < 0:
+            raise ValueError(f"index_cells must be >= 0, got {index_cells}")
+        self.index_cells = index_cells
         self.full = KVCells(n_cells, n_seq_max)
         self._pools: list[Pool[KVCells]] = [Pool("full", self.full, 0)]
         for w in windows:
-            n_swa = min(n_cells, w * n_seq_max + n_batch)
+            n_swa = min(n_cells, w * n_seq_max + n_batch) + index_cells
             name = "swa" if len(windows) == 1 else f"swa{w}"
             self._pools.append(Pool(name, KVCells(n_swa, n_seq_max), w))
         by_window = {p.window: i for i, p in enumerate(self._pools)}
@@ -93,8 +106,12 @@ class ISWAMemory(Memory):
             return None
         cells = [full]
         for pool in self.swa:
-            free = (pool.cells.pos == -1) | pool.cells.freed_below(self._cuts(pool))
-            slot = _first_from(free, pool.cells.head, n)
+            # NOTE: free cells first: what the prune in apply() frees is looked for only when
+            # they run short (a scan of the whole pool, large with the index's room)
+            slot = pool.cells.find_slot(n)
+            if slot is None:
+                free = (pool.cells.pos == -1) | pool.cells.freed_below(self._cuts(pool))
+                slot = _first_from(free, pool.cells.head, n)
             if slot is None:
                 return None
             cells.append(slot)
@@ -179,6 +196,46 @@ class ISWAMemory(Memory):
                 return 0
         return m
 
+    # -- cells the memory holds itself (the prefix index: module docstring) --------------------
+
+    @property
+    def holds_cells(self) -> bool:
+        return self.index_cells > 0
+
+    @property
+    def index_windows(self) -> tuple[int, ...]:
+        return tuple(p.window for p in self.swa)
+
+    @property
+    def index_budget(self) -> tuple[int, ...]:
+        return tuple(self.index_cells for _ in self.swa)
+
+    def seq_prefix_cells(self, seq_id: int, n: int) -> np.ndarray:
+        return held_cells.seq_prefix_cells(self.full, seq_id, n)
+
+    def seq_window_cells(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        out = []
+        for pool in self.swa:
+            cells, pos = pool.cells.seq_cells(seq_id)
+            keep = pos < n
+            cells, pos = cells[keep], pos[keep]
+            if pos.size == 0 or pos[-1] != n - 1:
+                return None
+            # the run of consecutive positions that ends at n - 1
+            gaps = np.flatnonzero(np.diff(pos) != 1)
+            first = int(gaps[-1]) + 1 if gaps.size else 0
+            out.append((cells[first:], pos[first:]))
+        return out
+
+    def cells_hold(self, cells: np.ndarray, pool: int = 0) -> None:
+        held_cells.cells_hold(self._pools[pool].cells, cells)
+
+    def cells_release(self, cells: np.ndarray, pool: int = 0) -> None:
+        held_cells.cells_release(self._pools[pool].cells, cells)
+
+    def cells_cp(self, cells: np.ndarray, dst: int, pool: int = 0) -> None:
+        held_cells.cells_cp(self._pools[pool].cells, cells, dst)
+
     # -- accounting --------------------------------------------------------------------------
 
     def seq_num_cells(self, seq_id: int) -> int:
@@ -187,7 +244,9 @@ class ISWAMemory(Memory):
     def check(self) -> None:
         super().check()
         for pool in self.swa:
-            assert pool.cells.used <= pool.window * self.n_seq_max + self.n_batch, "swa size"
+            bound = pool.window * self.n_seq_max + self.n_batch + self.index_cells
+            assert pool.cells.used <= bound, "swa size"
+            assert int(pool.cells.held.sum()) <= self.index_cells, "swa cells the index holds"
             for s in range(self.n_seq_max):
                 swa_pos = pool.cells.seq_cells(s)[1]
                 assert np.isin(swa_pos, self.full.seq_cells(s)[1]).all(), "swa pos not in full"

@@ -26,16 +26,18 @@ def make_memory(
     kind: str = "auto",
     n_ckpt: int | None = None,
     ckpt_interval: int = CKPT_INTERVAL,
+    index_cells: int = 0,
 ) -> Memory:
     """`kind` picks the attention layers' memory: "auto" iSWA when the spec has
     sliding-window layers, else unified. Recurrent layers get state slots: a RecurrentMemory
     when every layer is recurrent, else a HybridMemory of both. `n_ckpt`: state slots for
-    prefix-cache checkpoints beside one per sequence (default n_seq_max)."""
+    prefix-cache checkpoints beside one per sequence (default n_seq_max). `index_cells`: cells
+    each sliding-window pool of an attention-only model gets for the prefix index's windows."""
     spec = full_spec() if spec is None else spec
     if kind not in ("auto", "unified", "iswa"):
         raise ValueError(f"unknown memory kind {kind!r}")
     if not spec.has_recurrent:
-        return _attention(spec, n_cells, n_seq_max, n_batch, kind)
+        return _attention(spec, n_cells, n_seq_max, n_batch, kind, index_cells)
     recr = RecurrentMemory(recurrent_spec(spec), n_seq_max, n_ckpt, ckpt_interval)
     if all(not isinstance(s, Attention) for s in spec.layers):
         return recr
@@ -43,7 +45,9 @@ def make_memory(
     return HybridMemory(spec, attn, recr)
 
 
-def _attention(spec: MemorySpec, n_cells: int, n_seq_max: int, n_batch: int, kind: str) -> Memory:
+def _attention(
+    spec: MemorySpec, n_cells: int, n_seq_max: int, n_batch: int, kind: str, index_cells: int = 0
+) -> Memory:
     if kind == "iswa" or (kind == "auto" and spec.max_window > 0):
-        return ISWAMemory(spec, n_cells, n_seq_max, n_batch)
+        return ISWAMemory(spec, n_cells, n_seq_max, n_batch, index_cells)
     return UnifiedMemory(spec, n_cells, n_seq_max)

@@ -234,25 +234,42 @@ class Memory(ABC):
 
     @property
     def holds_cells(self) -> bool:
-        """Whether this memory can hold a prefix's cells without a seq id (the unified cache);
-        the others keep prefixes under seq ids (sliding-window pools prune behind the window,
-        a recurrent state serves only its checkpoints)."""
+        """Whether this memory can hold a prefix's cells without a seq id (the unified cache, and
+        iSWA with room for the windows of what it holds); a recurrent state serves only its
+        checkpoints and keeps prefixes under seq ids."""
         return False
+
+    @property
+    def index_windows(self) -> tuple[int, ...]:
+        """Per sliding-window pool (pools 1..): its window W. A held prefix of length e serves a
+        sequence of length m only with the cells of positions [m - W + 1, m) held in each."""
+        return ()
+
+    @property
+    def index_budget(self) -> tuple[int, ...]:
+        """Per sliding-window pool: the cells the prefix index may hold there (beyond what the
+        running sequences can need, so that a step never lacks a window cell)."""
+        return ()
 
     def seq_prefix_cells(self, seq_id: int, n: int) -> np.ndarray:
         """The cells of seq_id's [0, n), in position order, as cells_hold takes them."""
         raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
 
-    def cells_hold(self, cells: np.ndarray) -> None:
-        """The memory holds `cells` (counted as one owner) until cells_release."""
+    def seq_window_cells(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per sliding-window pool: (cells, positions) of seq_id's contiguous run of positions
+        ending at n - 1 there; None when a pool lacks position n - 1."""
+        return []
+
+    def cells_hold(self, cells: np.ndarray, pool: int = 0) -> None:
+        """The memory holds `cells` of `pool` (counted as one owner) until cells_release."""
         raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
 
-    def cells_release(self, cells: np.ndarray) -> None:
-        """Drop the hold on `cells`; those no sequence owns are free."""
+    def cells_release(self, cells: np.ndarray, pool: int = 0) -> None:
+        """Drop the hold on `cells` of `pool`; those no sequence owns are free."""
         raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
 
-    def cells_cp(self, cells: np.ndarray, dst: int) -> None:
-        """dst shares the held `cells` (seq_cp by cell): no data is copied."""
+    def cells_cp(self, cells: np.ndarray, dst: int, pool: int = 0) -> None:
+        """dst shares the held `cells` of `pool` (seq_cp by cell): no data is copied."""
         raise NotImplementedError(f"{type(self).__name__} holds no cells itself")
 
     # -- accounting ------------------------------------------------------------------------------

@@ -107,13 +107,16 @@ class UnifiedMemory(Memory):
     def seq_prefix_cells(self, seq_id: int, n: int) -> np.ndarray:
         return held_cells.seq_prefix_cells(self.cells, seq_id, n)
 
-    def cells_hold(self, cells: np.ndarray) -> None:
+    def cells_hold(self, cells: np.ndarray, pool: int = 0) -> None:
+        assert pool == 0
         held_cells.cells_hold(self.cells, cells)
 
-    def cells_release(self, cells: np.ndarray) -> None:
+    def cells_release(self, cells: np.ndarray, pool: int = 0) -> None:
+        assert pool == 0
         held_cells.cells_release(self.cells, cells)
 
-    def cells_cp(self, cells: np.ndarray, dst: int) -> None:
+    def cells_cp(self, cells: np.ndarray, dst: int, pool: int = 0) -> None:
+        assert pool == 0
         held_cells.cells_cp(self.cells, cells, dst)
 
 

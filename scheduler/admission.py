@@ -130,6 +130,8 @@ class Admission:
         choices.take_seq_ids(seq, self.seq_ids)
         if match.radix is not None:
             self.memory.cells_cp(match.radix.cells, seq.seq_id)
+            for pool, cells in enumerate(match.radix.windows, start=1):
+                self.memory.cells_cp(cells, seq.seq_id, pool)
             self.seq_ids.radix_touch(match.radix.node)
         elif match.length:
             self.memory.seq_cp(match.seq_id, seq.seq_id, 0, match.length)

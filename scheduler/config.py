@@ -23,8 +23,13 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests before submit raises QueueFullError
     prefix_cache: bool = True
     # keep finished conversations past the seq ids in the prefix index over held cells
-    # (scheduler/radix.py), where the memory can hold cells (the unified cache)
+    # (scheduler/radix.py), where the memory can hold cells (the unified cache, and iSWA with
+    # swa_index_cells > 0)
     prefix_index: bool = True
+    # iSWA: cells each sliding-window pool gets beyond what running sequences can need, for
+    # the windows of the conversations the prefix index keeps (None: n_cells // 4; 0: none,
+    # so only the n_seq_max holders are remembered)
+    swa_index_cells: int | None = None
     # a new request waits for a running prompt's cells (scheduler/sharing.py) when they share
     # at least this many tokens (a chat template's common header alone makes nobody wait)
     prefix_wait_min: int = 32
@@ -56,6 +61,8 @@ class EngineConfig:
         self.spec.validate()
         if self.whole_prompts and (self.prefix_cache or self.n_batch < self.n_ctx_seq):
             raise ValueError(f"whole prompts need n_batch >= n_ctx_seq and no prefix cache: {self}")
+        if self.swa_index_cells is not None and self.swa_index_cells < 0:
+            raise ValueError(f"swa_index_cells must be >= 0: {self}")
         if self.memory not in ("auto", "unified", "iswa"):
             raise ValueError(f"memory must be auto, unified or iswa, got {self.memory!r}")
 
@@ -69,4 +76,12 @@ class EngineConfig:
             self.memory,
             n_ckpt=self.state_checkpoints,
             ckpt_interval=self.state_checkpoint_interval,
+            index_cells=self.index_cells,
         )
+
+    @property
+    def index_cells(self) -> int:
+        """Cells of each sliding-window pool for the prefix index (make_memory)."""
+        if not (self.prefix_cache and self.prefix_index):
+            return 0
+        return self.n_cells // 4 if self.swa_index_cells is None else self.swa_index_cells

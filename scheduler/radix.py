@@ -15,6 +15,17 @@ Memory.cells_cp. Under memory pressure the least recently used leaf is evicted f
 cells are released: freed unless a running sequence shares them); a locked node (a match
 being admitted) is never evicted. Nodes are announced to KV events (scheduler/kv_blocks.py)
 under key -uid, each with its whole path, so a block is stored while any node covers it.
+
+On a memory with sliding-window pools (iSWA: Memory.index_windows), a sequence given [0, m)
+also needs the window cells of [m - W + 1, m) in each, or its next row would read a window the
+cold run never skipped (docs/prefix_index_swa.md). So the node where a demoted holder ends keeps
+its window too (Node.window: the SWA cells of its last W positions, what pruning left), and a
+match is usable only at a length such a window covers: the match length itself where a window
+at or below the match point reaches back far enough (a conversation no longer than W holds all
+its positions), else the deepest window end on the path. A window cell shared by two windows is
+held once (counted here). The windows of a pool stay within Memory.index_budget: the least
+recently used leaves go first, and a leaf that is left without a window (an upper node of a
+split whose windows all went) goes with it, since no match can end there.
 """
 
 from __future__ import annotations
@@ -45,6 +56,8 @@ class Node:
     last_used: int = 0
     lock: int = 0
     alive: bool = True
+    # per sliding-window pool: the held cells of positions [end - len, end) (None: no window)
+    window: list[np.ndarray] | None = None
 
     @property
     def end(self) -> int:
@@ -56,6 +69,7 @@ class RadixMatch:
     length: int
     cells: np.ndarray  # [length] int64: the cells of positions 0..length-1
     node: Node | None  # the deepest node the match reaches (for touch and lock)
+    windows: list[np.ndarray] = field(default_factory=list)  # per window pool: cells to take
 
 
 class RadixCache:
@@ -68,6 +82,11 @@ class RadixCache:
         self._uid = 0
         self.num_nodes = 0
         self.num_cells = 0
+        self.windows = memory.index_windows  # W per sliding-window pool (pool 1 + i)
+        self.budget = memory.index_budget
+        sizes = [p.cells.n_cells for p in memory.pools[1 : 1 + len(self.windows)]]
+        self._refs = [np.zeros(n, dtype=np.int32) for n in sizes]  # windows holding each cell
+        self.num_window_cells = [0 for _ in self.windows]
 
     def match(self, tokens: np.ndarray, lora: LoraKey = ()) -> RadixMatch:
         """The longest prefix of `tokens` in the tree of `lora`; never mutates."""
@@ -84,7 +103,10 @@ class RadixCache:
             i += k
             last = child
             node = child if k == child.tokens.shape[0] else None
-        return RadixMatch(i, np.concatenate(parts) if parts else _EMPTY, last)
+        cells = np.concatenate(parts) if parts else _EMPTY
+        if not self.windows or last is None:
+            return RadixMatch(i, cells, last)
+        return self._windowed(i, cells, last)
 
     def insert(
         self,
@@ -92,10 +114,16 @@ class RadixCache:
         cells: np.ndarray,
         lora: LoraKey = (),
         lora_name: str | None = None,
+        window: list[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> int:
         """Index `tokens` whose cells (positions 0..n-1) are `cells`; the memory holds those
-        of the part the tree did not have (the rest are the caller's to free). -> how many."""
+        of the part the tree did not have (the rest are the caller's to free). -> how many.
+        With sliding-window pools, `window` gives per pool (cells, positions) of the run that
+        ends at n - 1 (Memory.seq_window_cells); nothing is indexed without one, or when the
+        windows' budget cannot take it."""
         assert tokens.shape == cells.shape
+        if self.windows and (window is None or not self._fit(window)):
+            return 0
         node = self._roots.get(lora)
         if node is None:
             node = self._roots[lora] = Node(0, 0, _EMPTY, _EMPTY, None, lora, lora_name)
@@ -114,6 +142,9 @@ class RadixCache:
             if k < child.tokens.shape[0]:
                 child = self._split(child, k, tokens)
             node, i = child, i + k
+        if self.windows and window is not None and node.window is None and node.parent is not None:
+            node.window = [c.copy() for c, _ in window]
+            self._hold_window(node.window)
         self.touch(node)
         return added
 
@@ -199,6 +230,94 @@ class RadixCache:
         cells = [n.cells for n in self.nodes()]
         return np.concatenate(cells) if cells else _EMPTY
 
+    def held_windows(self) -> list[np.ndarray]:
+        """Per sliding-window pool: the distinct cells the windows hold (for checks)."""
+        return [np.flatnonzero(r) for r in self._refs]
+
+    # -- windows (sliding-window pools) ----------------------------------------------------------
+
+    def _windowed(self, length: int, cells: np.ndarray, last: Node) -> RadixMatch:
+        """The match of `length` tokens cut back to the longest length a held window serves:
+        `length` itself where a window at or below the match point reaches back far enough,
+        else the end of the deepest node on the path that has one at or below it."""
+        below = self._window_below(last, length)
+        if below is not None:
+            return self._with_window(length, cells, below)
+        walk = last.parent  # `last` ends at or past `length`: already searched
+        while walk is not None and walk.parent is not None:
+            below = self._window_below(walk, walk.end)
+            if below is not None:
+                return self._with_window(walk.end, cells[: walk.end], below)
+            walk = walk.parent
+        return RadixMatch(0, _EMPTY, None)
+
+    def _window_below(self, top: Node, m: int, limit: int = 256) -> Node | None:
+        """A node in `top`'s subtree (itself included) whose window covers [m - W + 1, m) in
+        every pool. NOTE: a window holds at most W positions before its end, so only nodes
+        that end by max(m + 1, W) can cover: deeper ones are not looked at (nor more than
+        `limit` nodes)."""
+        bound = min(max(m + 1, w) for w in self.windows)
+        stack = [top]
+        seen = 0
+        while stack and seen < limit:
+            node = stack.pop()
+            seen += 1
+            if node.end > bound:
+                continue
+            if node.window is not None and self._covers(node, m):
+                return node
+            stack.extend(node.children.values())
+        return None
+
+    def _covers(self, node: Node, m: int) -> bool:
+        assert node.window is not None and m <= node.end
+        for w, cells in zip(self.windows, node.window, strict=True):
+            first = node.end - int(cells.shape[0])
+            if first > max(0, m - w + 1):
+                return False
+        return True
+
+    def _with_window(self, m: int, cells: np.ndarray, node: Node) -> RadixMatch:
+        """A match of length m whose window cells come from `node` (positions < m, at most W
+        of them: what pruning would leave a sequence at m)."""
+        assert node.window is not None
+        take = []
+        for w, held in zip(self.windows, node.window, strict=True):
+            first = node.end - int(held.shape[0])
+            lo, hi = max(first, m - w) - first, m - first
+            take.append(held[lo:hi])
+        return RadixMatch(m, cells[:m], node, take)
+
+    def _fit(self, window: list[tuple[np.ndarray, np.ndarray]]) -> bool:
+        """Room in every window pool for the cells of `window` not held yet, evicting LRU
+        leaves for it; False when there is none."""
+        while True:
+            need = [int((self._refs[p][c] == 0).sum()) for p, (c, _) in enumerate(window)]
+            over = [self.num_window_cells[p] + need[p] > b for p, b in enumerate(self.budget)]
+            if not any(over):
+                return True
+            if any(need[p] > b for p, b in enumerate(self.budget)) or not self.evict_lru():
+                return False
+
+    def _hold_window(self, window: list[np.ndarray]) -> None:
+        for p, cells in enumerate(window):
+            fresh = cells[self._refs[p][cells] == 0]
+            if fresh.size:
+                self.memory.cells_hold(fresh, 1 + p)
+            self._refs[p][cells] += 1
+            self.num_window_cells[p] += int(fresh.size)
+
+    def _release_window(self, node: Node) -> None:
+        if node.window is None:
+            return
+        for p, cells in enumerate(node.window):
+            self._refs[p][cells] -= 1
+            gone = cells[self._refs[p][cells] == 0]
+            if gone.size:
+                self.memory.cells_release(gone, 1 + p)
+            self.num_window_cells[p] -= int(gone.size)
+        node.window = None
+
     # -- internals -----------------------------------------------------------------------------
 
     def _new(self, parent: Node, start: int, tokens: np.ndarray, cells: np.ndarray) -> Node:
@@ -227,6 +346,7 @@ class RadixCache:
             assert not node.lock, "a locked node is being admitted"
             stack.extend(node.children.values())
             self.memory.cells_release(node.cells)
+            self._release_window(node)
             node.alive = False
             self.num_nodes -= 1
             self.num_cells -= int(node.tokens.shape[0])
@@ -237,6 +357,7 @@ class RadixCache:
         parent = leaf.parent
         assert parent is not None and not leaf.children and not leaf.lock
         self.memory.cells_release(leaf.cells)
+        self._release_window(leaf)
         del parent.children[int(leaf.tokens[0])]
         leaf.alive = False
         self.num_nodes -= 1
@@ -244,6 +365,9 @@ class RadixCache:
         if self.ledger is not None:
             self.ledger.remove(-leaf.uid)
         if parent.parent is not None and not parent.children:
+            if self.windows and parent.window is None and not parent.lock:
+                self._remove(parent)  # no match can end there any more
+                return
             heapq.heappush(self._heap, (parent.last_used, parent.uid, parent))
 
     def _compact(self) -> None:

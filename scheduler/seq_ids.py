@@ -87,8 +87,11 @@ class SeqIds:
         """Free `sid` and keep what it holds in the prefix index (or drop it without one)."""
         if self.radix is not None:
             tokens = self.prefix.tokens(sid)
-            cells = self.memory.seq_prefix_cells(sid, int(tokens.shape[0]))
-            self.radix.insert(tokens, cells, self.prefix.lora(sid), self.prefix.lora_name(sid))
+            n = int(tokens.shape[0])
+            cells = self.memory.seq_prefix_cells(sid, n)
+            window = self.memory.seq_window_cells(sid, n)  # [] without sliding-window pools
+            lora, name = self.prefix.lora(sid), self.prefix.lora_name(sid)
+            self.radix.insert(tokens, cells, lora, name, window)
         self.drop_holder(sid)
 
     def free_lru_id(self, exclude: int = -1) -> bool:

@@ -195,6 +195,7 @@ def load_backend(
         max_queue=settings.max_queue,
         prefix_cache=settings.prefix_cache,
         prefix_index=settings.prefix_index,
+        swa_index_cells=settings.swa_index_cells,
         memory_spec=loaded.config.memory_spec,
         state_checkpoints=settings.state_checkpoints,
         state_checkpoint_interval=settings.state_checkpoint_interval,

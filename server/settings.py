@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     # full-attention models: finished conversations past the n_seq_max holders stay in a radix
     # index over held cells (scheduler/radix.py); off: only the holders are remembered
     prefix_index: bool = True
+    # models with sliding-window layers (iSWA): cells each window pool gets for the windows of
+    # the conversations the prefix index keeps (None: n_cells // 4; 0: only the holders)
+    swa_index_cells: int | None = Field(None, ge=0)
     # positions per virtual block of a cached prompt (server.cache_config): the block_size of
     # vllm:cache_config_info; must equal the router's block size (llm-d's guides use 64)
     kv_events_block_size: int = Field(16, ge=1, le=4096)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvcache.cells import HELD, SHARED, KVCells
 from kvcache.held_cells import cells_cp, cells_hold, cells_release, seq_prefix_cells
@@ -79,9 +78,33 @@ def test_a_window_cut_never_frees_a_held_cell() -> None:
     assert kv.used == 4 and kv.seq_cells(1)[1].tolist() == [3]
 
 
-def test_only_the_unified_memory_holds_cells() -> None:
+def test_the_iswa_memory_holds_cells_in_every_pool_only_with_room_for_the_index() -> None:
     spec = MemorySpec.of([Attention(1, 4), Attention(1, 4, window=4)])
     memory = ISWAMemory(spec, 32, 2, 8)
-    assert not memory.holds_cells
-    with pytest.raises(NotImplementedError):
-        memory.cells_hold(np.zeros(1, dtype=np.int64))
+    assert not memory.holds_cells and memory.index_budget == (0,)
+    memory = ISWAMemory(spec, 32, 2, 8, index_cells=6)
+    assert memory.holds_cells and memory.index_windows == (4,) and memory.index_budget == (6,)
+    assert memory.pools[1].cells.n_cells == 4 * 2 + 8 + 6
+    plan = memory.plan(np.arange(6), np.zeros(6, dtype=np.int64))
+    assert plan is not None
+    memory.apply(plan)
+    memory.seq_trim(0)  # seq 0's window: positions 2..5
+    full = memory.seq_prefix_cells(0, 6)
+    window = memory.seq_window_cells(0, 6)
+    assert window is not None and (window[0][1] == np.arange(2, 6)).all()
+    short = memory.seq_window_cells(0, 3)  # only position 2 is left below 3
+    assert short is not None and (short[0][1] == [2]).all()
+    assert memory.seq_window_cells(0, 9) is None  # no position 8
+    memory.cells_hold(full)
+    memory.cells_hold(window[0][0], pool=1)
+    memory.seq_rm(0, -1, -1)
+    memory.check()
+    assert memory.pools[1].cells.used == 4  # held without a seq id
+    memory.cells_cp(full, 1)
+    memory.cells_cp(window[0][0], 1, pool=1)
+    assert memory.usable_prefix(1, 6) == 6
+    memory.cells_release(full)
+    memory.cells_release(window[0][0], pool=1)
+    memory.seq_rm(1, -1, -1)
+    memory.check()
+    assert memory.num_used == 0

@@ -112,7 +112,13 @@ class FakeWorker:
             if group.key == "recurrent":
                 state_hashes = self.states.run(plan, group)
                 continue
-            token, k_pos, p = self.token[g], self.k_pos[g], group.pending
+            p = group.pending
+            top = max([int(group.cells.max(initial=-1)), *p.copy_dst.tolist(), -1]) + 1
+            if top > self.token[g].shape[0]:  # a pool larger than n_cells (iSWA's index room)
+                grow = np.full(top - self.token[g].shape[0], -1, dtype=np.int64)
+                self.token[g] = np.concatenate([self.token[g], grow])
+                self.k_pos[g] = np.concatenate([self.k_pos[g], grow])
+            token, k_pos = self.token[g], self.k_pos[g]
             for src, dst in zip(p.copy_src.tolist(), p.copy_dst.tolist(), strict=True):
                 token[dst] = token[src]
                 k_pos[dst] = k_pos[src]

@@ -106,14 +106,17 @@ def test_random_workloads_past_the_seq_ids(cfg: dict[str, object], work: list[Ar
     work=workloads(),
     window=st.one_of(st.integers(1, 12), st.integers(13, 120)),
     kind=st.sampled_from(["iswa", "unified"]),
+    index_cells=st.sampled_from([None, 0, 6, 40]),
 )
 def test_random_workloads_with_a_sliding_window(
-    cfg: dict[str, object], work: list[Arrival], window: int, kind: str
+    cfg: dict[str, object], work: list[Arrival], window: int, kind: str, index_cells: int | None
 ) -> None:
     """Layers 0 and 2 full attention, layer 1 a window: iSWA gives it its own small pool,
-    the unified cache only narrows what it reads."""
+    the unified cache only narrows what it reads. iSWA's prefix index keeps windows within
+    `index_cells` of the window pool (None: n_cells / 4; 0: no index)."""
     spec = MemorySpec.of([Attention(1, 4), Attention(1, 4, window), Attention(1, 4)])
-    run_workload({**cfg, "memory_spec": spec, "memory": kind}, work, windows=(0, window))
+    cfg = {**cfg, "memory_spec": spec, "memory": kind, "swa_index_cells": index_cells}
+    run_workload(cfg, work, windows=(0, window))
     event(f"memory: {kind}")
 
 
@@ -172,7 +175,8 @@ def run_workload(cfg: dict[str, object], work: list[Arrival], windows: tuple[int
     holders = sched.prefix.seq_ids
     assert sched.num_free_seq_ids == config.n_seq_max - len(holders)
     owned = sum(sched.memory.seq_num_cells(h) for h in holders)
-    held = 0 if radix is None else radix.num_cells  # the prefix index's (scheduler/radix.py)
+    # the prefix index's (scheduler/radix.py): its cells and, on iSWA, its windows' cells
+    held = 0 if radix is None else radix.num_cells + sum(radix.num_window_cells)
     assert sched.memory.num_used <= owned + held
     sched.clear_prefix_cache()
     assert sched.memory.num_used == 0
@@ -189,3 +193,8 @@ def check_prefix_index(sched: Scheduler) -> None:
     assert np.unique(tree).size == tree.size == radix.num_cells
     held = sched.memory.pools[0].cells.held  # type: ignore[attr-defined]
     assert (tree == np.flatnonzero(held)).all()
+    # every window pool: the cells some window holds are exactly those the memory holds there
+    for p, cells in enumerate(radix.held_windows(), start=1):
+        pool_held = sched.memory.pools[p].cells.held  # type: ignore[attr-defined]
+        assert (cells == np.flatnonzero(pool_held)).all()
+        assert cells.size == radix.num_window_cells[p - 1] <= radix.budget[p - 1]

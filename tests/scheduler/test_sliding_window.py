@@ -32,7 +32,11 @@ def ref(req, n_ctx_seq: int, choice: int = 0) -> list[int]:  # type: ignore[no-u
 
 
 def test_the_window_pool_is_sized_by_window_times_sequences_not_by_context() -> None:
-    sched, worker = make_swa_scheduler(n_cells=1024, n_seq_max=8, n_batch=64, n_ctx_seq=512)
+    kw = dict(n_cells=1024, n_seq_max=8, n_batch=64, n_ctx_seq=512)
+    # by default the pool has n_cells / 4 more for the prefix index's windows
+    default_pools = make_swa_scheduler(**kw)[0].memory.pools
+    assert default_pools[1].cells.n_cells == W * 8 + 64 + 1024 // 4
+    sched, worker = make_swa_scheduler(**kw, swa_index_cells=0)
     assert isinstance(sched.memory, ISWAMemory)
     full, swa = sched.memory.pools
     assert (full.name, full.cells.n_cells) == ("full", 1024)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from kvcache.iswa import ISWAMemory
-from kvcache.make import make_memory
 from kvcache.unified import UnifiedMemory
 from model.load.loader import LoadedModel, load_model
 from model.runner.worker import ModelWorker, make_worker
@@ -37,9 +36,7 @@ def serve(
 ) -> tuple[Outcome, Scheduler, ModelWorker]:
     """Each batch of requests to completion, one after the other, on one memory."""
     config = make_config(**{**CFG, **cfg}, memory_spec=gemma.config.memory_spec, memory=kind)
-    memory = make_memory(
-        config.memory_spec, config.n_cells, config.n_seq_max, config.n_batch, config.memory
-    )
+    memory = config.make_memory()
     group_cells = [memory.pools[i].cells.n_cells for i in memory.group_pools]
     worker = make_worker(gemma, config.n_cells, group_cells=group_cells)
     sched, outcome = Scheduler(config, memory), Outcome()
@@ -57,7 +54,8 @@ def test_the_window_layers_use_the_small_pool_and_give_the_unified_output(gemma)
     reqs.append(request("n2", make_prompt(30, seed=9), 20, n=2, sampling=seeded))
     swa, sched, worker = serve(gemma, [reqs], "iswa")
     assert isinstance(sched.memory, ISWAMemory)
-    assert [s.n_cells for s in worker.kv] == [512, 8 * 6 + 32]  # full layer, window layers
+    # full layer, window layers (and n_cells / 4 for the prefix index's windows)
+    assert [s.n_cells for s in worker.kv] == [512, 8 * 6 + 32 + 512 // 4]
     unified, usched, uworker = serve(gemma, [reqs], "unified")
     assert isinstance(usched.memory, UnifiedMemory)
     assert [s.n_cells for s in uworker.kv] == [512, 512]
@@ -91,3 +89,24 @@ def test_a_burst_shares_the_prefix_a_running_prompt_computes(gemma) -> None:
     assert sched.counters.num_prompt_tokens == 56 + 3 * 6
     cold, _, _ = serve(gemma, [burst], "unified", prefix_cache=False)
     assert swa.tokens == cold.tokens
+
+
+def test_conversations_past_the_seq_ids_continue_from_the_index_with_the_cold_output(gemma) -> None:
+    # 2 seq ids, 8 conversations of 20 + 6 tokens: each demoted holder leaves its window in
+    # the index, so every continuation reuses its whole history
+    firsts = [request(f"t{i}", make_prompt(20, seed=40 + i), 6) for i in range(8)]
+    warm, _, _ = serve(gemma, [firsts], "iswa")
+    follows = [
+        request(f"f{i}", r.prompt_ids + warm.tokens[(r.req_id, 0)] + make_prompt(4, seed=i), 6)
+        for i, r in enumerate(firsts)
+    ]
+    out, sched, _ = serve(
+        gemma, [[r] for r in firsts] + [[f] for f in follows], "iswa", n_seq_max=2
+    )
+    radix = sched.seq_ids.radix
+    assert radix is not None and radix.num_window_cells[0] > 0
+    for f in follows:
+        assert out.finish[(f.req_id, 0)].num_cached_tokens == 20 + 6 - 1
+    cold, _, _ = serve(gemma, [follows], "unified", prefix_cache=False)
+    assert all(out.tokens[(f.req_id, 0)] == cold.tokens[(f.req_id, 0)] for f in follows)
+    sched.memory.check()

@@ -10,7 +10,7 @@ import pytest
 from cli.main import build_settings, make_parser
 from tests.live_server import start_server
 from tests.server.test_prefix_sharing_server import scrape
-from tests.tiny_models import write_tiny_llama
+from tests.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,31 @@ def test_no_prefix_index_keeps_only_the_holders(tmp_path) -> None:  # noqa: ANN0
         assert scrape(live.url)["cellserve_prefix_index_nodes"] == 0
     finally:
         live.stop()
+
+
+def test_a_sliding_window_model_keeps_windows_past_the_holders(tmp_path) -> None:  # noqa: ANN001
+    """A tiny Gemma 3 (window 8) with --n-seq-max 2: the index keeps each conversation's
+    window within --swa-index-cells, and every continuation reuses its whole history."""
+    args = make_parser().parse_args(["serve", "--swa-index-cells", "256"])
+    assert build_settings(args).swa_index_cells == 256
+    folder = write_tiny_gemma3(tmp_path / "gemma")
+    prompts = [[5 + (i * 13 + k * 7) % 200 for k in range(40)] for i in range(8)]
+    for index_cells in (256, 0):
+        live = start_server(
+            model=str(folder), n_cells=4096, n_seq_max=2, n_batch=128, swa_index_cells=index_cells
+        )
+        try:
+            for p in prompts:
+                # one token: what is computed ends with the prompt, so its window (positions
+                # 32..39) serves the continuation below; a continuation must carry the answer
+                # computed after the prompt, or the window of position 40 is not held
+                body = {"prompt": p, "max_tokens": 1, "temperature": 0}
+                httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).raise_for_status()
+            hits = [cached_tokens(live.url, p + [300 + i, 301, 302]) for i, p in enumerate(prompts)]
+            cells = scrape(live.url)["cellserve_prefix_index_cells"]
+        finally:
+            live.stop()
+        if index_cells:  # 8 windows of 8 cells fit in 256
+            assert min(hits) >= 40 and cells >= 6 * 40
+        else:  # only the two holders: the first conversation's went long before
+            assert hits[0] == 0 and cells == 0
