@@ -87,6 +87,7 @@ def engine_stats(
         prefix_cache_running_hit_tokens=c.prefix_running_hit_tokens,
         prefix_index_nodes=radix.num_nodes if radix is not None else 0,
         prefix_index_cells=radix.num_cells if radix is not None else 0,
+        prefix_index_window_cells=sum(radix.num_window_cells) if radix is not None else 0,
         cells_index_only=index_only,
         spec=sched.spec.snapshot(),
         running_lora_ids=_lora_ids(sched.running),

@@ -63,6 +63,7 @@ class EngineStats:
     # the prefix index over held cells (scheduler/radix.py): its nodes and the cells they hold
     prefix_index_nodes: int = 0
     prefix_index_cells: int = 0
+    prefix_index_window_cells: int = 0  # iSWA: the window pools' cells its windows hold
     cells_index_only: int = 0  # of cells_used: held only by the prefix index (evictable)
     spec: SpecStats | None = None  # speculative decoding's counters; None when it is off
     # LoRA adapter ids of the running / waiting requests (vllm:lora_requests_info)

@@ -59,6 +59,10 @@ def engine_metrics(rows: EngineRows, labels: list[str]) -> Iterator[Metric]:
             "Cells the prefix index holds (some also owned by running requests)",
             "prefix_index_cells",
         ),
+        "cellserve_prefix_index_window_cells": (
+            "Cells of the sliding-window pools the prefix index holds for its windows (iSWA)",
+            "prefix_index_window_cells",
+        ),
         "vllm:num_requests_waiting": ("Gateway API protocol: queued requests", "num_waiting"),
         "vllm:num_requests_running": ("Gateway API protocol: running requests", "num_running"),
         "vllm:gpu_cache_usage_perc": ("Gateway API protocol: KV cache usage 0..1", "cache_usage"),

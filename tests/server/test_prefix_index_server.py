@@ -93,10 +93,12 @@ def test_a_sliding_window_model_keeps_windows_past_the_holders(tmp_path) -> None
                 body = {"prompt": p, "max_tokens": 1, "temperature": 0}
                 httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).raise_for_status()
             hits = [cached_tokens(live.url, p + [300 + i, 301, 302]) for i, p in enumerate(prompts)]
-            cells = scrape(live.url)["cellserve_prefix_index_cells"]
+            metrics = scrape(live.url)
         finally:
             live.stop()
+        cells = metrics["cellserve_prefix_index_cells"]
+        windows = metrics["cellserve_prefix_index_window_cells"]
         if index_cells:  # 8 windows of 8 cells fit in 256
-            assert min(hits) >= 40 and cells >= 6 * 40
+            assert min(hits) >= 40 and cells >= 6 * 40 and 6 * 8 <= windows <= 256
         else:  # only the two holders: the first conversation's went long before
-            assert hits[0] == 0 and cells == 0
+            assert hits[0] == 0 and cells == windows == 0
