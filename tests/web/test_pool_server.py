@@ -33,8 +33,9 @@ def test_a_sliding_window_model_is_served_on_two_pools(server) -> None:
         cells = client.get("/v1/cache/cells").json()
         metrics = client.get("/metrics").text
     pools = {p["name"]: p for p in cells["pools"]}
-    assert (pools["full"]["n_cells"], pools["swa"]["n_cells"]) == (512, 8 * 4 + 32)
+    # the window pool: W x n_seq_max + n_batch, and n_cells / 4 for the prefix index's windows
+    assert (pools["full"]["n_cells"], pools["swa"]["n_cells"]) == (512, 8 * 4 + 32 + 512 // 4)
     assert pools["swa"]["window"] == 8
     assert pools["full"]["used"] > pools["swa"]["used"] > 0  # the prefix cache's holders
-    assert 'cellserve_kv_pool_cells_total{pool="swa"} 64.0' in metrics
+    assert 'cellserve_kv_pool_cells_total{pool="swa"} 192.0' in metrics
     assert 'cellserve_kv_pool_cells_total{pool="full"} 512.0' in metrics

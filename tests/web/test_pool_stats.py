@@ -35,7 +35,8 @@ def test_the_cell_map_payload_lists_both_pools() -> None:
     body = cell_map_payload(snap)
     full, swa = body["pools"]
     assert (full["name"], full["window"], full["n_cells"]) == ("full", 0, 256)
-    assert (swa["name"], swa["window"], swa["n_cells"]) == ("swa", 8, 8 * 4 + 32)
+    # W x n_seq_max + n_batch, and n_cells / 4 for the prefix index's windows
+    assert (swa["name"], swa["window"], swa["n_cells"]) == ("swa", 8, 8 * 4 + 32 + 256 // 4)
     assert full["used"] == body["totals"]["used"] == sum(s.num_computed for s in sched.running)
     assert swa["used"] == len(decode_runs(swa["owner_runs"])) - swa["free"]
     assert swa["used"] <= 2 * 8 + 2  # each sequence's window, plus its last row
