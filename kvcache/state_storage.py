@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.cells import PendingOps
+from kvcache.zeros import lazy_zeros
 
 
 class RecurrentStorage:
@@ -36,8 +37,8 @@ class RecurrentStorage:
         self.device = torch.device(device)
         self._index = {layer: i for i, layer in enumerate(layers)}
         n = len(layers)
-        self._conv = torch.zeros((n, n_slots, *conv_shape), dtype=dtype, device=self.device)
-        self._ssm = torch.zeros((n, n_slots, *ssm_shape), dtype=torch.float32, device=self.device)
+        self._conv = lazy_zeros((n, n_slots, *conv_shape), dtype, self.device)
+        self._ssm = lazy_zeros((n, n_slots, *ssm_shape), torch.float32, self.device)
         self._saved = (self._conv.new_empty(0), self._ssm.new_empty(0))  # save()'s buffers
 
     @property
@@ -55,6 +56,10 @@ class RecurrentStorage:
     @property
     def num_bytes(self) -> int:
         return self.bytes_per_slot * self.n_slots
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and ssm states of every slot (what num_bytes counts)."""
+        return self._conv, self._ssm
 
     def conv(self, layer: int) -> torch.Tensor:
         """[n_slots, *conv_shape] of model layer `layer` (a view: writes go to the storage)."""

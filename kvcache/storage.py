@@ -11,6 +11,7 @@ from kvcache.cache_types import CacheType, cache_type
 from kvcache.cells import PendingOps
 from kvcache.rope import RopeConfig, apply_rope
 from kvcache.state_storage import RecurrentStorage
+from kvcache.zeros import lazy_zeros
 
 
 class KVStorage:
@@ -57,7 +58,7 @@ class KVStorage:
 
     def _zeros(self, t: CacheType) -> torch.Tensor:
         shape = (self.n_layers, self.n_kv_heads, self.n_cells, t.row_len(self.head_dim))
-        return torch.zeros(shape, dtype=t.storage_dtype, device=self.device)
+        return lazy_zeros(shape, t.storage_dtype, self.device)
 
     @property
     def bytes_per_cell(self) -> int:

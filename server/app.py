@@ -127,6 +127,7 @@ async def _load(app: FastAPI, factory: BackendFactory) -> None:
         backend.weights_owned_bytes,
         backend.cache_bytes,
         backend.state_bytes,
+        backend.cache_ranges,
     )
     metrics.set_memory(parts)
     if backend.cache_bytes_per_cell:

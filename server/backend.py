@@ -49,6 +49,9 @@ class Backend:
     cache_bytes: int
     cache_bytes_per_cell: int = 0  # K and V of one token, every layer, as stored
     state_bytes: int = 0  # the recurrent state slots (conv + SSM of every recurrent layer)
+    # (address, bytes) of the K/V and of the state slots' tensors in process memory: their
+    # resident pages (server/process_memory.py); None: not in process memory (a GPU)
+    cache_ranges: Callable[[], tuple[list[tuple[int, int]], list[tuple[int, int]]]] | None = None
     embedding_dim: int = 0  # length of an /v1/embeddings vector (the model's hidden size)
     # "embed": an encoder embedding model, served on /v1/embeddings only (the generation
     # endpoints answer 400); "generate": a generative model (its /v1/embeddings pools too)

@@ -15,6 +15,7 @@ from scheduler.engine import Engine
 from scheduler.speculative import SpecConfig
 from scheduler.stats import StepStats
 from server.backend import Backend
+from server.process_memory import cache_fits, resident_bytes
 from server.settings import Settings
 
 log = logging.getLogger("cellserve.server")
@@ -238,6 +239,12 @@ def load_backend(
     )
     log.info("kernel paths: %s", worker.paths.describe())
     kv_bytes = worker.kv_bytes
+    if device == "cpu":
+        state_total = 0 if worker.state is None else worker.state.num_bytes
+        kv_ranges, state_ranges = worker.cache_ranges()
+        warning = cache_fits(kv_bytes + state_total, resident_bytes(kv_ranges + state_ranges))
+        if warning:
+            log.warning(warning)
     mapped, owned = weight_bytes(loaded.transformer)
     real_worker = worker
     if wrap_worker is not None:
@@ -262,6 +269,7 @@ def load_backend(
         cache_bytes=kv_bytes,
         cache_bytes_per_cell=worker.kv_bytes_per_cell,
         state_bytes=0 if real_worker.state is None else real_worker.state.num_bytes,
+        cache_ranges=real_worker.cache_ranges if device == "cpu" else None,
         embedding_dim=loaded.config.dim,
         grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
         runtime={
