@@ -156,6 +156,20 @@ def load_loras(settings: Settings, loaded: Any, base_name: str) -> tuple[Any, An
     return LoraSet(model, adapters), LoraAdapters(base_name, served)
 
 
+def cache_ranges(worker: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(address, bytes) of a worker's K/V tensors, and of its recurrent state slots' tensors: the
+    OS maps their pages in as cells are first written (kvcache/zeros.py), so the resident part is
+    what server/process_memory.resident_bytes finds there."""
+    from kvcache.storage import KVStorage
+
+    def span(t: Any) -> tuple[int, int]:
+        return t.data_ptr(), t.numel() * t.element_size()
+
+    kv = [span(t) for s in worker.kv if isinstance(s, KVStorage) for t in (s.k, s.v)]
+    state = [] if worker.state is None else [span(t) for t in worker.state.tensors()]
+    return kv, state
+
+
 def load_backend(
     settings: Settings,
     on_step: Callable[[StepStats], None],
@@ -241,7 +255,7 @@ def load_backend(
     kv_bytes = worker.kv_bytes
     if device == "cpu":
         state_total = 0 if worker.state is None else worker.state.num_bytes
-        kv_ranges, state_ranges = worker.cache_ranges()
+        kv_ranges, state_ranges = cache_ranges(worker)
         warning = cache_fits(kv_bytes + state_total, resident_bytes(kv_ranges + state_ranges))
         if warning:
             log.warning(warning)
@@ -269,7 +283,7 @@ def load_backend(
         cache_bytes=kv_bytes,
         cache_bytes_per_cell=worker.kv_bytes_per_cell,
         state_bytes=0 if real_worker.state is None else real_worker.state.num_bytes,
-        cache_ranges=real_worker.cache_ranges if device == "cpu" else None,
+        cache_ranges=partial(cache_ranges, real_worker) if device == "cpu" else None,
         embedding_dim=loaded.config.dim,
         grammars=GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size),
         runtime={

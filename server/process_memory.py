@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -30,8 +32,8 @@ def process_memory() -> dict[str, int]:
 
 
 def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
-    """Bytes of the pages of `ranges` (address, length) that are in RAM now (mincore), counted
-    whole; -1 where the OS cannot say."""
+    """Bytes of `ranges` (address, length) whose pages are in RAM now (mincore); -1 where the OS
+    cannot say."""
     total = 0
     mincore = getattr(_libc, "mincore", None)
     if mincore is None:
@@ -44,7 +46,11 @@ def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
         vec = (ctypes.c_ubyte * pages)()
         if mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * _PAGE), vec) != 0:
             return -1
-        total += sum(b & 1 for b in bytes(vec)) * _PAGE
+        flags = np.frombuffer(vec, dtype=np.uint8) & 1
+        n = int(np.count_nonzero(flags)) * _PAGE
+        n -= (addr - lo) * int(flags[0])  # the first and last pages' bytes outside the range
+        n -= (lo + pages * _PAGE - addr - length) * int(flags[-1])
+        total += n
     return total
 
 

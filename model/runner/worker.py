@@ -126,18 +126,6 @@ class ModelWorker:
     def kv_bytes(self) -> int:
         return sum(s.bytes_per_cell * s.n_cells for s in self.kv if isinstance(s, KVStorage))
 
-    def cache_ranges(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(address, bytes) of the K/V tensors, and of the recurrent state slots' tensors: the
-        OS maps their pages in as cells are first written (kvcache/zeros.py), so the resident
-        part is what server/process_memory.resident_bytes finds there."""
-
-        def span(t: torch.Tensor) -> tuple[int, int]:
-            return t.data_ptr(), t.numel() * t.element_size()
-
-        kv = [span(t) for s in self.kv if isinstance(s, KVStorage) for t in (s.k, s.v)]
-        state = [] if self.state is None else [span(t) for t in self.state.tensors()]
-        return kv, state
-
     @property
     def state_bytes_per_slot(self) -> int:
         """One sequence's recurrent state over every recurrent layer; 0 without any."""
