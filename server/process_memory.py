@@ -46,7 +46,7 @@ def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
         vec = (ctypes.c_ubyte * pages)()
         if mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * _PAGE), vec) != 0:
             return -1
-        flags = np.frombuffer(vec, dtype=np.uint8) & 1
+        flags = np.frombuffer(memoryview(vec), dtype=np.uint8) & 1
         n = int(np.count_nonzero(flags)) * _PAGE
         n -= (addr - lo) * int(flags[0])  # the first and last pages' bytes outside the range
         n -= (lo + pages * _PAGE - addr - length) * int(flags[-1])
