@@ -41,7 +41,7 @@ def test_pages_become_resident_as_they_are_written():
 
 
 def test_storages_start_unwritten_and_the_breakdown_counts_what_is_resident():
-    # blocks past glibc's largest mmap threshold (32 MiB): always fresh pages from the OS
+    # 64 MiB a tensor: each its own fresh anonymous mapping (kvcache/zeros.py)
     kv = KVStorage(n_layers=4, n_cells=65536, n_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     state = RecurrentStorage((1, 3), 16, (96, 3), (8, 16, 64), dtype=torch.bfloat16)
     kv_ranges = [span(kv.k), span(kv.v)]
