@@ -42,16 +42,21 @@ class GroupRows:
     positions: np.ndarray
     k: torch.Tensor
     v: torch.Tensor
+    rotation: tuple[int, int] = (0, 0)  # the storage's (rot_k, rot_v): kvcache/rotation.py
 
     def geometry(self) -> dict[str, object]:
-        return rows_geometry(self.k, self.v)
+        return rows_geometry(self.k, self.v, *self.rotation)
 
 
-def rows_geometry(k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
+def rows_geometry(
+    k: torch.Tensor, v: torch.Tensor, rot_k: int = 0, rot_v: int = 0
+) -> dict[str, object]:
     """What K and V rows [n_layers, n_kv_heads, n, row] look like, whatever n (a storage's
-    whole tensors or one sequence's rows): a restore needs the same on both sides."""
+    whole tensors or one sequence's rows): a restore needs the same on both sides. A rotated
+    quantized type (kvcache/rotation.py) adds its n as k_rot / v_rot: the same bytes unrotated
+    are other values, so a file from a server without the rotation is refused, not restored."""
     n_layers, n_kv_heads = k.shape[:2]
-    return {
+    geometry: dict[str, object] = {
         "n_layers": int(n_layers),
         "n_kv_heads": int(n_kv_heads),
         "k_row": int(k.shape[-1]),
@@ -59,6 +64,11 @@ def rows_geometry(k: torch.Tensor, v: torch.Tensor) -> dict[str, object]:
         "v_row": int(v.shape[-1]),
         "v_dtype": str(v.dtype).removeprefix("torch."),
     }
+    if rot_k:
+        geometry["k_rot"] = int(rot_k)
+    if rot_v:
+        geometry["v_rot"] = int(rot_v)
+    return geometry
 
 
 @dataclass(slots=True)
@@ -154,7 +164,8 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
                 chunk = torch.frombuffer(bytearray(buf[at : at + size]), dtype=torch.uint8)
                 kv.append(chunk.view(dtype).reshape(shape))
                 at += size
-            rows.append(GroupRows(positions, kv[0], kv[1]))
+            rotation = (int(g.get("k_rot", 0)), int(g.get("v_rot", 0)))
+            rows.append(GroupRows(positions, kv[0], kv[1], rotation))
     except CellFileError:
         raise
     except (KeyError, ValueError, TypeError) as e:
@@ -214,7 +225,11 @@ def copy_out(model: str, held: Any, worker: Any) -> CellFile:
     tokens, per group the cells and their positions, its LoRA adapters) with its K/V rows read
     out of the worker's storage; `model` the model's fingerprint."""
     rows = worker.read_rows(held.cells)
-    groups = [GroupRows(p.copy(), k, v) for p, (k, v) in zip(held.positions, rows, strict=True)]
+    rotations = [(int(g.get("k_rot", 0)), int(g.get("v_rot", 0))) for g in worker.kv_geometry()]
+    groups = [
+        GroupRows(p.copy(), k, v, r)
+        for p, (k, v), r in zip(held.positions, rows, rotations, strict=True)
+    ]
     return CellFile(model, held.tokens.copy(), groups, held.lora, held.lora_name)
 
 

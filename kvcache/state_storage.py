@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache.cell_file import rows_geometry
 from kvcache.cells import PendingOps
 from kvcache.zeros import lazy_zeros
 
@@ -125,12 +126,12 @@ class RecurrentStorage:
         self._conv.index_copy_(1, slots, conv)
         self._ssm.index_copy_(1, slots, ssm)
 
-    def rows_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole storage shaped as read_cells gives rows: [n_layers, 1, n_slots, values]
-        (what a restore checks a file's geometry against)."""
+    def geometry(self) -> dict[str, object]:
+        """What its rows look like as read_cells gives them (a restore checks a file's against
+        it): the whole storage as [n_layers, 1, n_slots, values]."""
         n_layers = len(self.layers)
         conv = self._conv.view(n_layers, 1, self.n_slots, -1)
-        return conv, self._ssm.view(n_layers, 1, self.n_slots, -1)
+        return rows_geometry(conv, self._ssm.view(n_layers, 1, self.n_slots, -1))
 
     def clear(self) -> None:
         self._conv.zero_()

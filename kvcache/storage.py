@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from kvcache.cache_types import CacheType, cache_type
+from kvcache.cell_file import rows_geometry
 from kvcache.cells import PendingOps
 from kvcache.rope import RopeConfig, apply_rope
+from kvcache.rotation import hadamard, rotation_size
 from kvcache.state_storage import RecurrentStorage
 from kvcache.zeros import lazy_zeros
 
@@ -37,10 +39,12 @@ class KVStorage:
         layer_ropes: list[RopeConfig] | None = None,
         type_k: str | CacheType | None = None,
         type_v: str | CacheType | None = None,
+        rotate: bool | None = None,
     ) -> None:
         """`layer_ropes`: each layer's RoPE when they differ (Gemma 3's local and global bases);
         the K-shift rotates each layer by its own. `type_k` / `type_v`: the cache types (None:
-        `dtype`'s float type)."""
+        `dtype`'s float type). `rotate`: whether quantized types store Hadamard-rotated rows
+        (kvcache/rotation.py; None: CELLSERVE_KV_ROTATION, on by default)."""
         self.n_layers = n_layers
         self.n_cells = n_cells
         self.n_kv_heads = n_kv_heads
@@ -50,6 +54,9 @@ class KVStorage:
         self.type_v = cache_type(dtype if type_v is None else type_v)
         self.type_k.check(head_dim)
         self.type_v.check(head_dim)
+        # > 0: the attention layers store H_n k / H_n v rows of this n (kvcache/rotation.py)
+        self.rot_k = rotation_size(self.type_k, head_dim, rotate)
+        self.rot_v = rotation_size(self.type_v, head_dim, rotate, v=True)
         self.device = torch.device(device)
         self.rope = rope if rope is not None else RopeConfig(theta=10000.0, dim=head_dim)
         self.layer_ropes = layer_ropes or [self.rope] * n_layers
@@ -69,6 +76,10 @@ class KVStorage:
     def native(self) -> bool:
         """K and V stored as the model's own dtype: reads are views, no conversion."""
         return self.type_k.dtype == self.dtype and self.type_v.dtype == self.dtype
+
+    def geometry(self) -> dict[str, object]:
+        """What its rows look like (kvcache/cell_file.py: a restore checks a file's against it)."""
+        return rows_geometry(self.k, self.v, self.rot_k, self.rot_v)
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v: [n, n_kv_heads, head_dim] into `cells` [n] (int64) of `layer`."""
@@ -156,7 +167,12 @@ class KVStorage:
             raw = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, row]
             # a quantized row: dequantize, rotate, quantize again (only the shifted cells)
             k = self.type_k.decode(raw, torch.float32) if self.type_k.quantized else raw
-            rotated = self.type_k.encode(apply_rope(k, cos, sin, rope.layout))
+            if self.rot_k:  # RoPE turns k, not H k: H is its own inverse
+                k = hadamard(k, self.rot_k)
+            k = apply_rope(k, cos, sin, rope.layout)
+            if self.rot_k:
+                k = hadamard(k, self.rot_k)
+            rotated = self.type_k.encode(k)
             self.k[layer].index_copy_(1, cells, rotated.transpose(0, 1))
 
     def clear(self) -> None:
@@ -188,6 +204,9 @@ class GroupedKVStorage:
         kv = [s for s in groups if isinstance(s, KVStorage)]
         self.type_k = kv[0].type_k if kv else None
         self.type_v = kv[0].type_v if kv else None
+        self.rot_k = kv[0].rot_k if kv else 0
+        self.rot_v = kv[0].rot_v if kv else 0
+        assert all((s.rot_k, s.rot_v) == (self.rot_k, self.rot_v) for s in kv), "one rotation"
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for layer in order:

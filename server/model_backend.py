@@ -8,6 +8,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from kvcache.storage import KVStorage
 from scheduler.cache_tier import CacheTier
 from scheduler.config import EngineConfig
 from scheduler.draft import DraftModel
@@ -244,10 +245,14 @@ def load_backend(
         cache_type_k=type_k,
         cache_type_v=type_v,
     )
+    # a quantized type's rows are stored Hadamard-rotated (kvcache/rotation.py) unless
+    # CELLSERVE_KV_ROTATION=0: the log says which
+    kv = [s for s in worker.kv if isinstance(s, KVStorage)]
+    rot_k, rot_v = (kv[0].rot_k, kv[0].rot_v) if kv else (0, 0)
     log.info(
         "KV cache: K %s, V %s: %d bytes per cell (K and V of every layer), %.1f MiB",
-        type_k,
-        type_v,
+        f"{type_k} (Hadamard-rotated, n={rot_k})" if rot_k else type_k,
+        f"{type_v} (Hadamard-rotated, n={rot_v})" if rot_v else type_v,
         worker.kv_bytes_per_cell,
         worker.kv_bytes / 2**20,
     )

@@ -99,6 +99,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul_of, kNoGil,
         "silu(gate) * up of bfloat16 or float32 rows, in one pass");
   m.def("rope_neox_", &rope_neox_, kNoGil, "rotate-half RoPE of [n, heads, head_dim] in place");
+  m.def("hadamard_", &hadamard_, kNoGil, py::arg("x"), py::arg("n"),
+        "the orthonormal Walsh-Hadamard transform of each n values of [rows, heads, head_dim]");
   m.def("int4_mm", &int4_mm, kNoGil, "float32 rows times cellserve-layout int4 weights, in int8");
   m.def("int4_gemm", &int4_gemm, kNoGil,
         "float32 batches times int4 weights (pack_int4_gemm), in int8");
@@ -169,6 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("rope_interleaved", &StepLayer::rope_interleaved)
       .def_readwrite("softcap", &StepLayer::softcap)
       .def_readwrite("sinks", &StepLayer::sinks)
+      .def_readwrite("rot_k", &StepLayer::rot_k)
+      .def_readwrite("rot_v", &StepLayer::rot_v)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult)
       .def_readwrite("router", &StepLayer::router)

@@ -197,6 +197,7 @@ at::Tensor silu_mul_of(const at::Tensor& gate_up);
 void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor rope_neox_(at::Tensor x, const at::Tensor& c, const at::Tensor& s);
+at::Tensor hadamard_(at::Tensor x, int64_t n);  // layers.cpp
 // step.cpp: every layer of a step in one call (model/runner/native.py), each layer as its
 // model.arch.LayerDesc describes it. A linear as model/layers/quant.py QuantLinear.step_linear
 // (or ggml.py BlockLinear.step_linear) builds it, by kind:
@@ -286,6 +287,9 @@ struct StepLayer {
   bool rope_interleaved = false;  // pairs (2i, 2i + 1) (GLM-4), not rotate-half's (i, i + dim/2)
   double softcap = 0.0;         // > 0: attention scores capped (Gemma 2)
   std::optional<at::Tensor> sinks;  // [n_heads]: a sink logit per head (gpt-oss)
+  // > 0: q and k (rot_k), v and the attention's output (rot_v) go through hadamard_ with this
+  // n after RoPE: the cache stores rotated rows (kvcache/rotation.py)
+  int64_t rot_k = 0, rot_v = 0;
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;
   // a mixture-of-experts MLP (model/layers/moe.py MoEFeedForward) instead of w13 / w2: the

@@ -157,6 +157,67 @@ __attribute__((noinline)) at::Tensor rope_neox_(at::Tensor x, const at::Tensor& 
   return x;
 }
 
+// hadamard_: the orthonormal Walsh-Hadamard transform H_n (Sylvester's order, scaled by
+// 1/sqrt(n), so H_n is its own inverse) of each run of n values of every head of x [rows, heads,
+// hd] (any row and head strides, dims contiguous; n a power of two dividing hd), in place, in
+// float32, rounded once to x's dtype. A quantized K/V cache stores H k and H v (kvcache/
+// rotation.py): q . k = (H q) . (H k), and an outlier's energy spreads over its block's values
+// before they share one scale. Both the Python layers and step_layers call it (NOINLINE).
+// One run of n values: log2(n) passes of the constant-geometry form (llama.cpp builds H as a
+// matrix; this is the transform in n log n adds), out[i] = in[2i] + in[2i + 1], out[i + n/2] =
+// in[2i] - in[2i + 1], which gives Sylvester's order; every pass reads and writes whole runs
+// (the compiler vectorizes the stride-2 reads), where the in-place butterflies' first passes
+// (partners 1, 2, 4 apart) do not. The result lands in `a` or `b` (returned).
+float* hadamard_run(float* __restrict a, float* __restrict b, int64_t n) {
+  const int64_t half = n / 2;
+  for (int64_t len = 1; len < n; len *= 2) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x0 = a[2 * i], x1 = a[2 * i + 1];
+      b[i] = x0 + x1;
+      b[i + half] = x0 - x1;
+    }
+    std::swap(a, b);
+  }
+  return a;
+}
+
+template <typename T>
+void hadamard_rows(T* xp, int64_t rows, int64_t heads, int64_t hd, int64_t xs0, int64_t xs1,
+                   int64_t n) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(n));
+  auto transform = [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(2 * hd);
+    float *a = buf.data(), *b = a + hd;
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = xp + r * xs0 + h * xs1;
+        for (int64_t d = 0; d < hd; ++d) a[d] = to_float(x[d]);
+        for (int64_t c = 0; c < hd; c += n) {
+          const float* v = hadamard_run(a + c, b + c, n);
+          for (int64_t d = 0; d < n; ++d) x[c + d] = T(v[d] * scale);
+        }
+      }
+    }
+  };
+  if (rows * heads * hd < 32768) return transform(0, rows);  // a decode step's rows: one thread
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / (heads * hd)), transform);
+}
+
+__attribute__((noinline)) at::Tensor hadamard_(at::Tensor x, int64_t n) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
+              "hadamard_ takes x [rows, heads, head_dim] with contiguous head_dim");
+  const int64_t rows = x.size(0), heads = x.size(1), hd = x.size(2);
+  TORCH_CHECK(n >= 1 && (n & (n - 1)) == 0 && hd % n == 0,
+              "hadamard_: n must be a power of two dividing head_dim");
+  if (x.scalar_type() == at::kBFloat16) {
+    hadamard_rows(x.data_ptr<at::BFloat16>(), rows, heads, hd, x.stride(0), x.stride(1), n);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "hadamard_ takes bfloat16 or float32");
+    hadamard_rows(x.data_ptr<float>(), rows, heads, hd, x.stride(0), x.stride(1), n);
+  }
+  return x;
+}
+
 // rms_norm_f32 / silu_mul_f32: the float32 twins (no rounding; -ffast-math sums, so a value
 // can differ from F.rms_norm's in the last bits). RMSNorm of [1, 576] as ~6 ATen ops cost ~24 us.
 // Into `out` (x's shape, contiguous): step_layers reuses one buffer across layers; NOINLINE,

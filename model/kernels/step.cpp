@@ -442,6 +442,9 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& in, const StepLayer&
     else
       rope_partial_(qk, c, s, rot, layer.rope_interleaved);
   }
+  if (layer.rot_k)  // q and k together, as model/layers/decoder.py Attention does
+    hadamard_(qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1}), layer.rot_k);
+  if (layer.rot_v) hadamard_(qkv.as_strided({n, n_kv, hd}, {width, hd, 1}, qk_width), layer.rot_v);
   const StepGroups& g = groups[layer.groups];
   const char* base = static_cast<const char*>(qkv.data_ptr());
   const int64_t* wc = g.write_cells.data_ptr<int64_t>();
@@ -451,6 +454,7 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& in, const StepLayer&
   c10::optional<at::Tensor> sinks;
   if (layer.sinks) sinks = *layer.sinks;
   auto attn = attend(g, q, layer.k_cache, layer.v_cache, scale, layer.softcap, sinks);
+  if (layer.rot_v) hadamard_(attn, layer.rot_v);  // H v's weighted sum, rotated back
   return mm(attn.view({n, n_heads * hd}), layer.wo);
 }
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.rope import rope_partner
+from kvcache.rotation import hadamard
 from kvcache.storage import KVStorage
 from model.arch import ModelArgs
 from model.arch.weights import weight_shapes
@@ -116,8 +117,13 @@ class Attention(nn.Module):
         elif self.rot:
             partner = rope_partner(qk, self.rot, self.layout)
             qk = torch.addcmul(qk * rope_c, partner, rope_s)
+        rot_k, rot_v = storage.rot_k, storage.rot_v  # a quantized cache's rotation (or 0)
+        if rot_k:  # it stores H k: (H q) . (H k) = q . k (kvcache/rotation.py)
+            qk = hadamard(qk, rot_k, batch.fused)
         q, k = qk.split((h, h_kv), dim=1)  # [n, h, hd], [n, h_kv, hd]
         v = qkv[:, (h + h_kv) * hd :].view(n, h_kv, hd)
+        if rot_v:
+            v = hadamard(v, rot_v, batch.fused)
         storage.write(layer, batch.write_cells(self.window), k, v)
 
         kernel = batch.decode_kernel
@@ -135,6 +141,8 @@ class Attention(nn.Module):
                 out[p.start : p.end] = self._prompt(
                     q[p.start : p.end], storage, layer, p, batch.prompt_kernel
                 )
+        if rot_v:  # the weighted sum of H v: H out, rotated back
+            out = hadamard(out, rot_v, batch.fused)
         return self.wo(out.reshape(n, h * hd))
 
     def _decode(

@@ -119,6 +119,9 @@ class NativeDecoder:
             return None, f"{model.dtype} model over {storage.dtype} cells"
         if not storage.native and not getattr(kernels, "reads_cache_types", lambda: False)():
             return None, "cells of another cache type (a build without cache types)"
+        rotated = bool(getattr(storage, "rot_k", 0) or getattr(storage, "rot_v", 0))
+        if rotated and not hasattr(kernels.StepLayer(), "rot_k"):
+            return None, "rotated quantized cells (kvcache/rotation.py): a build without them"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
         parallel = any(d.mixer == "attn_mamba2" for d in descs)
@@ -220,6 +223,8 @@ class NativeDecoder:
                     layer.rope_interleaved = desc.rope.layout == "interleaved"
                 layer.softcap = desc.softcap
                 layer.sinks = mixer.sinks
+                if rotated:  # kvcache/rotation.py: the cells hold H k / H v
+                    layer.rot_k, layer.rot_v = storage.rot_k, storage.rot_v
             layers.append(layer)
         decoder = NativeDecoder(
             kernels,

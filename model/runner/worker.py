@@ -10,7 +10,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvcache.cell_file import rows_geometry
 from kvcache.rope import RopeConfig, rope_tables
 from kvcache.state_storage import RecurrentStorage
 from kvcache.storage import GroupedKVStorage, KVStorage
@@ -152,10 +151,7 @@ class ModelWorker:
 
     def kv_geometry(self) -> list[dict[str, object]]:
         """Per layer group, what its stored rows look like (checked before a restore)."""
-        return [
-            rows_geometry(s.k, s.v) if isinstance(s, KVStorage) else rows_geometry(*s.rows_views())
-            for s in self.kv
-        ]
+        return [s.geometry() for s in self.kv]
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepOutput:

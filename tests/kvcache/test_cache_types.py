@@ -18,10 +18,10 @@ QUANTIZED = ["q8_0", "q4_0"]
 
 
 def make_storage(type_k: str, type_v: str | None = None, n_cells: int = 40, hd: int = 64):
+    """Rows stored as written (no rotation: kvcache/rotation.py has its own tests)."""
     rope = RopeConfig(theta=10000.0, dim=hd, layout="neox")
-    return KVStorage(
-        3, n_cells, 2, hd, torch.float32, rope=rope, type_k=type_k, type_v=type_v or type_k
-    )
+    types = dict(type_k=type_k, type_v=type_v or type_k)
+    return KVStorage(3, n_cells, 2, hd, torch.float32, rope=rope, rotate=False, **types)
 
 
 def rows(n: int, hd: int = 64, seed: int = 0) -> torch.Tensor:
