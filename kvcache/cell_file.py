@@ -42,19 +42,21 @@ class GroupRows:
     positions: np.ndarray
     k: torch.Tensor
     v: torch.Tensor
-    rotation: tuple[int, int] = (0, 0)  # the storage's (rot_k, rot_v): kvcache/rotation.py
+    # how the storage conditioned them (kvcache/rotation.py): rot_k, rot_v, K centred
+    rotation: tuple[int, int, bool] = (0, 0, False)
 
     def geometry(self) -> dict[str, object]:
         return rows_geometry(self.k, self.v, *self.rotation)
 
 
 def rows_geometry(
-    k: torch.Tensor, v: torch.Tensor, rot_k: int = 0, rot_v: int = 0
+    k: torch.Tensor, v: torch.Tensor, rot_k: int = 0, rot_v: int = 0, k_centered: bool = False
 ) -> dict[str, object]:
     """What K and V rows [n_layers, n_kv_heads, n, row] look like, whatever n (a storage's
     whole tensors or one sequence's rows): a restore needs the same on both sides. A rotated
     quantized type (kvcache/rotation.py) adds its n as k_rot / v_rot: the same bytes unrotated
-    are other values, so a file from a server without the rotation is refused, not restored."""
+    are other values, so a file from a server without the rotation is refused, not restored;
+    likewise K rows stored less a constant (k_centered: kvcache/rotation.py k_center)."""
     n_layers, n_kv_heads = k.shape[:2]
     geometry: dict[str, object] = {
         "n_layers": int(n_layers),
@@ -68,6 +70,8 @@ def rows_geometry(
         geometry["k_rot"] = int(rot_k)
     if rot_v:
         geometry["v_rot"] = int(rot_v)
+    if k_centered:
+        geometry["k_centered"] = True
     return geometry
 
 
@@ -164,7 +168,7 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
                 chunk = torch.frombuffer(bytearray(buf[at : at + size]), dtype=torch.uint8)
                 kv.append(chunk.view(dtype).reshape(shape))
                 at += size
-            rotation = (int(g.get("k_rot", 0)), int(g.get("v_rot", 0)))
+            rotation = (int(g.get("k_rot", 0)), int(g.get("v_rot", 0)), g.get("k_centered") is True)
             rows.append(GroupRows(positions, kv[0], kv[1], rotation))
     except CellFileError:
         raise
@@ -225,7 +229,10 @@ def copy_out(model: str, held: Any, worker: Any) -> CellFile:
     tokens, per group the cells and their positions, its LoRA adapters) with its K/V rows read
     out of the worker's storage; `model` the model's fingerprint."""
     rows = worker.read_rows(held.cells)
-    rotations = [(int(g.get("k_rot", 0)), int(g.get("v_rot", 0))) for g in worker.kv_geometry()]
+    rotations = [
+        (int(g.get("k_rot", 0)), int(g.get("v_rot", 0)), g.get("k_centered") is True)
+        for g in worker.kv_geometry()
+    ]
     groups = [
         GroupRows(p.copy(), k, v, r)
         for p, (k, v), r in zip(held.positions, rows, rotations, strict=True)

@@ -12,6 +12,14 @@ q . k, and the attention's output over H v is H times the output over v: rotated
 per query head. Float cache types are stored as they are (nothing to gain). The stored rows
 are rotated values, so a cell file records the rotation (kvcache/cell_file.py rows_geometry)
 and a K-shift undoes it around RoPE (kvcache/storage.py).
+
+A rotation spreads a constant over every block of its run, though, and some K rows carry a
+large one: a K bias in RoPE's slowest dims, which barely turn over a context (Qwen2.5-1.5B's
+layer 0: values up to 354 in rows of RMS 77). So where a layer's K has a bias, quantized K
+rows are also stored less a constant c = the mean over the trained context's positions of
+RoPE(b_k) (k_center): q . (k - c) = q . k - q . c, and q . c is the same for every key of a
+query, so no softmax changes (not with a soft cap or sinks, which are not shift-invariant:
+those layers keep their bias). The K-shift adds c back around RoPE; a cell file records it.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 import torch
 
 from kvcache.cache_types import CacheType
+from kvcache.rope import RopeConfig, apply_rope
 
 ENV = "CELLSERVE_KV_ROTATION"
 _OFF = ("0", "off", "false", "no")
@@ -73,3 +82,20 @@ def hadamard(x: torch.Tensor, n: int, kernels: Any | None = None) -> torch.Tenso
         return kernels.hadamard_(x, n)
     h = _matrix(n, x.shape[-1], x.device)
     return torch.matmul(x.float(), h).to(x.dtype)
+
+
+def k_center(bias_k: torch.Tensor, rope: RopeConfig | None, n_positions: int) -> torch.Tensor:
+    """c for K rows with bias `bias_k` [n_kv_heads, head_dim]: the mean of RoPE(b_k) over
+    positions 0..n_positions-1 (the constant nearest to the bias's part of every row), float32
+    [n_kv_heads, head_dim]. The mean of cos / sin(p t) over those positions in closed form:
+    sin(n t / 2) / (n sin(t / 2)) times cos / sin((n - 1) t / 2)."""
+    b = bias_k.detach().float().cpu()[None]  # [1, n_kv_heads, head_dim]
+    if rope is None:  # NoPE: the bias is the same in every row
+        return b[0].clone()
+    t = rope.inv_freq().double() / 2
+    n = float(max(1, n_positions))
+    small = t.abs() < 1e-12
+    ratio = torch.where(small, 1.0, torch.sin(n * t) / (n * torch.where(small, 1.0, torch.sin(t))))
+    cos = (ratio * torch.cos((n - 1) * t)).float()[None]
+    sin = (ratio * torch.sin((n - 1) * t)).float()[None]
+    return apply_rope(b, cos, sin, rope.layout)[0]

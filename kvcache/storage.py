@@ -11,7 +11,7 @@ from kvcache.cache_types import CacheType, cache_type
 from kvcache.cell_file import rows_geometry
 from kvcache.cells import PendingOps
 from kvcache.rope import RopeConfig, apply_rope
-from kvcache.rotation import hadamard, rotation_size
+from kvcache.rotation import hadamard, k_center, rotation_size
 from kvcache.state_storage import RecurrentStorage
 from kvcache.zeros import lazy_zeros
 
@@ -57,6 +57,9 @@ class KVStorage:
         # > 0: the attention layers store H_n k / H_n v rows of this n (kvcache/rotation.py)
         self.rot_k = rotation_size(self.type_k, head_dim, rotate)
         self.rot_v = rotation_size(self.type_v, head_dim, rotate, v=True)
+        # per layer, the constant its quantized K rows are stored less of (center_k)
+        self.k_centers: dict[int, torch.Tensor] = {}
+        self._k_center_cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.device = torch.device(device)
         self.rope = rope if rope is not None else RopeConfig(theta=10000.0, dim=head_dim)
         self.layer_ropes = layer_ropes or [self.rope] * n_layers
@@ -79,7 +82,27 @@ class KVStorage:
 
     def geometry(self) -> dict[str, object]:
         """What its rows look like (kvcache/cell_file.py: a restore checks a file's against it)."""
-        return rows_geometry(self.k, self.v, self.rot_k, self.rot_v)
+        return rows_geometry(self.k, self.v, self.rot_k, self.rot_v, bool(self.k_centers))
+
+    def center_k(self, layer: int, bias_k: torch.Tensor, n_positions: int) -> None:
+        """Store `layer`'s K rows less kvcache.rotation.k_center of its K bias [n_kv_heads,
+        head_dim] (the attention layers subtract k_center(layer) before the cells; only where
+        they are rotated quantized rows). Call before any row is written."""
+        if self.rot_k:
+            c = k_center(bias_k, self.layer_ropes[layer], n_positions)
+            # rounded to the activations' dtype: what the layers subtract, and the K-shift adds
+            self.k_centers[layer] = c.to(self.dtype).float().to(self.device)
+            self._k_center_cast.clear()
+
+    def k_center(self, layer: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """What `layer`'s K rows are stored less of, [n_kv_heads, head_dim] in `dtype`."""
+        c = self.k_centers.get(layer)
+        if c is None or c.dtype == dtype:
+            return c
+        key = (layer, dtype)  # cast once: the layers ask every step
+        if key not in self._k_center_cast:
+            self._k_center_cast[key] = c.to(dtype)
+        return self._k_center_cast[key]
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v: [n, n_kv_heads, head_dim] into `cells` [n] (int64) of `layer`."""
@@ -167,9 +190,12 @@ class KVStorage:
             raw = self.k[layer].index_select(1, cells).transpose(0, 1)  # [n, n_kv_heads, row]
             # a quantized row: dequantize, rotate, quantize again (only the shifted cells)
             k = self.type_k.decode(raw, torch.float32) if self.type_k.quantized else raw
-            if self.rot_k:  # RoPE turns k, not H k: H is its own inverse
+            if self.rot_k:  # RoPE turns k, not H (k - c): H is its own inverse
                 k = hadamard(k, self.rot_k)
-            k = apply_rope(k, cos, sin, rope.layout)
+            c = self.k_centers.get(layer)
+            k = apply_rope(k if c is None else k + c, cos, sin, rope.layout)
+            if c is not None:
+                k = k - c
             if self.rot_k:
                 k = hadamard(k, self.rot_k)
             rotated = self.type_k.encode(k)
@@ -237,6 +263,14 @@ class GroupedKVStorage:
         part = self.groups[g]
         assert isinstance(part, KVStorage), f"layer {layer} has no K/V (a recurrent layer)"
         return part, i
+
+    def center_k(self, layer: int, bias_k: torch.Tensor, n_positions: int) -> None:
+        part, i = self._kv(layer)
+        part.center_k(i, bias_k, n_positions)
+
+    def k_center(self, layer: int, dtype: torch.dtype) -> torch.Tensor | None:
+        part, i = self._kv(layer)
+        return part.k_center(i, dtype)
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         part, i = self._kv(layer)

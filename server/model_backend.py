@@ -245,13 +245,14 @@ def load_backend(
         cache_type_k=type_k,
         cache_type_v=type_v,
     )
-    # a quantized type's rows are stored Hadamard-rotated (kvcache/rotation.py) unless
-    # CELLSERVE_KV_ROTATION=0: the log says which
+    # a quantized type's rows are stored Hadamard-rotated, K less a constant where it has a
+    # bias (kvcache/rotation.py), unless CELLSERVE_KV_ROTATION=0: the log says which
     kv = [s for s in worker.kv if isinstance(s, KVStorage)]
     rot_k, rot_v = (kv[0].rot_k, kv[0].rot_v) if kv else (0, 0)
+    centred = ", less a constant from its bias" if any(s.k_centers for s in kv) else ""
     log.info(
         "KV cache: K %s, V %s: %d bytes per cell (K and V of every layer), %.1f MiB",
-        f"{type_k} (Hadamard-rotated, n={rot_k})" if rot_k else type_k,
+        f"{type_k} (Hadamard-rotated, n={rot_k}{centred})" if rot_k else type_k,
         f"{type_v} (Hadamard-rotated, n={rot_v})" if rot_v else type_v,
         worker.kv_bytes_per_cell,
         worker.kv_bytes / 2**20,

@@ -173,6 +173,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("sinks", &StepLayer::sinks)
       .def_readwrite("rot_k", &StepLayer::rot_k)
       .def_readwrite("rot_v", &StepLayer::rot_v)
+      .def_readwrite("k_center", &StepLayer::k_center)
       .def_readwrite("gelu", &StepLayer::gelu)
       .def_readwrite("residual_mult", &StepLayer::residual_mult)
       .def_readwrite("router", &StepLayer::router)

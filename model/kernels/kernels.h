@@ -290,6 +290,7 @@ struct StepLayer {
   // > 0: q and k (rot_k), v and the attention's output (rot_v) go through hadamard_ with this
   // n after RoPE: the cache stores rotated rows (kvcache/rotation.py)
   int64_t rot_k = 0, rot_v = 0;
+  std::optional<at::Tensor> k_center;  // [n_kv, head_dim] in x's dtype: k -= it, before rot_k
   bool gelu = false;            // GeGLU (tanh) instead of SwiGLU
   double residual_mult = 1.0;
   // a mixture-of-experts MLP (model/layers/moe.py MoEFeedForward) instead of w13 / w2: the

@@ -442,6 +442,8 @@ at::Tensor attention(const at::Tensor& x, const at::Tensor& in, const StepLayer&
     else
       rope_partial_(qk, c, s, rot, layer.rope_interleaved);
   }
+  if (layer.k_center)  // k - c: q . c is the same for every key (kvcache/rotation.py)
+    qkv.as_strided({n, n_kv, hd}, {width, hd, 1}, n_heads * hd).sub_(*layer.k_center);
   if (layer.rot_k)  // q and k together, as model/layers/decoder.py Attention does
     hadamard_(qkv.as_strided({n, n_heads + n_kv, hd}, {width, hd, 1}), layer.rot_k);
   if (layer.rot_v) hadamard_(qkv.as_strided({n, n_kv, hd}, {width, hd, 1}, qk_width), layer.rot_v);

@@ -87,6 +87,13 @@ class Attention(nn.Module):
         )
         # gpt-oss: one logit per query head in each softmax's denominator, float32 [h]; as the
         # soft cap: _attend or the kernels (where the build takes sinks: model/runner/paths.py)
+        # b_k [h_kv, hd] where the softmax is shift-invariant (no soft cap, no sinks): a quantized
+        # cache stores K less a constant from it (kvcache/rotation.py k_center)
+        shift_invariant = desc.qkv_bias and not desc.softcap and not desc.sinks
+        bk = (
+            weights[prefix + "bk"].float().reshape(self.n_kv_heads, -1) if shift_invariant else None
+        )
+        self.k_bias: torch.Tensor | None = bk
         self.sinks: torch.Tensor | None  # [h]
         sinks = weights[prefix + "sinks"].float() if desc.sinks else None
         self.register_buffer("sinks", sinks, persistent=False)
@@ -117,6 +124,9 @@ class Attention(nn.Module):
         elif self.rot:
             partner = rope_partner(qk, self.rot, self.layout)
             qk = torch.addcmul(qk * rope_c, partner, rope_s)
+        center = storage.k_center(layer, qk.dtype)
+        if center is not None:  # q . (k - c) = q . k - q . c: no softmax changes
+            qk[:, h:].sub_(center)
         rot_k, rot_v = storage.rot_k, storage.rot_v  # a quantized cache's rotation (or 0)
         if rot_k:  # it stores H k: (H q) . (H k) = q . k (kvcache/rotation.py)
             qk = hadamard(qk, rot_k, batch.fused)

@@ -120,7 +120,7 @@ class NativeDecoder:
         if not storage.native and not getattr(kernels, "reads_cache_types", lambda: False)():
             return None, "cells of another cache type (a build without cache types)"
         rotated = bool(getattr(storage, "rot_k", 0) or getattr(storage, "rot_v", 0))
-        if rotated and not hasattr(kernels.StepLayer(), "rot_k"):
+        if rotated and not hasattr(kernels.StepLayer(), "k_center"):
             return None, "rotated quantized cells (kvcache/rotation.py): a build without them"
         blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         descs = [b.desc for b in blocks]
@@ -223,8 +223,9 @@ class NativeDecoder:
                     layer.rope_interleaved = desc.rope.layout == "interleaved"
                 layer.softcap = desc.softcap
                 layer.sinks = mixer.sinks
-                if rotated:  # kvcache/rotation.py: the cells hold H k / H v
+                if rotated:  # kvcache/rotation.py: the cells hold H (k - c) / H v
                     layer.rot_k, layer.rot_v = storage.rot_k, storage.rot_v
+                    layer.k_center = storage.k_center(i, model.dtype)
             layers.append(layer)
         decoder = NativeDecoder(
             kernels,

@@ -391,5 +391,8 @@ def make_worker(
             ropes = [args.rope_of(layer) for layer in g.layers]
             parts.append(kv(len(g.layers), n, ropes[0], ropes))
         storage = GroupedKVStorage(parts, [g.layers for g in groups])
+    for layer, block in enumerate(model.layers):  # kvcache/rotation.py k_center
+        if (bias_k := getattr(block.mixer, "k_bias", None)) is not None:
+            storage.center_k(layer, bias_k, args.n_ctx_train)
     kernels = load_kernels() if model.device.type == "cpu" else None
     return ModelWorker(model, storage, batch_invariant, threads, kernels, lora)

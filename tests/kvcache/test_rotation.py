@@ -1,7 +1,9 @@
-"""The Hadamard rotation of quantized K/V cells (kvcache/rotation.py): the transform itself (the
-C++ kernel against the float32 matmul), what it does to an outlier's block, the K-shift around
-it, the cell files that record it, and a worker whose K has an outlier channel: q8_0 cells
-with the rotation closer to the f32 cache than without."""
+"""The Hadamard rotation and the K centring of quantized K/V cells (kvcache/rotation.py): the
+transform itself (the C++ kernel against the float32 matmul), what it does to an outlier's
+block, the K-shift around both, the cell files that record them, and workers whose K has an
+outlier channel (q8_0 closer to the f32 cache with the rotation than without) or a large
+bias in its slowest RoPE pair (q8_0 / q4_0 closer centred than rotated alone), on the torch
+layers, the C++ attention and the one-call step."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from kvcache.cache_types import cache_type
 from kvcache.cell_file import CellFileError, GroupRows, check_geometry
 from kvcache.cells import PendingOps
 from kvcache.rope import RopeConfig, apply_rope
-from kvcache.rotation import ENV, hadamard, rotation_size
+from kvcache.rotation import ENV, hadamard, k_center, rotation_size
 from kvcache.storage import KVStorage
 
 
@@ -114,7 +116,7 @@ def test_cell_files_record_the_rotation_and_refuse_the_other_kind():
     assert "k_rot" not in off.geometry()  # as files written before the rotation existed
     cells = torch.arange(3)
     k, v = on.read_cells(cells)
-    saved_on = GroupRows(np.arange(3), k, v, (on.rot_k, on.rot_v))
+    saved_on = GroupRows(np.arange(3), k, v, (on.rot_k, on.rot_v, False))
     saved_off = GroupRows(np.arange(3), k, v)
     check_geometry([saved_on], [on.geometry()])
     check_geometry([saved_off], [off.geometry()])
@@ -162,3 +164,153 @@ def test_a_k_outlier_channel_costs_less_with_the_rotation(tmp_path, path, monkey
     agree, kl_rotated = compare(ref, run("q8_0", "1"))
     # torch path, Xeon: KL 0.105 against 0.756, top-1 0.92
     assert kl_rotated * 3 < kl_plain and agree >= agree_plain, (kl_rotated, kl_plain, agree)
+
+
+@pytest.mark.parametrize("layout", ["neox", "interleaved"])
+def test_k_center_is_the_mean_of_the_rotated_bias(layout):
+    rope = RopeConfig(theta=10000.0, dim=48, layout=layout)  # partial: 16 dims not rotated
+    bias = randn(2, 64, seed=4)
+    cos, sin = rope.cos_sin(torch.arange(300))
+    want = apply_rope(bias[None].expand(300, 2, 64), cos, sin, layout).mean(0)
+    got = k_center(bias, rope, 300)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(got[:, 48:], bias[:, 48:])  # the unrotated dims keep their bias
+    assert torch.equal(k_center(bias, None, 300), bias)  # NoPE
+    # the slowest pairs of a long context keep nearly all of it, the fastest nearly none
+    long = k_center(bias, RopeConfig(theta=1e6, dim=64), 32768)
+    slow, fast = (31, 63), (0, 32)
+    assert torch.allclose(long[:, slow], bias[:, slow], rtol=0.05)
+    assert long[:, fast].abs().max() < 0.01 * bias.abs().max()
+
+
+def test_a_centred_rotated_k_shift_turns_k():
+    """Rows stored as H (k - c): the K-shift adds c back around RoPE."""
+    rope = RopeConfig(theta=10000.0, dim=64)
+    storage = KVStorage(2, 16, 2, 64, rope=rope, type_k="q8_0", type_v="q8_0", rotate=True)
+    bias = torch.zeros(2, 64)
+    bias[:, [31, 63]] = 40.0  # the slowest pair of each kv head
+    storage.center_k(1, bias, 4096)
+    assert 0 not in storage.k_centers and storage.geometry()["k_centered"] is True
+    c = storage.k_center(1, torch.float32)
+    assert c is not None  # the pair turns ~0.55 rad over 4096 positions: most of it is kept
+    assert float(c[:, [31, 63]].norm()) > 0.95 * float(bias[:, [31, 63]].norm())
+    k = randn(4, 2, 64, seed=6) + bias
+    cos, sin = rope.cos_sin(torch.tensor([3, 4, 5, 6]))
+    at_p = apply_rope(k, cos, sin, rope.layout)
+    storage.write(1, torch.arange(4), hadamard(at_p - c, 64), hadamard(k, 64))
+    z = np.zeros(0, np.int64)
+    storage.apply(PendingOps(z, z.copy(), np.arange(4, dtype=np.int64), np.full(4, -3)))
+    want = apply_rope(k, *rope.cos_sin(torch.tensor([0, 1, 2, 3])), rope.layout)
+    got = hadamard(storage.gather(1, torch.arange(4))[0].float(), 64) + c
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    plain = KVStorage(2, 16, 2, 64, type_k="f16", type_v="q8_0", rotate=True)
+    plain.center_k(1, bias, 4096)  # float K rows: stored as they are
+    assert not plain.k_centers and "k_centered" not in plain.geometry()
+
+
+def write_biased_qwen2(folder, value: float = 200.0):
+    """A tiny Qwen2 (head_dim 32, 2048 positions, RoPE base 1e6 as Qwen2.5's) whose K bias
+    holds `value` in the slowest RoPE pair of each kv head (dims 15 and 31), as Qwen2.5's layer
+    0 does: that pair turns 0.005 rad over the context."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(folder, dim=128, model_type="qwen2")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"rope_theta": 1e6}))
+    tensors = load_file(path / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith("k_proj.bias"):
+            t.view(-1, 32)[:, [15, 31]] = value
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_a_constant_k_channel_costs_less_centred(tmp_path, path, monkeypatch):
+    """The biased Qwen2: teacher-forced q4_0 / q8_0 logits against the f32 cache's, with the
+    rotation and the centring (the default), with the rotation alone, and with neither."""
+    from model import load_model
+    from model.runner.worker import make_worker
+    from tests.model.factories import require_kernels
+    from tests.model.test_cache_types_worker import compare, forced_logits
+
+    if path == "torch":
+        monkeypatch.setenv("CELLSERVE_KERNELS", "0")
+    else:
+        require_kernels()
+    loaded = load_model(write_biased_qwen2(tmp_path / "model"), dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+    prompts = [torch.randint(3, vocab, (24 + 3 * s,), generator=gen).tolist() for s in range(4)]
+    conts = [torch.randint(3, vocab, (12,), generator=gen).tolist() for _ in range(4)]
+
+    def run(t: str, how: str) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            m.setenv(ENV, "0" if how == "plain" else "1")
+            if how == "rotated":
+                m.setattr(KVStorage, "center_k", lambda *a: None)
+            worker = make_worker(loaded, 256, cache_type_k=t, cache_type_v=t)
+            assert bool(worker.kv[0].k_centers) == (how == "centred" and t != "f32")
+            return forced_logits(worker, prompts, conts)
+
+    ref = run("f32", "centred")
+    for t in ("q8_0", "q4_0"):
+        kl = {how: compare(ref, run(t, how))[1] for how in ("plain", "rotated", "centred")}
+        assert kl["centred"] * 3 < min(kl["plain"], kl["rotated"]), (t, kl)
+
+
+@pytest.mark.model
+def test_the_one_call_step_centres_as_the_python_layers_do(tmp_path, monkeypatch):
+    """int4 weights take the one-call C++ step: centred there too (closer to the f32 cache than
+    rotated alone), and steps that alternate between it and the Python layers over the same
+    cells (as LoRA rows make them) read what the other wrote."""
+    from model import load_model
+    from model.layers.quant import quantize
+    from model.runner.native import NativeDecoder
+    from model.runner.worker import make_worker
+    from tests.model.factories import require_kernels
+    from tests.model.test_cache_types_worker import compare, forced_logits
+
+    require_kernels()
+    loaded = load_model(write_biased_qwen2(tmp_path / "model"), dtype="bfloat16")
+    quantize(loaded.transformer, "int4")
+    prompts = [[(7 * i + 13 * s) % 300 + 5 for i in range(12 + 5 * s)] for s in range(3)]
+    conts = [[(11 * i + s) % 300 + 5 for i in range(10)] for s in range(3)]
+    calls: list[int] = []
+    runs = NativeDecoder.runs
+    alternate = False
+
+    def counted(self, batch):  # noqa: ANN001, ANN202
+        if alternate and len(calls) % 2:
+            calls.append(0)
+            return False
+        took = runs(self, batch)
+        calls.append(int(took))
+        return took
+
+    monkeypatch.setattr(NativeDecoder, "runs", counted)
+
+    def run(t: str, centred: bool = True) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            if not centred:
+                m.setattr(KVStorage, "center_k", lambda *a: None)
+            worker = make_worker(loaded, 256, cache_type_k=t, cache_type_v=t)
+        assert bool(worker.kv[0].k_centers) == (centred and t != "bf16")
+        assert worker.paths.native is not None, worker.paths.describe()
+        calls.clear()
+        out = forced_logits(worker, prompts, conts)
+        assert sum(calls) >= (5 if alternate else 10)  # one C++ call for a step
+        return out
+
+    ref = run("bf16")
+    kl = {how: compare(ref, run("q8_0", how == "centred"))[1] for how in ("rotated", "centred")}
+    assert kl["centred"] * 3 < kl["rotated"], kl
+    native = run("q8_0")
+    alternate = True
+    agree, mixed = compare(native, run("q8_0"))
+    assert agree >= 0.95 and mixed < 1e-2, (agree, mixed)
