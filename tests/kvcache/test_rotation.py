@@ -314,3 +314,22 @@ def test_the_one_call_step_centres_as_the_python_layers_do(tmp_path, monkeypatch
     alternate = True
     agree, mixed = compare(native, run("q8_0"))
     assert agree >= 0.95 and mixed < 1e-2, (agree, mixed)
+
+
+@pytest.mark.model
+def test_no_centre_where_the_softmax_is_not_shift_invariant(tmp_path):
+    """gpt-oss has K biases, but its sinks take a share of each softmax: scores moved by q . c
+    would change that share, so its quantized K rows are rotated, never centred."""
+    from model import load_model
+    from model.runner.worker import make_worker
+    from tests.tiny_gptoss import write_tiny_gptoss
+
+    loaded = load_model(write_tiny_gptoss(tmp_path / "gptoss", seed=1), dtype="float32")
+    args = loaded.transformer.args
+    assert all(args.layer_desc(i).qkv_bias for i in range(args.n_layers))  # it has K biases
+    attention = [b.mixer for b in loaded.transformer.layers]
+    assert all(a.sinks is not None and a.k_bias is None for a in attention)
+    worker = make_worker(loaded, 64, cache_type_k="q8_0", cache_type_v="q8_0")
+    assert all(s.rot_k and not s.k_centers for s in worker.kv if isinstance(s, KVStorage))
+    biased = load_model(write_biased_qwen2(tmp_path / "qwen2"), dtype="float32")
+    assert all(b.mixer.k_bias is not None for b in biased.transformer.layers)
