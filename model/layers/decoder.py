@@ -85,8 +85,6 @@ class Attention(nn.Module):
         self.wo = make_linear(
             [weights[prefix + "wo"]], weights[prefix + "bo"] if desc.out_bias else None
         )
-        # gpt-oss: one logit per query head in each softmax's denominator, float32 [h]; as the
-        # soft cap: _attend or the kernels (where the build takes sinks: model/runner/paths.py)
         # b_k [h_kv, hd] where the softmax is shift-invariant (no soft cap, no sinks): a quantized
         # cache stores K less a constant from it (kvcache/rotation.py k_center)
         shift_invariant = desc.qkv_bias and not desc.softcap and not desc.sinks
@@ -94,6 +92,8 @@ class Attention(nn.Module):
             weights[prefix + "bk"].float().reshape(self.n_kv_heads, -1) if shift_invariant else None
         )
         self.k_bias: torch.Tensor | None = bk
+        # gpt-oss: one logit per query head in each softmax's denominator, float32 [h]; as the
+        # soft cap: _attend or the kernels (where the build takes sinks: model/runner/paths.py)
         self.sinks: torch.Tensor | None  # [h]
         sinks = weights[prefix + "sinks"].float() if desc.sinks else None
         self.register_buffer("sinks", sinks, persistent=False)
