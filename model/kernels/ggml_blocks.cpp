@@ -233,6 +233,28 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& pa
   return ggml_linear_segments(x_in, {0, x_in.dim() == 2 ? x_in.size(0) : 0}, {parts}, {types}, k);
 }
 
+// Task boundaries [b_0 = 0, ..., b_nth = n_tasks) for nth threads: contiguous runs of about
+// equal work, a task's work its outputs times (its segment's rows + kTaskRead), the constant
+// standing for reading its weights once whatever the rows
+constexpr int64_t kTaskRead = 4;
+template <typename Task>
+std::vector<int64_t> balanced_runs(const std::vector<Task>& tasks, const std::vector<int64_t>& starts,
+                                   int64_t nth) {
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  nth = std::max<int64_t>(1, std::min(nth, n));
+  std::vector<int64_t> work(n + 1, 0);
+  for (int64_t t = 0; t < n; ++t)
+    work[t + 1] = work[t] + (tasks[t].o1 - tasks[t].o0) *
+                                (starts[tasks[t].seg + 1] - starts[tasks[t].seg] + kTaskRead);
+  std::vector<int64_t> bounds(nth + 1, n);
+  bounds[0] = 0;
+  for (int64_t i = 1, t = 0; i < nth; ++i) {  // the first task whose work midpoint passes i / nth
+    while (t < n && 2 * nth * work[t] + nth * (work[t + 1] - work[t]) < 2 * i * work[n]) ++t;
+    bounds[i] = t;
+  }
+  return bounds;
+}
+
 // Segment s: rows [starts[s], starts[s + 1]) of x times its own parts. Every row is quantized
 // once (each row on its own: the same int8 values whatever the rows beside it), and every
 // segment's output blocks are tasks of one parallel region; within a segment each kernel runs
@@ -333,8 +355,12 @@ at::Tensor ggml_linear_segments(const at::Tensor& x_in, const std::vector<int64_
         tasks.push_back({s, static_cast<int64_t>(i), o, std::min(parts[i].size(0), o + block),
                          static_cast<int64_t>(c)});
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+  // each thread takes a contiguous run of tasks (its weights one stream) of about equal work:
+  // the tasks' rows differ by segment (a MoE layer's experts took 3-15 rows each of a c=32
+  // decode step), and at::parallel_for's equal counts of tasks left one thread waiting
+  const std::vector<int64_t> bounds = balanced_runs(tasks, starts, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = bounds[i0]; t < bounds[i1]; ++t) {
       const SegTask& task = tasks[t];
       const at::Tensor& w = seg_parts[task.seg][task.part];
       const int64_t type = seg_types[task.seg][task.part];
