@@ -45,7 +45,9 @@ def run(
         else pathlib.Path(model)
     )
     auto = choose_runtime(path, "cpu")
-    loaded = load_model(path, dtype=auto.dtype)
+    # --quant gguf (a GGUF from 256 MiB up) runs the file's own blocks: loaded as such, or the
+    # linears would be float weights and the step the Python one
+    loaded = load_model(path, dtype=auto.dtype, blocks=auto.quant == "gguf")
     quantize(loaded.transformer, auto.quant)
     per_seq = PROMPT_LEN + DECODE_STEPS + 1
     worker = make_worker(loaded, n_cells=max(concurrency) * per_seq + 1)
