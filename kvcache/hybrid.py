@@ -12,6 +12,7 @@ recomputes: a state cannot drop tokens from its middle.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TypeVar
 
 import numpy as np
@@ -66,8 +67,15 @@ class HybridMemory(Memory):
     def num_free(self) -> int:
         return self.attn.num_free()
 
-    def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
-        return _both(self.attn.plan(positions, seq_ids), self.recr.plan(positions, seq_ids))
+    @property
+    def rollback_rows(self) -> int:
+        return min(self.attn.rollback_rows, self.recr.rollback_rows)
+
+    def plan(
+        self, positions: np.ndarray, seq_ids: np.ndarray, rollback: Collection[int] = ()
+    ) -> MemoryPlan | None:
+        a = self.attn.plan(positions, seq_ids, rollback)
+        return _both(a, self.recr.plan(positions, seq_ids, rollback))
 
     def apply(self, plan: MemoryPlan) -> None:
         n = len(self.attn.pools)
@@ -100,6 +108,10 @@ class HybridMemory(Memory):
         ok = self.attn.seq_rm(seq_id, p0, p1) and self.recr.seq_rm(seq_id, p0, p1)
         assert ok, "can_rm said both parts can"
         return True
+
+    def seq_commit(self, seq_id: int) -> None:
+        self.attn.seq_commit(seq_id)
+        self.recr.seq_commit(seq_id)
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         self.recr.seq_cp(src, dst, p0, p1)  # raises first, changing nothing, on a bad p1

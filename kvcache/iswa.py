@@ -36,6 +36,8 @@ context needs may have been pruned already: can_shift says so, and the scheduler
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from kvcache import held_cells
@@ -95,7 +97,9 @@ class ISWAMemory(Memory):
     def num_free(self) -> int:
         return self.full.n_cells - self.full.used
 
-    def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+    def plan(
+        self, positions: np.ndarray, seq_ids: np.ndarray, rollback: Collection[int] = ()
+    ) -> MemoryPlan | None:
         positions = np.asarray(positions, dtype=np.int64)
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         n = int(positions.size)

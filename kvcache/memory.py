@@ -13,7 +13,7 @@ means 0, p1 < 0 means infinity.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -24,6 +24,8 @@ from kvcache.slots import SlotStep
 from kvcache.spec import MemorySpec
 
 C = TypeVar("C", bound=PoolCells, covariant=True)
+
+ANY_ROWS = 1 << 40  # rollback_rows of a memory that can forget any rows it placed
 
 
 @dataclass(slots=True)
@@ -108,6 +110,15 @@ class Memory(ABC):
         where a step's apply already consumed them for good: a recurrent state."""
         return False
 
+    @property
+    def rollback_rows(self) -> int:
+        """How many rows (beyond each sequence's first) the next step may place for the
+        sequences named in plan(..., rollback=) such that seq_rm(seq, p, -1) can take any
+        tail of them back after it: speculative decoding's drafted rows. ANY_ROWS where every
+        tail can go (tail_rollback); a recurrent state keeps one checkpoint per such row. Its
+        value for an empty memory is the most it ever is (0: never). Never mutates."""
+        return ANY_ROWS if self.tail_rollback else 0
+
     # -- a step: plan, then apply --------------------------------------------------------------
 
     @abstractmethod
@@ -116,10 +127,13 @@ class Memory(ABC):
         the memory holds, counting what apply would free first. Never mutates."""
 
     @abstractmethod
-    def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+    def plan(
+        self, positions: np.ndarray, seq_ids: np.ndarray, rollback: Collection[int] = ()
+    ) -> MemoryPlan | None:
         """Cells for one step's rows (row i: seq_ids[i] at positions[i], each sequence's rows
         contiguous and ascending, right after what it holds); None when they do not fit.
-        Never mutates."""
+        `rollback`: sequences whose rows after their first may be taken back with seq_rm once
+        the step ran (rollback_rows of them in all); seq_commit ends that. Never mutates."""
 
     @abstractmethod
     def apply(self, plan: MemoryPlan) -> None:
@@ -160,6 +174,11 @@ class Memory(ABC):
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         """Forget seq_id's tokens in [p0, p1) (-1: every sequence). False, changing nothing,
         when this memory cannot remove that range (can_rm)."""
+
+    def seq_commit(self, seq_id: int) -> None:
+        """seq_id's rows placed with plan(..., rollback=) are settled (its rejected drafts
+        removed): whatever the memory kept only to take them back goes."""
+        return None
 
     @abstractmethod
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:

@@ -25,7 +25,7 @@ n_seq_max slots always suffice for the tails; n_slots - n_seq_max is the checkpo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -62,6 +62,8 @@ class RecurrentMemory(Memory):
         self.slots = SlotPool(n_seq_max + n_ckpt if n_slots is None else n_slots, n_seq_max)
         self._pools: list[Pool[SlotPool]] = [Pool("recurrent", self.slots, 0, "slots")]
         self._copies: list[tuple[int, int]] = []
+        # per sequence: the (m, slot) checkpoints its last step took for a rollback
+        self._rollback: dict[int, list[tuple[int, int]]] = {}
 
     @property
     def pools(self) -> list[Pool[SlotPool]]:
@@ -76,8 +78,22 @@ class RecurrentMemory(Memory):
     def num_free(self) -> int:
         return UNBOUNDED
 
-    def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
-        return self._plan(positions, seq_ids, written=False)
+    @property
+    def rollback_rows(self) -> int:
+        """A drafted row needs a checkpoint of the state before it. A step's tails take at most
+        n_seq_max slots (the NOTE above), so n_slots - n_seq_max drafted rows always find
+        slots, ahead of every other checkpoint; and no more than the free slots, so that
+        drafts do not evict the prefix cache's checkpoints (as they evict no cells)."""
+        sl = self.slots
+        return max(0, min(sl.n_cells - self.n_seq_max, sl.n_cells - sl.used))
+
+    def plan(
+        self, positions: np.ndarray, seq_ids: np.ndarray, rollback: Collection[int] = ()
+    ) -> MemoryPlan | None:
+        """`rollback`: those sequences' rows also leave a checkpoint of the state before each
+        row but the first (seq_rm rolls a tail back only to a checkpoint); seq_commit drops
+        the ones the verification did not roll back to."""
+        return self._plan(positions, seq_ids, written=False, rollback=rollback)
 
     def plan_written(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
         """The tails plan() gives, without the copies into them (a new sequence's zeroed
@@ -85,7 +101,13 @@ class RecurrentMemory(Memory):
         without checkpoints (no step computes the states before the last row)."""
         return self._plan(positions, seq_ids, written=True)
 
-    def _plan(self, positions: np.ndarray, seq_ids: np.ndarray, written: bool) -> MemoryPlan | None:
+    def _plan(
+        self,
+        positions: np.ndarray,
+        seq_ids: np.ndarray,
+        written: bool,
+        rollback: Collection[int] = (),
+    ) -> MemoryPlan | None:
         positions = np.asarray(positions, dtype=np.int64)
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         runs = self._runs(positions, seq_ids)
@@ -111,6 +133,14 @@ class RecurrentMemory(Memory):
             if not written:
                 step.copies.append((sl.tail[s], dst))  # -1: a new sequence reads a zeroed state
         taken = {step.tails[s] for s in need_new}
+        captures = []
+        drafted = set(rollback)
+        for s, p_first, p_last in runs:
+            if s in drafted:  # before any optional slot use: these are owed, not a cache
+                if len(spare) < p_last - p_first:
+                    return None
+                captures += [(s, m, spare.pop(0)) for m in range(p_first + 1, p_last + 1)]
+                step.rollback.append(s)
         for x in sorted({step.tails[s] for s, _, _ in runs} - taken):
             if sl.ckpt_refs[x]:  # written in place: its checkpoints keep a copy, or go
                 if spare and not written:  # (a copy owed now would read the written state)
@@ -119,8 +149,9 @@ class RecurrentMemory(Memory):
                     step.copies.append((x, y))
                 else:
                     step.evict.append(x)
-        captures = []
         for s, p_first, p_last in runs:
+            if s in drafted:
+                continue
             points = [] if written else self._capture_points(p_first, p_last)
             if points:
                 step.drops += [(s, m) for m in sl.ckpts[s] if not self._lasting(m)]
@@ -149,6 +180,11 @@ class RecurrentMemory(Memory):
             sl.set_tail(s, x, step.pos[s])
         for s, m, x in plan.captures:
             sl.add_ckpt(s, m, x)
+        for s in step.tails:
+            self._rollback.pop(s, None)
+        for s, m, x in plan.captures:
+            if s in step.rollback:
+                self._rollback.setdefault(s, []).append((m, x))
         self._copies += step.copies
 
     def seq_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -199,6 +235,14 @@ class RecurrentMemory(Memory):
             sl.drop_ckpt(seq_id, m)
         sl.set_tail(seq_id, sl.ckpts[seq_id][lo], lo - 1)  # roll back to the checkpoint
         return True
+
+    def seq_commit(self, seq_id: int) -> None:
+        """Drops the checkpoints plan(..., rollback=) took for seq_id that are still there: a
+        rollback made the one it went back to the tail (which keeps its slot)."""
+        sl = self.slots
+        for m, x in self._rollback.pop(seq_id, []):
+            if sl.ckpts[seq_id].get(m) == x:
+                sl.drop_ckpt(seq_id, m)
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         """dst shares src's state after [0, p1): src's tail when p1 reaches past it, else the
@@ -292,6 +336,7 @@ class RecurrentMemory(Memory):
     def clear(self) -> None:
         super().clear()
         self._copies = []
+        self._rollback = {}
 
     # -- internals ---------------------------------------------------------------------------
 

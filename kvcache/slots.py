@@ -38,6 +38,7 @@ class SlotStep:
     tails: dict[int, int] = field(default_factory=dict)
     pos: dict[int, int] = field(default_factory=dict)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    rollback: list[int] = field(default_factory=list)  # seqs whose captures are rollback points
 
 
 class SlotPool:

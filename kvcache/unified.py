@@ -6,6 +6,8 @@ range (SeqCells.lo) is narrower. kvcache/iswa.py gives them a pool of their own.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from kvcache import held_cells
@@ -39,7 +41,9 @@ class UnifiedMemory(Memory):
     def num_free(self) -> int:
         return self.cells.n_cells - self.cells.used
 
-    def plan(self, positions: np.ndarray, seq_ids: np.ndarray) -> MemoryPlan | None:
+    def plan(
+        self, positions: np.ndarray, seq_ids: np.ndarray, rollback: Collection[int] = ()
+    ) -> MemoryPlan | None:
         positions = np.asarray(positions, dtype=np.int64)
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         if positions.size == 0:

@@ -87,6 +87,50 @@ class RecurrentMachine(RuleBasedStateMachine):
         counts=st.lists(st.integers(1, 5), min_size=N_SEQ, max_size=N_SEQ),
     )
     def step(self, seqs: list[int], counts: list[int]) -> None:
+        self.run(seqs, counts, [])
+
+    @rule(
+        seqs=st.lists(seq_ids, min_size=1, max_size=N_SEQ, unique=True),
+        counts=st.lists(st.integers(1, 5), min_size=N_SEQ, max_size=N_SEQ),
+        drafted=st.lists(st.booleans(), min_size=N_SEQ, max_size=N_SEQ),
+        accepts=st.lists(st.integers(0, 4), min_size=N_SEQ, max_size=N_SEQ),
+    )
+    def drafted_step(
+        self, seqs: list[int], counts: list[int], drafted: list[bool], accepts: list[int]
+    ) -> None:
+        """Speculative decoding: the drafted sequences' rows past the first (within
+        rollback_rows) are verified after the step, the rejected ones rolled back."""
+        budget = self.mem.rollback_rows
+        counts = list(counts)
+        rollback = []
+        for i, s in enumerate(seqs):
+            if drafted[i] and budget > 0:
+                counts[i] = min(counts[i], budget + 1)
+                budget -= counts[i] - 1
+                rollback.append(s)
+        first = {s: self.ref[s].pos + 1 for s in rollback}
+        before = {s: (self.ref[s].state or (), dict(self.ref[s].ckpts)) for s in rollback}
+        plan = self.run(seqs, counts, rollback)
+        if plan is None:
+            return
+        for i, s in enumerate(seqs):
+            if s not in rollback:
+                continue
+            n = counts[i]
+            got = sorted(m for c, m, _ in plan.captures if c == s)
+            assert got == list(range(first[s] + 1, first[s] + n)), "a state before each draft"
+            keep = first[s] + 1 + min(accepts[i], n - 1)  # positions [0, keep) stay
+            if keep < first[s] + n:
+                assert self.mem.seq_rm(s, keep, -1), "a drafted tail rolls back"
+                event("drafts rolled back")
+            self.mem.seq_commit(s)
+            ref = self.ref[s]
+            state, ckpts = before[s]
+            ref.state = (*state, *ref.state[len(state) : len(state) + keep - first[s]])
+            ref.pos, ref.version, ref.ckpts = keep - 1, object(), ckpts
+            assert not set(self.mem.slots.ckpts[s]) - set(ckpts), "commit leaves no draft point"
+
+    def run(self, seqs: list[int], counts: list[int], rollback: list[int]) -> MemoryPlan | None:
         positions: list[int] = []
         rows: list[int] = []
         for s, n in zip(seqs, counts, strict=False):
@@ -94,13 +138,13 @@ class RecurrentMachine(RuleBasedStateMachine):
             positions += range(p0, p0 + n)
             rows += [s] * n
         before = snapshot(self.mem)
-        plan = self.mem.plan(np.array(positions), np.array(rows))
+        plan = self.mem.plan(np.array(positions), np.array(rows), rollback)
         assert snapshot(self.mem) == before, "plan mutated the memory"
         idle = {id(r.version) for i, r in enumerate(self.ref) if i not in seqs and r.version}
         if plan is None:
             assert len(idle) + len(seqs) > self.mem.slots.n_cells, "refused a step that fits"
             event("slots ran out")
-            return
+            return None
         assert self.mem.num_free() >= len(positions)
         self.mem.apply(plan)
         self.flush()
@@ -121,6 +165,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             ref.state, ref.version = state, object()
         if plan.captures:
             event("captured")
+        return plan
 
     @rule(src=seq_ids, dst=seq_ids, back=st.integers(0, 12))
     def fork(self, src: int, dst: int, back: int) -> None:
