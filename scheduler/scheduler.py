@@ -53,7 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.seq_ids = SeqIds(memory, self.prefix, config.prefix_cache, config.prefix_index)
         self.sharing = Sharing(self.prefix, memory, config, self.seq_ids.radix)
-        self.spec = Speculator(config.spec, memory.tail_rollback, drafter)
+        self.spec = Speculator(config.spec, memory.rollback_rows > 0, drafter)
         self.admission = Admission(
             config, memory, self.prefix, self.seq_ids, self.counters, self.running, self.waiting
         )
@@ -116,7 +116,8 @@ class Scheduler:
         if self.spec.enabled:  # drafts never evict nor preempt
             free = self.admission.num_free(step, evict=False)
             busy = len(self.running) + len(self.waiting)
-            self.spec.add_drafts(step, free, n_ctx, busy, self._live_seq_ids)
+            rollback = self.memory.rollback_rows
+            self.spec.add_drafts(step, free, rollback, n_ctx, busy, self._live_seq_ids)
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if step.budget == 0:
@@ -241,7 +242,8 @@ class Scheduler:
             seq_ids[start : start + n] = seq.seq_id
             seqs.append(SeqBatch(seq.seq_id, start, start + n, seq.request.lora))
             start += n
-        mplan = self.memory.plan(positions, seq_ids)
+        drafted = [seq.seq_id for seq, _ in rows if step.drafts.get(id(seq))]
+        mplan = self.memory.plan(positions, seq_ids, drafted)
         assert mplan is not None, "room was made before placement"
         self.memory.apply(mplan)
 

@@ -21,9 +21,13 @@ Structured outputs: a grammar cuts a proposal at its first token the grammar rej
 after the one that completes it), and each drafted row is sampled under the mask of a copy of
 the matcher that has consumed the drafts before it.
 
-Not speculated: memories that cannot forget a sequence's tail (Memory.tail_rollback: recurrent
-and hybrid states, which consume the drafts for good). The iSWA memory can: its pools prune
-against a sequence's newest position before a step's rows, never against the drafts.
+Every memory rolls back, within its Memory.rollback_rows: the unified and iSWA caches any
+number of rows (the iSWA pools prune against a sequence's newest position before a step's rows,
+never against the drafts); a recurrent or hybrid memory's state consumes the drafts for good,
+so the drafted sequences' rows are placed with plan(..., rollback=) and leave a checkpoint of
+the state before each drafted row (vLLM keeps per-token Mamba states for its drafts the same
+way): a step drafts at most as many tokens as the memory has checkpoint slots for
+(--state-checkpoints), and Memory.seq_commit drops the checkpoints once verified.
 """
 
 from __future__ import annotations
@@ -130,12 +134,13 @@ class Speculator:
     """The scheduler's drafting policy and statistics."""
 
     def __init__(self, config: SpecConfig, rollback: bool, drafter: Drafter | None = None) -> None:
+        """`rollback`: whether the memory can take drafted rows back at all (its
+        Memory.rollback_rows when empty); one that cannot never drafts."""
         config.validate()
         if config.kind == "draft" and drafter is None:
             raise ValueError("speculative decoding of type draft needs a draft model")
         self.config = config
         self.drafter = drafter
-        # a memory that cannot forget a tail (Memory.tail_rollback) never drafts
         self.enabled = config.kind != "none" and config.draft_max > 0 and rollback
         self.stats = SpecStats(
             accepted_per_pos=[0] * config.draft_max,
@@ -191,13 +196,20 @@ class Speculator:
         return [d[:k] if len(d) >= shortest else [] for d, (_, k) in zip(got, asks, strict=True)]
 
     def add_drafts(
-        self, step: Step, free: int, n_ctx: int, num_seqs: int, live: Callable[[], set[int]]
+        self,
+        step: Step,
+        free: int,
+        rollback_rows: int,
+        n_ctx: int,
+        num_seqs: int,
+        live: Callable[[], set[int]],
     ) -> None:
         """The decode rows' sequences draft, in order, within the step's draft budget (from
-        `num_seqs`, the sequences running or waiting), its token budget and `free` cells,
-        before their context limit and their max_tokens; a grammar cuts its sequence's
-        proposal. `live()`: the seq ids in use (asked only by a draft model)."""
-        budget = self.step_budget(num_seqs)
+        `num_seqs`, the sequences running or waiting), its token budget, `free` cells and
+        the memory's `rollback_rows`, before their context limit and their max_tokens; a
+        grammar cuts its sequence's proposal. `live()`: the seq ids in use (asked only by a
+        draft model)."""
+        budget = min(self.step_budget(num_seqs), rollback_rows)
         room = min(step.budget, free)
         asks: list[tuple[int, Sequence, int]] = []  # (index in step.rows, seq, k)
         for index, (seq, _) in enumerate(step.rows[: step.num_decode]):
@@ -233,12 +245,15 @@ class Speculator:
     ) -> None:
         """A drafted sequence's k + 1 samples (from samples[i]): the rejected drafts' cells
         go, then the accepted drafts and the target's own token are appended one by one by
-        `append` (the scheduler's: stop conditions apply to each)."""
+        `append` (the scheduler's: stop conditions apply to each), then the memory drops
+        what it kept for the rollback (Memory.seq_commit)."""
         p = seq.num_computed  # its drafts sit at positions p .. p + k - 1
         k = len(drafts)
         a = accepted_count(drafts, out.token_ids[i : i + k])
+        sid = seq.seq_id
         if a < k:
-            memory.seq_rm(seq.seq_id, p + a, -1)
+            ok = memory.seq_rm(sid, p + a, -1)
+            assert ok, "rows placed with plan(..., rollback=) roll back"
         emitted = 0
         for j in range(a + 1):
             seq.num_computed = p + j  # the cells of every token but the one appended now
@@ -246,6 +261,7 @@ class Speculator:
             emitted += 1
             if seq.state is not SeqState.RUNNING:
                 break  # finished: retiring the seq id cuts its cells to num_computed
+        memory.seq_commit(sid)  # NOTE: after retiring, which may roll back further
         self.record(seq, k, a, emitted)
 
     def record(self, seq: Sequence, k: int, accepted: int, emitted: int) -> None:

@@ -26,23 +26,25 @@ def log_speculation(config: EngineConfig, memory: Any) -> None:
     spec = config.spec
     if spec.kind == "none":
         return
-    if not memory.tail_rollback:
+    rows = memory.rollback_rows
+    if rows == 0:
         log.warning(
-            "speculative decoding (%s) is off: this model's memory (%s) cannot forget a "
-            "sequence's last tokens once a step consumed them (a recurrent state), which "
-            "verification needs",
+            "speculative decoding (%s) is off: this model's state (%s) rolls back only to a "
+            "checkpoint, and --state-checkpoints 0 leaves no slot for the drafted rows' ones",
             spec.kind,
             type(memory).__name__,
         )
         return
+    state = "" if memory.tail_rollback else f"; a recurrent state: at most {rows} in a step"
     log.info(
         "speculative decoding: %s, up to %d drafted tokens per sequence and step (min %d), "
-        "only while fewer than %d sequences run or wait%s",
+        "only while fewer than %d sequences run or wait%s%s",
         spec.kind,
         spec.draft_max,
         spec.draft_min,
         spec.step_rows,
         f" (a draft model: at most {spec.draft_seqs_max})" if spec.kind == "draft" else "",
+        state,
     )
 
 

@@ -16,6 +16,7 @@ from model.runner.worker import ModelWorker, make_worker
 from scheduler.plan import SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from scheduler.speculative import Drafter, SpecConfig
 from tests.live_server import start_server_process
 from tests.scheduler.fakes import Outcome, make_config, make_prompt, step
 from tests.tiny_ssm import (
@@ -46,7 +47,11 @@ def request(req_id: str, prompt: list[int], max_tokens: int, **kw: object) -> Re
 
 
 def serve(
-    tiny: LoadedModel, batches: list[list[Request]], invariant: bool = False, **cfg: object
+    tiny: LoadedModel,
+    batches: list[list[Request]],
+    invariant: bool = False,
+    drafter: Drafter | None = None,
+    **cfg: object,
 ) -> tuple[Outcome, Scheduler, ModelWorker]:
     """Each batch of requests to completion, one after the other, on one memory (the
     worker's storage sized from it). `invariant`: the --batch-invariant worker."""
@@ -54,7 +59,7 @@ def serve(
     memory = config.make_memory()
     group_cells = [memory.pools[i].cells.n_cells for i in memory.group_pools]
     worker = make_worker(tiny, config.n_cells, group_cells=group_cells, batch_invariant=invariant)
-    sched, outcome = Scheduler(config, memory), Outcome()
+    sched, outcome = Scheduler(config, memory, drafter), Outcome()
     for batch in batches:
         for r in batch:
             sched.add_request(r)
@@ -120,11 +125,54 @@ def test_tiny_memory_with_preemptions_equals_a_large_one(tiny) -> None:
     assert tight.tokens == roomy.tokens
 
 
+class Replay:
+    """A drafter that knows the plain run's outputs (prompt + output each): it proposes a
+    sequence's true next tokens with those at positions divisible by `wrong_every` changed,
+    so that rounds accept 0 to wrong_every - 1 drafts and roll the rest back."""
+
+    def __init__(self, outputs: list[list[int]], wrong_every: int) -> None:
+        self.outputs = outputs
+        self.wrong_every = wrong_every
+
+    def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
+        out = []
+        for _, tokens, k in asks:
+            n, w = len(tokens), self.wrong_every
+            full = next(o for o in self.outputs if o[:n] == list(tokens))
+            out.append([t + 1 if (n + j) % w == 0 else t for j, t in enumerate(full[n : n + k])])
+        return out
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_speculation_rolls_the_state_back_to_each_tokens_own(tiny, invariant) -> None:
+    """Drafted rows verified in one scan, the state rolled back to the checkpoint at the
+    first rejected draft: the tokens of decoding one at a time, alone and four at once."""
+
+    def batches() -> list[list[Request]]:
+        reqs = []
+        for i in range(4):
+            seeded = SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i)
+            reqs.append(request(f"q{i}", make_prompt(20 + 9 * i, seed=20 + i), 40, sampling=seeded))
+        alone = [request(r.req_id + "-alone", r.prompt_ids, 40, sampling=r.sampling) for r in reqs]
+        return [*([r] for r in alone), reqs]
+
+    plain, _, _ = serve(tiny, batches(), invariant)
+    prompts = {r.req_id: r.prompt_ids for b in batches() for r in b}
+    # the plain run's next tokens, every fourth changed: rounds accept 0-3 drafts
+    drafter = Replay([prompts[key] + toks for (key, _), toks in plain.tokens.items()], 4)
+    spec_cfg = SpecConfig(kind="draft", draft_max=6, draft_seqs_max=4)
+    drafted, sched, _ = serve(tiny, batches(), invariant, drafter=drafter, spec=spec_cfg)
+    stats = sched.spec.stats
+    assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert drafted.tokens == plain.tokens
+
+
 def test_cli_serves_a_mamba2_folder(tmp_path) -> None:
     folder = write_tiny_mamba2(tmp_path / "mamba2")
     server = start_server_process(
-        "--model", str(folder), "--n-cells", "256", "--dtype", "float32", "--quant", "none"
-    )
+        "--model", str(folder), "--n-cells", "256", "--dtype", "float32", "--quant", "none",
+        "--spec-type", "ngram",
+    )  # fmt: skip
     try:
         body = {"model": "mamba2", "prompt": "Hello world", "max_tokens": 8, "temperature": 0}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
@@ -132,7 +180,11 @@ def test_cli_serves_a_mamba2_folder(tmp_path) -> None:
         assert r.json()["usage"]["completion_tokens"] == 8
         again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        plain = {**body, "speculative": False}  # the request opts out of drafting
+        alone = httpx.post(f"{server.url}/v1/completions", json=plain, timeout=60).json()
+        assert alone["choices"][0]["text"] == r.json()["choices"][0]["text"]
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert "vllm:spec_decode_num_drafts_total" in metrics  # a Mamba2 is speculated
         per_slot = 3 * (192 * 3 + 8 * 16 * 16) * 4  # 3 layers: conv + ssm, float32
         assert f'cellserve_state_slot_bytes{{pool="recurrent"}} {per_slot}.0' in metrics
 

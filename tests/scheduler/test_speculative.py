@@ -168,11 +168,79 @@ def test_sliding_window_memory_rolls_back_too() -> None:
     assert 0 < sched.spec.stats.num_accepted_tokens < sched.spec.stats.num_draft_tokens
 
 
-def test_recurrent_memories_never_draft() -> None:
+RECURRENT = [((3, 8), (2, 4, 4))]  # a conv and an SSM state per slot
+
+
+def periodic_state(
+    contexts: list[np.ndarray], sample: SampleRow, hashes: tuple[int, ...] = ()
+) -> int:
+    """periodic, except where the recurrent state's hash says otherwise (a quarter of the
+    rows): a state that consumed the wrong tokens changes the output."""
+    if hashes and hashes[0] % 4 == 0:
+        return next_token([], sample, hashes)
+    return periodic(contexts, sample, hashes)
+
+
+def _recurrent_spec(hybrid: bool):  # type: ignore[no-untyped-def]
     from kvcache.spec import Attention, MemorySpec, Recurrent
 
-    spec = MemorySpec.of([Recurrent(((3, 8), (2, 4, 4))), Attention(2, 8)])
-    out, sched = serve(_workload(), "ngram", periodic, memory_spec=spec)
-    assert not sched.spec.enabled and sched.spec.snapshot() is None
+    layers = [Recurrent(*RECURRENT)] + ([Attention(2, 8)] if hybrid else [])
+    return MemorySpec.of(layers)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_hybrid_memories_roll_back_to_a_checkpoint(temperature: float) -> None:
+    # the fake's state is a hash of every token consumed: a state rolled back to the wrong
+    # checkpoint, or left past the rejected drafts, changes every later token
+    spec = _recurrent_spec(hybrid=True)
+    plain, _ = serve(_workload(temperature), "none", periodic_state, memory_spec=spec)
+    out, sched = serve(_workload(temperature), "ngram", periodic_state, memory_spec=spec)
+    assert sched.spec.enabled and out.tokens == plain.tokens
+    stats = sched.spec.stats
+    assert stats.num_accepted_tokens > 0 and out.num_steps < plain.num_steps
+    if temperature > 0:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks ran
+
+
+def test_recurrent_memories_roll_back_to_a_checkpoint() -> None:
+    # a state alone: the fake's tokens come from the hash of everything consumed, so most
+    # drafts are rejected, and the output is still the cache-free reference's
+    def make() -> list[Request]:
+        return [make_request(f"h{i}", prompt_len=30, max_tokens=60, seed=i) for i in range(3)]
+
+    spec = _recurrent_spec(hybrid=False)
+    kw: dict[str, object] = dict(spec_kw=dict(ngram_min=1), n_ctx_seq=256, memory_spec=spec)
+    out, sched = serve(make, "ngram", **kw)  # type: ignore[arg-type]
+    plain, _ = serve(make, "none", **kw)  # type: ignore[arg-type]
+    assert sched.spec.enabled and out.tokens == plain.tokens
+    stats = sched.spec.stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_recurrent_drafts_stay_within_the_checkpoint_slots() -> None:
+    spec = _recurrent_spec(hybrid=True)
     plain, _ = serve(_workload(), "none", periodic, memory_spec=spec)
-    assert out.tokens == plain.tokens
+    out, sched = serve(_workload(), "ngram", periodic, memory_spec=spec, state_checkpoints=2)
+    assert sched.memory.rollback_rows == 2 and out.tokens == plain.tokens
+    stats = sched.spec.stats
+    assert stats.num_accepted_tokens > 0 and not any(stats.accepted_per_pos[2:])
+    _, sched = serve(_workload(), "ngram", periodic, memory_spec=spec, state_checkpoints=0)
+    assert not sched.spec.enabled and sched.spec.snapshot() is None
+
+
+def test_a_recurrent_stop_inside_the_accepted_drafts_cuts_the_state_there() -> None:
+    # a prompt that repeats a period holding the stop id: the first verification accepts
+    # drafts past the stop, and retiring the sequence rolls its state back to the stop
+    def make() -> list[Request]:
+        r = make_request("s", prompt_len=12, max_tokens=60, seed=3, ignore_eos=False)
+        period = list(r.prompt_ids[:PERIOD])
+        period[3] = 0  # STOP_ID
+        r.prompt_ids = period * 2
+        return [r]
+
+    spec = _recurrent_spec(hybrid=True)
+    plain, _ = serve(make, "none", periodic, memory_spec=spec)
+    out, sched = serve(make, "ngram", periodic, memory_spec=spec)
+    assert out.tokens == plain.tokens and out.finish[("s", 0)].reason == "stop"
+    # o0 from the prompt step; the stop is the sample of the third drafted row
+    assert len(out.tokens[("s", 0)]) == 3 and sched.spec.stats.num_accepted_tokens >= 3
