@@ -77,6 +77,7 @@ std::pair<at::Tensor, at::Tensor> ssd_scan(const at::Tensor& x, const at::Tensor
 }
 
 constexpr int64_t kMaxState = 256;  // d_state of the fused decode recurrence (Falcon-H1's 256)
+constexpr int64_t kByRows = 16;     // rows up to which a chunk steps row by row (by_rows)
 
 // The decode rows' state update in place, one pass over each slot's [H, P, N] state: per
 // (row, head) the decay exp(dt a) once, then per head row p: s = decay s + (dt x_p) B, y_p =
@@ -158,6 +159,10 @@ at::Tensor step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, a
   return y.view_as(in.x) + m.d.to(at::kFloat).unsqueeze(1) * in.x;
 }
 
+// Whether a chunk of n rows with n_caps captures runs the recurrence row by row (mamba2.py
+// BY_ROWS): short chunks, and chunks cut at most rows (speculative decoding's verification)
+bool by_rows(int64_t n, int64_t n_caps) { return n <= kByRows || 2 * n_caps >= n; }
+
 // a prompt chunk from its slot's state, split at its captures (mamba2.py _scan)
 at::Tensor scan(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, at::Tensor& ssm,
                 int64_t slot, const std::vector<std::pair<int64_t, int64_t>>& captures,
@@ -168,6 +173,29 @@ at::Tensor scan(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, a
   auto out = at::conv1d(raw.unsqueeze(0), m.conv_w.unsqueeze(1), m.conv_b, at::IntArrayRef(one),
                         at::IntArrayRef(zero), at::IntArrayRef(one), raw.size(0));
   auto in = ssm_inputs(at::silu(out[0]).t(), dt, m);
+  if (by_rows(n, static_cast<int64_t>(captures.size())) && m.d_state <= kMaxState &&
+      ssm.is_contiguous()) {
+    // the decode recurrence a row at a time, in place in the slot, each capture copied out
+    // when its row is reached: a pass over the state per row, against ssd_scan's ~20 ops per
+    // segment (a verification step captures before every drafted row: 1-row segments)
+    auto cuts = captures;
+    std::sort(cuts.begin(), cuts.end());
+    size_t next_cut = 0;
+    std::vector<at::Tensor> ys;
+    for (int64_t r = 0; r <= n; ++r) {
+      for (; next_cut < cuts.size() && cuts[next_cut].first == r; ++next_cut) {
+        const int64_t to = cuts[next_cut].second;
+        conv[to].copy_(raw.index({Slice(), Slice(r, r + k1)}));
+        ssm[to].copy_(ssm[slot]);
+      }
+      if (r == n) break;
+      SsmInputs row{in.x.narrow(0, r, 1), in.b.narrow(0, r, 1), in.c.narrow(0, r, 1),
+                    in.dt.narrow(0, r, 1)};
+      ys.push_back(fused_ssm_step(row, ssm, &slot, m));  // the D skip included
+    }
+    conv[slot].copy_(raw.index({Slice(), Slice(n, n + k1)}));
+    return at::cat(ys);
+  }
   auto a = m.a.to(at::kFloat);
   at::Tensor st = ssm[slot];
   std::vector<at::Tensor> ys;

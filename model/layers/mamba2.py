@@ -3,9 +3,10 @@ build_mamba2_layer; model.arch.SSMArgs has the per-token math).
 
 Decode rows take one batched recurrence step over their slots; a prompt chunk runs the
 chunked SSD scan (Mamba2 paper, section 6: quadratic inside a chunk, the state carried
-between chunks) from its slot's state, split at its captures. Any split of a prompt gives the
-same state up to float rounding: it is one linear recurrence. The SSM runs in float32 whatever
-the model dtype; the conv state is kept in the model dtype.
+between chunks) from its slot's state, split at its captures; a short chunk, or one cut at
+most of its rows (a verification's drafts), steps row by row instead (BY_ROWS). Any split of
+a prompt gives the same state up to float rounding: it is one linear recurrence. The SSM runs
+in float32 whatever the model dtype; the conv state is kept in the model dtype.
 
 With the C++ kernels (ForwardBatch.fused) the mixer between its two linears is their
 mamba2_mix (model/kernels/mamba2.cpp: these torch ops, one for one, in ATen), the op the
@@ -30,6 +31,11 @@ from model.layers.ggml import BlockWeight, make_linear
 # Rows per SSD chunk: the intra-chunk part costs H * T^2 * (N + P), the state part
 # H * T * P * N per chunk; 64 balances them for P = 64, N = 128 (Granite 4.0-H, Mamba2-2.7B).
 SCAN_CHUNK = 64
+# Rows up to which a chunk runs the decode recurrence row by row instead of the SSD scan, as do
+# chunks cut at half their rows or more (speculative decoding's verification captures the state
+# before every drafted row): a pass over the state per row against ~20 ops per scanned segment
+# (bench/recurrent_spec_bench.py). model/kernels/mamba2.cpp's kByRows.
+BY_ROWS = 16
 # NOTE: ssm_in has 2 d_inner + 2 G N + H rows, and H need not be a multiple of 16, which
 # model/layers/quant.py's int4 packing needs: the projection gets zero rows up to a multiple of it.
 PROJ_ROWS = 16
@@ -207,14 +213,29 @@ class Mamba2Mixer(nn.Module):
         window = torch.cat((conv.index_select(0, slots), xbc.to(conv.dtype)[:, :, None]), dim=2)
         conv.index_copy_(0, slots, window[:, :, 1:])
         x, b, c, dt = self._ssm_inputs(self._conv_out(window), dt)
+        return self._ssm_step(x, b, c, dt, ssm, slots, run)
+
+    def _ssm_step(
+        self,
+        x: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        dt: torch.Tensor,
+        ssm: torch.Tensor,
+        slots: torch.Tensor | None,
+        run: tuple[int, int] | None,
+    ) -> torch.Tensor:
+        """The SSM of _step (x [B, H, P], B, C [B, G, N], dt [B, H], float32) -> y [B, H, P],
+        the D skip included."""
         s = self.ssm
         n_seq, g, hgp = x.shape[0], s.n_groups, s.d_inner // s.n_groups
+        assert run is not None or slots is not None, "the slots, or the one run of them"
         st = ssm[run[0] : run[1]] if run is not None else ssm.index_select(0, slots)
         st.mul_(torch.exp(dt * self.a.float())[:, :, None, None])  # [B, H, P, N]
         grouped = st.view(n_seq * g, hgp, s.d_state)
         xdt = (dt[:, :, None] * x).reshape(n_seq * g, hgp, 1)
         grouped.baddbmm_(xdt, b.reshape(n_seq * g, 1, s.d_state))  # + dt x (outer) B
-        if run is None:
+        if slots is not None and run is None:
             ssm.index_copy_(0, slots, st)
         # NOTE: vecdot, not bmm: a batched matrix-vector product took 2.6 ms in bmm, 0.37 here
         y = torch.linalg.vecdot(grouped, c.reshape(n_seq * g, 1, s.d_state))
@@ -234,6 +255,18 @@ class Mamba2Mixer(nn.Module):
         raw = torch.cat((conv[p.slot], xbc.to(conv.dtype).T), dim=1)  # [conv_dim, K-1 + L]
         out = F.conv1d(raw[None], self.conv_w[:, None, :], self.conv_b, groups=raw.shape[0])
         x, b, c, dt = self._ssm_inputs(F.silu(out[0]).T, dt)
+        if n <= BY_ROWS or 2 * len(p.captures) >= n:  # the decode recurrence, row by row
+            caps, ys = sorted(p.captures), []
+            run = (p.slot, p.slot + 1)
+            for r in range(n + 1):
+                for slot in [slot for at, slot in caps if at == r]:
+                    conv[slot] = raw[:, r : r + k1]
+                    ssm[slot] = ssm[p.slot]
+                if r < n:
+                    rows = slice(r, r + 1)
+                    ys.append(self._ssm_step(x[rows], b[rows], c[rows], dt[rows], ssm, None, run))
+            conv[p.slot] = raw[:, n : n + k1]
+            return torch.cat(ys)
         a = self.a.float()
         st, ys, lo = ssm[p.slot], [], 0
         for r, slot in [*p.captures, (n, p.slot)]:

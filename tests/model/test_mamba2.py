@@ -257,11 +257,37 @@ def test_a_step_that_raises_keeps_the_state_copies_it_carried(tiny, monkeypatch)
             assert torch.equal(a, b)
 
 
+def test_a_verification_captures_the_state_before_each_drafted_row(tiny):
+    """Speculative decoding's verifying chunk: a capture at every row (row by row, BY_ROWS);
+    each capture holds the state of a prefill of the tokens before it; and a 30-row chunk
+    scanned row by row gives the SSD scan's state. (The C++ mamba2_mix's rows-by-row path
+    against these torch ops: test_mamba2_mix_kernel_is_the_torch_mixer.)"""
+    ids = prompt(60, seed=4)
+    d = driver(tiny, n_slots=16)
+    d.free_slots = list(range(8, 16))  # slots 0..7 for the captures
+    d.logits([Chunk(0, ids[:40])])
+    caps = [(m, m - 41) for m in range(41, 49)]  # before each of rows 41..48: slots 0..7
+    d.logits([Chunk(0, ids[40:49], captures=caps)])
+    for m, slot in caps[::3]:
+        ref = driver(tiny)
+        ref.logits([Chunk(0, ids[:m])])
+        captured = StateDriver(d.worker, 16, 16)
+        captured.resume(5, slot, m, [])
+        for a, b in zip(state_of(captured, 5), state_of(ref, 0), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    by_rows, scanned = driver(tiny, n_slots=16), driver(tiny)
+    by_rows.logits([Chunk(0, ids[:30], captures=[(m, 15) for m in range(16, 31)])])
+    scanned.logits([Chunk(0, ids[:30])])
+    for a, b in zip(state_of(by_rows, 0), state_of(scanned, 0), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_mamba2_mix_kernel_is_the_torch_mixer(folder):
     """kernels.mamba2_mix (model/kernels/mamba2.cpp) against Mamba2Mixer's torch ops on the
     same states: decode rows over a range of slots (updated in place) and over scattered ones
-    (gathered), and a prompt chunk with a capture: the outputs and every state up to float32
-    rounding (ATen's ops, one for one, with another build's vectorization)."""
+    (gathered), a short prompt chunk with a capture (row by row: BY_ROWS), and a longer one
+    (the SSD scan): the outputs and every state up to float32 rounding (ATen's ops, one for
+    one, with another build's vectorization)."""
     from model.kernels import load_kernels
     from model.layers.batch import ForwardBatch, StateBatch, StatePrompt
 
@@ -271,10 +297,11 @@ def test_mamba2_mix_kernel_is_the_torch_mixer(folder):
     model = load_model(folder)
     mixer = model.transformer.layers[1].mixer
     gen = torch.Generator().manual_seed(0)
-    n, dim = 12, model.config.dim
+    n, dim = 40, model.config.dim
     u = torch.randn(n, dim, generator=gen)
+    prompts = [StatePrompt(1, 5, 1, [(2, 7)]), StatePrompt(12, 40, 5, [(10, 6)])]
     for decode_slots, run in ((torch.tensor([2, 3, 4]), (2, 5)), (torch.tensor([6, 0, 3]), None)):
-        sb = StateBatch(torch.tensor([0, 5, 11]), decode_slots, [StatePrompt(1, 5, 1, [(2, 7)])])
+        sb = StateBatch(torch.tensor([0, 5, 11]), decode_slots, prompts)
         sb.decode_run = run
         states = []
         for fused in (None, kernels):
