@@ -9,9 +9,11 @@ from kvcache.memory import Memory
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, group_batches
 
 
-def place_rows(memory: Memory, rows: list[tuple[int, list[int], int]]) -> BatchPlan:
+def place_rows(
+    memory: Memory, rows: list[tuple[int, list[int], int]], rollback: list[int] | None = None
+) -> BatchPlan:
     """rows: (seq_id, tokens, first position); places them, samples each one's last row
-    (greedy)."""
+    (greedy). `rollback`: Memory.plan's (sequences whose rows may be taken back)."""
     tokens: list[int] = []
     positions: list[int] = []
     seq_ids: list[int] = []
@@ -25,7 +27,7 @@ def place_rows(memory: Memory, rows: list[tuple[int, list[int], int]]) -> BatchP
         seq_ids += [seq] * len(toks)
         samples.append(SampleRow(len(tokens) - 1, greedy, seed=0, output_index=0, num_prompt=0))
     pos = np.array(positions, np.int64)
-    mplan = memory.plan(pos, np.array(seq_ids, np.int64))
+    mplan = memory.plan(pos, np.array(seq_ids, np.int64), rollback or ())
     assert mplan is not None, "the bench sizes its memory to fit"
     memory.apply(mplan)
     views = [memory.views(s.seq_id, pos[s.start : s.end]) for s in seqs]

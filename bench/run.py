@@ -43,6 +43,7 @@ MICRO_BENCHES = (
     "engine_bench",
     "constrained_bench",
     "recurrent_bench",
+    "recurrent_spec_bench",
     "bandwidth_bench",
 )
 OPTIONAL_BENCHES = {"gemma_bench": "model.load.packaged:gemma3_installed"}  # run when installed
