@@ -19,7 +19,6 @@ reused) and off (recomputed), on the real Scheduler and memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from bench.placement import place_rows
+from bench.report import write_json
 from scheduler.plan import (
     SamplingParams,
     StepOutput,
@@ -232,9 +232,7 @@ def run(
         "hybrid_prefix_ttft": bench_prefix_ttft(hybrid, sizes, dtype),
     }
     if out_dir is not None:
-        out = pathlib.Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "recurrent_bench.json").write_text(json.dumps(report, indent=2))
+        write_json(pathlib.Path(out_dir) / "recurrent_bench.json", report)
     return report
 
 
@@ -245,12 +243,18 @@ def format_decode(r: DecodeResult) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def model_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The flags of the benches on these random models: --out, --dtype, --quant, --threads."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quant", default="int4")
     parser.add_argument("--threads", type=int, default=None)
+    return parser
+
+
+def main() -> None:
+    parser = model_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="contexts 256 and 2048, 1 sequence")
     a = parser.parse_args()
     sizes = Sizes(contexts=(256, 2048), num_seqs=(1,), system_len=600) if a.quick else None

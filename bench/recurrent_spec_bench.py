@@ -18,8 +18,6 @@ The draft's own cost (n-gram lookup: none; a draft model: its forwards) is not c
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
 import time
@@ -30,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from bench.placement import place_rows
-from bench.recurrent_bench import Sizes, hybrid_args, mamba2_args, random_model
+from bench.recurrent_bench import Sizes, hybrid_args, mamba2_args, model_parser, random_model
+from bench.report import write_json
 
 
 @dataclass(slots=True)
@@ -121,9 +120,7 @@ def run(
         "costs": [asdict(c) for c in costs],
     }
     if out_dir is not None:
-        out = pathlib.Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "recurrent_spec_bench.json").write_text(json.dumps(report, indent=2))
+        write_json(pathlib.Path(out_dir) / "recurrent_spec_bench.json", report)
     return report
 
 
@@ -134,11 +131,7 @@ def format_cost(c: VerifyCost) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quant", default="int4")
-    parser.add_argument("--threads", type=int, default=None)
+    parser = model_parser(__doc__)
     parser.add_argument("--context", type=int, default=512)
     a = parser.parse_args()
     print("| model | k | verify ms | as a prompt chunk ms | break-even accepted |")

@@ -128,14 +128,21 @@ def test_captures_hold_the_state_of_the_prefix(tiny):
     d.logits([Chunk(0, ids[:20])])
     d.logits([Chunk(0, ids[20:], captures=[(37, 0), (64, 1), (100, 2)])])
     for m, slot in [(37, 0), (64, 1), (100, 2)]:
-        ref = driver(tiny)
-        ref.logits([Chunk(0, ids[:m])])
-        captured = StateDriver(d.worker, 16, 8)
-        captured.resume(5, slot, m, [])
-        for a, b in zip(state_of(captured, 5), state_of(ref, 0), strict=True):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        captured, ref = resume_capture(tiny, d, slot, ids[:m])
         nxt = [ids[m] if m < 100 else 11, 23]
         assert_close(captured.logits([Chunk(5, nxt)]), ref.logits([Chunk(0, nxt)]))
+
+
+def resume_capture(tiny, d: StateDriver, slot: int, prefix: list[int]):
+    """A sequence resumed from the state `slot` of d's worker holds, and a prefill of `prefix`
+    on a fresh driver: their states agree (returns both drivers, the resumed one's seq 5)."""
+    ref = driver(tiny)
+    ref.logits([Chunk(0, prefix)])
+    captured = StateDriver(d.worker, 16, d.worker.state.n_cells)
+    captured.resume(5, slot, len(prefix), [])
+    for a, b in zip(state_of(captured, 5), state_of(ref, 0), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    return captured, ref
 
 
 def test_mixed_step_equals_each_sequence_alone(tiny):
@@ -269,12 +276,7 @@ def test_a_verification_captures_the_state_before_each_drafted_row(tiny):
     caps = [(m, m - 41) for m in range(41, 49)]  # before each of rows 41..48: slots 0..7
     d.logits([Chunk(0, ids[40:49], captures=caps)])
     for m, slot in caps[::3]:
-        ref = driver(tiny)
-        ref.logits([Chunk(0, ids[:m])])
-        captured = StateDriver(d.worker, 16, 16)
-        captured.resume(5, slot, m, [])
-        for a, b in zip(state_of(captured, 5), state_of(ref, 0), strict=True):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        resume_capture(tiny, d, slot, ids[:m])
     by_rows, scanned = driver(tiny, n_slots=16), driver(tiny)
     by_rows.logits([Chunk(0, ids[:30], captures=[(m, 15) for m in range(16, 31)])])
     scanned.logits([Chunk(0, ids[:30])])
