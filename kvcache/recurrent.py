@@ -8,14 +8,14 @@ or a zeroed one for a new sequence. Forks (seq_cp) share a slot; nothing moves.
 
 Checkpoints (vLLM's and SGLang's answer for Mamba prefix caching; llama-server's
 --ctx-checkpoints): a multi-row (prompt) step of s also copies the state after [0, m) into a
-spare slot for m = its last row's position (the state before the last prompt token: the
-scheduler matches a new prompt's tokens[:n-1], so this serves an identical prompt) and the
-multiples of `ckpt_interval` it crosses (a shared system prompt): the newest one, and those at
-interval x 2^j, which a sequence keeps; a later prompt step replaces the others, so a long
-prompt keeps about log2(length / interval) + 2 states, not one per chunk. A finished
-sequence's tail serves a conversation's next turn. usable_prefix offers only those lengths,
-and seq_rm rolls a tail back only to a checkpoint. Checkpoints use the slots no tail needs;
-under pressure the least recently used are evicted, so they never make a step fail.
+spare slot at the points kvcache/checkpoints.py chooses. A finished sequence's tail serves a
+conversation's next turn. usable_prefix offers only those lengths, and seq_rm rolls a tail
+back only to a checkpoint. Checkpoints use the slots no tail needs; under pressure the least
+recently used are evicted, so they never make a step fail.
+
+Speculative decoding: a sequence named in plan(..., rollback=) takes a checkpoint before each
+of its rows but the first instead (before any other optional slot use: they are owed), so
+that seq_rm can roll its rejected drafts back; seq_commit drops what the verification left.
 
 NOTE: why a step never runs out of slots: tails <= n_seq_max distinct slots, a stepping
 sequence that shares its tail with no idle sequence keeps it (its checkpoints move to a copy,
@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from kvcache.cell_types import PendingOps
+from kvcache.checkpoints import capture_points, lasting
 from kvcache.memory import Memory, MemoryPlan, Pool, SeqCells
 from kvcache.slots import SlotPool, SlotStep
 from kvcache.spec import MemorySpec, Recurrent
@@ -152,9 +153,9 @@ class RecurrentMemory(Memory):
         for s, p_first, p_last in runs:
             if s in drafted:
                 continue
-            points = [] if written else self._capture_points(p_first, p_last)
+            points = [] if written else capture_points(p_first, p_last, self.ckpt_interval)
             if points:
-                step.drops += [(s, m) for m in sl.ckpts[s] if not self._lasting(m)]
+                step.drops += [(s, m) for m in sl.ckpts[s] if not lasting(m, self.ckpt_interval)]
             for m in points:
                 if not spare:
                     break
@@ -368,24 +369,6 @@ class RecurrentMemory(Memory):
         ckpt = [x for x in range(sl.n_cells) if not sl.tail_refs[x] and sl.ckpt_refs[x]]
         ckpt = [x for x in ckpt if x not in kept]
         return free + sorted(ckpt, key=lambda x: sl.last_used[x])
-
-    def _capture_points(self, p_first: int, p_last: int) -> list[int]:
-        """Checkpoints of a step over positions [p_first, p_last], most useful first: before
-        the last row, the newest grid point, then the lasting ones (_lasting)."""
-        if p_last == p_first:
-            return []
-        k = self.ckpt_interval
-        grid = [m for m in range((p_first // k + 1) * k, p_last + 2, k) if m != p_last]
-        lasting = sorted((m for m in grid[:-1] if self._lasting(m)), reverse=True)
-        return [p_last, *grid[-1:], *lasting]
-
-    def _lasting(self, m: int) -> bool:
-        """Whether a sequence keeps its checkpoint at m once a later prompt step took newer
-        ones: grid points at interval x 2^j (a spread over any length: log2(n / interval)
-        states per sequence, not n / interval). The others (the end of an earlier prompt
-        chunk, the newest grid point) serve until the next prompt step replaces them."""
-        q, r = divmod(m, self.ckpt_interval)
-        return r == 0 and q & (q - 1) == 0
 
     def _move(self, seq_id: int, p0: int, p1: int, move: Callable[[int], int]) -> None:
         """Positions p in [p0, p1) of seq_id's tail and checkpoints (a checkpoint at m holds
