@@ -75,6 +75,12 @@ def rows_geometry(
     return geometry
 
 
+def geometry_rotation(geometry: dict[str, Any]) -> tuple[int, int, bool]:
+    """The (rot_k, rot_v, k_centered) that rows_geometry recorded in `geometry`."""
+    g = geometry
+    return int(g.get("k_rot", 0)), int(g.get("v_rot", 0)), g.get("k_centered") is True
+
+
 @dataclass(slots=True)
 class CellFile:
     model: str  # the model's fingerprint
@@ -168,8 +174,7 @@ def read_cell_file(path: Path, model: str) -> tuple[CellFile, int]:
                 chunk = torch.frombuffer(bytearray(buf[at : at + size]), dtype=torch.uint8)
                 kv.append(chunk.view(dtype).reshape(shape))
                 at += size
-            rotation = (int(g.get("k_rot", 0)), int(g.get("v_rot", 0)), g.get("k_centered") is True)
-            rows.append(GroupRows(positions, kv[0], kv[1], rotation))
+            rows.append(GroupRows(positions, kv[0], kv[1], geometry_rotation(g)))
     except CellFileError:
         raise
     except (KeyError, ValueError, TypeError) as e:
@@ -229,10 +234,7 @@ def copy_out(model: str, held: Any, worker: Any) -> CellFile:
     tokens, per group the cells and their positions, its LoRA adapters) with its K/V rows read
     out of the worker's storage; `model` the model's fingerprint."""
     rows = worker.read_rows(held.cells)
-    rotations = [
-        (int(g.get("k_rot", 0)), int(g.get("v_rot", 0)), g.get("k_centered") is True)
-        for g in worker.kv_geometry()
-    ]
+    rotations = [geometry_rotation(g) for g in worker.kv_geometry()]
     groups = [
         GroupRows(p.copy(), k, v, r)
         for p, (k, v), r in zip(held.positions, rows, rotations, strict=True)
