@@ -229,8 +229,11 @@ class Mamba2Mixer(nn.Module):
         the D skip included."""
         s = self.ssm
         n_seq, g, hgp = x.shape[0], s.n_groups, s.d_inner // s.n_groups
-        assert run is not None or slots is not None, "the slots, or the one run of them"
-        st = ssm[run[0] : run[1]] if run is not None else ssm.index_select(0, slots)
+        if run is not None:
+            st = ssm[run[0] : run[1]]
+        else:
+            assert slots is not None, "the slots, or the one run of them"
+            st = ssm.index_select(0, slots)
         st.mul_(torch.exp(dt * self.a.float())[:, :, None, None])  # [B, H, P, N]
         grouped = st.view(n_seq * g, hgp, s.d_state)
         xdt = (dt[:, :, None] * x).reshape(n_seq * g, hgp, 1)
