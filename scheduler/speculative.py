@@ -25,9 +25,9 @@ Every memory rolls back, within its Memory.rollback_rows: the unified and iSWA c
 number of rows (the iSWA pools prune against a sequence's newest position before a step's rows,
 never against the drafts); a recurrent or hybrid memory's state consumes the drafts for good,
 so the drafted sequences' rows are placed with plan(..., rollback=) and leave a checkpoint of
-the state before each drafted row (vLLM keeps per-token Mamba states for its drafts the same
-way): a step drafts at most as many tokens as the memory has checkpoint slots for
-(--state-checkpoints), and Memory.seq_commit drops the checkpoints once verified.
+the state before each drafted row: a step drafts at most as many tokens as the memory has
+free checkpoint slots for (--state-checkpoints), and Memory.seq_commit drops the checkpoints
+once verified.
 """
 
 from __future__ import annotations
