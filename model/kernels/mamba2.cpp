@@ -25,22 +25,95 @@ float neg_inf() {
   return f;
 }
 
-// window [.., conv_dim, K] (oldest first) -> silu(depthwise conv) [.., conv_dim]
+constexpr int64_t kConvBlock = 128;  // channels conv_out takes through its local arrays
+constexpr int64_t kMaxConv = 8;  // d_conv it takes (Mamba2's: 4); longer ones go to ATen
+
+// windows [R, conv_dim, K] (oldest first) -> silu(depthwise conv) [R, conv_dim] float32. The
+// decode rows and a short chunk's rows (scan's row-by-row path) both come here, so a row's conv
+// is the same bits whichever way it ran (at::conv1d, the long chunks', sums in another order).
+// Every (row, channel) goes through the same loops over local 64-byte aligned blocks of
+// kConvBlock channels: what GCC vectorizes (libmvec's expf for the SiLU) splits a block into a
+// vector body and tail by channel alone, never by R or by where the tensors lie.
 at::Tensor conv_out(const at::Tensor& window, const StepMamba2& m) {
-  auto out = (window * m.conv_w).sum(-1);
-  return at::silu(m.conv_b ? out + *m.conv_b : out);
+  const int64_t rows = window.size(0), ch = window.size(1), k = window.size(2);
+  if (k > kMaxConv) {
+    auto out = (window * m.conv_w).sum(-1);
+    return at::silu(m.conv_b ? out + *m.conv_b : out).to(at::kFloat);
+  }
+  auto w = window.to(at::kFloat).contiguous();
+  auto cw = m.conv_w.to(at::kFloat).contiguous();
+  auto cb = m.conv_b ? m.conv_b->to(at::kFloat).contiguous() : at::zeros({ch}, w.options());
+  auto out = at::empty({rows, ch}, w.options());
+  const float *w_p = w.data_ptr<float>(), *cw_p = cw.data_ptr<float>();
+  const float* cb_p = cb.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  const int64_t blocks = (ch + kConvBlock - 1) / kConvBlock;
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float win[kConvBlock * kMaxConv], wt[kConvBlock * kMaxConv];
+    alignas(64) float acc[kConvBlock], bias[kConvBlock], e[kConvBlock];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / blocks, c0 = (t % blocks) * kConvBlock;
+      const int64_t len = std::min(kConvBlock, ch - c0);
+      std::memcpy(win, w_p + (r * ch + c0) * k, len * k * sizeof(float));
+      std::memcpy(wt, cw_p + c0 * k, len * k * sizeof(float));
+      std::memcpy(bias, cb_p + c0, len * sizeof(float));
+      for (int64_t i = 0; i < len; ++i) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; ++j) sum += win[i * k + j] * wt[i * k + j];
+        acc[i] = sum + bias[i];
+      }
+      for (int64_t i = 0; i < len; ++i) e[i] = std::exp(-acc[i]);
+      for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] / (1.0f + e[i]);
+      std::memcpy(out_p + r * ch + c0, acc, len * sizeof(float));
+    }
+  });
+  return out;
 }
 
 struct SsmInputs {
   at::Tensor x, b, c, dt;  // [L, H, P], [L, G, N], [L, G, N], [L, H]: float32
 };
 
+constexpr int64_t kMaxHeads = 1024;  // dt_softplus's local row (Mamba2-2.7B: 80 heads)
+
+// softplus(dt + dt_bias) [.., H] -> float32, a row at a time through one local, 64-byte aligned
+// row: whatever GCC vectorizes (libmvec's expf / log1pf) splits every row into the same vector
+// body and tail, so an element's bits depend on its head alone, never on how many rows came
+// with it or where the tensors lie. ATen's softplus over [L, H] took an element through its
+// vector body or its scalar tail by its place in the whole tensor (H = 24: the last 8 of a
+// single row went through the tail, of 5 rows through the body), so a row's dt, and through
+// it every later state, changed with the rows computed beside it: --batch-invariant and a
+// verification's drafted rows need it to depend on the row alone.
+at::Tensor dt_softplus(const at::Tensor& dt, const at::Tensor& dt_bias) {
+  const int64_t h = dt_bias.numel();
+  if (h > kMaxHeads || dt.numel() % std::max<int64_t>(h, 1) != 0) {
+    return at::softplus(dt.to(at::kFloat) + dt_bias.to(at::kFloat));
+  }
+  auto x = dt.to(at::kFloat).contiguous();
+  auto bias = dt_bias.to(at::kFloat).contiguous();
+  auto out = at::empty_like(x);
+  const float *x_p = x.data_ptr<float>(), *bias_p = bias.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  alignas(64) float b[kMaxHeads], v[kMaxHeads], e[kMaxHeads];
+  std::memcpy(b, bias_p, h * sizeof(float));
+  for (int64_t r = 0, rows = x.numel() / std::max<int64_t>(h, 1); r < rows; ++r) {
+    std::memcpy(v, x_p + r * h, h * sizeof(float));
+    for (int64_t i = 0; i < h; ++i) v[i] += b[i];
+    // ATen's threshold (20): above it softplus(v) is v; the exp is clamped so that no lane
+    // of a vector computes an infinity the -ffast-math build assumes away
+    for (int64_t i = 0; i < h; ++i) e[i] = std::log1p(std::exp(std::min(v[i], 20.0f)));
+    for (int64_t i = 0; i < h; ++i) v[i] = v[i] > 20.0f ? v[i] : e[i];
+    std::memcpy(out_p + r * h, v, h * sizeof(float));
+  }
+  return out;
+}
+
 SsmInputs ssm_inputs(const at::Tensor& xbc, const at::Tensor& dt, const StepMamba2& m) {
   const int64_t gn = m.n_groups * m.d_state;
   auto parts = xbc.to(at::kFloat).split_with_sizes({m.d_inner, gn, gn}, -1);
   auto b = parts[1].unflatten(-1, {m.n_groups, m.d_state});
   auto c = parts[2].unflatten(-1, {m.n_groups, m.d_state});
-  auto d = at::softplus(dt.to(at::kFloat) + m.dt_bias.to(at::kFloat));
+  auto d = dt_softplus(dt, m.dt_bias);
   return {parts[0].unflatten(-1, {m.n_heads, m.head_dim}), b, c, d};
 }
 
@@ -125,7 +198,7 @@ at::Tensor fused_ssm_step(const SsmInputs& in, at::Tensor& ssm, const int64_t* s
 }
 
 // decode rows: one token per sequence, their slots' states move one step (mamba2.py _step): the
-// conv in ATen, the SSM fused in place (fused_ssm_step) where d_state <= kMaxState (and the
+// conv by conv_out, the SSM fused in place (fused_ssm_step) where d_state <= kMaxState (and the
 // states are contiguous), else ATen
 at::Tensor step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, at::Tensor& ssm,
                 const at::Tensor& slots, int64_t run_lo, int64_t run_hi, const StepMamba2& m) {
@@ -169,15 +242,14 @@ at::Tensor scan(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, a
                 const StepMamba2& m) {
   const int64_t k1 = m.d_conv - 1, n = xbc.size(0);
   auto raw = at::cat({conv[slot], xbc.to(conv.scalar_type()).t()}, 1);
-  const int64_t one = 1, zero = 0;
-  auto out = at::conv1d(raw.unsqueeze(0), m.conv_w.unsqueeze(1), m.conv_b, at::IntArrayRef(one),
-                        at::IntArrayRef(zero), at::IntArrayRef(one), raw.size(0));
-  auto in = ssm_inputs(at::silu(out[0]).t(), dt, m);
   if (by_rows(n, static_cast<int64_t>(captures.size())) && m.d_state <= kMaxState &&
       ssm.is_contiguous()) {
-    // the decode recurrence a row at a time, in place in the slot, each capture copied out
-    // when its row is reached: a pass over the state per row, against ssd_scan's ~20 ops per
-    // segment (a verification step captures before every drafted row: 1-row segments)
+    // the decode rows' math a row at a time (their conv_out over each row's window, the
+    // recurrence in place in the slot), each capture copied out when its row is reached: a
+    // pass over the state per row, against ssd_scan's ~20 ops per segment (a verification
+    // step captures before every drafted row: 1-row segments), and a row's bits are a decoded
+    // row's (speculative decoding's drafted rows, --batch-invariant)
+    auto in = ssm_inputs(conv_out(raw.unfold(1, m.d_conv, 1).transpose(0, 1), m), dt, m);
     auto cuts = captures;
     std::sort(cuts.begin(), cuts.end());
     size_t next_cut = 0;
@@ -196,6 +268,10 @@ at::Tensor scan(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv, a
     conv[slot].copy_(raw.index({Slice(), Slice(n, n + k1)}));
     return at::cat(ys);
   }
+  const int64_t one = 1, zero = 0;
+  auto out = at::conv1d(raw.unsqueeze(0), m.conv_w.unsqueeze(1), m.conv_b, at::IntArrayRef(one),
+                        at::IntArrayRef(zero), at::IntArrayRef(one), raw.size(0));
+  auto in = ssm_inputs(at::silu(out[0]).t(), dt, m);
   auto a = m.a.to(at::kFloat);
   at::Tensor st = ssm[slot];
   std::vector<at::Tensor> ys;

@@ -398,3 +398,39 @@ def test_the_one_call_step_runs_mamba2_as_the_python_layers(
     assert len(calls) == 4 + prompt_steps
     worker.paths.native = None
     assert torch.equal(native, mixed_steps(worker, (3, 30, 9, 70, 20)))
+
+
+def test_mamba2_mix_rows_do_not_depend_on_the_rows_beside_them(tmp_path):
+    """kernels.mamba2_mix: a short chunk's rows (row by row, BY_ROWS) are bit for bit the same
+    rows run as decode rows one step at a time, outputs and states: what --batch-invariant and
+    a verification's drafted rows rely on. Before, the chunk's conv was at::conv1d's (another
+    summation order than the decode rows' window sum) and dt's softplus ATen's over [L, H],
+    whose vector body or scalar tail an element took by its place in the whole tensor (with
+    24 heads the last 8 of a 1-row step went through the tail): the rows differed by ~1e-6."""
+    from model.kernels import load_kernels
+    from model.layers.batch import StateBatch, StatePrompt
+
+    kernels = load_kernels()
+    if kernels is None or not hasattr(kernels, "mamba2_mix"):
+        pytest.skip("no C++ kernels built for this CPU")
+    for heads, n in ((24, 5), (32, 12)):
+        kw = dict(n_layers=2, dim=4 * heads, n_heads=heads, head_dim=8)
+        folder = write_tiny_mamba2(tmp_path / f"m{heads}", **kw)
+        model = load_model(folder)
+        mixer = model.transformer.layers[1].mixer
+        u = torch.randn(n, model.config.dim, generator=torch.Generator().manual_seed(0)) * 3
+        zxbcdt, params = mixer.in_proj(u), mixer.native_params(kernels)
+
+        def mix(rows, sb, storage, params=params):  # noqa: ANN001, ANN202
+            conv, ssm = storage.state.conv(1), storage.state.ssm(1)
+            return kernels.mamba2_mix(rows, conv, ssm, params, sb.native_state(kernels))
+
+        chunked = _states(model, torch.Generator().manual_seed(1))
+        empty = torch.zeros(0, dtype=torch.long)
+        chunk = mix(zxbcdt, StateBatch(empty, empty, [StatePrompt(0, n, 2)]), chunked)
+        stepped = _states(model, torch.Generator().manual_seed(1))
+        one = [StateBatch(None, torch.tensor([2]), []) for _ in range(n)]
+        steps = torch.cat([mix(zxbcdt[i : i + 1].clone(), one[i], stepped) for i in range(n)])
+        assert torch.equal(chunk, steps), (heads, (chunk - steps).abs().amax(1))
+        assert torch.equal(chunked.state.ssm(1)[2], stepped.state.ssm(1)[2])
+        assert torch.equal(chunked.state.conv(1)[2], stepped.state.conv(1)[2])
