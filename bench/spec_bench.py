@@ -4,8 +4,10 @@ The code-edit workload (bench/workloads.py: rename a variable in a ~200-token Py
 return the whole function; chat, greedy, until the model stops or --output-len) at c=1, one
 request after another, against, each on a fresh server with the same --n-cells:
 cellserve without speculation, with n-gram lookup (--spec-type ngram), with the draft model
-(--model-draft), and llama.cpp's llama-server without and with the same draft (-md,
---spec-draft-n-max 16). Per server: output tokens/s (completion tokens / request time, summed),
+(--model-draft), with both (--spec-type ngram --model-draft: the lookup first, the draft
+model where it finds nothing), and llama.cpp's llama-server without and with the same draft
+(-md, --spec-draft-n-max 16) and with both (--spec-type ngram-simple,draft-simple). --servers
+picks some of them by name. Per server: output tokens/s (completion tokens / request time, summed),
 TTFT p50, and for cellserve's modes whether every reply is the same text as without
 speculation. Then the random workload at the --load concurrencies (ignore_eos, 128 tokens),
 cellserve without and with each speculation: throughput must not drop. --skip-code-edit runs
@@ -87,6 +89,9 @@ def spec_counters(url: str) -> dict[str, float]:
         for n in names:
             if line.startswith(f"vllm:spec_decode_{n}_total "):
                 out[n] = float(line.split()[-1])
+            if line.startswith(f"cellserve_spec_decode_source_{n}_total{{"):
+                source = line.split('source="')[1].split('"')[0]
+                out[f"{source}_{n}"] = float(line.split()[-1])
     return out
 
 
@@ -110,12 +115,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cellserve": base,
         "cellserve ngram": [*base, "--spec-type", "ngram", "--draft-max", str(args.draft_max)],
         "cellserve draft": [*base, "--model-draft", str(draft), "--draft-max", str(args.draft_max)],
+        "cellserve ngram+draft": [
+            *base,
+            *("--spec-type", "ngram", "--model-draft", str(draft)),
+            *("--draft-max", str(args.draft_max)),
+        ],
     }
     llama = args.llamacpp or llamacpp_default()
     lcpp = [str(llama), "-m", str(target), "-t", threads, "-c", str(N_CTX), "-np", "1"]
     lcpp_servers = {
         "llama.cpp": lcpp,
         "llama.cpp draft": [*lcpp, "-md", str(draft), "--spec-draft-n-max", str(args.draft_max)],
+        "llama.cpp ngram+draft": [
+            *(*lcpp, "-md", str(draft), "--spec-draft-n-max", str(args.draft_max)),
+            *("--spec-type", "ngram-simple,draft-simple"),
+        ],
     }
     report: dict[str, Any] = {"prompts": len(prompts), "output_len": args.output_len}
     runs: dict[str, Any] = {}
@@ -128,6 +142,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return served(lambda port: [*cmd, "--host", "127.0.0.1", "--port", str(port)], log, 300)
 
     names = list(servers) + (list(lcpp_servers) if llama.is_file() else [])
+    if args.servers:
+        wanted = [n.strip() for n in args.servers.split(",")]
+        unknown = sorted(set(wanted) - set(servers) - set(lcpp_servers))
+        if unknown or "cellserve" not in wanted:
+            raise SystemExit(f"--servers: unknown {unknown} (and 'cellserve' is the baseline)")
+        names = [n for n in names if n in wanted]
     for name in names:
         if args.skip_code_edit and name not in servers:
             continue
@@ -152,11 +172,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["x_cellserve"] = round(r["tok_s"] / plain["tok_s"], 2)
         if name.startswith("cellserve"):
             r["same_text"] = r["texts"] == plain["texts"]
-    if "llama.cpp draft" in runs:
-        for name in ("cellserve ngram", "cellserve draft"):
-            runs[name]["x_llamacpp_draft"] = round(
-                runs[name]["tok_s"] / runs["llama.cpp draft"]["tok_s"], 2
-            )
+    for anchor in ("llama.cpp draft", "llama.cpp ngram+draft"):
+        key = "x_" + anchor.replace(".", "").replace(" ", "_").replace("+", "_")
+        for name in (n for n in runs if n.startswith("cellserve ") and anchor in runs):
+            runs[name][key] = round(runs[name]["tok_s"] / runs[anchor]["tok_s"], 2)
     report["runs"] = runs
     return report
 
@@ -173,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-prompts", type=int, default=32)
     p.add_argument("--llamacpp", type=pathlib.Path, default=None)
     p.add_argument("--skip-code-edit", action="store_true", help="only the --load levels")
+    p.add_argument("--servers", default="", help="comma-separated names to run (default: all)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/spec"))

@@ -82,8 +82,9 @@ _FLAGS: list[tuple[str, type | None, str]] = [
         str,
         "speculative decoding: none (default) | ngram (prompt lookup: the continuation of the "
         "latest earlier occurrence of the last tokens) | draft (a draft model's greedy tokens, "
-        "the default with --model-draft); llama.cpp's ngram-simple / draft-simple too. "
-        "Lossless: the same tokens as without it",
+        "the default with --model-draft) | ngram,draft (both: the lookup first, the draft "
+        "model where it finds nothing; ngram with --model-draft means this); llama.cpp's "
+        "ngram-simple / draft-simple too. Lossless: the same tokens as without it",
     ),
     (
         "model_draft",

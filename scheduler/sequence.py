@@ -16,6 +16,15 @@ class SeqState(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class Pace:
+    """How one proposer (n-gram lookup, a draft model) drafts for one sequence."""
+
+    k: int = -1  # tokens it may draft next (-1: not drafted yet)
+    skip: int = 0  # decode steps it still sits out after rounds that accepted nothing
+    misses: int = 0  # consecutive rounds that accepted nothing
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """`tokens` is the context the cache holds (or will hold) for this sequence: token i sits
@@ -45,11 +54,10 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     parent: Sequence | None = None  # set on a choice that waits in its parent's `forks`
     constraint: Constraint | None = None  # the request's grammar; has consumed output_ids
-    # speculative decoding (scheduler/speculative.py): tokens it may draft next (-1: not
-    # drafted yet); after rounds that accepted nothing, decode steps it sits out
-    spec_k: int = -1
-    spec_skip: int = 0
-    spec_misses: int = 0  # consecutive rounds that accepted nothing
+    # speculative decoding (scheduler/speculative.py): each proposer's pace for this
+    # sequence, and which one proposed the drafts being verified
+    pace: dict[str, Pace] = field(default_factory=dict)
+    spec_from: str = ""
     # the prefix cache's second tier (scheduler/cache_tier.py): looked up once; queued while
     # a stored entry it will take is read
     tier_checked: bool = False

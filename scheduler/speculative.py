@@ -21,6 +21,11 @@ Structured outputs: a grammar cuts a proposal at its first token the grammar rej
 after the one that completes it), and each drafted row is sampled under the mask of a copy of
 the matcher that has consumed the drafts before it.
 
+Proposers: n-gram lookup (prompt lookup: free to propose, right where the text repeats itself),
+a draft model (scheduler/draft.py: a forward of its own per drafted token), or both, the lookup
+first and the draft model for the sequences it has nothing for (llama.cpp's
+`--spec-type ngram-simple,draft-simple`). Each keeps its own pace per sequence.
+
 Every memory rolls back, within its Memory.rollback_rows: the unified and iSWA caches any
 number of rows (the iSWA pools prune against a sequence's newest position before a step's rows,
 never against the drafts); a recurrent or hybrid memory's state consumes the drafts for good,
@@ -41,17 +46,36 @@ import numpy as np
 
 from kvcache.memory import Memory
 from scheduler.plan import SampleRow, StepOutput
-from scheduler.sequence import SeqState, Sequence, make_sample_row
+from scheduler.sequence import Pace, SeqState, Sequence, make_sample_row
 from scheduler.step import Step
 
-SpecType = Literal["none", "ngram", "draft"]
-SPEC_TYPES: dict[str, SpecType] = {  # llama.cpp's spellings too
+# "ngram,draft": the n-gram lookup proposes first, the draft model where it finds nothing
+# (llama.cpp's `--spec-type ngram-simple,draft-simple`: the draftless type has precedence)
+SpecType = Literal["none", "ngram", "draft", "ngram,draft"]
+SPEC_TYPES: dict[str, str] = {  # llama.cpp's spellings too
     "none": "none",
     "ngram": "ngram",
     "ngram-simple": "ngram",
     "draft": "draft",
     "draft-simple": "draft",
 }
+
+
+def parse_spec_type(text: str, with_draft_model: bool) -> SpecType:
+    """A comma-separated list of types (llama.cpp's `--spec-type`) -> the kind in effect; a
+    draft model adds "draft" unless the list says none. ValueError names an unknown type."""
+    names = [t.strip() for t in text.split(",") if t.strip()] or ["none"]
+    unknown = [t for t in names if t not in SPEC_TYPES]
+    if unknown:
+        raise ValueError(f"spec type {unknown[0]!r}: use one of {sorted(SPEC_TYPES)}, or a list")
+    kinds = {SPEC_TYPES[t] for t in names}
+    if "none" in kinds:
+        if len(kinds) > 1:
+            raise ValueError(f"spec type none with others: {text!r}")
+        return "none"
+    if with_draft_model:
+        kinds.add("draft")
+    return "ngram,draft" if kinds == {"ngram", "draft"} else kinds.pop()  # type: ignore[return-value]
 
 
 class Drafter(Protocol):
@@ -88,9 +112,18 @@ class SpecConfig:
     # Qwen2.5-Coder 1.5B / 0.5B: the draft at c=8 cost 30% of the throughput)
     draft_seqs_max: int = 2
 
+    @property
+    def lookup(self) -> bool:
+        """The n-gram lookup proposes (first, where a draft model is there too)."""
+        return self.kind in ("ngram", "ngram,draft")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.kind in ("draft", "ngram,draft")
+
     def validate(self) -> None:
-        if self.kind not in ("none", "ngram", "draft"):
-            raise ValueError(f"spec type must be one of {sorted(SPEC_TYPES)}, got {self.kind!r}")
+        if self.kind not in ("none", "ngram", "draft", "ngram,draft"):
+            raise ValueError(f"unknown spec type {self.kind!r}")
         if not 0 <= self.draft_min <= self.draft_max or self.draft_max > 256:
             raise ValueError(
                 f"need 0 <= draft_min ({self.draft_min}) <= draft_max ({self.draft_max}) <= 256"
@@ -111,6 +144,8 @@ class SpecStats:
     num_emitted_tokens: int = 0  # accepted drafts + the target's own token of each round
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: rounds accepting draft i
     acceptance_lengths: list[int] = field(default_factory=list)  # [a]: rounds accepting a
+    # per proposer ("ngram", "draft"): [draft tokens verified, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
 
 def ngram_propose(tokens: Seq[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -137,14 +172,15 @@ class Speculator:
         """`rollback`: whether the memory can take drafted rows back at all (its
         Memory.rollback_rows when empty); one that cannot never drafts."""
         config.validate()
-        if config.kind == "draft" and drafter is None:
-            raise ValueError("speculative decoding of type draft needs a draft model")
+        if config.uses_draft_model and drafter is None and rollback:
+            raise ValueError(f"speculative decoding of type {config.kind} needs a draft model")
         self.config = config
         self.drafter = drafter
         self.enabled = config.kind != "none" and config.draft_max > 0 and rollback
         self.stats = SpecStats(
             accepted_per_pos=[0] * config.draft_max,
             acceptance_lengths=[0] * (config.draft_max + 1),
+            by_source={s: [0, 0] for s in ("ngram", "draft") if s in config.kind},
         )
 
     def snapshot(self) -> SpecStats | None:
@@ -156,43 +192,54 @@ class Speculator:
             s,
             accepted_per_pos=list(s.accepted_per_pos),
             acceptance_lengths=list(s.acceptance_lengths),
+            by_source={k: list(v) for k, v in s.by_source.items()},
         )
 
     def step_budget(self, num_seqs: int) -> int:
         """Draft tokens the next step may take."""
         if not self.enabled:
             return 0
-        if self.config.kind == "draft" and num_seqs > self.config.draft_seqs_max:
+        if self.config.kind == "draft" and not self.draft_model_on(num_seqs):
             return 0
         return max(0, self.config.step_rows - num_seqs)
 
-    def limit(self, seq: Sequence) -> int:
-        """How many tokens `seq` may draft now: the request's cap, then what its recent
-        acceptance earned (doubling after a fully accepted round, else one more than the
-        last round accepted; after n rounds in a row that accepted nothing, it sits out
-        2^(n-1) decode steps, at most MAX_SKIP)."""
+    def draft_model_on(self, num_seqs: int) -> bool:
+        """Whether the draft model drafts while `num_seqs` sequences run or wait."""
+        return self.config.uses_draft_model and num_seqs <= self.config.draft_seqs_max
+
+    def limit(self, seq: Sequence, source: str) -> int:
+        """How many tokens `seq` may draft now from `source` ("ngram" or "draft"): the
+        request's cap, then what that proposer's recent acceptance earned for it (doubling
+        after a fully accepted round, else one more than the last round accepted; after n
+        rounds in a row that accepted nothing, it sits out 2^(n-1) decode steps, at most
+        MAX_SKIP). Each proposer keeps its own pace: n-gram misses do not slow the draft
+        model that takes over while the lookup sits out."""
         req = seq.request
         if req.embed:
             return 0
         cap = self.config.draft_max if req.draft_max is None else min(req.draft_max, 256)
-        if seq.spec_k < 0:
-            seq.spec_k = cap
-        if seq.spec_skip > 0:
-            seq.spec_skip -= 1
+        pace = seq.pace.get(source)
+        if pace is None:
+            pace = seq.pace[source] = Pace(k=cap)
+        if pace.skip > 0:
+            pace.skip -= 1
             return 0
-        return min(cap, seq.spec_k)
+        return min(cap, pace.k)
 
-    def propose(
+    def lookup(self, seq: Sequence, k: int) -> list[int]:
+        """The n-gram proposal for `seq` (at most k tokens; [] when shorter than draft_min)."""
+        c = self.config
+        got = ngram_propose(seq.tokens, c.ngram_min, c.ngram_max, k)
+        return got if len(got) >= max(c.draft_min, 1) else []
+
+    def ask_draft_model(
         self, asks: list[tuple[Sequence, int]], live: Callable[[], set[int]]
     ) -> list[list[int]]:
-        """Up to k draft tokens for each (seq, k); a proposal shorter than draft_min is [].
-        `live()`: the seq ids in use (asked only by a draft model)."""
-        c = self.config
-        if self.drafter is not None and c.kind == "draft":
-            got = self.drafter.propose([(s.seq_id, s.tokens, k) for s, k in asks], live())
-        else:
-            got = [ngram_propose(s.tokens, c.ngram_min, c.ngram_max, k) for s, k in asks]
-        shortest = max(c.draft_min, 1)
+        """The draft model's greedy tokens, up to k for each (seq, k) (a proposal shorter
+        than draft_min is []). `live()`: the seq ids in use."""
+        assert self.drafter is not None
+        got = self.drafter.propose([(s.seq_id, s.tokens, k) for s, k in asks], live())
+        shortest = max(self.config.draft_min, 1)
         return [d[:k] if len(d) >= shortest else [] for d, (_, k) in zip(got, asks, strict=True)]
 
     def add_drafts(
@@ -211,23 +258,36 @@ class Speculator:
         draft model)."""
         budget = min(self.step_budget(num_seqs), rollback_rows)
         room = min(step.budget, free)
-        asks: list[tuple[int, Sequence, int]] = []  # (index in step.rows, seq, k)
+        lookup = self.config.lookup
+        drafting = self.draft_model_on(num_seqs)
+        proposed: list[tuple[int, Sequence, list[int]]] = []  # (index in step.rows, seq, drafts)
+        asks: list[tuple[int, Sequence, int]] = []  # the draft model's: (index, seq, k)
         for index, (seq, _) in enumerate(step.rows[: step.num_decode]):
-            k = min(
+            bound = min(
                 budget,
                 room,
-                self.limit(seq),
                 n_ctx - 1 - seq.num_computed,
                 seq.request.max_tokens - seq.num_generated - 1,
             )
+            if bound <= 0:
+                continue
+            # the lookup first: it costs nothing to propose; the draft model where it has none
+            k = min(bound, self.limit(seq, "ngram")) if lookup else 0
+            got = self.lookup(seq, k) if k > 0 else []
+            if got:
+                proposed.append((index, seq, got))
+                seq.spec_from = "ngram"
+                budget, room = budget - len(got), room - len(got)
+                continue
+            k = min(bound, self.limit(seq, "draft")) if drafting else 0
             if k > 0:
                 asks.append((index, seq, k))
-                budget -= k
-                room -= k
-        if not asks:
-            return
-        proposals = self.propose([(seq, k) for _, seq, k in asks], live)
-        for (index, seq, _), proposal in zip(asks, proposals, strict=True):
+                seq.spec_from = "draft"
+                budget, room = budget - k, room - k
+        if asks:
+            got_all = self.ask_draft_model([(seq, k) for _, seq, k in asks], live)
+            proposed += [(i, seq, d) for (i, seq, _), d in zip(asks, got_all, strict=True)]
+        for index, seq, proposal in sorted(proposed, key=lambda t: t[0]):
             drafts = grammar_cut(seq, proposal)
             if drafts:
                 step.extend(index, len(drafts))
@@ -273,11 +333,16 @@ class Speculator:
         for i in range(min(accepted, len(s.accepted_per_pos))):
             s.accepted_per_pos[i] += 1
         s.acceptance_lengths[min(accepted, len(s.acceptance_lengths) - 1)] += 1
+        source = seq.spec_from
+        counts = s.by_source.setdefault(source, [0, 0])
+        counts[0] += k
+        counts[1] += accepted
+        pace = seq.pace.setdefault(source, Pace())
         cap = self.config.draft_max
-        seq.spec_k = min(cap, 2 * k) if accepted == k else accepted + 1
+        pace.k = min(cap, 2 * k) if accepted == k else accepted + 1
         # a round that accepted nothing cost rows for nothing: sit out 1, 2, 4 ... 32 steps
-        seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
-        seq.spec_skip = min(1 << (seq.spec_misses - 1), MAX_SKIP) if seq.spec_misses else 0
+        pace.misses = pace.misses + 1 if accepted == 0 else 0
+        pace.skip = min(1 << (pace.misses - 1), MAX_SKIP) if pace.misses else 0
 
 
 def grammar_cut(seq: Sequence, drafts: list[int]) -> list[int]:

@@ -140,7 +140,18 @@ def _spec_metrics(rows: list[tuple[list[str], SpecStats]], labels: list[str]) ->
         "Draft tokens accepted per speculation round",
         labels=labels,
     )
+    by_source = [
+        CounterMetricFamily(
+            f"cellserve_spec_decode_source_{key}",
+            f"Draft tokens {doc}, per proposer (ngram: prompt lookup; draft: the draft model)",
+            labels=[*labels, "source"],
+        )
+        for key, doc in (("num_draft_tokens", "verified"), ("num_accepted_tokens", "accepted"))
+    ]
     for values, spec in rows:
+        for source, counts in spec.by_source.items():
+            for family, n in zip(by_source, counts, strict=True):
+                family.add_metric([*values, source], float(n))
         for pos, n in enumerate(spec.accepted_per_pos):
             per_pos.add_metric([*values, str(pos)], float(n))
         cumulative, buckets = 0, []
@@ -152,6 +163,7 @@ def _spec_metrics(rows: list[tuple[list[str], SpecStats]], labels: list[str]) ->
         lengths.add_metric(values, buckets, float(total))
     yield per_pos
     yield lengths
+    yield from by_source
 
 
 def _pool_gauges(rows: EngineRows, labels: list[str]) -> Iterator[Metric]:

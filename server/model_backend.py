@@ -43,7 +43,7 @@ def log_speculation(config: EngineConfig, memory: Any) -> None:
         spec.draft_max,
         spec.draft_min,
         spec.step_rows,
-        f" (a draft model: at most {spec.draft_seqs_max})" if spec.kind == "draft" else "",
+        f" (a draft model: at most {spec.draft_seqs_max})" if spec.uses_draft_model else "",
         state,
     )
 
@@ -231,7 +231,7 @@ def load_backend(
     model_name = settings.served_model_name or packaged_name or loaded.name
     lora_set, loras = load_loras(settings, loaded, model_name)
     drafter = None
-    if config.spec.kind == "draft" and memory.tail_rollback:
+    if config.spec.uses_draft_model and memory.rollback_rows > 0:
         drafter = load_draft_model(settings, loaded, device, threads, n_ctx)
     type_k = settings.cache_type_k or default_cache_type(loaded.transformer.dtype, device)
     type_v = settings.cache_type_v or default_cache_type(loaded.transformer.dtype, device)

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from scheduler.speculative import SPEC_TYPES
+from scheduler.speculative import parse_spec_type
 
 
 class Settings(BaseSettings):
@@ -61,8 +61,9 @@ class Settings(BaseSettings):
     state_checkpoints: int | None = Field(None, ge=0)
     state_checkpoint_interval: int = Field(256, ge=1)
     # speculative decoding (scheduler/speculative.py): "ngram" drafts by prompt lookup
-    # (llama.cpp's ngram-simple), "draft" with model_draft (implied by it); none = off
-    spec_type: Literal["none", "ngram", "ngram-simple", "draft", "draft-simple"] | None = None
+    # (llama.cpp's ngram-simple), "draft" with model_draft (implied by it), "ngram,draft"
+    # both, the lookup first (llama.cpp's comma-separated list); none = off
+    spec_type: str | None = None
     model_draft: str | None = None  # a GGUF file or HF folder with the target's tokenizer
     draft_max: int = Field(16, ge=0, le=256)  # tokens one sequence drafts per step at most
     draft_min: int = Field(0, ge=0, le=256)  # shorter proposals are not verified
@@ -109,6 +110,12 @@ class Settings(BaseSettings):
     cors_allow_origins: str = ""  # comma-separated origins (or "*"); "" = no CORS headers
 
     @model_validator(mode="after")
+    def _spec_type(self) -> Settings:
+        if self.spec_type is not None:
+            parse_spec_type(self.spec_type, bool(self.model_draft))  # ValueError: unknown
+        return self
+
+    @model_validator(mode="after")
     def _router_flags(self) -> Settings:
         if not self.router_mode:
             return self
@@ -134,10 +141,11 @@ class Settings(BaseSettings):
 
     @property
     def spec_kind(self) -> str:
-        """The speculation type in effect: a draft model implies "draft"."""
+        """The speculation type in effect: a draft model adds "draft" (unless the type says
+        none), so `--spec-type ngram --model-draft X` is both, the lookup first."""
         if self.spec_type is None:
             return "draft" if self.model_draft else "none"
-        return SPEC_TYPES[self.spec_type]
+        return parse_spec_type(self.spec_type, bool(self.model_draft))
 
     @property
     def lora_specs(self) -> list[tuple[str | None, str, float]]:

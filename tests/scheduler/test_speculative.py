@@ -12,7 +12,7 @@ import pytest
 from scheduler.plan import SampleRow, SamplingParams
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
-from scheduler.speculative import SpecConfig, accepted_count, ngram_propose
+from scheduler.speculative import SpecConfig, accepted_count, ngram_propose, parse_spec_type
 from tests.scheduler.fakes import (
     VOCAB,
     FakeWorker,
@@ -76,6 +76,58 @@ def test_ngram_propose_takes_the_latest_longest_match() -> None:
     assert ngram_propose([1, 2, 10, 5, 2, 11, 1, 2], 1, 1, 1) == [11]
     assert accepted_count([4, 5, 6], [4, 5, 0, 1]) == 2
     assert accepted_count([4], [3, 4]) == 0
+
+
+def test_spec_types_parse_as_llama_cpps_list() -> None:
+    assert parse_spec_type("ngram-simple,draft-simple", False) == "ngram,draft"
+    assert parse_spec_type("ngram", True) == "ngram,draft"  # the draft model joins in
+    assert parse_spec_type("ngram", False) == "ngram"
+    assert parse_spec_type("draft-simple", True) == "draft"
+    assert parse_spec_type("none", True) == "none"
+    for bad in ("eagle", "none,ngram", "ngram,,mtp"):
+        with pytest.raises(ValueError):
+            parse_spec_type(bad, True)
+
+
+class PeriodicDrafter:
+    """A draft model that knows the periodic pattern (so its drafts are right where the
+    target is greedy); records the contexts it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
+        out = []
+        for _, tokens, k in asks:
+            self.asked.append(list(tokens))
+            ctx = list(tokens)
+            for _ in range(k):
+                ctx.append(ctx[-PERIOD] if len(ctx) >= PERIOD else 0)
+            out.append(ctx[len(tokens) :])
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_lookup_goes_first_and_the_draft_model_takes_the_rest(temperature: float) -> None:
+    plain, _ = serve(_workload(temperature), "none", periodic)
+    drafter = PeriodicDrafter()
+    config = make_config(spec=SpecConfig(kind="ngram,draft", draft_seqs_max=8))
+    sched = Scheduler(config, drafter=drafter)
+    worker, spec = FakeWorker(config.n_cells, model=periodic), Outcome()
+    for r in _workload(temperature)():
+        sched.add_request(r)
+    while sched.has_work:
+        step(sched, worker, spec)
+    assert spec.tokens == plain.tokens
+    by = sched.spec.stats.by_source
+    assert by["ngram"][0] > 0 and by["draft"][0] > 0  # both proposed...
+    assert by["ngram"][1] > 0 and by["draft"][1] > 0  # ...and both were right sometimes
+    assert sum(v[0] for v in by.values()) == sched.spec.stats.num_draft_tokens
+    c = config.spec
+    # the draft model is asked where the lookup has nothing; greedy, no lookup round misses,
+    # so the lookup never sits out and that is the only case
+    missing = [ctx for ctx in drafter.asked if not ngram_propose(ctx, c.ngram_min, c.ngram_max, 1)]
+    assert missing and (missing == drafter.asked or temperature > 0)
 
 
 def _workload(temperature: float = 0.0, n: int = 1, **kw: object) -> Callable[[], list[Request]]:

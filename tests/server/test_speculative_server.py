@@ -91,6 +91,14 @@ def test_llama_cpp_flag_spellings() -> None:
     assert (s.spec_type, s.draft_max, s.draft_min) == ("ngram-simple", 6, 2)
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--spec-draft-n-max"])
+    # llama.cpp's comma-separated list; a draft model joins the lookup unless the type is none
+    both = ["--spec-type", "ngram-simple,draft-simple", "--model-draft", "d.gguf"]
+    assert build_settings(make_parser().parse_args(["serve", *both])).spec_kind == "ngram,draft"
+    for spec, kind in (("ngram", "ngram,draft"), ("none", "none"), ("draft", "draft")):
+        args = make_parser().parse_args(["serve", "--spec-type", spec, "-md", "d.gguf"])
+        assert build_settings(args).spec_kind == kind
+    with pytest.raises(ValueError, match="ngram-cache"):
+        build_settings(make_parser().parse_args(["serve", "--spec-type", "ngram,ngram-cache"]))
 
 
 def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
