@@ -52,7 +52,9 @@ class DraftModel:
         self.worker = worker
         self.memory = memory
         self.n_batch = n_batch
-        # ids the target can read: a draft token past them ends the proposal
+        # ids both models have rows for: a draft token past them ends the proposal, and a
+        # sequence holding one (a target's padded vocabulary can be larger than the draft's
+        # under the same tokenizer) gets no drafts from the token on
         self.vocab_limit = vocab_limit
         self.name = name
         self.held: dict[int, list[int]] = {}
@@ -72,6 +74,8 @@ class DraftModel:
             keep = min(self._share(sid, tokens), len(tokens) - 1)
             self._cut(sid, keep)
             rest = tokens[keep:]
+            if self.vocab_limit is not None and max(rest) >= self.vocab_limit:
+                continue  # an id the draft has no embedding row for: it cannot follow
             planned = self.n_batch - budget
             n = min(len(rest), budget, self._room(asking) - planned)
             if n <= 0:

@@ -167,6 +167,33 @@ def test_speculation_rolls_the_state_back_to_each_tokens_own(tiny, invariant) ->
     assert drafted.tokens == plain.tokens
 
 
+def test_a_draft_model_for_a_mamba2_without_the_targets_padded_ids(tmp_path) -> None:
+    """A transformer draft for a Mamba2 target, the same tokenizer but 320 embedding rows
+    against 2048: the random target emits padded ids the draft has no row for (the engine
+    died on the draft's embedding before); a sequence holding one gets no more drafts, the
+    text is plain decoding's, and the draft drafted before that."""
+    from kvcache.make import make_memory
+    from scheduler.draft import DraftModel
+    from tests.tiny_models import write_tiny_llama
+
+    target = load_model(write_tiny_mamba2(tmp_path / "m"))
+    draft = load_model(write_tiny_llama(tmp_path / "d", n_layers=1, seed=3))
+    assert target.config.vocab_size > draft.config.vocab_size
+
+    def batches() -> list[list[Request]]:
+        return [[request(f"v{i}", make_prompt(12 + 5 * i, seed=40 + i), 40)] for i in range(3)]
+
+    plain, _, _ = serve(target, batches())
+    limit = draft.config.vocab_size
+    assert any(t >= limit for toks in plain.tokens.values() for t in toks)
+    memory = make_memory(draft.config.memory_spec, 1024, 10, 64, "unified")
+    drafter = DraftModel(make_worker(draft, 1024), memory, 64, vocab_limit=limit)
+    spec = SpecConfig(kind="draft", draft_max=4, draft_seqs_max=4)
+    drafted, sched, _ = serve(target, batches(), drafter=drafter, spec=spec)
+    assert drafted.tokens == plain.tokens
+    assert sched.spec.stats.num_drafts > 0
+
+
 def test_cli_serves_a_mamba2_folder(tmp_path) -> None:
     folder = write_tiny_mamba2(tmp_path / "mamba2")
     server = start_server_process(
