@@ -114,6 +114,37 @@ def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
         live.stop()
 
 
+def test_the_lookup_and_a_draft_model_together(tmp_path) -> None:  # noqa: ANN001
+    """`--spec-type ngram --model-draft`: both propose (the lookup first), the text is the
+    plain text, and /metrics splits the drafted tokens by proposer. Batch-invariant: the
+    second request (a prefix-cache hit) verifies other row counts than the first, and without
+    it this random model's near-ties round apart (its text then parts from plain decoding's,
+    as in any mode: scheduler/speculative.py's NOTE)."""
+    target = write_tiny_llama(tmp_path / "target", seed=0)
+    draft = write_tiny_llama(tmp_path / "draft", n_layers=1, seed=3)
+    live = start_server(
+        model=str(target),
+        n_cells=1024,
+        model_draft=str(draft),
+        spec_type="ngram",
+        batch_invariant=True,
+    )
+    try:
+        texts = [complete(live.url, max_tokens=80)["choices"][0]["text"] for _ in range(2)]
+        plain = complete(live.url, max_tokens=80, speculative=False)["choices"][0]["text"]
+        assert texts == [plain, plain]
+        metrics = httpx.get(f"{live.url}/metrics").text
+        by: dict[str, float] = {}
+        for line in metrics.splitlines():
+            if line.startswith("cellserve_spec_decode_source_num_draft_tokens_total{"):
+                by[line.split('source="')[1].split('"')[0]] = float(line.split()[-1])
+        assert set(by) == {"ngram", "draft"} and by["draft"] > 0
+        total = scrape(live.url)["vllm:spec_decode_num_draft_tokens_total"]
+        assert sum(by.values()) == total
+    finally:
+        live.stop()
+
+
 def test_a_draft_with_another_tokenizer_fails_the_start_with_the_reason(tmp_path) -> None:  # noqa: ANN001
     target = write_tiny_llama(tmp_path / "target")
     other = write_tiny_llama(tmp_path / "fim", fim=True)
