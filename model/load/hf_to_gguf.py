@@ -1,10 +1,12 @@
-"""Write a Hugging Face Mamba2 or GraniteMoeHybrid (Granite 4.0-H) folder as a GGUF file in
-llama.cpp's layout ("mamba2", "granitehybrid"), so that llama.cpp and model/load/gguf.py read it;
-a BERT folder goes to model/load/bert_to_gguf.py (llama.cpp's "bert").
+"""Write a Hugging Face Mamba, Falcon-Mamba, Mamba2 or GraniteMoeHybrid (Granite 4.0-H) folder as
+a GGUF file in llama.cpp's layout ("mamba", "mamba2", "granitehybrid"), so that llama.cpp and
+model/load/gguf.py read it; a BERT folder goes to model/load/bert_to_gguf.py (llama.cpp's
+"bert").
 
     python -m model.load.hf_to_gguf FOLDER OUT.gguf [--outtype f32|f16]
 
-Follows llama.cpp's convert_hf_to_gguf (Mamba2Model, GraniteHybridModel) with two deliberate
+Follows llama.cpp's convert_hf_to_gguf (MambaModel, Mamba2Model, GraniteHybridModel) with two
+deliberate
 differences: a dense Granite's feed_forward_length is shared_intermediate_size (the FFN it runs;
 llama.cpp writes intermediate_size, the experts' width, which is what a Granite with experts
 writes here too: its shared MLP goes to ffn_*_shexp), and RoPE is on when the config says
@@ -40,6 +42,17 @@ _MAMBA_TENSORS = {  # HF mixer tensor -> GGUF, per layer
     "norm.weight": "ssm_norm.weight",
     "out_proj.weight": "ssm_out.weight",
 }
+_MAMBA1_TENSORS = {  # Mamba (1) / Falcon-Mamba: HF mixer tensor -> GGUF, per layer
+    "in_proj.weight": "ssm_in.weight",
+    "conv1d.weight": "ssm_conv1d.weight",
+    "conv1d.bias": "ssm_conv1d.bias",
+    "x_proj.weight": "ssm_x.weight",
+    "dt_proj.weight": "ssm_dt.weight",
+    "dt_proj.bias": "ssm_dt.bias",
+    "A_log": "ssm_a",
+    "D": "ssm_d",
+    "out_proj.weight": "ssm_out.weight",
+}
 _ATTN_TENSORS = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
@@ -59,16 +72,21 @@ def convert(folder: str | Path, out: str | Path, outtype: str = "f32") -> Path:
         return convert_bert(folder, out, outtype)
     tensors = _read_safetensors(folder)
     try:
-        if model_type == "mamba2":
+        if model_type in ("mamba", "falcon_mamba"):
+            arch, layers = "mamba", ["mamba1"] * int(config["num_hidden_layers"])
+        elif model_type == "mamba2":
             arch, layers = "mamba2", ["mamba"] * int(config["num_hidden_layers"])
         elif model_type == "granitemoehybrid":
             arch, layers = "granitehybrid", _granite_layers(config, folder)
         else:
             raise ModelLoadError(
-                f"{folder}: model_type {model_type!r} cannot be converted (mamba2, "
-                "granitemoehybrid and bert can)."
+                f"{folder}: model_type {model_type!r} cannot be converted (mamba, "
+                "falcon_mamba, mamba2, granitemoehybrid and bert can)."
             )
-        _check_mixer(config, arch == "granitehybrid", folder)
+        if arch == "mamba":
+            _check_mamba1(config, folder)
+        else:
+            _check_mixer(config, arch == "granitehybrid", folder)
         used: set[str] = set()
         out_tensors = list(_gguf_tensors(arch, config, layers, tensors, used, folder))
         unused = sorted(set(tensors) - used)
@@ -123,6 +141,20 @@ def _granite_layers(config: dict[str, Any], folder: Path) -> list[str]:
     return [kinds[t] for t in types]
 
 
+def _check_mamba1(config: dict[str, Any], folder: Path) -> None:
+    """Refuse the Mamba (1) variants llama.cpp's "mamba" layout cannot hold."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{folder}: hidden_act {config['hidden_act']!r} (silu only).")
+    dim, d_inner = int(config["hidden_size"]), int(config["intermediate_size"])
+    if d_inner != 2 * dim:
+        raise ModelLoadError(
+            f"{folder}: the Mamba inner size {d_inner} is not 2 x hidden_size {dim} "
+            "(llama.cpp only converts an expansion factor of 2)."
+        )
+    if config.get("use_bias"):
+        raise ModelLoadError(f"{folder}: Mamba in/out projection biases are not supported.")
+
+
 def _check_mixer(config: dict[str, Any], granite: bool, folder: Path) -> None:
     """Refuse the Mamba2 variants llama.cpp's layout cannot hold, and the biases we do not run."""
     p = "mamba_" if granite else ""
@@ -153,6 +185,9 @@ def _write_params(
     n_vocab: int,
     folder: Path,
 ) -> None:
+    if arch == "mamba":
+        _write_mamba1_params(w, config, len(layers))
+        return
     granite = arch == "granitehybrid"
     p = "mamba_" if granite else ""
     dim = int(config["hidden_size"])
@@ -208,13 +243,31 @@ def _write_params(
         w.add_logit_scale(float(scale))  # llama.cpp divides the logits by it
 
 
+def _write_mamba1_params(w: gguf.GGUFWriter, config: dict[str, Any], n_layers: int) -> None:
+    """llama.cpp's MambaModel.set_gguf_parameters; Falcon-Mamba norms dt, B and C
+    (ssm.dt_b_c_rms) with the model's rms epsilon (the format has no key for mixer_rms_eps)."""
+    dim = int(config["hidden_size"])
+    w.add_context_length(NOPE_CONTEXT)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(n_layers)
+    w.add_ssm_conv_kernel(int(config.get("conv_kernel", 4)))
+    w.add_ssm_inner_size(int(config["intermediate_size"]))
+    w.add_ssm_state_size(int(config.get("state_size", 16)))
+    w.add_ssm_time_step_rank(int(config["time_step_rank"]))
+    w.add_layer_norm_rms_eps(float(config.get("layer_norm_epsilon", 1e-5)))
+    w.add_ssm_dt_b_c_rms(config.get("model_type") == "falcon_mamba")
+
+
 def _json_float(value: Any) -> float:
     """transformers writes infinities as {"__float__": "Infinity"}."""
     return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 def _embed_name(arch: str) -> str:
-    return "backbone.embeddings.weight" if arch == "mamba2" else "model.embed_tokens.weight"
+    backbone = arch in ("mamba", "mamba2")
+    return "backbone.embeddings.weight" if backbone else "model.embed_tokens.weight"
 
 
 def _gguf_tensors(
@@ -238,7 +291,28 @@ def _gguf_tensors(
     yield "token_embd.weight", take(_embed_name(arch))
     yield "output_norm.weight", take(f"{base}.norm.weight" if granite else "backbone.norm_f.weight")
     if "lm_head.weight" in tensors:  # absent when tied (save_pretrained drops tied weights)
-        yield "output.weight", take("lm_head.weight")
+        head = take("lm_head.weight")
+        # llama.cpp's MambaModel omits a head equal to the embedding (a tied one saved anyway)
+        if arch != "mamba" or not np.array_equal(head, tensors[_embed_name(arch)]):
+            yield "output.weight", head
+    if arch == "mamba":
+        for i in range(len(layers)):
+            hf, blk = f"backbone.layers.{i}.", f"blk.{i}."
+            yield blk + "attn_norm.weight", take(hf + "norm.weight")
+            for name, gguf_name in _MAMBA1_TENSORS.items():
+                mixer = hf + "mixer."
+                if name == "conv1d.bias" and mixer + name not in tensors:  # use_conv_bias false
+                    # NOTE: llama.cpp's mamba requires it; zeros change nothing
+                    conv_dim = tensors[mixer + "conv1d.weight"].shape[0]
+                    yield blk + gguf_name, np.zeros(conv_dim, np.float32)
+                    continue
+                w = take(mixer + name)
+                if name == "conv1d.weight":
+                    w = w.reshape(w.shape[0], w.shape[-1])  # [d_inner, 1, K] -> [d_inner, K]
+                elif name == "A_log":
+                    w = -np.exp(w)  # [d_inner, N]
+                yield blk + gguf_name, w
+        return
     n_groups = int(config["mamba_n_groups" if granite else "n_groups"])
     n_heads = int(config.get("num_attention_heads", 0))
     n_kv = int(config.get("num_key_value_heads") or n_heads)

@@ -1,9 +1,11 @@
-"""What a Mamba2 / Granite 4.0-H GGUF or HF folder cannot be, said clearly: a bad key, a missing
-or misshapen tensor, a truncated file, what llama.cpp's layout cannot hold; and a quantized file
-loads dequantized. The round trips themselves: test_gguf_ssm.py (whose helpers these use)."""
+"""What a Mamba2 / Granite 4.0-H GGUF or HF folder (or a Mamba folder to convert) cannot be,
+said clearly: a bad key, a missing or misshapen tensor, a truncated file, what llama.cpp's
+layout cannot hold; and a quantized file loads dequantized. The round trips themselves:
+test_gguf_ssm.py (whose helpers these use)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from model import ModelLoadError
 from model.load.gguf import open_gguf
 from model.load.hf_to_gguf import convert
 from tests.model.ssm_gguf import load_gguf, make_granite, make_mamba2
+from tests.tiny_ssm import write_tiny_mamba
 
 pytest.importorskip("transformers")
 
@@ -144,6 +147,16 @@ def test_converter_refuses_what_llama_cpp_cannot_hold(tmp_path):
     )
     with pytest.raises(ModelLoadError, match="attention or MLP biases are not supported"):
         convert(biased, tmp_path / "attn_bias.gguf")
+    for change, message in (
+        ({"use_bias": True}, "Mamba in/out projection biases"),
+        ({"intermediate_size": 96}, "inner size 96 is not 2 x hidden_size 64"),
+        ({"hidden_act": "gelu"}, "silu only"),
+    ):
+        folder = write_tiny_mamba(tmp_path / f"mamba{len(message)}", n_layers=1)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ModelLoadError, match=message):
+            convert(folder, tmp_path / "mamba.gguf")
     small = make_mamba2(tmp_path / "small", vocab_size=256, num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match="tokenizer has ids up to 319, the embedding 256"):
         convert(small, tmp_path / "small.gguf")

@@ -230,6 +230,45 @@ def test_llamacpp_gguf_and_llama_server(variant, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_our_converter_writes_llama_cpps_file(variant, outtype, tmp_path):
+    """model.load.hf_to_gguf on a Mamba / Falcon-Mamba folder: every mamba.* key, tensor name,
+    ggml shape and storage type as llama.cpp's convert_hf_to_gguf (MambaModel) writes them,
+    the same values (ssm_a = -exp(A_log) within an ulp: numpy's exp against torch's), and the
+    file computes the folder's logits."""
+    import numpy as np
+
+    from model.load.gguf import open_gguf
+    from model.load.hf_to_gguf import convert
+
+    name, folder, tiny, hf = variant
+    ours = open_gguf(convert(folder, tmp_path / "ours.gguf", outtype))
+    theirs = open_gguf(convert_with_llamacpp(folder, tmp_path / "theirs.gguf", outtype))
+    keys = {k: v for k, v in dict(theirs.fields).items() if k.startswith("mamba.")}
+    assert keys["mamba.ssm.dt_b_c_rms"] is (name == "falcon")
+    assert {k: v for k, v in dict(ours.fields).items() if k.startswith("mamba.")} == keys
+    assert ours.fields["general.architecture"] == "mamba"
+    mine = {t.name: t for t in ours.tensors}
+    want = {t.name: t for t in theirs.tensors}
+    assert sorted(mine) == sorted(want)
+    for n, t in want.items():
+        got = mine[n]
+        assert (got.shape, got.tensor_type) == (t.shape, t.tensor_type), n
+        a, b = np.asarray(got.data, np.float32), np.asarray(t.data, np.float32)
+        if n.endswith("ssm_a"):
+            np.testing.assert_allclose(a, b, rtol=2e-7)
+        else:
+            assert np.array_equal(a, b), n
+    if outtype == "f32":
+        loaded = load_model(tmp_path / "ours.gguf")
+        assert loaded.config.mamba == replace(tiny.config.mamba, norm_eps=loaded.config.norm_eps)
+        ids = prompt(60, seed=2)
+        ours_logits = driver(loaded).logits([Chunk(0, ids, all_rows=True)])
+        if name == "mamba":  # Falcon-Mamba's file norms with the rms epsilon (see above)
+            with torch.inference_mode():
+                assert_close(ours_logits, hf(torch.tensor([ids])).logits[0])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("norm", ["none", "plain", "weighted"])
 def test_mamba_mix_kernel_is_the_torch_mixer(variant, norm, dtype, tmp_path):
