@@ -30,8 +30,8 @@ from model.errors import ModelLoadError
 from model.load.bert_to_gguf import convert_bert
 from model.load.bpe_to_gguf import write_bpe_tokenizer
 from model.load.hf_config import read_config
+from model.load.mamba_to_gguf import NOPE_CONTEXT, check_mamba1, mamba1_layer, write_mamba1_params
 
-NOPE_CONTEXT = 2**20  # llama.cpp writes this context length when nothing bounds positions
 _MAMBA_TENSORS = {  # HF mixer tensor -> GGUF, per layer
     "in_proj.weight": "ssm_in.weight",
     "conv1d.weight": "ssm_conv1d.weight",
@@ -40,17 +40,6 @@ _MAMBA_TENSORS = {  # HF mixer tensor -> GGUF, per layer
     "A_log": "ssm_a",
     "D": "ssm_d",
     "norm.weight": "ssm_norm.weight",
-    "out_proj.weight": "ssm_out.weight",
-}
-_MAMBA1_TENSORS = {  # Mamba (1) / Falcon-Mamba: HF mixer tensor -> GGUF, per layer
-    "in_proj.weight": "ssm_in.weight",
-    "conv1d.weight": "ssm_conv1d.weight",
-    "conv1d.bias": "ssm_conv1d.bias",
-    "x_proj.weight": "ssm_x.weight",
-    "dt_proj.weight": "ssm_dt.weight",
-    "dt_proj.bias": "ssm_dt.bias",
-    "A_log": "ssm_a",
-    "D": "ssm_d",
     "out_proj.weight": "ssm_out.weight",
 }
 _ATTN_TENSORS = {
@@ -84,7 +73,7 @@ def convert(folder: str | Path, out: str | Path, outtype: str = "f32") -> Path:
                 "falcon_mamba, mamba2, granitemoehybrid and bert can)."
             )
         if arch == "mamba":
-            _check_mamba1(config, folder)
+            check_mamba1(config, folder)
         else:
             _check_mixer(config, arch == "granitehybrid", folder)
         used: set[str] = set()
@@ -141,20 +130,6 @@ def _granite_layers(config: dict[str, Any], folder: Path) -> list[str]:
     return [kinds[t] for t in types]
 
 
-def _check_mamba1(config: dict[str, Any], folder: Path) -> None:
-    """Refuse the Mamba (1) variants llama.cpp's "mamba" layout cannot hold."""
-    if config.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{folder}: hidden_act {config['hidden_act']!r} (silu only).")
-    dim, d_inner = int(config["hidden_size"]), int(config["intermediate_size"])
-    if d_inner != 2 * dim:
-        raise ModelLoadError(
-            f"{folder}: the Mamba inner size {d_inner} is not 2 x hidden_size {dim} "
-            "(llama.cpp only converts an expansion factor of 2)."
-        )
-    if config.get("use_bias"):
-        raise ModelLoadError(f"{folder}: Mamba in/out projection biases are not supported.")
-
-
 def _check_mixer(config: dict[str, Any], granite: bool, folder: Path) -> None:
     """Refuse the Mamba2 variants llama.cpp's layout cannot hold, and the biases we do not run."""
     p = "mamba_" if granite else ""
@@ -186,7 +161,7 @@ def _write_params(
     folder: Path,
 ) -> None:
     if arch == "mamba":
-        _write_mamba1_params(w, config, len(layers))
+        write_mamba1_params(w, config, len(layers))
         return
     granite = arch == "granitehybrid"
     p = "mamba_" if granite else ""
@@ -243,23 +218,6 @@ def _write_params(
         w.add_logit_scale(float(scale))  # llama.cpp divides the logits by it
 
 
-def _write_mamba1_params(w: gguf.GGUFWriter, config: dict[str, Any], n_layers: int) -> None:
-    """llama.cpp's MambaModel.set_gguf_parameters; Falcon-Mamba norms dt, B and C
-    (ssm.dt_b_c_rms) with the model's rms epsilon (the format has no key for mixer_rms_eps)."""
-    dim = int(config["hidden_size"])
-    w.add_context_length(NOPE_CONTEXT)
-    w.add_embedding_length(dim)
-    w.add_feed_forward_length(0)
-    w.add_head_count(0)
-    w.add_block_count(n_layers)
-    w.add_ssm_conv_kernel(int(config.get("conv_kernel", 4)))
-    w.add_ssm_inner_size(int(config["intermediate_size"]))
-    w.add_ssm_state_size(int(config.get("state_size", 16)))
-    w.add_ssm_time_step_rank(int(config["time_step_rank"]))
-    w.add_layer_norm_rms_eps(float(config.get("layer_norm_epsilon", 1e-5)))
-    w.add_ssm_dt_b_c_rms(config.get("model_type") == "falcon_mamba")
-
-
 def _json_float(value: Any) -> float:
     """transformers writes infinities as {"__float__": "Infinity"}."""
     return float(value["__float__"] if isinstance(value, dict) else value)
@@ -297,21 +255,7 @@ def _gguf_tensors(
             yield "output.weight", head
     if arch == "mamba":
         for i in range(len(layers)):
-            hf, blk = f"backbone.layers.{i}.", f"blk.{i}."
-            yield blk + "attn_norm.weight", take(hf + "norm.weight")
-            for name, gguf_name in _MAMBA1_TENSORS.items():
-                mixer = hf + "mixer."
-                if name == "conv1d.bias" and mixer + name not in tensors:  # use_conv_bias false
-                    # NOTE: llama.cpp's mamba requires it; zeros change nothing
-                    conv_dim = tensors[mixer + "conv1d.weight"].shape[0]
-                    yield blk + gguf_name, np.zeros(conv_dim, np.float32)
-                    continue
-                w = take(mixer + name)
-                if name == "conv1d.weight":
-                    w = w.reshape(w.shape[0], w.shape[-1])  # [d_inner, 1, K] -> [d_inner, K]
-                elif name == "A_log":
-                    w = -np.exp(w)  # [d_inner, N]
-                yield blk + gguf_name, w
+            yield from mamba1_layer(i, take, tensors)
         return
     n_groups = int(config["mamba_n_groups" if granite else "n_groups"])
     n_heads = int(config.get("num_attention_heads", 0))
