@@ -25,7 +25,7 @@ n_seq_max slots always suffice for the tails; n_slots - n_seq_max is the checkpo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -281,12 +281,12 @@ class RecurrentMemory(Memory):
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Positions move; no state changes (nothing to re-rotate)."""
-        self._move(seq_id, p0, p1, lambda p: p + delta)
+        self.slots.move_positions(seq_id, *_range(p0, p1), lambda p: p + delta)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         if d < 1:
             raise ValueError(f"d must be >= 1, got {d}")
-        self._move(seq_id, p0, p1, lambda p: p // d)
+        self.slots.move_positions(seq_id, *_range(p0, p1), lambda p: p // d)
 
     def seq_pos_min(self, seq_id: int) -> int:
         """llama.cpp: a state's min and max are the last position it consumed."""
@@ -369,34 +369,6 @@ class RecurrentMemory(Memory):
         ckpt = [x for x in range(sl.n_cells) if not sl.tail_refs[x] and sl.ckpt_refs[x]]
         ckpt = [x for x in ckpt if x not in kept]
         return free + sorted(ckpt, key=lambda x: sl.last_used[x])
-
-    def _move(self, seq_id: int, p0: int, p1: int, move: Callable[[int], int]) -> None:
-        """Positions p in [p0, p1) of seq_id's tail and checkpoints (a checkpoint at m holds
-        position m - 1) become move(p); those going negative or past the tail are dropped."""
-        sl = self.slots
-        sl._check_seq(seq_id)
-        lo, hi = _range(p0, p1)
-        pos = sl.pos[seq_id]
-        if pos < 0:
-            return
-        new_pos = move(pos) if lo <= pos < hi else pos
-        moved = {
-            m: move(m - 1) + 1
-            for m in sl.ckpts[seq_id]
-            if lo <= m - 1 < hi and move(m - 1) != m - 1
-        }
-        if new_pos < 0:
-            sl.drop_seq(seq_id)
-            return
-        slots = {m: sl.ckpts[seq_id][m] for m in moved}
-        for m in moved:
-            sl.drop_ckpt(seq_id, m)
-        sl.set_tail(seq_id, sl.tail[seq_id], new_pos)
-        for m, new_m in sorted(moved.items()):
-            if 0 < new_m <= new_pos + 1:
-                sl.add_ckpt(seq_id, new_m, slots[m])
-        for m in [m for m in sl.ckpts[seq_id] if m > new_pos + 1]:
-            sl.drop_ckpt(seq_id, m)
 
 
 def _range(p0: int, p1: int) -> tuple[int, int]:

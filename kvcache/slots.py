@@ -12,6 +12,7 @@ the references consistent and answers what generic code reads of a pool (PoolCel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -157,6 +158,33 @@ class SlotPool:
             num_seqs=sum(1 for s in range(self.n_seq_max) if self.tail[s] >= 0),
             fragmentation=1.0 - longest_run(free) / num_free if num_free else 0.0,
         )
+
+    def move_positions(self, seq_id: int, lo: int, hi: int, move: Callable[[int], int]) -> None:
+        """Positions p in [lo, hi) of seq_id's tail and checkpoints (a checkpoint at m holds
+        position m - 1) become move(p); those going negative or past the tail are dropped
+        (seq_add / seq_div of the recurrent memory: references move, no state changes)."""
+        self._check_seq(seq_id)
+        pos = self.pos[seq_id]
+        if pos < 0:
+            return
+        new_pos = move(pos) if lo <= pos < hi else pos
+        moved = {
+            m: move(m - 1) + 1
+            for m in self.ckpts[seq_id]
+            if lo <= m - 1 < hi and move(m - 1) != m - 1
+        }
+        if new_pos < 0:
+            self.drop_seq(seq_id)
+            return
+        slots = {m: self.ckpts[seq_id][m] for m in moved}
+        for m in moved:
+            self.drop_ckpt(seq_id, m)
+        self.set_tail(seq_id, self.tail[seq_id], new_pos)
+        for m, new_m in sorted(moved.items()):
+            if 0 < new_m <= new_pos + 1:
+                self.add_ckpt(seq_id, new_m, slots[m])
+        for m in [m for m in self.ckpts[seq_id] if m > new_pos + 1]:
+            self.drop_ckpt(seq_id, m)
 
     def num_ckpt_slots(self) -> int:
         """Slots that hold only checkpoints (no sequence's tail)."""
