@@ -279,6 +279,7 @@ struct Q8K {
   const float* d;      // [m, k / 256]
   const float* mx;     // [m, k / 16]: d * the sum of each 16 int8 values
   const int16_t* s16;  // [m, k / 16]: the sums themselves
+  const int16_t* s32;  // [m, k / 32]: the sums of each 32 (the repacked micro-kernels' minimums)
 };
 
 // x [m, k] float32 -> this thread's Q8K buffers (valid until its next call)

@@ -197,7 +197,7 @@ void dec_k<Q6_K>(const uint8_t* blk, KBlk& o) {
 }
 #endif
 
-// the activation rows per 256: q, d, mx (Q8K)
+// the activation rows per 256: q, d, mx, s16, s32 (Q8K)
 #if defined(__AVX2__)
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -206,7 +206,7 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s16) {
+void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s16, int16_t* s32) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
   for (int i = 0; i < 32; ++i) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), abs_mask));
@@ -225,6 +225,7 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s
     const int32_t s1 = hsum_i32(_mm256_add_epi32(i32[2], i32[3]));
     s16[2 * g] = static_cast<int16_t>(s0);
     s16[2 * g + 1] = static_cast<int16_t>(s1);
+    s32[g] = static_cast<int16_t>(s0 + s1);  // |s| <= 32 * 127
     mx[2 * g] = dd * static_cast<float>(s0);
     mx[2 * g + 1] = dd * static_cast<float>(s1);
     const __m256i w16a = _mm256_packs_epi32(i32[0], i32[1]), w16b = _mm256_packs_epi32(i32[2], i32[3]);
@@ -234,7 +235,7 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s
   }
 }
 #else
-void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s16) {
+void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s16, int16_t* s32) {
   float amax = 0.f;
   for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -250,6 +251,7 @@ void quantize_block_k(const float* x, int8_t* q, float* d, float* mx, int16_t* s
     s16[g] = static_cast<int16_t>(sum);
     mx[g] = dd * static_cast<float>(sum);
   }
+  for (int g = 0; g < 8; ++g) s32[g] = static_cast<int16_t>(s16[2 * g] + s16[2 * g + 1]);
 }
 #endif
 

@@ -143,7 +143,7 @@ void k_part_t(const Q8K& X, int64_t m, int64_t k, int64_t n, float* y, int64_t k
 #if defined(CELLSERVE_GGML_KCOL)
   if (m <= kGemvRows) {  // up to 4 rows at a time
     for (int64_t r = 0; r < m; r += 4) {
-      const Q8K Xr{X.q + r * k, X.d + r * (k / 256), X.mx, X.s16 + r * (k / 16)};
+      const Q8K Xr{X.q + r * k, X.d + r * (k / 256), X.mx, X.s16 + r * (k / 16), X.s32 + r * (k / 32)};
       float* yr = y + r * n;
       switch (std::min<int64_t>(4, m - r)) {
         case 1: k_gemv<T, 1>(Xr, k, n, yr, w, row_bytes, o0, o1, col0); break;
@@ -190,17 +190,18 @@ Q8K quantize_rows_k(const float* x, int64_t m, int64_t k) {
   const int64_t nb = k / 256;
   q.resize(m * k);
   f.resize(m * nb * 17);
-  s.resize(m * nb * 16);
+  s.resize(m * nb * 24);
   // pointers, not the thread_local vectors, into the workers (each thread has its own)
   int8_t* qp = q.data();
   float* d = f.data();
   float* mx = f.data() + m * nb;
   int16_t* sp = s.data();
+  int16_t* s32 = s.data() + m * nb * 16;
   at::parallel_for(0, m * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      quantize_block_k(x + b * 256, qp + b * 256, d + b, mx + 16 * b, sp + 16 * b);
+      quantize_block_k(x + b * 256, qp + b * 256, d + b, mx + 16 * b, sp + 16 * b, s32 + 8 * b);
   });
-  return {qp, d, mx, sp};
+  return {qp, d, mx, sp, s32};
 }
 
 int64_t k_tile_rows(int64_t k) {
