@@ -3,7 +3,10 @@ ggml_blocks.cpp, a GGUF's own blocks) on this process's ISA path (CELLSERVE_ISA=
 AVX2 build): Qwen2.5-1.5B's shapes, a 1536x1536 (q / o), an 8960x1536 (gate / up) and a
 1536x8960 (down) matrix of Q4_K and of Q6_K, and SmolLM2-135M's, a 576x576 and a 1536x576 matrix
 of the 32-value kinds (Q4_1: its GGUF's type; Q4_0, Q5_0, Q8_0: in Q4_K_M files), at 1, 8, 32
-and 512 rows of float32 activations (--types and --rows narrow it). Per case: ms per call (the
+and 512 rows of float32 activations (--types and --rows narrow it), each on the file's layout
+and, for a type this build moves at load (Q4_K: model/kernels/ggml_krepack.h), on that layout
+too: the one a served model computes on (before 2026-12-07 only the file's). Per case: ms per
+call (the
 median of repeats), and at 1 row the bandwidth it reaches (bytes of weights read / time: a
 decode step reads each weight once), at 512 rows the multiply-adds per second. Speed does not
 depend on the weights' values: random bits with finite fp16 scales. These matrices stay in the
@@ -83,18 +86,26 @@ def run(
         for n, k in shapes:
             w = random_blocks(torch, type_name, n, k)
             nbytes = w.numel()
-            for m in rows:
-                x = torch.randn(m, k)
-                med, best = time_call(
-                    lambda x=x, w=w, t=type_id, k=k: kern.ggml_linear(x, [w], [t], k), seconds
-                )
-                case: dict[str, Any] = {"type": type_name, "n": n, "k": k, "m": m}
-                case["ms"], case["best_ms"] = round(med * 1e3, 3), round(best * 1e3, 3)
-                if m == 1:  # bytes of weights per second (median, best)
-                    case["GB_s"] = [round(nbytes / t / 1e9, 2) for t in (med, best)]
-                else:  # multiply-adds per second
-                    case["GMAC_s"] = [round(m * n * k / t / 1e9, 1) for t in (med, best)]
-                cases.append(case)
+            # the file's layout, and where this build moves the type at load (BlockLinear's
+            # default: model/layers/ggml.py repack) the layout the served model computes on
+            layouts = [("file", w, type_id)]
+            if type_id in kern.ggml_repack_types() and n % 16 == 0:
+                wr, tr = kern.ggml_repack(w, type_id, k, False)
+                layouts.append(("repacked", wr, int(tr)))
+            for layout, wl, tl in layouts:
+                for m in rows:
+                    x = torch.randn(m, k)
+                    med, best = time_call(
+                        lambda x=x, w=wl, t=tl, k=k: kern.ggml_linear(x, [w], [t], k), seconds
+                    )
+                    case: dict[str, Any] = {"type": type_name, "layout": layout}
+                    case.update({"n": n, "k": k, "m": m})
+                    case["ms"], case["best_ms"] = round(med * 1e3, 3), round(best * 1e3, 3)
+                    if m == 1:  # bytes of weights per second (median, best)
+                        case["GB_s"] = [round(nbytes / t / 1e9, 2) for t in (med, best)]
+                    else:  # multiply-adds per second
+                        case["GMAC_s"] = [round(m * n * k / t / 1e9, 1) for t in (med, best)]
+                    cases.append(case)
     return {
         "cpu": isa.cpu_model(),
         "isa": level,
@@ -174,10 +185,10 @@ def main() -> None:
     rows = tuple(int(r) for r in args.rows.split(",") if r.strip()) if args.rows else ROWS
     result = run(args.threads, args.seconds, types, rows)
     print(f"{result['cpu']}, {result['build']} build, {result['threads']} threads")
-    print("case                    median ms   best ms   (median, best)")
+    print("case                             median ms   best ms   (median, best)")
     for c in result["cases"]:
         unit, (a, b) = ("GB/s", c["GB_s"]) if "GB_s" in c else ("GMAC/s", c["GMAC_s"])
-        head = f"{c['type']} {c['n']:5d}x{c['k']} m={c['m']:4d}"
+        head = f"{c['type']} {c['layout']:8s} {c['n']:5d}x{c['k']} m={c['m']:4d}"
         print(f"{head}: {c['ms']:9.3f} {c['best_ms']:9.3f}   {a:7.2f} {b:7.2f} {unit}")
     print(json.dumps(result))
 
