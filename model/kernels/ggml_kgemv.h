@@ -133,8 +133,8 @@ inline void k_block_sums(const KDec& D, const int8_t* x, const int16_t* xs, __m2
 // each chain: ~18.5 GB/s a thread on Q6_K in cache, below what two threads read from memory).
 // Each output's operations and their order are unchanged: the same bits.
 template <int64_t T>
-void k_gemv_pairs(const Q8K& X, int64_t k, int64_t n, float* y, const uint8_t* w, int64_t row_bytes,
-                  int64_t o0, int64_t o1, int64_t col0) {
+void k_gemv_pairs(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
+                  int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
   const int64_t nb = k / 256;
   for (int64_t o = o0; o < o1; o += 2) {
@@ -173,7 +173,7 @@ void k_gemv(const Q8K& X, int64_t k, int64_t n, float* y, const uint8_t* w, int6
 #if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
   if constexpr (R == 1) {
     const int64_t even = o0 + (o1 - o0) / 2 * 2;
-    k_gemv_pairs<T>(X, k, n, y, w, row_bytes, o0, even, col0);
+    k_gemv_pairs<T>(X, k, y, w, row_bytes, o0, even, col0);
     o0 = even;  // the odd one out: below
   }
 #endif

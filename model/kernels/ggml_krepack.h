@@ -130,6 +130,13 @@ inline void scale_words8(const uint8_t* s, __m256i* w) {
                          _mm256_and_si256(_mm256_srli_epi32(bq, 2), m30));
 }
 
+// min_pair16 in the 8 lanes of a group (scale words of scale_words8)
+inline __m256i min_pair8(const __m256i* w, int p) {
+  const __m256i sh = _mm256_srli_epi32(w[2 + p / 2], 16 * (p % 2));
+  return _mm256_or_si256(_mm256_and_si256(sh, _mm256_set1_epi32(0xff)),
+                         _mm256_and_si256(_mm256_slli_epi32(sh, 8), _mm256_set1_epi32(0x00ff0000)));
+}
+
 // x16_micro's sums with vpmaddubsw: a sub-block's 8 groups of 4 values summed in int16 (8 * 2 *
 // 15 * 127 < 2^15, as the AVX2 tiles sum them), then times the pair (sc, sc) by vpmaddwd; xs is
 // the rows' s32 (k / 32 apart), as for x16_micro
@@ -167,9 +174,7 @@ __attribute__((noinline)) void x8_micro(const uint8_t* g, int64_t nb, const int8
     // the minimums as x16_micro takes them: a pair of sub-blocks a vpmaddwd
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m256i sh = _mm256_srli_epi32(w[2 + p / 2], 16 * (p % 2));
-      const __m256i mm = _mm256_or_si256(_mm256_and_si256(sh, ff),
-                                         _mm256_and_si256(_mm256_slli_epi32(sh, 8), _mm256_set1_epi32(0x00ff0000)));
+      const __m256i mm = min_pair8(w, p);
       for (int r = 0; r < MR; ++r) {
         const __m256i prod = _mm256_madd_epi16(mm, bcast4(xs + r * (k / 32) + 8 * b + 2 * p));
         t[r] = p == 0 ? prod : _mm256_add_epi32(t[r], prod);
