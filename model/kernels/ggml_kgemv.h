@@ -127,11 +127,12 @@ inline void k_block_sums(const KDec& D, const int8_t* x, const int16_t* xs, __m2
 // reduced into the lanes of one vector, then k_micro's float operations in scalar form, block by
 // block: the same integers and the same roundings as a lane of the tiles. x rows k apart, y rows n.
 //
-// One row on AVX-512 VNNI (a decode step): two outputs at a time, a super-block of each a step,
-// their four sums reduced in one vector as above: the two outputs' chains of decoding, sums and
-// scalar FMAs are independent, so they overlap (one output at a time left the core waiting on
-// each chain: ~18.5 GB/s a thread on Q6_K in cache, below what two threads read from memory).
-// Each output's operations and their order are unchanged: the same bits.
+// One row (a decode step): two outputs at a time, a super-block of each a step, their four sums
+// reduced in one vector as above: the two outputs' chains of decoding, sums and scalar FMAs are
+// independent, so they overlap (one output at a time left the core waiting on each chain: ~18.5
+// GB/s a thread on Q6_K in cache with VNNI, below what two threads read from memory; the AVX2
+// build's one-row Q6_K 0.73-0.82x with pairs, Zen 4 forced AVX2). Each output's operations and
+// their order are unchanged: the same bits.
 template <int64_t T>
 void k_gemv_pairs(const Q8K& X, int64_t k, float* y, const uint8_t* w, int64_t row_bytes, int64_t o0,
                   int64_t o1, int64_t col0) {
@@ -170,13 +171,11 @@ void k_gemv(const Q8K& X, int64_t k, int64_t n, float* y, const uint8_t* w, int6
             int64_t o0, int64_t o1, int64_t col0) {
   constexpr int64_t B = Fmt<T>::B;
   const int64_t nb = k / 256;
-#if defined(CELLSERVE_GGML_ZMM) && defined(__AVX512VNNI__)
   if constexpr (R == 1) {
     const int64_t even = o0 + (o1 - o0) / 2 * 2;
     k_gemv_pairs<T>(X, k, y, w, row_bytes, o0, even, col0);
     o0 = even;  // the odd one out: below
   }
-#endif
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = w + o * row_bytes;
     float f[R] = {};
