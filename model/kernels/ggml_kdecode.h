@@ -121,18 +121,19 @@ inline void dec_k_regs<Q5_K>(const uint8_t* blk, KRegs& o) {
 
 template <>
 inline void dec_k_regs<Q6_K>(const uint8_t* blk, KRegs& o) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
     const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
     const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    auto hi = [&](int shift) {
-      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4);
-    };
-    o.u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4), hi(0));
-    o.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), hi(2));
-    o.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), hi(4));
-    o.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), hi(6));
+    // bits s, s + 1 of each qh byte moved to bits 4, 5 and masked: a 16-bit shift carries bits
+    // across the byte boundary only below bit 4 (left) or above bit 5 (right), where the mask
+    // drops them; one or two instructions where a shift down, a mask and a shift up took three
+    o.u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45));
+    o.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45));
+    o.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, bits45));
+    o.u[4 * h + 3] =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45));
   }
   o.sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
   o.mn = o.sc;

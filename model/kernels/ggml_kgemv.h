@@ -30,14 +30,14 @@ inline void dec_k_zmm(const uint8_t* blk, __m512i* u, KRegs& r) {
     }
     k_header_regs(blk, r);
   } else if constexpr (T == Q6_K) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {  // ql's 64 bytes with qh's 2-bit pairs 0 and 1, then 2 and 3
       const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
       const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-      u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
-      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), three), 4));
+      // pair 0 / 1 shifted up to bits 4, 5, pair 2 / 3 already there, masked (dec_k_regs<Q6_K>)
+      u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), bits45));
+      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), _mm512_and_si512(hb, bits45));
     }
     r.sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
     r.mn = r.sc;
