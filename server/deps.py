@@ -125,8 +125,16 @@ async def collect(
     return choices
 
 
+# Characters JSON leaves raw (ensure_ascii=False) that Python's str.splitlines, and with it
+# httpx's aiter_lines, takes for line ends: a token that decodes to one of them split an SSE
+# `data:` line in two for such a client (a cut-off JSON string). Escaped, they stay the same text.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dump_json(model: BaseModel) -> str:
-    return json.dumps(model.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":"))
+    """An SSE event's data: compact JSON, UTF-8 text as is but for the characters above."""
+    text = json.dumps(model.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":"))
+    return text.translate(_LINE_BREAKS)
 
 
 def on_client_gone(gen: Generation) -> Callable[[object], Awaitable[None]]:

@@ -338,3 +338,33 @@ def test_a_client_closing_after_the_last_event_is_not_an_abort(caplog):
         assert not done.cancelled and "client gone" not in caplog.text
         asyncio.run(on_client_gone(running)(None))
         assert running.cancelled and "client gone: aborting cmpl-x" in caplog.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_text_with_unicode_line_separators_keeps_each_event_on_one_line(fake, path):
+    """U+0085, U+2028 and U+2029 are line ends to str.splitlines and httpx's aiter_lines: sent
+    raw inside an event's JSON they cut its data line in two (a reliability test saw it when
+    SmolLM2 sampled one). Escaped, every data line parses and the text comes back whole."""
+    server, engine = fake
+    reply = "one\u2028two\x85three\u2029four"
+    engine.reply = reply
+    try:
+        body = {
+            "/v1/completions": {"prompt": "x", "max_tokens": 100},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+            "/v1/responses": {"input": "x", "max_output_tokens": 100},
+        }[path]
+        body = {**body, "stream": True}
+        resp = post(server.url, path, body)
+        assert resp.status_code == 200
+        events = [e for e in sse_chunks(resp) if e != "[DONE]"]  # json.loads of every data line
+        if path == "/v1/completions":
+            text = "".join(c["text"] for e in events for c in e["choices"])
+        elif path == "/v1/chat/completions":
+            text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        else:
+            deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+            text = "".join(e["delta"] for e in deltas)
+        assert text == reply
+    finally:
+        engine.reply = REPLY
