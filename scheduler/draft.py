@@ -14,6 +14,15 @@ its own greedy tokens one row at a time, every asking sequence in one batch per 
 no longer in use (neither running nor prefix-cache holders) are forgotten at the next call; a
 full cache forgets the sequences that are not drafting first.
 
+A recurrent or hybrid draft (Mamba2, Granite 4.0-H, LFM2: a state, not cells per token) cannot
+forget its last tokens: its memory rolls a sequence back only to a state it kept (a checkpoint,
+Memory.usable_prefix). Its memory has twice the target's seq ids (draft_memory): before a
+sequence's draft rows, its state after the verified tokens is forked (seq_cp: the slot is
+shared until the draft rows write a copy) to the seq id n_seq above it, the backup. When the
+target accepts fewer than the rows fed, the sequence goes back to the best state any of its seq
+ids keeps (its own tail, a checkpoint, the backup) and feeds the accepted drafts again in the
+next catch-up chunk: one chunk of a few rows instead of a checkpoint per draft row.
+
 NOTE: the draft's proposals are its argmax, points: the verification (the target sampling each
 row as usual) is lossless whatever they are. The draft's cells are its own: what it shares
 between seq ids is only what it computed itself.
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcache.make import make_memory
 from kvcache.memory import Memory
+from kvcache.spec import MemorySpec
 from scheduler.plan import BatchPlan, SampleRow, SamplingParams, SeqBatch, Worker, group_batches
 from scheduler.prefix_cache import common_prefix_len
 
@@ -35,6 +46,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return common_prefix_len(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
 
 
+def draft_memory(
+    spec: MemorySpec, n_cells: int, n_seq: int, n_batch: int, n_ckpt: int | None = None
+) -> Memory:
+    """The draft's memory for a target of `n_seq` seq ids: a unified cache (sliding-window
+    layers masked, so that its tail can go), with state slots for recurrent layers; twice the
+    seq ids when it has them (DraftModel's backups), `n_ckpt` checkpoint slots beside them."""
+    n_seq_max = 2 * n_seq if spec.has_recurrent else n_seq
+    return make_memory(spec, n_cells, n_seq_max, n_batch, "unified", n_ckpt)
+
+
 class DraftModel:
     def __init__(
         self,
@@ -44,11 +65,11 @@ class DraftModel:
         vocab_limit: int | None = None,
         name: str = "draft",
     ) -> None:
-        if not memory.tail_rollback:
-            raise ValueError(
-                f"the draft model's memory ({type(memory).__name__}) cannot forget a "
-                "sequence's last tokens: a recurrent or hybrid model cannot be the draft"
-            )
+        # a memory that cannot forget any tail (recurrent states) keeps a backup per sequence
+        # at seq id + n_seq (the module docstring)
+        self.n_seq = memory.n_seq_max if memory.tail_rollback else memory.n_seq_max // 2
+        if self.n_seq < 1:
+            raise ValueError(f"a recurrent draft's memory needs 2 seq ids, got {memory.n_seq_max}")
         self.worker = worker
         self.memory = memory
         self.n_batch = n_batch
@@ -62,17 +83,23 @@ class DraftModel:
         self.num_rows = 0  # tokens fed to the draft model
 
     def propose(self, asks: list[tuple[int, list[int], int]], live: set[int]) -> list[list[int]]:
-        for sid in [s for s in self.held if s not in live]:
+        for sid, _, _ in asks:
+            if not 0 <= sid < self.n_seq:
+                raise ValueError(f"seq id {sid} past the draft's {self.n_seq}")
+        for sid in [s for s in self.held if s % self.n_seq not in live]:
             self._forget(sid)
         drafts: list[list[int]] = [[] for _ in asks]
         # catch-up: each asking sequence feeds what its cells lack (at least its last token,
         # whose logits give the first draft) as long as the step's budget and the memory last
         feeds: list[tuple[int, list[int], int, bool]] = []  # (ask index, tokens, position, sample)
         budget = self.n_batch
-        asking = {s for s, _, _ in asks}
+        asking = {s + b for s, _, _ in asks for b in (0, self.n_seq)}
         for i, (sid, tokens, _) in enumerate(asks):
-            keep = min(self._share(sid, tokens), len(tokens) - 1)
-            self._cut(sid, keep)
+            if self.memory.tail_rollback:
+                keep = min(self._share(sid, tokens), len(tokens) - 1)
+                self._cut(sid, keep)
+            else:
+                keep = self._restore(sid, tokens)
             rest = tokens[keep:]
             if self.vocab_limit is not None and max(rest) >= self.vocab_limit:
                 continue  # an id the draft has no embedding row for: it cannot follow
@@ -85,6 +112,11 @@ class DraftModel:
             budget -= n
         active = self._run(asks, feeds)
         self._take(active, drafts)
+        if not self.memory.tail_rollback:
+            for i in active:
+                sid, _, k = asks[i]
+                if k > 1:  # draft rows follow: keep the state they start from
+                    self._fork(sid, sid + self.n_seq, len(self.held[sid]))
         # one row per still-drafting sequence: its newest draft in, the next one out
         while active:
             rows: list[tuple[int, list[int], int, bool]] = []
@@ -165,6 +197,34 @@ class DraftModel:
         self.memory.seq_cp(best, sid, 0, best_n)
         self.held[sid] = tokens[:best_n]
         return best_n
+
+    def _restore(self, sid: int, tokens: list[int]) -> int:
+        """A memory without tail rollback: sid takes the longest state of `tokens` (but the
+        last token, whose logits are wanted) that one of the seq ids keeps; -> its length."""
+        limit = len(tokens) - 1
+        best, best_n = sid, 0
+        for other in sorted(self.held, key=lambda s: s != sid):  # sid first: it wins ties
+            same = common_prefix(self.held[other], tokens)
+            n = self.memory.usable_prefix(other, min(same, limit))
+            if n > best_n:
+                best, best_n = other, n
+        if best_n == 0:
+            if sid in self.held:
+                self._forget(sid)
+        elif best == sid:
+            ok = self.memory.seq_rm(sid, best_n, -1)
+            assert ok, "usable_prefix names a state seq_rm goes back to"
+            self.held[sid] = tokens[:best_n]
+        else:
+            self._fork(best, sid, best_n)
+        return best_n
+
+    def _fork(self, src: int, dst: int, n: int) -> None:
+        """dst holds src's first n tokens and nothing else."""
+        if dst in self.held:
+            self._forget(dst)
+        self.memory.seq_cp(src, dst, 0, n)
+        self.held[dst] = self.held[src][:n]
 
     def _cut(self, sid: int, n: int) -> None:
         held = self.held.get(sid)

@@ -11,7 +11,7 @@ from typing import Any
 from kvcache.storage import KVStorage
 from scheduler.cache_tier import CacheTier
 from scheduler.config import EngineConfig
-from scheduler.draft import DraftModel
+from scheduler.draft import DraftModel, draft_memory
 from scheduler.engine import Engine
 from scheduler.speculative import SpecConfig
 from scheduler.stats import StepStats
@@ -53,9 +53,9 @@ def load_draft_model(
 ) -> DraftModel:
     """Speculative decoding's draft model (scheduler/draft.py), or ModelLoadError: opened like
     the target (the same device and runtime choices), its tokenizer checked against the
-    target's, a unified cache of --n-cells (sliding-window layers masked: its tail must be
-    removable) with the target's seq ids, the target's context per sequence."""
-    from kvcache.make import make_memory
+    target's, its memory from scheduler.draft.draft_memory (--n-cells cells; a recurrent or
+    hybrid draft's state slots: one per seq id and its backup, --state-checkpoints beside them),
+    the target's context per sequence."""
     from model.errors import ModelLoadError
     from model.load.tokenizer import check_vocab
     from model.runner.worker import make_worker
@@ -70,9 +70,10 @@ def load_draft_model(
         check_vocab(target.tokenizer, loaded.tokenizer)
         spec = loaded.config.memory_spec
         try:
-            memory = make_memory(
-                spec, settings.n_cells, settings.n_seq_max, settings.n_batch, "unified"
-            )
+            memory = draft_memory(
+                spec, settings.n_cells, settings.n_seq_max, settings.n_batch,
+                settings.state_checkpoints,
+            )  # fmt: skip
         except ValueError as exc:
             raise ValueError(f"{path} cannot be a draft model: {exc}") from exc
         fit_context(loaded, n_ctx, settings.n_cells, who="the draft model's")
@@ -82,6 +83,7 @@ def load_draft_model(
             opened.runtime.dtype,
             device,
             threads=threads if device == "cpu" else None,
+            group_cells=[memory.pools[i].cells.n_cells for i in memory.group_pools],
         )
     except ValueError as exc:  # a ModelLoadError names the path itself
         raise ModelLoadError(f"--model-draft {path}: {exc}") from exc

@@ -114,6 +114,28 @@ def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
         live.stop()
 
 
+def test_a_hybrid_model_as_the_draft(tmp_path) -> None:  # noqa: ANN001
+    """A Granite 4.0-H-shaped draft (Mamba2 and attention layers, the target's tokenizer):
+    its memory has state slots for twice the seq ids (scheduler.draft.draft_memory), the worker
+    as many, and the text is the plain text."""
+    from tests.tiny_ssm import write_tiny_granite_hybrid
+
+    target = write_tiny_llama(tmp_path / "target", seed=0)
+    draft = write_tiny_granite_hybrid(tmp_path / "draft", seed=3)
+    live = start_server(model=str(target), n_cells=1024, n_seq_max=4, model_draft=str(draft))
+    try:
+        spec = complete(live.url)
+        plain = complete(live.url, speculative=False)
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert scrape(live.url)["vllm:spec_decode_num_drafts_total"] > 0
+        drafter = live.app.state.backend.engine.scheduler.spec.drafter
+        assert drafter.n_seq == 4 and drafter.memory.n_seq_max == 8
+        slots = drafter.memory.recr.slots.n_cells
+        assert drafter.worker.state.n_slots == slots == 16  # not --n-cells of them
+    finally:
+        live.stop()
+
+
 def test_the_lookup_and_a_draft_model_together(tmp_path) -> None:  # noqa: ANN001
     """`--spec-type ngram --model-draft`: both propose (the lookup first), the text is the
     plain text, and /metrics splits the drafted tokens by proposer. Batch-invariant: the
