@@ -77,6 +77,17 @@ def test_after_any_acceptance_it_proposes_what_a_fresh_draft_would(tiny) -> None
         assert drafter.memory.seq_pos_max(s) < 0 and drafter.memory.seq_pos_max(s + 4) < 0
 
 
+def test_a_prompt_past_the_batch_is_read_over_several_calls(tiny) -> None:  # noqa: ANN001
+    drafter = make_drafter(tiny, n_batch=16)
+    prompt = make_prompt(40, seed=7)
+    assert drafter.propose([(0, prompt, 3)], {0}) == [[]]  # 16 tokens read, no logits yet
+    assert drafter.propose([(0, prompt, 3)], {0}) == [[]]
+    got = drafter.propose([(0, prompt, 3)], {0})
+    assert got == make_drafter(tiny, n_batch=64).propose([(0, prompt, 3)], {0})
+    assert len(got[0]) == 3 and drafter.num_rows == 40 + 2
+    drafter.memory.check()
+
+
 def test_the_model_as_its_own_draft_is_accepted_and_the_text_is_plain(tiny) -> None:  # noqa: ANN001
     def serve(drafter: DraftModel | None) -> tuple[Outcome, Scheduler]:
         config = make_config(
