@@ -20,8 +20,6 @@ namespace {
 using namespace ggml;
 
 constexpr int64_t kQGemvRows = 5;  // rows up to which q_gemv takes a batch (4 at a time)
-template <int64_t T>
-constexpr bool kNibbles = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1;  // dec_pair_zmm's
 
 // Pair p of an output's row -> its values (S: |q|, sg: q), its two scales in a vector's halves
 template <int64_t T, bool S>
@@ -45,8 +43,7 @@ inline void gemv_pair(const uint8_t* row, int64_t p, bool two, float* mn, __m256
 // bytes as dec32 of each block (nib32 | bit5), a third of its instructions.
 template <int64_t T>
 inline __m512i dec_pair_zmm(const uint8_t* b, float* mn, float& d0, float& d1) {
-  constexpr int64_t B = Fmt<T>::B;
-  constexpr int64_t qs = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;  // nibbles' offset
+  constexpr int64_t B = Fmt<T>::B, qs = kNibOffset<T>;
   const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs));
   const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + B + qs));
   const __m512i lanes = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
@@ -60,18 +57,11 @@ inline __m512i dec_pair_zmm(const uint8_t* b, float* mn, float& d0, float& d1) {
     const __mmask64 hi = static_cast<uint64_t>(h0) | static_cast<uint64_t>(h1) << 32;
     u = _mm512_mask_add_epi8(u, hi, u, _mm512_set1_epi8(0x10));
   }
-  d0 = fp16(b), d1 = fp16(b + B);
-  if constexpr (T == Q4_0 || T == Q5_0) {
-    constexpr float off = T == Q4_0 ? -8.f : -16.f;
-    mn[0] = off * d0, mn[1] = off * d1;
-  } else {
-    mn[0] = fp16(b + 2), mn[1] = fp16(b + B + 2);
-  }
+  nib_dm<T>(b, d0, mn[0]);
+  nib_dm<T>(b + B, d1, mn[1]);
   return u;
 }
-#endif
 
-#if defined(CELLSERVE_GGML_ZMM)
 // q_gemv_outs' pair p on AVX-512: both blocks present (TWO) or the odd last one alone
 template <int64_t T, int R, int NO, bool TWO>
 __attribute__((always_inline)) inline void zmm_pair(const Q8Rows& X, int64_t k, int64_t groups,

@@ -58,21 +58,31 @@ inline __m256i bit5(const uint8_t* qhp) {  // bit j of 32 -> 0x10 in byte j
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits), _mm256_set1_epi8(0x10));
 }
 
+// the 4- and 5-bit kinds: d, then (Q4_1, Q5_1) m, then (Q5_0, Q5_1) 32 fifth bits, then 16
+// bytes of nibbles
+template <int64_t T>
+constexpr bool kNibbles = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1;
+template <int64_t T>
+constexpr int64_t kNibOffset = 2 + (T == Q4_1 || T == Q5_1 ? 2 : 0) + (T == Q5_0 || T == Q5_1 ? 4 : 0);
+
+// a 4- or 5-bit block's scale d and the offset mn of its values: d * u + mn
+template <int64_t T>
+inline void nib_dm(const uint8_t* b, float& d, float& mn) {
+  d = fp16(b);
+  if constexpr (T == Q4_0 || T == Q5_0)
+    mn = (T == Q4_0 ? -8.f : -16.f) * d;
+  else
+    mn = fp16(b + 2);
+}
+
 // one block -> u, d, mn
 template <int64_t T>
 inline __m256i dec32(const uint8_t* b, float& d, float& mn) {
-  if constexpr (T == Q4_0) {
-    d = fp16(b), mn = -8.f * d;
-    return nib32(b + 2);
-  } else if constexpr (T == Q4_1) {
-    d = fp16(b), mn = fp16(b + 2);
-    return nib32(b + 4);
-  } else if constexpr (T == Q5_0) {
-    d = fp16(b), mn = -16.f * d;
-    return _mm256_or_si256(nib32(b + 6), bit5(b + 2));
-  } else if constexpr (T == Q5_1) {
-    d = fp16(b), mn = fp16(b + 2);
-    return _mm256_or_si256(nib32(b + 8), bit5(b + 4));
+  if constexpr (kNibbles<T>) {
+    nib_dm<T>(b, d, mn);
+    const __m256i u = nib32(b + kNibOffset<T>);
+    if constexpr (T == Q5_0 || T == Q5_1) return _mm256_or_si256(u, bit5(b + kNibOffset<T> - 4));
+    return u;
   } else if constexpr (T == MXFP4) {  // u = code's value + 12 (0..24), mn = -12 d
     d = e8m0_half(b[0]), mn = -12.f * d;
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
