@@ -6,7 +6,8 @@ request after another, against, each on a fresh server with the same --n-cells:
 cellserve without speculation, with n-gram lookup (--spec-type ngram), with the draft model
 (--model-draft), with both (--spec-type ngram --model-draft: the lookup first, the draft
 model where it finds nothing), and llama.cpp's llama-server without and with the same draft
-(-md, --spec-draft-n-max 16) and with both (--spec-type ngram-simple,draft-simple). --servers
+(-md, --spec-draft-n-max 16) and with both (--spec-type ngram-simple,draft-simple), and
+cellserve's draft with a reduced head ("cellserve draft-vocab": --draft-vocab). --servers
 picks some of them by name. Per server: output tokens/s (completion tokens / request time, summed),
 TTFT p50, and for cellserve's modes whether every reply is the same text as without
 speculation. Then the random workload at the --load concurrencies (ignore_eos, 128 tokens),
@@ -115,6 +116,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cellserve": base,
         "cellserve ngram": [*base, "--spec-type", "ngram", "--draft-max", str(args.draft_max)],
         "cellserve draft": [*base, "--model-draft", str(draft), "--draft-max", str(args.draft_max)],
+        "cellserve draft-vocab": [
+            *base,
+            *("--model-draft", str(draft), "--draft-max", str(args.draft_max)),
+            *("--draft-vocab", str(args.draft_vocab)),
+        ],
         "cellserve ngram+draft": [
             *base,
             *("--spec-type", "ngram", "--model-draft", str(draft)),
@@ -188,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=200, help="tokens of each function")
     p.add_argument("--output-len", type=int, default=400)
     p.add_argument("--draft-max", type=int, default=16)
+    p.add_argument(
+        "--draft-vocab", type=int, default=32768, help="the 'cellserve draft-vocab' server's"
+    )
     p.add_argument("--load", default="8", help="random-workload concurrencies ('' = none)")
     p.add_argument("--load-prompts", type=int, default=32)
     p.add_argument("--llamacpp", type=pathlib.Path, default=None)

@@ -95,6 +95,13 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     ("draft_max", int, "speculative decoding: tokens drafted per sequence and step (default 16)"),
     ("draft_min", int, "speculative decoding: shorter proposals are not verified (default 0)"),
     (
+        "draft_vocab",
+        int,
+        "speculative decoding: the draft model's output head covers token ids below N only "
+        "(a cheaper draft step; its drafts never propose a higher id; BPE vocabularies number "
+        "frequent tokens first). Default 0: the whole vocabulary",
+    ),
+    (
         "cache_type_k",
         str,
         "how K rows are stored: f32 | f16 | bf16 | q8_0 | q4_0 (llama.cpp's names; q8_0 and "

@@ -70,9 +70,12 @@ def open_model(
     dtype: str | None = None,
     quant: str | None = None,
     chat_template: str | None = None,
+    head_rows: int | None = None,
 ) -> OpenModel:
     """Load `path` (default: the embedded model) for `device`; `dtype` / `quant` None: the fast
-    setup for this machine (choose_runtime)."""
+    setup for this machine (choose_runtime). `head_rows`: the output head projects onto token
+    ids below it only (Transformer.keep_head_rows: a draft model's reduced vocabulary; None or
+    at least the vocabulary: all of them)."""
     path = path or default_model_path()
     runtime = choose_runtime(path, device, dtype, quant)
     if runtime.quant == "gguf":
@@ -88,6 +91,8 @@ def open_model(
     )
     if loaded.chat_template is None:
         log.warning("the model has no chat template: /v1/chat/completions answers 400")
+    if head_rows is not None and head_rows < loaded.config.vocab_size:
+        loaded.transformer.keep_head_rows(head_rows)  # before quantize: only those rows are
     if runtime.quant != "none":
         quantize(loaded.transformer, runtime.quant)
     kernels, active, detected = "none", "", ""

@@ -64,6 +64,7 @@ class DraftModel:
         n_batch: int,
         vocab_limit: int | None = None,
         name: str = "draft",
+        head_rows: int | None = None,
     ) -> None:
         # a memory that cannot forget any tail (recurrent states) keeps a backup per sequence
         # at seq id + n_seq (the module docstring)
@@ -78,6 +79,10 @@ class DraftModel:
         # under the same tokenizer) gets no drafts from the token on
         self.vocab_limit = vocab_limit
         self.name = name
+        # a reduced head (--draft-vocab): it scores ids below head_rows, and each step names the
+        # drafting sequences' own ids above it (BatchPlan.head_ids): what a copy needs
+        self.head_rows = head_rows
+        self._head_ids: np.ndarray | None = None
         self.held: dict[int, list[int]] = {}
         self.num_forwards = 0  # draft model steps run (stats, tests)
         self.num_rows = 0  # tokens fed to the draft model
@@ -89,6 +94,7 @@ class DraftModel:
         for sid in [s for s in self.held if s % self.n_seq not in live]:
             self._forget(sid)
         drafts: list[list[int]] = [[] for _ in asks]
+        self._head_ids = self._ids_above_head(asks)
         # catch-up: each asking sequence feeds what its cells lack (at least its last token,
         # whose logits give the first draft) as long as the step's budget and the memory last
         feeds: list[tuple[int, list[int], int, bool]] = []  # (ask index, tokens, position, sample)
@@ -129,6 +135,14 @@ class DraftModel:
             active = self._take(self._run(asks, rows), drafts)
         return drafts
 
+    def _ids_above_head(self, asks: list[tuple[int, list[int], int]]) -> np.ndarray | None:
+        """The distinct ids at or above a reduced head's rows in the asking sequences (None:
+        the whole head)."""
+        if self.head_rows is None or not asks:
+            return None
+        ids = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _ in asks]))
+        return ids[ids >= self.head_rows]
+
     def _take(self, got: dict[int, int], drafts: list[list[int]]) -> dict[int, int]:
         """Appends each new draft token; -> those still drafting (a token past the target's
         vocabulary ends its proposal, without it)."""
@@ -165,7 +179,7 @@ class DraftModel:
         self.memory.apply(mplan)
         views = [self.memory.views(sb.seq_id, positions[sb.start : sb.end]) for sb in seqs]
         groups = group_batches(self.memory, mplan, views, self.memory.take_pending())
-        plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples)
+        plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples, self._head_ids)
         out = self.worker.execute(plan)
         self.num_forwards += 1
         self.num_rows += plan.num_tokens

@@ -63,7 +63,13 @@ def sub_plan(plan: BatchPlan, seq_indices: list[int]) -> tuple[BatchPlan, list[i
         for g in plan.groups
     ]
     sub = BatchPlan(
-        plan.token_ids[take], plan.positions[take], plan.seq_ids[take], seqs, groups, samples
+        plan.token_ids[take],
+        plan.positions[take],
+        plan.seq_ids[take],
+        seqs,
+        groups,
+        samples,
+        plan.head_ids,
     )
     return sub, picked
 

@@ -121,6 +121,9 @@ class BatchPlan:
     seqs: list[SeqBatch]
     groups: list[GroupBatch]  # one per layer group of the model's MemorySpec
     samples: list[SampleRow]
+    # token ids a reduced output head scores beside its own rows (a draft model's
+    # --draft-vocab: the ids of the drafting sequences); None: the head's rows only
+    head_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -65,7 +65,9 @@ def load_draft_model(
     if not path:
         raise ModelLoadError("--spec-type draft needs a draft model: --model-draft PATH")
     try:
-        opened = open_model(path, device, settings.dtype, settings.quant)
+        opened = open_model(
+            path, device, settings.dtype, settings.quant, head_rows=settings.draft_vocab or None
+        )
         loaded = opened.loaded
         check_vocab(target.tokenizer, loaded.tokenizer)
         spec = loaded.config.memory_spec
@@ -88,8 +90,13 @@ def load_draft_model(
     except ValueError as exc:  # a ModelLoadError names the path itself
         raise ModelLoadError(f"--model-draft {path}: {exc}") from exc
     limit = min(target.config.vocab_size, loaded.config.vocab_size)
-    draft = DraftModel(worker, memory, settings.n_batch, vocab_limit=limit, name=loaded.name)
-    log.info("draft model: %s (%s cells)", draft.name, settings.n_cells)
+    vocab = loaded.config.vocab_size
+    rows = settings.draft_vocab if 0 < settings.draft_vocab < vocab else None
+    draft = DraftModel(
+        worker, memory, settings.n_batch, vocab_limit=limit, name=loaded.name, head_rows=rows
+    )
+    head = "" if rows is None else f"; its head over ids below {rows} and the sequences' own"
+    log.info("draft model: %s (%s cells%s)", draft.name, settings.n_cells, head)
     return draft
 
 

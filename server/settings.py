@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     model_draft: str | None = None  # a GGUF file or HF folder with the target's tokenizer
     draft_max: int = Field(16, ge=0, le=256)  # tokens one sequence drafts per step at most
     draft_min: int = Field(0, ge=0, le=256)  # shorter proposals are not verified
+    # the draft model's output head over token ids below this only (a reduced draft vocabulary:
+    # its drafts never propose a higher id); 0: its whole vocabulary
+    draft_vocab: int = Field(0, ge=0)
     # None: the fast setup for this machine (model.load.loader.choose_runtime): bfloat16 where the
     # CPU computes it natively, else float32; a quantized GGUF served int4 / int8 on CPU.
     # --quant none --dtype float32 is the reference (the logits of the unquantized model).

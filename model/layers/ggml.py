@@ -126,6 +126,18 @@ class BlockLinear(nn.Module):
         """(the file's weight, its copy) of each part ggml_repack moved."""
         return [(w, d) for w, d in self.held() if d is not w.data]
 
+    def first_rows(self, n: int) -> BlockLinear:
+        """The same linear over its first `n` outputs (views of the file's rows; a repacked part
+        is repacked again from them)."""
+        if len(self.weights) != 1:
+            raise ValueError(f"first_rows of a linear fused from {len(self.weights)} parts")
+        w = self.weights[0]
+        if not 0 < n <= w.shape[0]:
+            raise ValueError(f"first_rows({n}) of {w.shape[0]} rows")
+        kept = BlockWeight(w.data[:n], w.ggml_type, (n, w.shape[1]), w.name, w.mapped)
+        bias = None if self.bias is None else self.bias[:n]
+        return BlockLinear([kept], bias, self.kernels)
+
     def step_kind(self, dtype: torch.dtype) -> str:
         """The kind model/kernels' quant_linear and step_layers run it as (kernels.h StepLinear)."""
         return "ggml"

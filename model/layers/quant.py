@@ -358,7 +358,8 @@ def quantize(model: Transformer, mode: str, kernels: bool = True) -> Transformer
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                head = parent is model and name == "output"
+                # a reduced head's rows (decoder.ReducedHead) are the head's too
+                head = (parent is model and name == "output") or getattr(parent, "is_head", False)
                 kind = mode
                 if head and mode == "int4":  # 8-bit head: ours with float32 rows, else fbgemm
                     kind = "q8" if q8 else "fbgemm8"

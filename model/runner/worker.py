@@ -232,8 +232,10 @@ class ModelWorker:
         batch = self.make_batch(plan)
         with self._lora(batch):
             native = self.paths.native
-            native = native if native is not None and native.runs(batch) else None
-            logits = self.model(batch, self.storage, None if native is None else native.layers)
+            layers = None if native is None or not native.runs(batch) else native.layers
+            hidden = self.model.hidden(batch, self.storage, layers)
+            head_ids = None if plan.head_ids is None else torch.from_numpy(plan.head_ids)
+            logits = self.model.logits(hidden, head_ids)  # (a LoRA of the head applies too)
         return logits[: len(plan.samples)]
 
     def _lora(self, batch: ForwardBatch) -> AbstractContextManager[None]:

@@ -114,6 +114,48 @@ def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
         live.stop()
 
 
+def test_a_draft_over_part_of_the_vocabulary(tmp_path) -> None:  # noqa: ANN001
+    """`--draft-vocab N`: the draft's head scores ids below N and the asking sequences' own
+    ids only, it never proposes another, and the text is still the plain text (the target
+    verifies every draft)."""
+    from cli.main import build_settings, make_parser
+
+    args = make_parser().parse_args(["serve", "--draft-vocab", "32768", "-md", "d.gguf"])
+    assert build_settings(args).draft_vocab == 32768
+    target = write_tiny_llama(tmp_path / "target", seed=0)
+    draft = write_tiny_llama(tmp_path / "draft", n_layers=1, seed=3)
+    live = start_server(
+        model=str(target),
+        n_cells=1024,
+        model_draft=str(draft),
+        draft_vocab=200,
+        batch_invariant=True,  # other verification row counts than plain decoding's
+    )
+    try:
+        drafter = live.app.state.backend.engine.scheduler.spec.drafter
+        assert drafter.vocab_limit > 200
+        proposed: list[int] = []
+        outside: list[int] = []  # proposed ids neither below 200 nor in the asking sequences
+        propose = drafter.propose
+
+        def spy(asks, live_ids):  # noqa: ANN001, ANN202
+            out = propose(asks, live_ids)
+            own = {t for _, tokens, _ in asks for t in tokens}
+            proposed.extend(t for tokens in out for t in tokens)
+            outside.extend(t for tokens in out for t in tokens if t >= 200 and t not in own)
+            return out
+
+        drafter.propose = spy
+        spec = complete(live.url, max_tokens=80)
+        plain = complete(live.url, max_tokens=80, speculative=False)
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert proposed and not outside
+        assert any(t >= 200 for t in proposed)  # the sequence's own ids: scored on demand
+        assert drafter.worker.model.output.rows.weight.shape[0] == 200
+    finally:
+        live.stop()
+
+
 def test_a_hybrid_model_as_the_draft(tmp_path) -> None:  # noqa: ANN001
     """A Granite 4.0-H-shaped draft (Mamba2 and attention layers, the target's tokenizer):
     its memory has state slots for twice the seq ids (scheduler.draft.draft_memory), the worker
