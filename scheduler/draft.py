@@ -180,7 +180,13 @@ class DraftModel:
         views = [self.memory.views(sb.seq_id, positions[sb.start : sb.end]) for sb in seqs]
         groups = group_batches(self.memory, mplan, views, self.memory.take_pending())
         plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples, self._head_ids)
-        out = self.worker.execute(plan)
+        try:
+            out = self.worker.execute(plan)
+        except BaseException:
+            for sb in seqs:  # what the failed rows left in its cells or state is not known
+                if sb.seq_id in self.held:
+                    self._forget(sb.seq_id)
+            raise
         self.num_forwards += 1
         self.num_rows += plan.num_tokens
         return dict(zip(sampled, out.token_ids, strict=True))

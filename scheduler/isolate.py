@@ -10,7 +10,8 @@ the forward (`BatchPlan.pending_only`), and the forward and its re-runs carry no
 (`BatchPlan.without_pending`): a K-shift applied twice would rotate K by twice the delta. A
 recurrent group's state is read and written in place, so a worker whose forward raises must
 leave every state slot as it was (write the new states only once the forward succeeded); a
-re-run then reads the same states.
+re-run then reads the same states. A plan of ONE sequence is exempt: isolate fails a lone
+sequence without re-running it, and its request's slot is released uncached.
 """
 
 from __future__ import annotations

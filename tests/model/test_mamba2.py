@@ -264,6 +264,25 @@ def test_a_step_that_raises_keeps_the_state_copies_it_carried(tiny, monkeypatch)
             assert torch.equal(a, b)
 
 
+def test_a_lone_sequences_step_copies_no_state(tiny, monkeypatch):
+    """A plan of one sequence saves nothing before its forward (ModelWorker._save_states: its
+    failure fails only its own request, whose slot goes uncached); a plan of two still does."""
+    d = driver(tiny)
+    d.step([Chunk(0, prompt(10, seed=1)), Chunk(1, prompt(8, seed=2))])
+    saved: list[int] = []
+    real = d.worker.state.save
+
+    def save(slots):  # noqa: ANN001, ANN202
+        saved.append(len(slots))
+        return real(slots)
+
+    monkeypatch.setattr(d.worker.state, "save", save)
+    d.step([Chunk(0, [5])])
+    assert saved == []
+    d.step([Chunk(0, [6]), Chunk(1, [7])])
+    assert saved == [2]
+
+
 def test_a_verification_captures_the_state_before_each_drafted_row(tiny):
     """Speculative decoding's verifying chunk: a capture at every row (row by row, BY_ROWS);
     each capture holds the state of a prefill of the tokens before it; and a 30-row chunk

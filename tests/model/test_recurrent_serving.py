@@ -223,3 +223,52 @@ def test_cli_serves_a_mamba2_folder(tmp_path) -> None:
     finally:
         server.stop()
         server.log.close()
+
+
+def test_a_lone_sequence_failing_midway_leaves_nothing_behind(tiny, monkeypatch) -> None:
+    """A plan of one sequence saves no state (ModelWorker._save_states): a forward that raises
+    after the first layers moved the state fails the request (engine: isolate), its slot goes
+    uncached, and the same prompt next (prefix cache on) gets the tokens of a clean run."""
+    import asyncio
+
+    from scheduler.engine import Engine
+    from scheduler.request import FinishEvent, TokenEvent
+
+    prompt = make_prompt(40, seed=5)
+    want = serve(tiny, [[request("ref", prompt, 8)]])[0].tokens[("ref", 0)]
+    config = make_config(**CFG, memory_spec=tiny.config.memory_spec)
+    memory = config.make_memory()
+    group_cells = [memory.pools[i].cells.n_cells for i in memory.group_pools]
+    worker = make_worker(tiny, config.n_cells, group_cells=group_cells)
+    engine = Engine(worker, config, memory=memory)
+    last = worker.model.layers[-1]
+    forward, calls = last.forward, [0]
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        if calls[0] == 3:  # the second decode step, after the other layers moved the state
+            raise RuntimeError("injected fault in the last layer")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(last, "forward", failing)
+
+    async def collect(req: Request) -> list:
+        return [ev async for ev in engine.submit(req)]
+
+    async def main() -> tuple[list, list]:
+        engine.start()
+        failed = await collect(request("bad", prompt, 8))
+        return failed, await collect(request("again", prompt, 8))
+
+    try:
+        failed, again = asyncio.run(main())
+    finally:
+        engine.shutdown(drain_timeout=1)
+    assert calls[0] > 3
+    end = failed[-1]
+    assert isinstance(end, FinishEvent) and end.reason == "error" and "injected" in str(end.error)
+    assert [e.token_id for e in again if isinstance(e, TokenEvent)] == want
+    sched = engine.scheduler
+    assert len(sched.prefix) == 1  # "again"'s holder; the failed one left none
+    sched.clear_prefix_cache()
+    assert sched.memory.num_used == 0
