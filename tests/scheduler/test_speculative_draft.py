@@ -146,3 +146,33 @@ def test_a_draft_model_drafts_only_for_few_sequences() -> None:
     assert spec.step_budget(3) == 0
     ngram = Speculator(SpecConfig(kind="ngram"), True)
     assert ngram.step_budget(3) == 14 and ngram.step_budget(17) == 0
+
+
+def test_a_reduced_draft_head_scores_the_asking_sequences_own_ids(tmp_path) -> None:  # noqa: ANN001
+    """--draft-vocab: each draft forward names exactly the distinct ids at or above the head's
+    rows that the asking sequences hold (BatchPlan.head_ids), and every proposal is below the
+    rows or one of those."""
+    folder = write_tiny_llama(tmp_path / "t", n_layers=2, seed=0)
+    d = load_model(folder)
+    rows = d.config.vocab_size // 2
+    d.transformer.keep_head_rows(rows)
+    memory = make_memory(d.config.memory_spec, 1024, 8, 64, "unified")
+    drafter = DraftModel(make_worker(d, 1024), memory, 64, head_rows=rows)
+    named: list[object] = []
+    execute = drafter.worker.execute
+
+    def spy(plan):  # noqa: ANN001, ANN202
+        named.append(plan.head_ids)
+        return execute(plan)
+
+    drafter.worker.execute = spy  # type: ignore[method-assign]
+    seqs = {0: [*make_prompt(30, seed=1), rows + 3, 5], 1: [*make_prompt(25, seed=2), rows - 1]}
+    for _ in range(4):
+        asks = [(sid, tokens, 6) for sid, tokens in seqs.items()]
+        named.clear()
+        got = drafter.propose(asks, set(seqs))
+        want = sorted({t for tokens in seqs.values() for t in tokens if t >= rows})
+        assert want and named and all(ids is not None and ids.tolist() == want for ids in named)
+        for sid, proposal in zip(seqs, got, strict=True):
+            assert proposal and all(t < rows or t in want for t in proposal)
+            seqs[sid] = seqs[sid] + proposal[:3] + [rows + 7]  # 3 accepted, then the target's
