@@ -101,10 +101,15 @@ def test_llama_cpp_flag_spellings() -> None:
         build_settings(make_parser().parse_args(["serve", "--spec-type", "ngram,ngram-cache"]))
 
 
-def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
+def start_pair(tmp_path, **settings: object):  # noqa: ANN001, ANN201
+    """A server of a tiny random Llama with a one-layer one (the same tokenizer) as its draft."""
     target = write_tiny_llama(tmp_path / "target", seed=0)
     draft = write_tiny_llama(tmp_path / "draft", n_layers=1, seed=3)
-    live = start_server(model=str(target), n_cells=1024, model_draft=str(draft))
+    return start_server(model=str(target), n_cells=1024, model_draft=str(draft), **settings)
+
+
+def test_a_draft_model_gives_the_same_text(tmp_path) -> None:  # noqa: ANN001
+    live = start_pair(tmp_path)
     try:
         spec = complete(live.url)
         plain = complete(live.url, speculative=False)
@@ -122,15 +127,8 @@ def test_a_draft_over_part_of_the_vocabulary(tmp_path) -> None:  # noqa: ANN001
 
     args = make_parser().parse_args(["serve", "--draft-vocab", "32768", "-md", "d.gguf"])
     assert build_settings(args).draft_vocab == 32768
-    target = write_tiny_llama(tmp_path / "target", seed=0)
-    draft = write_tiny_llama(tmp_path / "draft", n_layers=1, seed=3)
-    live = start_server(
-        model=str(target),
-        n_cells=1024,
-        model_draft=str(draft),
-        draft_vocab=200,
-        batch_invariant=True,  # other verification row counts than plain decoding's
-    )
+    # batch-invariant: other verification row counts than plain decoding's
+    live = start_pair(tmp_path, draft_vocab=200, batch_invariant=True)
     try:
         drafter = live.app.state.backend.engine.scheduler.spec.drafter
         assert drafter.vocab_limit > 200
@@ -184,15 +182,7 @@ def test_the_lookup_and_a_draft_model_together(tmp_path) -> None:  # noqa: ANN00
     second request (a prefix-cache hit) verifies other row counts than the first, and without
     it this random model's near-ties round apart (its text then parts from plain decoding's,
     as in any mode: scheduler/speculative.py's NOTE)."""
-    target = write_tiny_llama(tmp_path / "target", seed=0)
-    draft = write_tiny_llama(tmp_path / "draft", n_layers=1, seed=3)
-    live = start_server(
-        model=str(target),
-        n_cells=1024,
-        model_draft=str(draft),
-        spec_type="ngram",
-        batch_invariant=True,
-    )
+    live = start_pair(tmp_path, spec_type="ngram", batch_invariant=True)
     try:
         texts = [complete(live.url, max_tokens=80)["choices"][0]["text"] for _ in range(2)]
         plain = complete(live.url, max_tokens=80, speculative=False)["choices"][0]["text"]
