@@ -97,9 +97,7 @@ _FLAGS: list[tuple[str, type | None, str]] = [
     (
         "draft_vocab",
         int,
-        "speculative decoding: the draft model's output head covers token ids below N only "
-        "(a cheaper draft step; its drafts never propose a higher id; BPE vocabularies number "
-        "frequent tokens first). Default 0: the whole vocabulary",
+        "speculative decoding: the draft's head scores ids below it and the sequences' (0: all)",
     ),
     (
         "cache_type_k",

@@ -25,7 +25,8 @@ from model.arch.weights import weight_shapes
 from model.kernels import DecodeAttention, PromptAttention
 from model.layers.batch import DecodeGroup, ForwardBatch, PromptGroup
 from model.layers.blocks import FeedForward, Linear, RMSNorm
-from model.layers.ggml import BlockEmbedding, BlockLinear, BlockWeight, make_linear
+from model.layers.ggml import BlockEmbedding, BlockWeight, make_linear
+from model.layers.head import ReducedHead
 from model.layers.mamba import MambaMixer
 from model.layers.mamba2 import Mamba2Mixer
 from model.layers.moe import MoEFeedForward
@@ -325,56 +326,6 @@ class Block(nn.Module):
         return h + f if m == 1.0 else h + f * m
 
 
-class ReducedHead(nn.Module):
-    """An output head that scores token ids 0..n-1 (`rows`: the head's first n rows, a Linear
-    that quantize() may quantize like the head, or a BlockLinear) and, on demand, other ids from
-    the whole head's weight (kept as it was: a view of the file or the dense tensor)."""
-
-    is_head = True  # model/layers/quant.py: quantized as the head
-
-    def __init__(self, head: nn.Module, n: int) -> None:
-        super().__init__()
-        self.n = n
-        self.bias: torch.Tensor | None = None
-        self.full: torch.Tensor | BlockWeight
-        if isinstance(head, BlockLinear):
-            self.rows: nn.Module = head.first_rows(n)
-            self.full, self.kernels = head.weights[0], head.kernels
-            self.bias = head.bias
-        elif isinstance(head, Linear):
-            bias = None if head.bias is None else head.bias.detach()
-            self.rows = Linear(head.weight[:n], None if bias is None else bias[:n])
-            self.full, self.bias = head.weight.detach(), bias
-        else:
-            raise ValueError(f"the output head is a {type(head).__name__}: cannot keep rows of it")
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, self.n] of ids 0..n-1 in the head's dtype."""
-        return self.rows(hidden)
-
-    def scored(
-        self, hidden: torch.Tensor, head_ids: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (float32 logits [rows, n + m]: ids 0..n-1, then the m distinct ids of `head_ids`
-        at or above n, those ids [m])."""
-        out = self.rows(hidden).float()
-        full = self.full
-        if head_ids is None:
-            return out, torch.zeros(0, dtype=torch.int64, device=out.device)
-        ids = torch.unique(head_ids.to(device=out.device, dtype=torch.int64))
-        ids = ids[(ids >= self.n) & (ids < full.shape[0])]
-        if ids.numel() == 0:
-            return out, ids
-        if isinstance(full, BlockWeight):  # the file's rows of those ids, in the file's layout
-            rows, k = full.data.index_select(0, ids), full.shape[1]
-            extra = self.kernels.ggml_linear(hidden.contiguous(), [rows], [full.ggml_type], k)
-        else:
-            extra = F.linear(hidden, full.index_select(0, ids).to(hidden.dtype))
-        if self.bias is not None:
-            extra = extra + self.bias[ids].to(extra.dtype)
-        return torch.cat([out, extra.float()], dim=1), ids
-
-
 class Transformer(nn.Module):
     """`weights` (HF layout, serving dtype): tok_embeddings, output, norm, and per layer
     layers.{i}.{...} of model.arch.weights.layer_weights(args): attn_norm, wq, wk, wv, [bq, bk, bv],
@@ -421,11 +372,8 @@ class Transformer(nn.Module):
         return self.logits(self.hidden(batch, storage, layers))
 
     def keep_head_rows(self, n: int) -> None:
-        """Score token ids 0..n-1 only, and on demand the ids a step names (logits' `head_ids`):
-        a draft model's reduced vocabulary (FR-Spec, EAGLE-3's draft vocabulary: BPE and
-        SentencePiece vocabularies number frequent tokens first; the ids of the sequences
-        themselves cover what they copy). The head's first n rows are a view of the same
-        weights (a GGUF's blocks as the file stores them); call before quantize()."""
+        """Score token ids 0..n-1 only, and on demand the ids a step names (logits'
+        `head_ids`): model/layers/head.py. Call before quantize()."""
         if not 0 < n <= self.args.vocab_size:
             raise ValueError(f"a head of {n} rows: the vocabulary has {self.args.vocab_size}")
         self.output = ReducedHead(self.output, n)
@@ -436,19 +384,12 @@ class Transformer(nn.Module):
         (keep_head_rows) scores its rows and `head_ids` (int64 ids, any order, repeats
         allowed); every other id's logit is -inf."""
         head = self.output
-        if isinstance(head, ReducedHead):
-            out, ids = head.scored(hidden, head_ids)
-        else:
-            out, ids = head(hidden).float(), None
+        reduced = isinstance(head, ReducedHead)
+        out, ids = head.scored(hidden, head_ids) if reduced else (head(hidden).float(), None)
         scaling, cap = self.args.logits_scaling, self.args.final_softcap
         out = out if scaling == 1.0 else out / scaling
         out = out if not cap else torch.tanh(out / cap) * cap
-        if ids is None:
-            return out
-        full = out.new_full((out.shape[0], self.args.vocab_size), float("-inf"))
-        full[:, : head.n] = out[:, : head.n]
-        full[:, ids] = out[:, head.n :]
-        return full
+        return out if ids is None else head.spread(out, ids, self.args.vocab_size)
 
     def hidden(
         self, batch: ForwardBatch, storage: KVStorage, layers: LayersFn | None = None

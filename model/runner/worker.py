@@ -176,11 +176,9 @@ class ModelWorker:
         so that a step that raises leaves every slot as it was. The layers update states as
         they go, and the engine re-runs the sequences of a failing batch (scheduler/isolate.py).
 
-        NOTE: a plan of one sequence copies nothing (the copy was 12% of a Mamba2-130M-shaped
-        decode step at one sequence, 2-core Zen 4): when it raises, that sequence's request
-        fails (isolate never re-runs a lone sequence) and the scheduler releases its slot
-        without caching it (Scheduler._finish), so nothing reads the moved state; every slot the
-        step writes is the sequence's own (shared ones are copied first: pending work)."""
+        NOTE: a plan of one sequence copies nothing (12% of a Mamba2-130M-shaped decode step):
+        isolate fails a lone sequence without a re-run and its slot is released uncached
+        (Scheduler._finish); the step writes only its own slot (shared ones: pending copies)."""
         if self.state is None or plan.num_tokens == 0 or len(plan.seqs) < 2:
             return None
         g = next(i for i, s in enumerate(self.kv) if isinstance(s, RecurrentStorage))
