@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             *("--model-draft", str(draft), "--draft-max", str(args.draft_max)),
             *("--draft-vocab", str(args.draft_vocab)),
         ],
+        "cellserve ngram+draft-vocab": [
+            *base,
+            *("--spec-type", "ngram", "--model-draft", str(draft)),
+            *("--draft-max", str(args.draft_max), "--draft-vocab", str(args.draft_vocab)),
+        ],
         "cellserve ngram+draft": [
             *base,
             *("--spec-type", "ngram", "--model-draft", str(draft)),
