@@ -82,7 +82,6 @@ class DraftModel:
         # a reduced head (--draft-vocab): it scores ids below head_rows, and each step names the
         # drafting sequences' own ids above it (BatchPlan.head_ids): what a copy needs
         self.head_rows = head_rows
-        self._head_ids: np.ndarray | None = None
         self.held: dict[int, list[int]] = {}
         self.num_forwards = 0  # draft model steps run (stats, tests)
         self.num_rows = 0  # tokens fed to the draft model
@@ -94,7 +93,7 @@ class DraftModel:
         for sid in [s for s in self.held if s % self.n_seq not in live]:
             self._forget(sid)
         drafts: list[list[int]] = [[] for _ in asks]
-        self._head_ids = self._ids_above_head(asks)
+        head_ids = self._ids_above_head(asks)
         # catch-up: each asking sequence feeds what its cells lack (at least its last token,
         # whose logits give the first draft) as long as the step's budget and the memory last
         feeds: list[tuple[int, list[int], int, bool]] = []  # (ask index, tokens, position, sample)
@@ -116,7 +115,7 @@ class DraftModel:
             feeds.append((i, rest[:n], keep, n == len(rest)))
             self.held[sid] = tokens[: keep + n]
             budget -= n
-        active = self._run(asks, feeds)
+        active = self._run(asks, feeds, head_ids)
         self._take(active, drafts)
         if not self.memory.tail_rollback:
             for i in active:
@@ -132,7 +131,7 @@ class DraftModel:
                     continue
                 rows.append((i, [token], len(self.held[sid]), True))
                 self.held[sid] = self.held[sid] + [token]
-            active = self._take(self._run(asks, rows), drafts)
+            active = self._take(self._run(asks, rows, head_ids), drafts)
         return drafts
 
     def _ids_above_head(self, asks: list[tuple[int, list[int], int]]) -> np.ndarray | None:
@@ -155,10 +154,13 @@ class DraftModel:
         return keep
 
     def _run(
-        self, asks: list[tuple[int, list[int], int]], feeds: list[tuple[int, list[int], int, bool]]
+        self,
+        asks: list[tuple[int, list[int], int]],
+        feeds: list[tuple[int, list[int], int, bool]],
+        head_ids: np.ndarray | None,
     ) -> dict[int, int]:
         """One forward of the draft over `feeds` -> {ask index: greedy token} of the sampled
-        ones."""
+        ones; `head_ids`: what a reduced head scores beside its rows (BatchPlan.head_ids)."""
         if not feeds:
             return {}
         token_ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t, _, _ in feeds])
@@ -179,7 +181,7 @@ class DraftModel:
         self.memory.apply(mplan)
         views = [self.memory.views(sb.seq_id, positions[sb.start : sb.end]) for sb in seqs]
         groups = group_batches(self.memory, mplan, views, self.memory.take_pending())
-        plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples, self._head_ids)
+        plan = BatchPlan(token_ids, positions, seq_ids, seqs, groups, samples, head_ids)
         try:
             out = self.worker.execute(plan)
         except BaseException:

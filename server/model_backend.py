@@ -57,6 +57,7 @@ def load_draft_model(
     hybrid draft's state slots: one per seq id and its backup, --state-checkpoints beside them),
     the target's context per sequence."""
     from model.errors import ModelLoadError
+    from model.layers.head import ReducedHead
     from model.load.tokenizer import check_vocab
     from model.runner.worker import make_worker
     from model.serving import fit_context, open_model
@@ -90,8 +91,8 @@ def load_draft_model(
     except ValueError as exc:  # a ModelLoadError names the path itself
         raise ModelLoadError(f"--model-draft {path}: {exc}") from exc
     limit = min(target.config.vocab_size, loaded.config.vocab_size)
-    vocab = loaded.config.vocab_size
-    rows = settings.draft_vocab if 0 < settings.draft_vocab < vocab else None
+    head_out = loaded.transformer.output
+    rows = head_out.n if isinstance(head_out, ReducedHead) else None  # (open_model's head_rows)
     draft = DraftModel(
         worker, memory, settings.n_batch, vocab_limit=limit, name=loaded.name, head_rows=rows
     )
